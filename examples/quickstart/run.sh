@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The quickstart: set up, build a real dataset (this Python's standard library source),
+# train a tokenizer, and pretrain a tiny Llama at TP=2 x PP=2 (4 processes) on CPU, then
+# resume from its checkpoint. Outputs under runs/quickstart/ (override with OUT=...).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+bash scripts/setup.sh
+. .venv/bin/activate
+
+OUT=${OUT:-runs/quickstart}
+DATA=$OUT/data
+mkdir -p "$DATA"
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+
+if [ ! -f "$DATA/stdlib_text_document.idx" ]; then
+  python tools/build_corpus.py --output "$DATA/corpus.jsonl" --exclude-tests
+  python tools/train_tokenizer.py --input "$DATA/corpus.jsonl" --model-prefix "$DATA/tokenizer" \
+    --vocab-size 4096 --seed 1234
+  python tools/preprocess_data.py --input "$DATA/corpus.jsonl" --output-prefix "$DATA/stdlib" \
+    --tokenizer-type SentencePieceTokenizer --tokenizer-model "$DATA/tokenizer.model" --append-eod --workers 2
+fi
+
+rm -rf "$OUT/checkpoints" "$OUT/tensorboard"  # each quickstart run starts fresh
+TRAIN_ITERS=${TRAIN_ITERS:-300}
+ARGS=(
+  --model-preset tiny
+  --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
+  --micro-batch-size 8 --global-batch-size 16
+  --train-iters "$TRAIN_ITERS" --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 30
+  --weight-decay 0.1 --clip-grad 1.0 --adam-beta2 0.95
+  --data-path "$DATA/stdlib_text_document" --split 98,2,0
+  --tokenizer-type SentencePieceTokenizer --tokenizer-model "$DATA/tokenizer.model"
+  --log-interval 10 --eval-interval 100 --eval-iters 4
+  --save "$OUT/checkpoints" --load "$OUT/checkpoints" --save-interval 100
+  --tensorboard-dir "$OUT/tensorboard"
+)
+echo "== training to iteration $((TRAIN_ITERS / 2)), then stopping (as a preempted job would) =="
+torchrun --nproc-per-node 4 pretrain_llama.py "${ARGS[@]}" --exit-interval $((TRAIN_ITERS / 2))
+echo "== resuming from $OUT/checkpoints =="
+torchrun --nproc-per-node 4 pretrain_llama.py "${ARGS[@]}"
+echo "== done: TensorBoard logs in $OUT/tensorboard (tensorboard --logdir $OUT/tensorboard) =="

@@ -1,0 +1,261 @@
+"""Command line of ``pretrain_llama.py``: Megatron-LM's flag names, validated once.
+
+Flags that exist in Megatron-LM keep its names and meanings. Model-shape flags
+default to ``None`` so a ``--model-preset`` can fill them and explicit flags
+win. :func:`validate_args` checks everything that can be checked before any
+process-group work and raises :class:`ArgumentError` naming the flag and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from megatron_snip.model.presets import PRESETS
+
+
+class ArgumentError(ValueError):
+    """A bad command-line value; the message names the flag and what would be right."""
+
+
+def _parallel(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="Shard LayerNorm/dropout activations over TP ranks (GPU only).")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--overlap-param-gather", action="store_true")
+    g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
+                   help="Default: nccl with CUDA, gloo without.")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+
+
+def _model(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model (defaults come from --model-preset)")
+    g.add_argument("--model-preset", choices=sorted(PRESETS), default="tiny",
+                   help="Named Llama shape; explicit shape flags override its fields.")
+    for name in ("num-layers", "hidden-size", "ffn-hidden-size", "num-attention-heads",
+                 "num-query-groups", "seq-length", "max-position-embeddings", "rotary-base"):
+        g.add_argument(f"--{name}", type=int, default=None)
+    g.add_argument("--norm-epsilon", type=float, default=None)
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="Accepted for Megatron compatibility; GQA follows --num-query-groups.")
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--attention-dropout", type=float, default=0.0)
+    g.add_argument("--hidden-dropout", type=float, default=0.0)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local",
+                   help="Layer implementation: megatron-core's own modules or Transformer Engine's.")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+    # Llama fixes these; Megatron scripts pass them, so accept them.
+    for flag in ("--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights"):
+        g.add_argument(flag, action="store_true", help="Always on for Llama (accepted).")
+    g.add_argument("--normalization", choices=["RMSNorm"], default="RMSNorm")
+    g.add_argument("--position-embedding-type", choices=["rope"], default="rope")
+
+
+def _training(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=4)
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="Default: micro-batch-size x data-parallel size.")
+    g.add_argument("--train-iters", type=int, required=True)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="Save (if --save) and exit after an iteration divisible by this value.")
+    g.add_argument("--skip-train", action="store_true",
+                   help="Bypass the training loop: only evaluate the (loaded) model on the validation data.")
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
+    g.add_argument("--lr", type=float, default=3e-4)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
+                   default="cosine")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="Default: --train-iters.")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None)
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None)
+    g.add_argument("--lr-wsd-decay-style", choices=["linear", "cosine", "exponential", "minus_sqrt"],
+                   default="linear")
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--start-weight-decay", type=float, default=None)
+    g.add_argument("--end-weight-decay", type=float, default=None)
+    g.add_argument("--weight-decay-incr-style", choices=["constant", "linear", "cosine"], default="constant")
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+
+
+def _data(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="+", default=None,
+                   help="Prefix of a .bin/.idx pair, or a blend 'W1 PREFIX1 W2 PREFIX2 ...'.")
+    g.add_argument("--split", default="969,30,1", help="Train,valid,test proportions.")
+    g.add_argument("--tokenizer-type", default="SentencePieceTokenizer")
+    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--reset-position-ids", action="store_true")
+    g.add_argument("--reset-attention-mask", action="store_true")
+    g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument("--no-mmap-bin-files", dest="mmap_bin_files", action="store_false")
+
+
+def _checkpoint_and_logging(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None,
+                   help="Checkpoint directory to resume from. If it equals --save and holds no "
+                        "checkpoint yet, training starts fresh (the resume-or-start pattern).")
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true",
+                   help="Load model weights only and start at iteration 0.")
+    g = p.add_argument_group("evaluation and logging")
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=10)
+    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--peak-tflops", type=float, default=None,
+                   help="Peak dense TFLOP/s per GPU for MFU (default: looked up from the GPU name).")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pretrain_llama.py",
+        description="Pretrain a Llama-family model with megatron-core (TP x PP x DP).",
+        allow_abbrev=False,
+    )
+    for add in (_parallel, _model, _training, _data, _checkpoint_and_logging):
+        add(p)
+    return p
+
+
+def apply_preset(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill unset model-shape fields from ``--model-preset``."""
+    for key, value in PRESETS[args.model_preset].as_args().items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ArgumentError(message)
+
+
+def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> argparse.Namespace:
+    """Check the arguments against each other and the launch; derive dependent values.
+
+    Sets ``data_parallel_size``, ``global_batch_size`` (if unset),
+    ``num_microbatches``, ``lr_decay_iters``, ``lr_warmup_iters`` and the
+    distributed backend.
+    """
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    _require(tp >= 1 and pp >= 1, "--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
+    _require(world_size % (tp * pp) == 0,
+             f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+             f"--pipeline-model-parallel-size {pp} = {tp * pp}; launch a multiple of {tp * pp} "
+             f"processes (e.g. torchrun --nproc-per-node {tp * pp}) or change the parallel sizes")
+    args.data_parallel_size = dp = world_size // (tp * pp)
+    _require(args.num_attention_heads % tp == 0,
+             f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+             f"--tensor-model-parallel-size {tp}; choose a TP size that divides the head count")
+    _require(args.num_attention_heads % args.num_query_groups == 0,
+             f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+             f"--num-query-groups {args.num_query_groups}")
+    _require(args.num_query_groups % tp == 0,
+             f"--num-query-groups {args.num_query_groups} is not divisible by "
+             f"--tensor-model-parallel-size {tp}; choose a TP size that divides the query-group count")
+    _require(args.num_layers % pp == 0,
+             f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}; "
+             f"choose a PP size that divides the layer count")
+    _require(args.hidden_size % args.num_attention_heads == 0,
+             f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {args.num_attention_heads}")
+    _require(args.seq_length <= args.max_position_embeddings,
+             f"--seq-length {args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings}")
+    _require(args.micro_batch_size >= 1, "--micro-batch-size must be >= 1")
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * dp
+    per_step = args.micro_batch_size * dp
+    _require(args.global_batch_size % per_step == 0,
+             f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+             f"{args.micro_batch_size} x data-parallel size {dp} = {per_step}; use a multiple of {per_step}")
+    args.num_microbatches = args.global_batch_size // per_step
+    _require(args.train_iters >= 0, "--train-iters must be >= 0")
+    _require(args.sequence_parallel is False or tp > 1,
+             "--sequence-parallel needs --tensor-model-parallel-size > 1")
+    _require(not args.sequence_parallel or cuda,
+             "--sequence-parallel needs CUDA (megatron-core's sequence-parallel norms do not run on CPU)")
+    _require(args.transformer_impl == "local" or cuda,
+             "--transformer-impl transformer_engine needs a GPU with Transformer Engine; use --transformer-impl local")
+    if args.recompute_granularity == "full":
+        _require(args.recompute_method is not None,
+                 "--recompute-granularity full needs --recompute-method uniform|block")
+        if args.recompute_num_layers is None:
+            args.recompute_num_layers = 1
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_fraction is not None:
+        _require(0.0 <= args.lr_warmup_fraction <= 1.0, "--lr-warmup-fraction must lie in [0, 1]")
+        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
+    _require(args.lr_warmup_iters <= max(args.lr_decay_iters, 0),
+             f"--lr-warmup-iters {args.lr_warmup_iters} exceeds --lr-decay-iters {args.lr_decay_iters}")
+    _require(args.min_lr <= args.lr, f"--min-lr {args.min_lr} exceeds --lr {args.lr}")
+    for flag in ("log_interval", "eval_interval"):
+        _require(getattr(args, flag) >= 1, f"--{flag.replace('_', '-')} must be >= 1")
+    _require(args.eval_iters >= 0, "--eval-iters must be >= 0")
+    if args.save_interval is not None:
+        _require(args.save_interval >= 1, "--save-interval must be >= 1")
+        _require(args.save is not None, "--save-interval needs --save DIR")
+    if args.start_weight_decay is None:
+        args.start_weight_decay = args.weight_decay
+    if args.end_weight_decay is None:
+        args.end_weight_decay = args.weight_decay
+    _validate_files(args)
+    if args.distributed_backend is None:
+        args.distributed_backend = "nccl" if cuda else "gloo"
+    _require(args.distributed_backend == "gloo" or cuda,
+             "--distributed-backend nccl needs CUDA; use --distributed-backend gloo on CPU")
+    return args
+
+
+def _validate_files(args: argparse.Namespace) -> None:
+    _require(args.data_path is not None,
+             "--data-path is required: the prefix of a preprocessed dataset (tools/preprocess_data.py)")
+    _require(args.tokenizer_model is not None,
+             "--tokenizer-model is required: a sentencepiece .model file (tools/train_tokenizer.py)")
+    _require(os.path.isfile(args.tokenizer_model),
+             f"--tokenizer-model {args.tokenizer_model!r} does not exist; train one with "
+             f"tools/train_tokenizer.py or fix the path")
+    from megatron_snip.data.datasets import check_data_prefixes, parse_data_path
+
+    try:
+        check_data_prefixes(parse_data_path(args.data_path)[0])
+    except (FileNotFoundError, ValueError) as e:
+        raise ArgumentError(str(e)) from e
+    if args.load is not None:
+        from megatron_snip.training.checkpointing import find_latest
+
+        if find_latest(args.load) is None and os.path.abspath(args.load) != os.path.abspath(args.save or ""):
+            raise ArgumentError(
+                f"--load {args.load!r} holds no checkpoint (no latest_checkpointed_iteration.txt); "
+                f"fix the path, or pass the same directory to --save and --load to resume-or-start")
+
+
+def parse_args(argv: list[str] | None = None, world_size: int | None = None,
+               cuda: bool | None = None) -> argparse.Namespace:
+    """Parse, fill presets and validate. ``world_size`` defaults to ``$WORLD_SIZE``."""
+    import torch
+
+    args = apply_preset(build_parser().parse_args(argv))
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if cuda is None:
+        cuda = torch.cuda.is_available()
+    return validate_args(args, world_size, cuda)

@@ -1,0 +1,360 @@
+"""Megatron indexed datasets: writing them from text (``tools/preprocess_data.py``) and building
+the train/valid/test ``GPTDataset``s the training loop reads from them.
+
+An indexed dataset is megatron-core's pair ``<prefix>.bin`` (all token ids, back to back, in the
+index's dtype) and ``<prefix>.idx`` (lengths and offsets of the documents). Preprocessing names
+them like Megatron-LM: ``<output-prefix>_<json-key>_document``, and that prefix is what
+``--data-path`` takes.
+"""
+
+import math
+import multiprocessing
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.indexed_dataset import (
+    DType,
+    IndexedDataset,
+    IndexedDatasetBuilder,
+    get_bin_path,
+    get_idx_path,
+)
+from torch.utils.data import Dataset
+from tqdm import tqdm
+
+from megatron_snip.data.corpus import check_input, is_jsonl, parse_line
+from megatron_snip.data.tokenizer import SentencePieceTokenizer, build_tokenizer
+
+# Documents per task handed to a preprocessing worker; Megatron-LM's preprocess_data.py uses 32.
+WORKER_CHUNKSIZE = 32
+
+
+# --------------------------------------------------------------------------------------------
+# Writing: text -> indexed dataset
+
+
+@dataclass(frozen=True)
+class PreprocessConfig:
+    """Settings of ``preprocess`` (Megatron-LM's ``tools/preprocess_data.py`` flag names).
+
+    Attributes:
+        input: JSONL or plain-text file (see ``megatron_snip.data.corpus``).
+        output_prefix: outputs go to ``<output_prefix>_<key>_document.{bin,idx}``.
+        tokenizer_type: ``--tokenizer-type`` (``SentencePieceTokenizer``).
+        tokenizer_model: ``--tokenizer-model``, a SentencePiece ``.model`` file.
+        json_keys: JSONL keys to tokenize; one dataset per key.
+        append_eod: append the tokenizer's end-of-document id to every document.
+        workers: tokenizing processes; 1 tokenizes in this process.
+        log_interval: print a progress line every this many input lines.
+        progress: show a tqdm progress bar (on stderr).
+    """
+
+    input: str
+    output_prefix: str
+    tokenizer_model: str
+    tokenizer_type: str = "SentencePieceTokenizer"
+    json_keys: tuple[str, ...] = ("text",)
+    append_eod: bool = False
+    workers: int = 1
+    log_interval: int = 1000
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class PreprocessSummary:
+    """Outcome of ``preprocess``.
+
+    Attributes:
+        prefixes: json key -> written dataset prefix (the ``--data-path`` value).
+        documents: documents written (per key; empty documents are not written).
+        tokens: tokens written, over all keys, eod included.
+        dtype: numpy dtype name of the token ids in the ``.bin``.
+        seconds: wall time.
+    """
+
+    prefixes: dict[str, str]
+    documents: int
+    tokens: int
+    dtype: str
+    seconds: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
+
+
+def output_prefix_for_key(output_prefix: str, key: str) -> str:
+    """Megatron-LM's dataset prefix for one json key: ``<output_prefix>_<key>_document``."""
+    return f"{output_prefix}_{key}_document"
+
+
+class _Encoder:
+    """Tokenizes input lines; one per worker process, holding the tokenizer as a class attribute
+    (set by ``initializer``) so it is built once per process rather than pickled per task, as in
+    Megatron-LM."""
+
+    tokenizer: SentencePieceTokenizer
+
+    def __init__(self, config: PreprocessConfig) -> None:
+        self.config = config
+        self.jsonl = is_jsonl(config.input)
+
+    def initializer(self) -> None:
+        _Encoder.tokenizer = build_tokenizer(self.config.tokenizer_type, self.config.tokenizer_model)
+
+    def encode(self, numbered_line: tuple[int, str]) -> tuple[Optional[dict[str, list[int]]], int]:
+        """Token ids per key of one line (None for a blank line) and the line's size in bytes."""
+        lineno, line = numbered_line
+        document = parse_line(line, self.config.json_keys, self.jsonl, f"{self.config.input}:{lineno}")
+        size = len(line.encode("utf-8"))
+        if document is None:
+            return None, size
+        ids = {}
+        for key, text in document.items():
+            ids[key] = self.tokenizer.tokenize(text)
+            if ids[key] and self.config.append_eod:
+                ids[key].append(self.tokenizer.eod)
+        return ids, size
+
+
+def _count_lines(path: str) -> int:
+    with open(path, "rb") as f:
+        return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
+
+
+def preprocess(config: PreprocessConfig) -> PreprocessSummary:
+    """Tokenize ``config.input`` into one megatron-core indexed dataset per json key.
+
+    Token ids are stored in the smallest dtype that holds the vocabulary
+    (``DType.optimal_dtype``: uint16 below 65500 ids). Output is identical for any number of
+    workers (``Pool.imap`` keeps input order). On error no ``.idx`` is written and the partial
+    ``.bin`` files are removed.
+
+    Raises:
+        FileNotFoundError: missing input or tokenizer model.
+        ValueError: bad JSON line, missing key (message names ``file:line``), bad tokenizer.
+    """
+    start = time.perf_counter()
+    check_input(config.input)
+    if config.workers < 1:
+        raise ValueError(f"--workers {config.workers}: must be at least 1")
+    encoder = _Encoder(config)
+    encoder.initializer()
+    dtype = DType.optimal_dtype(encoder.tokenizer.vocab_size)
+
+    prefixes = {key: output_prefix_for_key(config.output_prefix, key) for key in config.json_keys}
+    Path(config.output_prefix).parent.mkdir(parents=True, exist_ok=True)
+    builders = {key: IndexedDatasetBuilder(get_bin_path(p), dtype=dtype) for key, p in prefixes.items()}
+    documents, tokens, total_bytes = 0, 0, 0
+    bar = tqdm(total=_count_lines(config.input), unit="doc", disable=not config.progress)
+    pool = multiprocessing.Pool(config.workers, initializer=encoder.initializer) if config.workers > 1 else None
+    try:
+        with open(config.input, encoding="utf-8") as f:
+            numbered = enumerate(f, start=1)
+            encoded = pool.imap(encoder.encode, numbered, WORKER_CHUNKSIZE) if pool else map(encoder.encode, numbered)
+            for i, (ids, size) in enumerate(encoded, start=1):
+                total_bytes += size
+                bar.update()
+                if ids is not None:
+                    for key, doc_ids in ids.items():
+                        if doc_ids:
+                            builders[key].add_document(doc_ids, [len(doc_ids)])
+                            tokens += len(doc_ids)
+                    documents += any(ids.values())
+                if i % config.log_interval == 0:
+                    elapsed = time.perf_counter() - start
+                    bar.write(
+                        f"Processed {i} documents ({i / elapsed:.1f} docs/s, "
+                        f"{total_bytes / elapsed / 2**20:.2f} MB/s).",
+                        file=sys.stderr,
+                    )
+        for key, builder in builders.items():
+            builder.finalize(get_idx_path(prefixes[key]))
+    except BaseException:
+        for key, builder in builders.items():
+            builder.data_file.close()
+            Path(get_bin_path(prefixes[key])).unlink(missing_ok=True)
+        raise
+    finally:
+        bar.close()
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    return PreprocessSummary(prefixes, documents, tokens, np.dtype(dtype).name, time.perf_counter() - start)
+
+
+# --------------------------------------------------------------------------------------------
+# Reading: indexed datasets -> train/valid/test GPTDatasets
+
+
+def parse_data_path(data_path: Sequence[str]) -> tuple[list[str], Optional[list[float]]]:
+    """Megatron's ``--data-path`` list as (prefixes, weights or None).
+
+    Accepts ``[prefix, ...]`` or ``[w1, prefix1, w2, prefix2, ...]``: the weighted form is
+    recognized by an even length whose first item is a number, as in megatron-core's
+    ``get_blend_from_list``.
+
+    Raises:
+        ValueError: empty list, a weight that is not a finite non-negative number, or weights
+            summing to zero.
+    """
+    items = [str(item).strip() for item in data_path]
+    if not items:
+        raise ValueError("--data-path: no dataset prefix given")
+    if len(items) % 2 == 1 or not _is_number(items[0]):
+        return items, None
+    weights, prefixes = items[0::2], items[1::2]
+    for weight in weights:
+        if not _is_number(weight) or not math.isfinite(float(weight)) or float(weight) < 0:
+            raise ValueError(
+                f"--data-path: blend weight {weight!r} is not a non-negative number; expected "
+                "'w1 prefix1 w2 prefix2 ...' or 'prefix1 prefix2 ...'"
+            )
+    if sum(map(float, weights)) <= 0:
+        raise ValueError(f"--data-path: blend weights {weights} sum to zero")
+    return prefixes, [float(w) for w in weights]
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def check_data_prefixes(prefixes: Sequence[str]) -> None:
+    """Raise FileNotFoundError naming ``--data-path`` and the first missing ``.bin``/``.idx``."""
+    for prefix in prefixes:
+        for path in (get_bin_path(prefix), get_idx_path(prefix)):
+            if not os.path.isfile(path):
+                hint = (
+                    "; --data-path takes the prefix, without .bin/.idx"
+                    if prefix.endswith((".bin", ".idx"))
+                    else ""
+                )
+                raise FileNotFoundError(
+                    f"--data-path {prefix}: {path} not found{hint}. Build it with "
+                    "tools/preprocess_data.py --output-prefix P (which writes P_text_document.bin/.idx)"
+                )
+
+
+def load_tokens(prefix: str) -> np.ndarray:
+    """All token ids of an indexed dataset, memory-mapped (read-only, no copy), in file order."""
+    dtype = IndexedDataset(prefix).index.dtype
+    if os.path.getsize(get_bin_path(prefix)) == 0:
+        return np.empty(0, dtype=dtype)  # np.memmap refuses empty files
+    return np.memmap(get_bin_path(prefix), dtype=dtype, mode="r")
+
+
+def check_vocab_covers_data(prefixes: Sequence[str], vocab_size: int) -> None:
+    """Raise ValueError naming ``--tokenizer-model``/``--data-path`` if a dataset holds a token
+    id >= ``vocab_size`` (data tokenized with another tokenizer). Reads each ``.bin`` once."""
+    for prefix in prefixes:
+        tokens = load_tokens(prefix)
+        max_id = int(tokens.max()) if tokens.size else -1
+        if max_id >= vocab_size:
+            raise ValueError(
+                f"--data-path {prefix} holds token id {max_id}, but the tokenizer "
+                f"(--tokenizer-model) has only {vocab_size} ids: the data was preprocessed with a "
+                "different tokenizer; rerun tools/preprocess_data.py with this --tokenizer-model"
+            )
+
+
+def megatron_num_samples(
+    train_iters: int, eval_iters: int, eval_interval: int, global_batch_size: int
+) -> tuple[int, int, int]:
+    """Samples needed per split (train, valid, test), with Megatron-LM's formula: validation runs
+    ``eval_iters`` batches every ``eval_interval`` iterations and once at the end, test once."""
+    evaluations = train_iters // eval_interval + 1
+    return (
+        train_iters * global_batch_size,
+        evaluations * eval_iters * global_batch_size,
+        eval_iters * global_batch_size,
+    )
+
+
+@dataclass(frozen=True)
+class GPTDataConfig:
+    """Where the GPT training data comes from and how samples are cut (Megatron-LM flag names).
+
+    Attributes:
+        data_path: ``--data-path``: ``[prefix, ...]`` or ``[w1, prefix1, w2, prefix2, ...]``.
+        seq_length: ``--seq-length``, tokens per sample (each sample reads one extra token for
+            the shifted labels).
+        split: ``--split``, relative document shares of train,valid,test, e.g. ``"969,30,1"``.
+        seed: ``--seed`` of the sample shuffling and blending.
+        reset_position_ids: restart position ids after every eod.
+        reset_attention_mask: block attention across eod.
+        eod_mask_loss: no loss on eod targets.
+        create_attention_mask: have the dataset emit an attention mask (False when the attention
+            kernel builds the causal mask itself).
+        path_to_cache: ``--data-cache-path`` for the index caches (default: ``cache/`` next to
+            the data).
+        mmap_bin_files: memory-map the ``.bin`` files (``--no-mmap-bin-files`` turns it off).
+    """
+
+    data_path: tuple[str, ...]
+    seq_length: int
+    split: str = "969,30,1"
+    seed: int = 1234
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+    create_attention_mask: bool = True
+    path_to_cache: Optional[str] = None
+    mmap_bin_files: bool = True
+
+
+def build_gpt_datasets(
+    config: GPTDataConfig,
+    tokenizer: SentencePieceTokenizer,
+    num_samples: tuple[Optional[int], Optional[int], Optional[int]],
+    is_built_on_rank: Callable[[], bool] = lambda: True,
+) -> tuple[Optional[Dataset], Optional[Dataset], Optional[Dataset]]:
+    """Train, valid and test datasets (a ``GPTDataset``, or a ``BlendedDataset`` over several)
+    through megatron-core's ``BlendedMegatronDatasetBuilder``, as Megatron-LM's pretrain_gpt does.
+
+    Each item is a dict of int64/float tensors: tokens, labels, loss_mask, position_ids
+    (and attention_mask), each ``seq_length`` long. A split with no documents is None.
+
+    Args:
+        config: the data settings.
+        tokenizer: supplies eod/pad ids and the vocabulary size checked against the data.
+        num_samples: samples wanted per split (see ``megatron_num_samples``); datasets repeat
+            epochs to reach them. Must be given for every split a weighted blend uses.
+        is_built_on_rank: whether this rank builds the datasets (in Megatron-LM: tensor-parallel
+            rank 0 of the first and last pipeline stages); the builder synchronizes ranks with
+            torch.distributed barriers only when torch.distributed is initialized.
+
+    Raises:
+        FileNotFoundError: a ``.bin``/``.idx`` of ``--data-path`` is missing.
+        ValueError: bad blend weights, or data with ids beyond the tokenizer's vocabulary.
+    """
+    prefixes, weights = parse_data_path(config.data_path)
+    check_data_prefixes(prefixes)
+    check_vocab_covers_data(prefixes, tokenizer.vocab_size)
+    gpt_config = GPTDatasetConfig(
+        random_seed=config.seed,
+        sequence_length=config.seq_length,
+        blend=(prefixes, weights),
+        split=config.split,
+        path_to_cache=config.path_to_cache,
+        mmap_bin_files=config.mmap_bin_files,
+        tokenizer=tokenizer,
+        reset_position_ids=config.reset_position_ids,
+        reset_attention_mask=config.reset_attention_mask,
+        eod_mask_loss=config.eod_mask_loss,
+        create_attention_mask=config.create_attention_mask,
+    )
+    train, valid, test = BlendedMegatronDatasetBuilder(
+        GPTDataset, list(num_samples), is_built_on_rank, gpt_config
+    ).build()
+    return train, valid, test

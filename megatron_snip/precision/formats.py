@@ -1,0 +1,202 @@
+"""Element and scale formats: rounding fp32 values onto FP8 / FP4 grids, and bit codecs.
+
+Element formats (all "satfinite": finite values beyond the largest magnitude
+saturate to +-max, as the ``cvt.*.satfinite`` conversions Transformer Engine
+uses on GPU; NaN propagates):
+
+==========  ====  ====  =======  ===========  ============  ==============
+format      exp   man   max      min normal   min subnorm.  non-finite
+==========  ====  ====  =======  ===========  ============  ==============
+E4M3 (fn)   4     3     448      2^-6         2^-9          NaN only
+E5M2        5     2     57344    2^-14        2^-16         Inf and NaN
+E2M1        2     1     6        1            0.5           none
+==========  ====  ====  =======  ===========  ============  ==============
+
+E2M1 has no NaN encoding. ``round_to_format(x, E2M1)`` keeps a NaN input as NaN
+in its fp32 result so a NaN is never silently turned into a number; inside the
+block-scaled FP4 quantizers a NaN is carried by the block scale (E4M3 0x7F or
+E8M0 0xFF) instead, which is how the real formats represent a NaN block.
+
+Scale format E8M0 (OCP MX): an unsigned biased exponent, value 2^(code - 127)
+for code 0..254 (code 0 is 2^-127, an fp32 subnormal), code 255 is NaN.
+
+All functions are pure, elementwise and vectorised; they work on CPU and CUDA
+tensors alike and never synchronise with the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_F32_EXP_BIAS = 127
+_F32_MANT_BITS = 23
+
+
+@dataclass(frozen=True)
+class FloatFormat:
+    """A small binary floating-point element format.
+
+    Attributes:
+        name: short name ("e4m3", "e5m2", "e2m1").
+        exp_bits, mant_bits: field widths (the sign bit is implicit).
+        emin: exponent of the smallest normal number (subnormals share its ulp).
+        emax: exponent of the binade holding ``max``.
+        max: largest finite magnitude.
+        torch_dtype: torch's dtype with exactly these semantics, if it has one;
+            used as a fast, bit-exact cast (verified against an independent
+            oracle in tests/test_quantizers.py).
+    """
+
+    name: str
+    exp_bits: int
+    mant_bits: int
+    emin: int
+    emax: int
+    max: float
+    torch_dtype: torch.dtype | None = None
+
+    @property
+    def min_subnormal(self) -> float:
+        return 2.0 ** (self.emin - self.mant_bits)
+
+
+E4M3 = FloatFormat("e4m3", 4, 3, emin=-6, emax=8, max=448.0, torch_dtype=torch.float8_e4m3fn)
+E5M2 = FloatFormat("e5m2", 5, 2, emin=-14, emax=15, max=57344.0, torch_dtype=torch.float8_e5m2)
+E2M1 = FloatFormat("e2m1", 2, 1, emin=0, emax=2, max=6.0)
+
+#: The 8 non-negative E2M1 values, indexed by the 3 magnitude bits of the code.
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _pow2_from_biased(biased_exp: torch.Tensor) -> torch.Tensor:
+    """2^(biased_exp - 127) as fp32 for int32 ``biased_exp`` in [1, 254] (normal range)."""
+    return (biased_exp << _F32_MANT_BITS).view(torch.float32)
+
+
+def _ulp_grid(a: torch.Tensor, fmt: FloatFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """Spacing of ``fmt``'s grid around each non-negative ``a`` (fp32) and its reciprocal.
+
+    The binade exponent is read from the fp32 bit pattern (exact, no log2) and
+    clamped to [emin, emax]: below emin the subnormals share the ulp of the
+    smallest binade; NaN (exponent field 255) lands on emax, harmlessly.
+    """
+    biased = (a.view(torch.int32) >> _F32_MANT_BITS).clamp_(
+        fmt.emin + _F32_EXP_BIAS, fmt.emax + _F32_EXP_BIAS
+    )
+    ulp = _pow2_from_biased(biased - fmt.mant_bits)
+    inv_ulp = _pow2_from_biased(2 * _F32_EXP_BIAS + fmt.mant_bits - biased)
+    return ulp, inv_ulp
+
+
+def round_to_format(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """Round an fp32 tensor (already scaled) to the nearest value of ``fmt``.
+
+    Round-to-nearest-even; finite values beyond ``fmt.max`` and +-Inf saturate
+    to +-max; NaN stays NaN (also for E2M1, see the module docstring); -0 stays -0.
+
+    Args:
+        x: float32 tensor, any shape and device.
+        fmt: target element format.
+    Returns:
+        float32 tensor of ``x``'s shape whose values lie on ``fmt``'s grid.
+    """
+    clamped = x.float().clamp(-fmt.max, fmt.max)  # clamp keeps NaN, maps +-Inf to +-max
+    if fmt.torch_dtype is not None:
+        # torch's fp32 -> float8 cast is RNE but not saturating; after the clamp it is exact.
+        return clamped.to(fmt.torch_dtype).to(torch.float32)
+    a = clamped.abs_()
+    ulp, inv_ulp = _ulp_grid(a, fmt)
+    # a * inv_ulp is exact (power-of-two scaling); torch.round is half-to-even, and
+    # even multiples of the ulp are exactly the codes with a zero mantissa LSB.
+    return torch.round(a.mul_(inv_ulp)).mul_(ulp).copysign_(x)
+
+
+def round_e2m1_stochastic(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Stochastically round an fp32 tensor (already scaled) to E2M1.
+
+    Each |x| <= 6 between neighbouring grid points lo < hi rounds up to hi with
+    probability (|x| - lo) / (hi - lo), so E[result] = x: unbiased up to the
+    2^-24 granularity of the uniform samples. |x| > 6 saturates to +-6 (biased,
+    unavoidable); NaN stays NaN; grid values are returned unchanged.
+
+    Args:
+        x: float32 tensor, any shape and device.
+        generator: torch.Generator on ``x``'s device, or None for the default RNG.
+    Returns:
+        float32 tensor of ``x``'s shape on the E2M1 grid.
+    """
+    a = x.float().clamp(-E2M1.max, E2M1.max).abs_()
+    ulp, inv_ulp = _ulp_grid(a, E2M1)
+    units = a.mul_(inv_ulp)  # exact: distance from 0 in ulps of this binade
+    lower = torch.floor(units)
+    u = torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float32)
+    round_up = u < units.sub_(lower)
+    return lower.add_(round_up).mul_(ulp).copysign_(x)
+
+
+# ---------------------------------------------------------------------------
+# Bit codecs (uint8). Encoders expect values already on the format's grid
+# (they round with round_to_format first, so any fp32 input is accepted).
+# ---------------------------------------------------------------------------
+
+
+def encode_e4m3(values: torch.Tensor) -> torch.Tensor:
+    """fp32 -> E4M3 (fn) byte: sign<<7 | exponent(4, bias 7)<<3 | mantissa(3). NaN -> 0x7F/0xFF."""
+    return round_to_format(values.float(), E4M3).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def decode_e4m3(codes: torch.Tensor) -> torch.Tensor:
+    """E4M3 (fn) byte -> fp32 value."""
+    return codes.to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+
+
+def encode_e5m2(values: torch.Tensor) -> torch.Tensor:
+    """fp32 -> E5M2 byte: sign<<7 | exponent(5, bias 15)<<2 | mantissa(2)."""
+    return round_to_format(values.float(), E5M2).to(torch.float8_e5m2).view(torch.uint8)
+
+
+def decode_e5m2(codes: torch.Tensor) -> torch.Tensor:
+    """E5M2 byte -> fp32 value."""
+    return codes.to(torch.uint8).view(torch.float8_e5m2).to(torch.float32)
+
+
+def encode_e2m1(values: torch.Tensor) -> torch.Tensor:
+    """fp32 -> E2M1 nibble in a uint8 (0..15): sign<<3 | exponent(2, bias 1)<<1 | mantissa(1).
+
+    Raises ValueError on NaN: E2M1 has no NaN code (a NaN block is encoded by its scale).
+    """
+    if torch.isnan(values).any():
+        raise ValueError("E2M1 has no NaN encoding; a NaN block is carried by its scale")
+    v = round_to_format(values.float(), E2M1)
+    m = v.abs()
+    # Grid index: 2m on [0, 2), m + 2 on [2, 4), m / 2 + 4 on [4, 6].
+    index = torch.where(m < 2, m * 2, torch.where(m < 4, m + 2, m / 2 + 4)).to(torch.uint8)
+    return index | (torch.signbit(v).to(torch.uint8) << 3)
+
+
+def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """E2M1 nibble (uint8 0..15) -> fp32 value (code 8 is -0)."""
+    codes = codes.to(torch.int64)
+    grid = torch.tensor(E2M1_GRID, dtype=torch.float32, device=codes.device)
+    magnitude = grid[codes & 7]
+    return torch.where((codes & 8) != 0, -magnitude, magnitude)
+
+
+def encode_e8m0(scales: torch.Tensor) -> torch.Tensor:
+    """Power-of-two fp32 scale 2^k (k in [-127, 127]) -> E8M0 byte k + 127; NaN -> 0xFF."""
+    bits = scales.float().view(torch.int32)
+    exp_field = (bits >> _F32_MANT_BITS) & 0xFF
+    # 2^-127 is the fp32 subnormal with only the top mantissa bit set: E8M0 code 0.
+    code = torch.where(exp_field == 0, torch.zeros_like(exp_field), exp_field)
+    return torch.where(torch.isnan(scales), torch.full_like(code, 255), code).to(torch.uint8)
+
+
+def decode_e8m0(codes: torch.Tensor) -> torch.Tensor:
+    """E8M0 byte -> fp32 scale: 2^(code - 127) exactly (code 0 -> 2^-127), 255 -> NaN."""
+    codes = codes.to(torch.int32)
+    normal = _pow2_from_biased(codes.clamp(1, 254))
+    tiny = torch.full_like(normal, 2.0**-127)
+    value = torch.where(codes == 0, tiny, normal)
+    return torch.where(codes == 255, torch.full_like(value, float("nan")), value)

@@ -1,0 +1,240 @@
+"""Baseline precision plans at the same FP4 budget as the SNIP ILP.
+
+The SNIP paper compares its ILP plans with: uniform FP4, random layer
+choice, minimum quantization error, minimum relative quantization error,
+layer-type heuristics and keeping the first/last layers in high precision.
+Each function here builds that baseline for a :class:`SnipProblem`: it
+honours the problem's pins, meets its FP4 budget (globally and, with
+``per_stage``, in every stage) and returns a plan ``unit key -> format``
+that :func:`evaluate_plan` (re-exported here) scores under the problem's
+costs, so plans can be compared side by side (:func:`format_comparison`).
+
+A target that no plan can meet already fails when the problem is built
+(:class:`InfeasibleTargetError`); :func:`uniform` raises the same error when
+its one format cannot meet the target.
+
+Unless stated otherwise a baseline uses two formats: ``fp4_format`` for the
+units it puts in FP4 (default: "nvfp4" if a candidate, else the first FP4
+candidate) and ``high_format`` for the rest (default: "fp8" if a candidate,
+else the first non-FP4 candidate).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
+
+import numpy as np
+
+from .ilp import (
+    FRACTION_TOL,
+    TARGET_FLAG,
+    CostTable,
+    DecisionUnit,
+    InfeasibleTargetError,
+    Plan,
+    PlanEvaluation,
+    SnipProblem,
+    UnitKey,
+    capacity_text,
+    evaluate_plan,
+    solve,
+)
+
+__all__ = [
+    "DEFAULT_TYPE_ORDER",
+    "evaluate_plan",
+    "format_comparison",
+    "keep_ends_high",
+    "layer_type_heuristic",
+    "min_quant_error",
+    "min_relative_quant_error",
+    "random_plan",
+    "uniform",
+]
+
+PREFERRED_FP4 = "nvfp4"
+PREFERRED_HIGH = "fp8"
+
+# Layer-type heuristic: module types put in FP4 first to last. The MLP GEMMs
+# hold most of the FLOPs (so the fewest modules need converting) and are
+# commonly reported as the most tolerant; the attention output projection,
+# which writes straight into the residual stream, goes last.
+DEFAULT_TYPE_ORDER = ("linear_fc1", "linear_fc2", "linear_qkv", "linear_proj")
+
+
+def uniform(problem: SnipProblem, fmt: str | None = None) -> dict[UnitKey, str]:
+    """Every unpinned unit in ``fmt`` (default: the default FP4 format).
+
+    Raises :class:`InfeasibleTargetError` when that plan misses the budget,
+    e.g. a uniform FP8 plan with a target above what the pins put in FP4.
+    """
+    fmt = _fp4_format(problem, None) if fmt is None else fmt
+    if fmt not in problem.formats:
+        raise ValueError(f"uniform: unknown format {fmt!r}; candidates are {list(problem.formats)}")
+    plan = {u.key: u.pin or fmt for u in problem.units}
+    ev = evaluate_plan(problem, plan)
+    if not ev.meets_target:
+        reached = min(ev.stage_fp4_fraction.values()) if problem.per_stage else ev.fp4_fraction
+        raise InfeasibleTargetError(
+            f"FP4 target {problem.target:.6g} is not met by a uniform {fmt} plan: it runs "
+            f"{capacity_text(ev.fp4_fraction, ev.stage_fp4_fraction, problem.per_stage)} of the FLOPs "
+            f"in FP4. Choose an FP4 format or lower {TARGET_FLAG}.",
+            target=problem.target, largest_feasible=reached,
+            global_max=ev.fp4_fraction, stage_max=ev.stage_fp4_fraction,
+        )
+    return plan
+
+
+def random_plan(problem: SnipProblem, seed: int = 0, *, fp4_format: str | None = None,
+                high_format: str | None = None) -> dict[UnitKey, str]:
+    """Units in a random order (numpy ``default_rng(seed)``) go FP4 until the budget is met."""
+    order = np.random.default_rng(seed).permutation(len(problem.units))
+    return _fill(problem, [problem.units[i] for i in order], fp4_format, high_format)
+
+
+def min_quant_error(problem: SnipProblem, error: CostTable, bwd_error: CostTable | None = None, *,
+                    solver: str = "auto", time_limit: float | None = None) -> dict[UnitKey, str]:
+    """The ILP with the cost replaced by a quantization-error statistic.
+
+    ``error[module][format]`` is e.g. ``||E_f||_F^2`` of the forward GEMM
+    output; in split mode ``error`` scores the forward pass and
+    ``bwd_error`` the backward passes. Pins, budget and per-stage setting
+    are the problem's; the switching penalty is dropped (a pure baseline).
+    """
+    return _ilp_plan(problem, error, bwd_error, solver, time_limit)
+
+
+def min_relative_quant_error(problem: SnipProblem, rel_error: CostTable, bwd_rel_error: CostTable | None = None,
+                             *, solver: str = "auto", time_limit: float | None = None) -> dict[UnitKey, str]:
+    """As :func:`min_quant_error` with a relative statistic, e.g. ``||E_f||^2 / ||X W^T||^2``."""
+    return _ilp_plan(problem, rel_error, bwd_rel_error, solver, time_limit)
+
+
+def keep_ends_high(problem: SnipProblem, first: int = 1, last: int = 1, *, fp4_format: str | None = None,
+                   high_format: str | None = None) -> dict[UnitKey, str]:
+    """Keep the first ``first`` and last ``last`` layers high precision, the rest FP4.
+
+    As the rule is practised, every unpinned unit outside the protected
+    layers goes FP4 even when that overshoots the target (the evaluation
+    shows the FP4 fraction reached). If the budget is still not met,
+    protected layers are released innermost first (farthest from either
+    end of the network), unit by unit, until it is.
+    """
+    if first < 0 or last < 0:
+        raise ValueError(f"keep_ends_high: first and last must be >= 0, got {first}, {last}")
+    lo, hi = _layer_span(problem)
+    is_protected = {u.key: u.layer < lo + first or u.layer > hi - last for u in problem.units}
+    fp4 = _fp4_format(problem, fp4_format)
+    start = {u.key: fp4 for u in problem.units if not is_protected[u.key]}
+    protected = [u for u in problem.units if is_protected[u.key]]
+    return _fill(problem, _center_out(problem, protected), fp4_format, high_format, start)
+
+
+def layer_type_heuristic(problem: SnipProblem, order: Sequence[str] = DEFAULT_TYPE_ORDER, *,
+                         fp4_format: str | None = None, high_format: str | None = None) -> dict[UnitKey, str]:
+    """Module types in ``order`` go FP4 until the budget is met.
+
+    A module's type is the last dotted part of its name ("linear_fc1" in
+    "decoder.layers.7.mlp.linear_fc1"). Within a type, layers go center-out
+    so the first and last layers, commonly the most sensitive, convert last;
+    in split mode a module's forward unit precedes its backward unit. Types
+    not in ``order`` follow, center-out.
+    """
+    rank = {t: r for r, t in enumerate(order)}
+    by_type = sorted(_center_out(problem, problem.units),
+                     key=lambda u: rank.get(u.module.rsplit(".", 1)[-1], len(rank)))
+    return _fill(problem, by_type, fp4_format, high_format)
+
+
+def format_comparison(problem: SnipProblem, plans: Mapping[str, Plan]) -> str:
+    """A text table scoring each named plan under ``problem``, one line per plan."""
+    rows = [("plan", "objective", "divergence", "switched", "FP4 global", "FP4 min stage", "meets target")]
+    for name, plan in plans.items():
+        ev: PlanEvaluation = evaluate_plan(problem, plan)
+        rows.append((name, f"{ev.objective:.6g}", f"{ev.divergence:.6g}", str(ev.n_switched),
+                     f"{ev.fp4_fraction:.4f}", f"{min(ev.stage_fp4_fraction.values()):.4f}",
+                     "yes" if ev.meets_target else "NO"))
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def _ilp_plan(problem, table, bwd_table, solver, time_limit) -> dict[UnitKey, str]:
+    if problem.split != (bwd_table is not None):
+        raise ValueError("give a backward statistic exactly when the problem is in split mode")
+    costs = dict(fwd_cost=table, bwd_cost=bwd_table) if problem.split else dict(cost=table)
+    baseline = replace(problem, **costs, current=None, switch_penalty=0.0)
+    return solve(baseline, solver, time_limit).plan
+
+
+def _fp4_format(problem: SnipProblem, fmt: str | None) -> str:
+    """The FP4 format a baseline assigns to the units it puts in FP4."""
+    fp4 = [f for f in problem.formats if f in problem.fp4_formats]
+    if fmt is not None:
+        if fmt not in fp4:
+            raise ValueError(f"fp4_format {fmt!r} is not one of the FP4 candidates {fp4}")
+        return fmt
+    if not fp4:
+        raise ValueError("the problem has no FP4 candidate format, so FP4 baselines do not apply")
+    return PREFERRED_FP4 if PREFERRED_FP4 in fp4 else fp4[0]
+
+
+def _high_format(problem: SnipProblem, fmt: str | None) -> str:
+    """The non-FP4 format a baseline assigns to units it leaves out of FP4."""
+    high = [f for f in problem.formats if f not in problem.fp4_formats]
+    if fmt is not None:
+        if fmt not in high:
+            raise ValueError(f"high_format {fmt!r} is not one of the non-FP4 candidates {high}")
+        return fmt
+    if not high:
+        raise ValueError("the problem has no non-FP4 candidate format for a baseline's high-precision units")
+    return PREFERRED_HIGH if PREFERRED_HIGH in high else high[0]
+
+
+def _layer_span(problem: SnipProblem) -> tuple[int, int]:
+    layers = [u.layer for u in problem.units]
+    return min(layers), max(layers)
+
+
+def _center_out(problem: SnipProblem, units: Iterable[DecisionUnit]) -> list[DecisionUnit]:
+    """``units`` ordered by distance from the nearer end of the network, largest first.
+
+    Ties (the two layers equally far from the ends) go lower layer first;
+    within a layer the problem's unit order is kept (sorting is stable).
+    """
+    lo, hi = _layer_span(problem)
+    return sorted(units, key=lambda u: (-min(u.layer - lo, hi - u.layer), u.layer))
+
+
+def _fill(problem: SnipProblem, order: Sequence[DecisionUnit], fp4_format: str | None,
+          high_format: str | None, start: Mapping[UnitKey, str] | None = None) -> dict[UnitKey, str]:
+    """Greedy budget fill shared by the order-based baselines.
+
+    Starts from pins, then ``start``, then ``high_format`` for every other
+    unit; walks ``order`` and switches an unpinned, not-yet-FP4 unit to
+    ``fp4_format`` while its budget scope (its stage with per-stage
+    constraints, else the whole model) is below target. ``order`` covering
+    every unpinned unit guarantees the budget is met, since the problem was
+    checked feasible when built.
+    """
+    high = _high_format(problem, high_format)
+    fp4 = _fp4_format(problem, fp4_format)
+    plan = {u.key: u.pin or (start or {}).get(u.key, high) for u in problem.units}
+
+    def scope(u: DecisionUnit) -> int | None:
+        return u.stage if problem.per_stage else None
+
+    # deficit[s] = target * FLOPs(s) - FP4 FLOPs(s); met within the same
+    # relative slack as evaluate_plan uses.
+    deficit: dict[int | None, float] = {}
+    slack: dict[int | None, float] = {}
+    for u in problem.units:
+        s = scope(u)
+        deficit[s] = deficit.get(s, 0.0) + u.flops * (problem.target - (plan[u.key] in problem.fp4_formats))
+        slack[s] = slack.get(s, 0.0) + u.flops * FRACTION_TOL
+    for u in order:
+        s = scope(u)
+        if deficit[s] > slack[s] and u.pin is None and plan[u.key] not in problem.fp4_formats:
+            plan[u.key] = fp4
+            deficit[s] -= u.flops
+    return plan

@@ -1,0 +1,243 @@
+"""The training loop: build, (resume,) train, evaluate, checkpoint.
+
+Read :func:`pretrain` top to bottom. Everything parallel is megatron-core's:
+the pipeline schedule from ``get_forward_backward_func``, DDP, the optimizer,
+``dist_checkpointing``. This file only sequences them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_snip.data.loader import MicroBatches
+from megatron_snip.data.tokenizer import build_tokenizer
+from megatron_snip.model.llama import build_model, flops_per_token, num_parameters, transformer_config
+from megatron_snip.training import checkpointing
+from megatron_snip.training.data import build_datasets_from_args
+from megatron_snip.training.logger import MetricsLogger, peak_tflops, setup_console
+from megatron_snip.training.setup import build_optimizer, build_scheduler, initialize_distributed, wrap_ddp
+from megatron_snip.training.signals import ExitSignalHandler
+
+
+@dataclass
+class TrainState:
+    """Where training is: saved in every checkpoint, restored on resume."""
+
+    iteration: int = 0
+    consumed_samples: int = 0
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Mean token loss of one micro-batch; the reported value is averaged over DP ranks."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask) / mask.sum().clamp(min=1.0)
+    reported = loss.detach().clone()
+    dist.all_reduce(reported, group=parallel_state.get_data_parallel_group())
+    reported /= parallel_state.get_data_parallel_world_size()
+    return loss, {"lm loss": reported}
+
+
+def forward_step(data_iterator, model):
+    """One micro-batch through this stage; the schedule feeds the stage input itself."""
+    batch = next(data_iterator)
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def _mean_loss(losses: list[dict]) -> float | None:
+    """Mean of the micro-batch losses on the last stage (None elsewhere)."""
+    if not losses:
+        return None
+    return torch.stack([d["lm loss"] for d in losses]).mean().item()
+
+
+class Trainer:
+    """Owns the model chunks, optimizer, scheduler and data for one run."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+        self.datasets = build_datasets_from_args(args, self.tokenizer)
+        self.config = transformer_config(args)
+        model = build_model(args, self.config, self.tokenizer.vocab_size)
+        self.model = [wrap_ddp(args, self.config, model)]
+        self.optimizer = build_optimizer(args, self.model)
+        self.scheduler = build_scheduler(args, self.optimizer)
+        self.state = TrainState()
+        self.forward_backward = get_forward_backward_func()
+        self.logger = MetricsLogger(args.tensorboard_dir)
+        self.tokens_per_iteration = args.global_batch_size * args.seq_length
+        self.flops_per_iteration = flops_per_token(args, self.tokenizer.vocab_size) * self.tokens_per_iteration
+
+    # -- checkpoints -------------------------------------------------------
+    def resume(self) -> None:
+        args = self.args
+        loaded = checkpointing.load_checkpoint(
+            args.load, self.model[0].module, self.optimizer, self.scheduler,
+            load_optim=not (args.no_load_optim or args.finetune), load_rng=not (args.no_load_rng or args.finetune))
+        if loaded is None:
+            self.logger.text(f"no checkpoint in {args.load}: starting from scratch")
+            return
+        if not args.finetune:
+            self.state = TrainState(loaded["iteration"], loaded["consumed_samples"])
+        self.logger.text(f"resumed from {args.load} at iteration {loaded['iteration']} "
+                         f"(consumed samples {loaded['consumed_samples']}); continuing at {self.state.iteration}")
+
+    def save(self) -> None:
+        path = checkpointing.save_checkpoint(
+            self.args.save, self.state.iteration, self.model[0].module, self.optimizer, self.scheduler,
+            extra={"consumed_samples": self.state.consumed_samples, "args": vars(self.args)})
+        self.logger.text(f"saved checkpoint {path}")
+
+    # -- steps -------------------------------------------------------------
+    def _batches(self, split: str, consumed: int) -> MicroBatches:
+        return MicroBatches(getattr(self.datasets, split), self.args.micro_batch_size,
+                            parallel_state.get_data_parallel_rank(),
+                            parallel_state.get_data_parallel_world_size(), consumed)
+
+    def _run(self, data: MicroBatches, forward_only: bool) -> list[dict]:
+        return self.forward_backward(
+            forward_step_func=forward_step, data_iterator=data, model=self.model,
+            num_microbatches=self.args.num_microbatches, seq_length=self.args.seq_length,
+            micro_batch_size=self.args.micro_batch_size, forward_only=forward_only)
+
+    def train_step(self, data: MicroBatches) -> tuple[float | None, float]:
+        """One optimizer step over a global batch. Returns (loss or None off the last stage, grad norm)."""
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        losses = self._run(data, forward_only=False)
+        updated, grad_norm, _ = self.optimizer.step()
+        if updated:
+            self.scheduler.step(increment=1)
+        self.state.iteration += 1
+        self.state.consumed_samples += self.args.global_batch_size
+        return _mean_loss(losses), float(grad_norm or 0.0)
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Mean validation loss over ``--eval-iters`` global batches (the same batches every time)."""
+        if self.args.eval_iters == 0:
+            return None
+        for chunk in self.model:
+            chunk.eval()
+        data = self._batches("valid", 0)
+        losses = [self._run(data, forward_only=True) for _ in range(self.args.eval_iters)]
+        for chunk in self.model:
+            chunk.train()
+        per_batch = [_mean_loss(x) for x in losses]
+        return None if per_batch[0] is None else sum(per_batch) / len(per_batch)
+
+    # -- the loop ----------------------------------------------------------
+    def train(self) -> None:
+        args = self.args
+        exit_signal = ExitSignalHandler()
+        data = self._batches("train", self.state.consumed_samples)
+        peak = peak_tflops(args.peak_tflops)
+        # Time only the training steps: evaluation and checkpoint time would
+        # otherwise deflate tokens/s.
+        window_loss, window_iters, window_seconds = 0.0, 0, 0.0
+        saved_at = self.state.iteration if args.load else None
+        while self.state.iteration < args.train_iters:
+            start = time.perf_counter()
+            loss, grad_norm = self.train_step(data)
+            window_seconds += time.perf_counter() - start
+            window_iters += 1
+            window_loss += loss or 0.0
+            it = self.state.iteration
+            if loss is not None and not math.isfinite(loss):
+                raise FloatingPointError(f"loss is {loss} at iteration {it}; lower --lr or check the data")
+            if it % args.log_interval == 0:
+                self.logger.log(it, self._metrics(window_loss / window_iters, grad_norm,
+                                                  window_seconds / window_iters, peak))
+                window_loss, window_iters, window_seconds = 0.0, 0, 0.0
+            if it % args.eval_interval == 0 or it == args.train_iters:
+                self._log_validation(it)
+            if args.save and args.save_interval and it % args.save_interval == 0:
+                self.save()
+                saved_at = it
+            if exit_signal.should_exit():
+                self.logger.text(f"exit signal received: saving at iteration {it} and exiting")
+                break
+            if args.exit_interval and it % args.exit_interval == 0:
+                self.logger.text(f"--exit-interval {args.exit_interval}: exiting at iteration {it}")
+                break
+        if args.save and saved_at != self.state.iteration:
+            self.save()
+
+    def _metrics(self, loss: float, grad_norm: float, seconds_per_iter: float, peak: float | None) -> dict:
+        world = dist.get_world_size()
+        tflops_per_gpu = self.flops_per_iteration / seconds_per_iter / world / 1e12
+        m = {
+            "consumed samples": self.state.consumed_samples,
+            "lm loss": loss,
+            "learning rate": self.scheduler.get_lr(self.optimizer.param_groups[0]),
+            "grad norm": grad_norm,
+            "tokens per second": self.tokens_per_iteration / seconds_per_iter,
+            "seconds per iteration": seconds_per_iter,
+            "TFLOPs per GPU": tflops_per_gpu,
+        }
+        if peak is not None:
+            m["MFU"] = tflops_per_gpu / peak
+        if torch.cuda.is_available():
+            m["max memory allocated GiB"] = torch.cuda.max_memory_allocated() / 2**30
+        else:
+            import psutil
+
+            m["rss GiB"] = psutil.Process().memory_info().rss / 2**30
+        return m
+
+    def _log_validation(self, iteration: int) -> None:
+        val = self.evaluate()
+        if val is not None:
+            self.logger.log(iteration, {"lm loss": val, "ppl": math.exp(min(val, 50.0))}, prefix="valid")
+
+
+def pretrain(args: argparse.Namespace) -> TrainState:
+    """Build everything, resume if asked, train, and return the final state."""
+    setup_console()
+    initialize_distributed(args)
+    trainer = Trainer(args)
+    log = trainer.logger
+    log.text(f"model: {args.model_preset} shape, {num_parameters(args, trainer.tokenizer.vocab_size) / 1e6:.2f}M "
+             f"parameters; TP={args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size} "
+             f"DP={args.data_parallel_size}; global batch {args.global_batch_size} x {args.seq_length} tokens; "
+             f"device {'cuda' if torch.cuda.is_available() else 'cpu (megatron_snip.compat.cpu)'}")
+    log.text(f"unigram entropy of the training data: {trainer.datasets.unigram_entropy:.4f} nats/token "
+             f"(a model without context cannot beat this)")
+    if args.load:
+        trainer.resume()
+    if args.skip_train:
+        trainer._log_validation(trainer.state.iteration)
+    else:
+        trainer.train()
+    log.close()
+    dist.barrier()
+    return trainer.state
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megatron_snip.arguments import ArgumentError, parse_args
+
+    try:
+        args = parse_args(argv)
+    except ArgumentError as e:
+        print(f"pretrain_llama.py: error: {e}", file=sys.stderr)
+        return 2
+    pretrain(args)
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    return 0

@@ -1,0 +1,20 @@
+#!/usr/bin/env python
+"""Pretrain a Llama-family model with megatron-core: launch with torchrun or srun.
+
+    torchrun --nproc-per-node 4 pretrain_llama.py --tensor-model-parallel-size 2 \
+        --pipeline-model-parallel-size 2 --data-path DATA_text_document \
+        --tokenizer-model TOK.model --train-iters 200 ...
+
+See README.md for the flags.
+"""
+
+import sys
+
+# Entry scripts need this guard: dist_checkpointing's 'spawn' workers re-import __main__.
+if __name__ == "__main__":
+    from megatron_snip.compat.cpu import silence_cpu_warnings
+
+    silence_cpu_warnings()  # before megatron-core's imports print them
+    from megatron_snip.training.trainer import main
+
+    sys.exit(main())

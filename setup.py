@@ -1,0 +1,24 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-snip",
+    version="0.1.0",
+    description="Megatron-style 3D-parallel Llama pretraining with SNIP adaptive mixed precision",
+    python_requires=">=3.11",
+    packages=find_packages(include=["megatron_snip", "megatron_snip.*"]),
+    install_requires=[
+        "torch>=2.4",
+        "megatron-core==0.16.1",
+        "numpy",
+        "psutil",
+        "sentencepiece",
+        "tensorboard",
+        "tqdm",
+        "highspy",
+    ],
+    extras_require={
+        "gurobi": ["gurobipy"],
+        "te": ["transformer_engine[pytorch]"],
+        "test": ["pytest", "hypothesis", "gurobipy"],
+    },
+)

@@ -1,0 +1,63 @@
+"""Collect the running interpreter's standard-library ``*.py`` files into a JSONL corpus.
+
+Example (the quickstart's corpus, about 4 MB)::
+
+    python tools/build_corpus.py --output data/stdlib.jsonl --exclude-tests
+"""
+
+import argparse
+import os
+import sys
+
+# Like Megatron-LM's tools: runnable from a checkout without `pip install -e .`.
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
+
+from megatron_snip.data.corpus import CorpusConfig, build_corpus, stdlib_root  # noqa: E402
+
+
+def get_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--output", required=True, help="JSONL file to write")
+    parser.add_argument(
+        "--max-docs", type=int, default=None, help="keep at most this many files (default: all)"
+    )
+    parser.add_argument(
+        "--max-bytes",
+        type=int,
+        default=4_000_000,
+        help="keep at most this many bytes of text (default: 4000000; 0: no limit)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=1234, help="seed of the random subset drawn under the limits"
+    )
+    parser.add_argument(
+        "--exclude-tests",
+        action="store_true",
+        help="skip the stdlib's test directories (test, tests, idle_test)",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = get_args(argv)
+    summary = build_corpus(
+        CorpusConfig(
+            output=args.output,
+            max_docs=args.max_docs,
+            max_bytes=args.max_bytes or None,
+            seed=args.seed,
+            exclude_tests=args.exclude_tests,
+        )
+    )
+    print(
+        f"Wrote {args.output} from {stdlib_root()}: {summary.documents} documents, "
+        f"{summary.bytes / 1e6:.2f} MB ({summary.bytes} bytes), "
+        f"{summary.skipped} unreadable or non-UTF-8 files skipped, {summary.seconds:.2f} s"
+    )
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (FileNotFoundError, ValueError) as e:  # input problems: the message says it all
+        sys.exit(f"error: {e}")
