@@ -149,8 +149,12 @@ def _require(cond: bool, message: str) -> None:
         raise ArgumentError(message)
 
 
-def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> argparse.Namespace:
+def validate_args(args: argparse.Namespace, world_size: int, cuda: bool,
+                  check_files: bool = True) -> argparse.Namespace:
     """Check the arguments against each other and the launch; derive dependent values.
+
+    ``check_files=False`` skips the data/tokenizer/checkpoint paths (for checking
+    launch scripts on a machine without their data).
 
     Sets ``data_parallel_size``, ``global_batch_size`` (if unset),
     ``num_microbatches``, ``lr_decay_iters``, ``lr_warmup_iters`` and the
@@ -204,8 +208,9 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> argp
     if args.lr_warmup_fraction is not None:
         _require(0.0 <= args.lr_warmup_fraction <= 1.0, "--lr-warmup-fraction must lie in [0, 1]")
         args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
-    _require(args.lr_warmup_iters <= max(args.lr_decay_iters, 0),
-             f"--lr-warmup-iters {args.lr_warmup_iters} exceeds --lr-decay-iters {args.lr_decay_iters}")
+    _require(args.train_iters == 0 or args.lr_warmup_iters < args.lr_decay_iters,
+             f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --lr-decay-iters "
+             f"{args.lr_decay_iters} (default: --train-iters)")
     _require(args.min_lr <= args.lr, f"--min-lr {args.min_lr} exceeds --lr {args.lr}")
     for flag in ("log_interval", "eval_interval"):
         _require(getattr(args, flag) >= 1, f"--{flag.replace('_', '-')} must be >= 1")
@@ -217,7 +222,8 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> argp
         args.start_weight_decay = args.weight_decay
     if args.end_weight_decay is None:
         args.end_weight_decay = args.weight_decay
-    _validate_files(args)
+    if check_files:
+        _validate_files(args)
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if cuda else "gloo"
     _require(args.distributed_backend == "gloo" or cuda,

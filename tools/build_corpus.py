@@ -24,11 +24,14 @@ def get_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--max-bytes",
         type=int,
-        default=4_000_000,
-        help="keep at most this many bytes of text (default: 4000000; 0: no limit)",
+        default=CorpusConfig.max_bytes,
+        help="keep at most this many bytes of text (default: %(default)s; 0: no limit)",
     )
     parser.add_argument(
-        "--seed", type=int, default=1234, help="seed of the random subset drawn under the limits"
+        "--seed",
+        type=int,
+        default=CorpusConfig.seed,
+        help="seed of the random subset drawn under the limits",
     )
     parser.add_argument(
         "--exclude-tests",
@@ -57,7 +60,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (FileNotFoundError, ValueError) as e:  # input problems: the message says it all
-        sys.exit(f"error: {e}")
+    main()

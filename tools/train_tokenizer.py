@@ -19,7 +19,11 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 
 from megatron_snip.data.tokenizer import (  # noqa: E402
+    BOS_ID,
+    EOS_ID,
     MODEL_TYPES,
+    PAD_ID,
+    UNK_ID,
     TokenizerTrainingConfig,
     train_tokenizer,
 )
@@ -76,8 +80,9 @@ def main(argv=None) -> None:
     )
     print(
         f"Wrote {s.model_file}: {args.model_type}, vocab {s.vocab_size} "
-        f"(pad 0, unk 1, bos 2, eos/eod 3, newline piece 4); trained on {s.documents} documents, "
-        f"{s.sentences} lines, {s.bytes / 1e6:.2f} MB; {s.tokens} tokens, "
+        f"(pad {PAD_ID}, unk {UNK_ID}, bos {BOS_ID}, eos/eod {EOS_ID}); "
+        f"trained on {s.documents} documents, {s.sentences} lines, {s.bytes / 1e6:.2f} MB; "
+        f"{s.tokens} tokens, "
         f"{s.bytes_per_token:.2f} bytes/token; round-trip failures: {s.roundtrip_failures}; "
         f"{s.seconds:.2f} s"
     )

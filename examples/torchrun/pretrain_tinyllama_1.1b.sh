@@ -6,6 +6,7 @@ DATA_PATH=${DATA_PATH:?set DATA_PATH to the dataset prefix, e.g. /data/starcoder
 TOKENIZER_MODEL=${TOKENIZER_MODEL:?set TOKENIZER_MODEL to a sentencepiece .model}
 CKPT_DIR=${CKPT_DIR:-checkpoints/tinyllama-1.1b}
 GPUS=${GPUS:-8}
+export CUDA_DEVICE_MAX_CONNECTIONS=1  # megatron-core overlaps TP communication with compute
 
 torchrun --nproc-per-node "$GPUS" pretrain_llama.py \
   --model-preset tinyllama-1.1b \

@@ -38,7 +38,9 @@ class CorpusConfig:
     Attributes:
         output: path of the JSONL file to write.
         max_docs: keep at most this many documents (None: no limit).
-        max_bytes: keep at most this many bytes of UTF-8 text in total (None: no limit).
+        max_bytes: keep at most this many bytes of UTF-8 text in total (None: no limit). The
+            default, 4 MB (~1.3M tokens at 4096 pieces), is more text than a minutes-long CPU
+            run consumes, so validation text stays unseen.
         seed: seed of the random subset drawn when a limit applies.
         exclude_tests: skip the stdlib's test directories (``TEST_DIR_NAMES``).
         root: directory to collect from; None means the running interpreter's stdlib.
@@ -46,7 +48,7 @@ class CorpusConfig:
 
     output: str
     max_docs: Optional[int] = None
-    max_bytes: Optional[int] = None
+    max_bytes: Optional[int] = 4_000_000
     seed: int = 1234
     exclude_tests: bool = False
     root: Optional[str] = None
@@ -55,7 +57,8 @@ class CorpusConfig:
 @dataclass(frozen=True)
 class CorpusSummary:
     """Outcome of ``build_corpus``: documents written, their UTF-8 size in bytes, source files
-    that could not be used (unreadable or not UTF-8), and wall time in seconds."""
+    that could not be used (unreadable or not UTF-8; empty files are left out silently), and
+    wall time in seconds."""
 
     documents: int
     bytes: int
@@ -139,10 +142,10 @@ def build_corpus(config: CorpusConfig) -> CorpusSummary:
     documents, skipped = [], 0
     for path in list_sources(root, config.exclude_tests):
         text = read_source(path)
-        if text is None or not text:
-            skipped += text is None
-            continue
-        documents.append(Document(path.relative_to(root).as_posix(), text))
+        if text is None:
+            skipped += 1
+        elif text:  # empty files (package markers) are not documents
+            documents.append(Document(path.relative_to(root).as_posix(), text))
     documents = select_documents(documents, config.max_docs, config.max_bytes, config.seed)
 
     Path(config.output).parent.mkdir(parents=True, exist_ok=True)

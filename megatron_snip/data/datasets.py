@@ -7,6 +7,7 @@ them like Megatron-LM: ``<output-prefix>_<json-key>_document``, and that prefix 
 ``--data-path`` takes.
 """
 
+import dataclasses
 import math
 import multiprocessing
 import os
@@ -14,10 +15,16 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
+import torch
+from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.blended_megatron_dataset_config import (
+    convert_split_vector_to_split_matrix,
+    parse_and_normalize_split,
+)
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import (
     DType,
@@ -26,11 +33,16 @@ from megatron.core.datasets.indexed_dataset import (
     get_bin_path,
     get_idx_path,
 )
+from megatron.core.datasets.utils import Split
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
 from megatron_snip.data.corpus import check_input, is_jsonl, parse_line
-from megatron_snip.data.tokenizer import SentencePieceTokenizer, build_tokenizer
+from megatron_snip.data.tokenizer import (
+    SENTENCEPIECE_TOKENIZER,
+    SentencePieceTokenizer,
+    build_tokenizer,
+)
 
 # Documents per task handed to a preprocessing worker; Megatron-LM's preprocess_data.py uses 32.
 WORKER_CHUNKSIZE = 32
@@ -59,7 +71,7 @@ class PreprocessConfig:
     input: str
     output_prefix: str
     tokenizer_model: str
-    tokenizer_type: str = "SentencePieceTokenizer"
+    tokenizer_type: str = SENTENCEPIECE_TOKENIZER
     json_keys: tuple[str, ...] = ("text",)
     append_eod: bool = False
     workers: int = 1
@@ -73,10 +85,10 @@ class PreprocessSummary:
 
     Attributes:
         prefixes: json key -> written dataset prefix (the ``--data-path`` value).
-        documents: documents written (per key; empty documents are not written).
+        documents: input documents written (those with text under at least one key).
         tokens: tokens written, over all keys, eod included.
         dtype: numpy dtype name of the token ids in the ``.bin``.
-        seconds: wall time.
+        seconds: wall time in seconds.
     """
 
     prefixes: dict[str, str]
@@ -87,6 +99,7 @@ class PreprocessSummary:
 
     @property
     def tokens_per_second(self) -> float:
+        """Throughput over the whole run, start-up included."""
         return self.tokens / max(self.seconds, 1e-9)
 
 
@@ -96,9 +109,9 @@ def output_prefix_for_key(output_prefix: str, key: str) -> str:
 
 
 class _Encoder:
-    """Tokenizes input lines; one per worker process, holding the tokenizer as a class attribute
-    (set by ``initializer``) so it is built once per process rather than pickled per task, as in
-    Megatron-LM."""
+    """Tokenizes numbered input lines. As in Megatron-LM, the tokenizer is a class attribute set
+    by ``initializer`` in each worker process, so it is loaded once per process instead of being
+    pickled with every task."""
 
     tokenizer: SentencePieceTokenizer
 
@@ -107,12 +120,15 @@ class _Encoder:
         self.jsonl = is_jsonl(config.input)
 
     def initializer(self) -> None:
-        _Encoder.tokenizer = build_tokenizer(self.config.tokenizer_type, self.config.tokenizer_model)
+        _Encoder.tokenizer = build_tokenizer(
+            self.config.tokenizer_type, self.config.tokenizer_model
+        )
 
     def encode(self, numbered_line: tuple[int, str]) -> tuple[Optional[dict[str, list[int]]], int]:
         """Token ids per key of one line (None for a blank line) and the line's size in bytes."""
         lineno, line = numbered_line
-        document = parse_line(line, self.config.json_keys, self.jsonl, f"{self.config.input}:{lineno}")
+        where = f"{self.config.input}:{lineno}"
+        document = parse_line(line, self.config.json_keys, self.jsonl, where)
         size = len(line.encode("utf-8"))
         if document is None:
             return None, size
@@ -124,22 +140,39 @@ class _Encoder:
         return ids, size
 
 
+def _encoded_lines(
+    config: PreprocessConfig, encoder: _Encoder
+) -> Iterator[tuple[Optional[dict[str, list[int]]], int]]:
+    """``encoder.encode`` of every input line, in input order (``Pool.imap`` keeps it, so the
+    output does not depend on the number of workers)."""
+    with open(config.input, encoding="utf-8") as f:
+        numbered = enumerate(f, start=1)
+        if config.workers == 1:
+            # In-process: no worker start-up, which dominates on small inputs.
+            yield from map(encoder.encode, numbered)
+            return
+        with multiprocessing.Pool(config.workers, initializer=encoder.initializer) as pool:
+            yield from pool.imap(encoder.encode, numbered, WORKER_CHUNKSIZE)
+
+
 def _count_lines(path: str) -> int:
     with open(path, "rb") as f:
         return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
 
 
 def preprocess(config: PreprocessConfig) -> PreprocessSummary:
-    """Tokenize ``config.input`` into one megatron-core indexed dataset per json key.
+    """Tokenize ``config.input`` into one megatron-core indexed dataset per json key, one
+    sequence per document.
 
     Token ids are stored in the smallest dtype that holds the vocabulary
-    (``DType.optimal_dtype``: uint16 below 65500 ids). Output is identical for any number of
-    workers (``Pool.imap`` keeps input order). On error no ``.idx`` is written and the partial
-    ``.bin`` files are removed.
+    (``DType.optimal_dtype``: uint16 below 65500 ids). The output is identical for any number
+    of workers. Empty documents are not written. On error no ``.idx`` is written and the
+    partial ``.bin`` files are removed, so no half-written dataset is left behind.
 
     Raises:
         FileNotFoundError: missing input or tokenizer model.
-        ValueError: bad JSON line, missing key (message names ``file:line``), bad tokenizer.
+        ValueError: bad JSON line or missing key (the message names ``file:line``), bad
+            tokenizer, ``workers`` < 1.
     """
     start = time.perf_counter()
     check_input(config.input)
@@ -151,23 +184,23 @@ def preprocess(config: PreprocessConfig) -> PreprocessSummary:
 
     prefixes = {key: output_prefix_for_key(config.output_prefix, key) for key in config.json_keys}
     Path(config.output_prefix).parent.mkdir(parents=True, exist_ok=True)
-    builders = {key: IndexedDatasetBuilder(get_bin_path(p), dtype=dtype) for key, p in prefixes.items()}
-    documents, tokens, total_bytes = 0, 0, 0
-    bar = tqdm(total=_count_lines(config.input), unit="doc", disable=not config.progress)
-    pool = multiprocessing.Pool(config.workers, initializer=encoder.initializer) if config.workers > 1 else None
+    builders = {
+        key: IndexedDatasetBuilder(get_bin_path(prefix), dtype=dtype)
+        for key, prefix in prefixes.items()
+    }
+    documents = tokens = total_bytes = 0
     try:
-        with open(config.input, encoding="utf-8") as f:
-            numbered = enumerate(f, start=1)
-            encoded = pool.imap(encoder.encode, numbered, WORKER_CHUNKSIZE) if pool else map(encoder.encode, numbered)
-            for i, (ids, size) in enumerate(encoded, start=1):
-                total_bytes += size
+        bar = tqdm(total=_count_lines(config.input), unit="doc", disable=not config.progress)
+        with bar:
+            for i, (ids, size) in enumerate(_encoded_lines(config, encoder), start=1):
                 bar.update()
-                if ids is not None:
+                total_bytes += size
+                if ids and any(ids.values()):
+                    documents += 1
                     for key, doc_ids in ids.items():
                         if doc_ids:
                             builders[key].add_document(doc_ids, [len(doc_ids)])
                             tokens += len(doc_ids)
-                    documents += any(ids.values())
                 if i % config.log_interval == 0:
                     elapsed = time.perf_counter() - start
                     bar.write(
@@ -182,12 +215,8 @@ def preprocess(config: PreprocessConfig) -> PreprocessSummary:
             builder.data_file.close()
             Path(get_bin_path(prefixes[key])).unlink(missing_ok=True)
         raise
-    finally:
-        bar.close()
-        if pool is not None:
-            pool.terminate()
-            pool.join()
-    return PreprocessSummary(prefixes, documents, tokens, np.dtype(dtype).name, time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    return PreprocessSummary(prefixes, documents, tokens, np.dtype(dtype).name, seconds)
 
 
 # --------------------------------------------------------------------------------------------
@@ -202,8 +231,7 @@ def parse_data_path(data_path: Sequence[str]) -> tuple[list[str], Optional[list[
     ``get_blend_from_list``.
 
     Raises:
-        ValueError: empty list, a weight that is not a finite non-negative number, or weights
-            summing to zero.
+        ValueError: empty list, or a weight that is not a finite positive number.
     """
     items = [str(item).strip() for item in data_path]
     if not items:
@@ -212,13 +240,12 @@ def parse_data_path(data_path: Sequence[str]) -> tuple[list[str], Optional[list[
         return items, None
     weights, prefixes = items[0::2], items[1::2]
     for weight in weights:
-        if not _is_number(weight) or not math.isfinite(float(weight)) or float(weight) < 0:
+        # megatron-core's BlendedDataset asserts every weight is > 0.
+        if not _is_number(weight) or not math.isfinite(float(weight)) or float(weight) <= 0:
             raise ValueError(
-                f"--data-path: blend weight {weight!r} is not a non-negative number; expected "
+                f"--data-path: blend weight {weight!r} is not a positive number; expected "
                 "'w1 prefix1 w2 prefix2 ...' or 'prefix1 prefix2 ...'"
             )
-    if sum(map(float, weights)) <= 0:
-        raise ValueError(f"--data-path: blend weights {weights} sum to zero")
     return prefixes, [float(w) for w in weights]
 
 
@@ -242,7 +269,8 @@ def check_data_prefixes(prefixes: Sequence[str]) -> None:
                 )
                 raise FileNotFoundError(
                     f"--data-path {prefix}: {path} not found{hint}. Build it with "
-                    "tools/preprocess_data.py --output-prefix P (which writes P_text_document.bin/.idx)"
+                    "tools/preprocess_data.py --output-prefix P, which writes "
+                    "P_text_document.bin/.idx"
                 )
 
 
@@ -266,6 +294,27 @@ def check_vocab_covers_data(prefixes: Sequence[str], vocab_size: int) -> None:
                 f"(--tokenizer-model) has only {vocab_size} ids: the data was preprocessed with a "
                 "different tokenizer; rerun tools/preprocess_data.py with this --tokenizer-model"
             )
+
+
+def check_splits_have_documents(prefixes: Sequence[str], split: str) -> None:
+    """Raise ValueError naming ``--split``/``--data-path`` if a split given a share gets no
+    documents of some dataset.
+
+    megatron-core 0.16.1 loops forever building such a split (``GPTDataset._get_num_epochs``
+    keeps adding empty epochs), e.g. the default ``--split 969,30,1`` on fewer than 500
+    documents. Documents are assigned exactly as ``BlendedMegatronDatasetBuilder`` does.
+    """
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    for prefix in prefixes:
+        n = IndexedDataset(prefix).sequence_lengths.shape[0]
+        for which, bookends in zip(Split, matrix):
+            if bookends is not None and round(bookends[0] * n) == round(bookends[1] * n):
+                raise ValueError(
+                    f"--split {split} gives the {which.name} split none of the {n} documents of "
+                    f"--data-path {prefix}, and megatron-core would loop forever building it; "
+                    "give that split a larger share, or a share of 0 to drop it (e.g. "
+                    "--split 98,2,0 has no test split), or use more documents"
+                )
 
 
 def megatron_num_samples(
@@ -313,6 +362,25 @@ class GPTDataConfig:
     mmap_bin_files: bool = True
 
 
+class _Builder(BlendedMegatronDatasetBuilder):
+    """megatron-core's builder, also usable without torch.distributed.
+
+    In megatron-core 0.16.1 ``BlendedDataset`` calls ``torch.distributed.get_rank()`` whenever
+    it writes its index cache, which raises when no process group is initialized (a single
+    process: tools, tests, notebooks). There, blends skip that cache; the blending index of a
+    run takes milliseconds to rebuild. ``GPTDataset`` caches are unaffected.
+    """
+
+    @staticmethod
+    def build_generic_dataset(cls, is_built_on_rank, synchronize_ranks, *args):
+        if cls is BlendedDataset and not torch.distributed.is_initialized():
+            *dataset_args, config = args
+            args = (*dataset_args, dataclasses.replace(config, path_to_cache=None))
+        return BlendedMegatronDatasetBuilder.build_generic_dataset(
+            cls, is_built_on_rank, synchronize_ranks, *args
+        )
+
+
 def build_gpt_datasets(
     config: GPTDataConfig,
     tokenizer: SentencePieceTokenizer,
@@ -336,11 +404,13 @@ def build_gpt_datasets(
 
     Raises:
         FileNotFoundError: a ``.bin``/``.idx`` of ``--data-path`` is missing.
-        ValueError: bad blend weights, or data with ids beyond the tokenizer's vocabulary.
+        ValueError: bad blend weights, data with ids beyond the tokenizer's vocabulary, or a
+            split left without documents.
     """
     prefixes, weights = parse_data_path(config.data_path)
     check_data_prefixes(prefixes)
     check_vocab_covers_data(prefixes, tokenizer.vocab_size)
+    check_splits_have_documents(prefixes, config.split)
     gpt_config = GPTDatasetConfig(
         random_seed=config.seed,
         sequence_length=config.seq_length,
@@ -354,7 +424,6 @@ def build_gpt_datasets(
         eod_mask_loss=config.eod_mask_loss,
         create_attention_mask=config.create_attention_mask,
     )
-    train, valid, test = BlendedMegatronDatasetBuilder(
-        GPTDataset, list(num_samples), is_built_on_rank, gpt_config
-    ).build()
+    builder = _Builder(GPTDataset, list(num_samples), is_built_on_rank, gpt_config)
+    train, valid, test = builder.build()
     return train, valid, test

@@ -11,11 +11,11 @@ keeps every space (identity normalization, no extra-whitespace removal, no dummy
 made only of spaces allowed, so indentation becomes single tokens) and makes ``"\\n"`` itself a
 user-defined piece. Documents are fed line by line with their ``"\\n"`` kept: a user-defined
 piece is never merged with its neighbours, so this learns the same pieces as whole documents
-would (measured: up to ties), without SentencePiece's per-sentence length limit
-(``max_sentence_length``) discarding every long document. Plain SentencePiece encode/decode then round-trips multi-line text
-byte for byte (rare characters go through byte fallback), so the wrapper needs no newline
-substitution, and any other SentencePiece consumer (Megatron-LM's own tokenizer, HF) reads the
-same model identically.
+would (measured: all but one piece of 1500), without SentencePiece's per-sentence length limit
+(``max_sentence_length``) discarding every long document. Plain SentencePiece encode/decode
+then round-trips multi-line text byte for byte (rare characters go through byte fallback), so
+the wrapper needs no newline substitution, and any other SentencePiece consumer (Megatron-LM's
+own tokenizer, HF) reads the same model identically.
 """
 
 import contextlib
@@ -38,171 +38,8 @@ from megatron_snip.data.corpus import iter_documents
 SENTENCEPIECE_TOKENIZER = "SentencePieceTokenizer"
 TOKENIZER_TYPES = (SENTENCEPIECE_TOKENIZER,)
 
-MODEL_TYPES = ("bpe", "unigram")
-PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
-NEWLINE_PIECE = "\n"
-# Every byte needs a fallback piece, plus the four reserved ids and the newline piece.
-MIN_VOCAB_SIZE = 256 + 4 + 1 + 1
-
-_LINE = re.compile(r"[^\n]*\n|[^\n]+")
-
-# Options that make SentencePiece lossless on source code (see the module docstring).
-CODE_OPTIONS = dict(
-    pad_id=PAD_ID,
-    unk_id=UNK_ID,
-    bos_id=BOS_ID,
-    eos_id=EOS_ID,
-    user_defined_symbols=[NEWLINE_PIECE],
-    normalization_rule_name="identity",
-    remove_extra_whitespaces=False,
-    add_dummy_prefix=False,
-    allow_whitespace_only_pieces=True,
-    split_digits=True,
-    byte_fallback=True,
-    # Multi-threaded training is not reproducible run to run.
-    num_threads=1,
-    # Sentences are sampled here with our seed: SentencePiece's own sampling
-    # (input_sentence_size > 0) differs from run to run even with a fixed seed.
-    input_sentence_size=0,
-)
-
-
-@dataclass(frozen=True)
-class TokenizerTrainingConfig:
-    """Settings of ``train_tokenizer`` (flag names of ``tools/train_tokenizer.py``).
-
-    Attributes:
-        input: JSONL or plain-text corpus (see ``megatron_snip.data.corpus``).
-        model_prefix: writes ``<model_prefix>.model`` and ``<model_prefix>.vocab``.
-        vocab_size: number of ids, reserved and byte-fallback pieces included.
-        model_type: ``bpe`` or ``unigram``.
-        json_keys: JSONL keys whose texts are trained on.
-        character_coverage: fraction of characters covered by character pieces; the rest are
-            encoded as UTF-8 byte pieces.
-        input_sentence_size: train on a seeded random sample of this many lines (0: all lines).
-        max_sentence_length: lines longer than this many bytes are skipped by SentencePiece.
-        seed: seed of the line sample.
-    """
-
-    input: str
-    model_prefix: str
-    vocab_size: int = 4096
-    model_type: str = "bpe"
-    json_keys: tuple[str, ...] = ("text",)
-    character_coverage: float = 0.9995
-    input_sentence_size: int = 0
-    max_sentence_length: int = 4192
-    seed: int = 1234
-
-
-@dataclass(frozen=True)
-class TokenizerTrainingSummary:
-    """Outcome of ``train_tokenizer``.
-
-    Attributes:
-        model_file: the written ``.model`` path.
-        vocab_size: number of ids.
-        documents: documents read.
-        sentences: lines trained on (after sampling).
-        bytes: UTF-8 size of the documents.
-        tokens: tokens of all documents under the trained model.
-        roundtrip_failures: documents for which decode(encode(text)) != text (should be 0).
-        seconds: wall time, including the round-trip check.
-    """
-
-    model_file: str
-    vocab_size: int
-    documents: int
-    sentences: int
-    bytes: int
-    tokens: int
-    roundtrip_failures: int
-    seconds: float
-
-    @property
-    def bytes_per_token(self) -> float:
-        return self.bytes / max(self.tokens, 1)
-
-
-def split_lines(text: str) -> list[str]:
-    """``text`` cut after every ``"\\n"``, which stays on its line. Only ``"\\n"`` splits:
-    ``str.splitlines`` would also split on form feeds and other separators found in code."""
-    return _LINE.findall(text)
-
-
-def sample_lines(lines: Sequence[str], size: int, seed: int) -> list[str]:
-    """A seeded random sample of ``size`` lines in their original order (all if ``size`` is 0
-    or at least ``len(lines)``)."""
-    if size <= 0 or size >= len(lines):
-        return list(lines)
-    return [lines[i] for i in sorted(random.Random(seed).sample(range(len(lines)), size))]
-
-
-def write_vocab(tokenizer: "SentencePieceTokenizer", path: str) -> None:
-    """SentencePiece's human-readable ``.vocab`` listing: ``piece<TAB>score`` per id, with the
-    newline piece written as ``\\n`` to keep one line per id. Nothing reads this file back."""
-    with open(path, "w", encoding="utf-8") as f:
-        for i in range(tokenizer.vocab_size):
-            piece = tokenizer.inv_vocab[i].replace(NEWLINE_PIECE, "\\n")
-            f.write(f"{piece}\t{tokenizer.score(i):g}\n")
-
-
-def train_tokenizer(config: TokenizerTrainingConfig) -> TokenizerTrainingSummary:
-    """Train a SentencePiece model for code on ``config.input``; deterministic given the input
-    and config.
-
-    Raises:
-        ValueError: bad ``model_type`` or ``vocab_size``, or no text in the input.
-        FileNotFoundError: ``config.input`` does not exist.
-    """
-    start = time.perf_counter()
-    if config.model_type not in MODEL_TYPES:
-        raise ValueError(f"--model-type {config.model_type!r}: choose one of {MODEL_TYPES}")
-    if config.vocab_size < MIN_VOCAB_SIZE:
-        raise ValueError(
-            f"--vocab-size {config.vocab_size}: must be at least {MIN_VOCAB_SIZE} "
-            "(256 byte-fallback pieces, pad/unk/bos/eos and the newline piece)"
-        )
-    texts = [text for doc in iter_documents(config.input, config.json_keys) for text in doc.values()]
-    lines = [line for text in texts for line in split_lines(text)]
-    if not lines:
-        raise ValueError(f"--input {config.input}: no text to train on")
-    lines = sample_lines(lines, config.input_sentence_size, config.seed)
-
-    # Written through model_writer, so the model does not record its own output path and is
-    # byte-identical wherever it is written.
-    model = io.BytesIO()
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines),
-        model_writer=model,
-        model_type=config.model_type,
-        vocab_size=config.vocab_size,
-        character_coverage=config.character_coverage,
-        max_sentence_length=config.max_sentence_length,
-        minloglevel=2,  # SentencePiece's per-step log is hundreds of lines
-        **CODE_OPTIONS,
-    )
-    model_file = config.model_prefix + ".model"
-    Path(model_file).parent.mkdir(parents=True, exist_ok=True)
-    Path(model_file).write_bytes(model.getvalue())
-
-    tokenizer = SentencePieceTokenizer(model_file)
-    write_vocab(tokenizer, config.model_prefix + ".vocab")
-    tokens, failures = 0, 0
-    for text in texts:
-        ids = tokenizer.tokenize(text)
-        tokens += len(ids)
-        failures += tokenizer.detokenize(ids) != text
-    return TokenizerTrainingSummary(
-        model_file=model_file,
-        vocab_size=tokenizer.vocab_size,
-        documents=len(texts),
-        sentences=len(lines),
-        bytes=sum(len(text.encode("utf-8")) for text in texts),
-        tokens=tokens,
-        roundtrip_failures=failures,
-        seconds=time.perf_counter() - start,
-    )
+# --------------------------------------------------------------------------------------------
+# Using a model
 
 _LEGACY_NOTICE_LOGGER = "megatron.core.datasets.megatron_tokenizer"
 
@@ -281,6 +118,7 @@ class SentencePieceTokenizer(MegatronLegacyTokenizer):
 
     @property
     def eos(self) -> int:
+        """End-of-sequence id (same as ``eod``)."""
         return self._sp.eos_id()
 
     @property
@@ -295,6 +133,7 @@ class SentencePieceTokenizer(MegatronLegacyTokenizer):
 
     @property
     def model_file(self) -> str:
+        """Path of the SentencePiece model."""
         return self._model_file
 
     def score(self, token_id: int) -> float:
@@ -330,3 +169,172 @@ def build_tokenizer(
         raise ValueError(
             f"--tokenizer-model {tokenizer_model}: not a SentencePiece model ({e})"
         ) from None
+
+
+# --------------------------------------------------------------------------------------------
+# Training a model
+
+MODEL_TYPES = ("bpe", "unigram")
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+NEWLINE_PIECE = "\n"
+
+_LINE = re.compile(r"[^\n]*\n|[^\n]+")
+
+# Options that make SentencePiece lossless on source code (see the module docstring).
+CODE_OPTIONS = dict(
+    pad_id=PAD_ID,
+    unk_id=UNK_ID,
+    bos_id=BOS_ID,
+    eos_id=EOS_ID,
+    user_defined_symbols=[NEWLINE_PIECE],
+    normalization_rule_name="identity",
+    remove_extra_whitespaces=False,
+    add_dummy_prefix=False,
+    allow_whitespace_only_pieces=True,
+    split_digits=True,
+    byte_fallback=True,
+    # Multi-threaded training is not reproducible run to run.
+    num_threads=1,
+    # Sentences are sampled here with our seed: SentencePiece's own sampling
+    # (input_sentence_size > 0) differs from run to run even with a fixed seed.
+    input_sentence_size=0,
+)
+
+
+@dataclass(frozen=True)
+class TokenizerTrainingConfig:
+    """Settings of ``train_tokenizer`` (flag names of ``tools/train_tokenizer.py``).
+
+    Attributes:
+        input: JSONL or plain-text corpus (see ``megatron_snip.data.corpus``).
+        model_prefix: writes ``<model_prefix>.model`` and ``<model_prefix>.vocab``.
+        vocab_size: number of ids, reserved and byte-fallback pieces included.
+        model_type: ``bpe`` or ``unigram``.
+        json_keys: JSONL keys whose texts are trained on.
+        character_coverage: fraction of characters covered by character pieces; the rest are
+            encoded as UTF-8 byte pieces.
+        input_sentence_size: train on a seeded random sample of this many lines (0: all lines).
+        max_sentence_length: lines longer than this many bytes are skipped by SentencePiece.
+        seed: seed of the line sample.
+    """
+
+    input: str
+    model_prefix: str
+    vocab_size: int = 4096
+    model_type: str = "bpe"
+    json_keys: tuple[str, ...] = ("text",)
+    character_coverage: float = 0.9995
+    input_sentence_size: int = 0
+    max_sentence_length: int = 4192
+    seed: int = 1234
+
+
+@dataclass(frozen=True)
+class TokenizerTrainingSummary:
+    """Outcome of ``train_tokenizer``.
+
+    Attributes:
+        model_file: the written ``.model`` path.
+        vocab_size: number of ids.
+        documents: documents read.
+        sentences: lines trained on (after sampling).
+        bytes: UTF-8 size of the documents.
+        tokens: tokens of all documents under the trained model.
+        roundtrip_failures: documents for which decode(encode(text)) != text (should be 0).
+        seconds: wall time, including the round-trip check.
+    """
+
+    model_file: str
+    vocab_size: int
+    documents: int
+    sentences: int
+    bytes: int
+    tokens: int
+    roundtrip_failures: int
+    seconds: float
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Compression of the training text: UTF-8 bytes per token."""
+        return self.bytes / max(self.tokens, 1)
+
+
+def split_lines(text: str) -> list[str]:
+    """``text`` cut after every ``"\\n"``, which stays on its line. Only ``"\\n"`` splits:
+    ``str.splitlines`` would also split on form feeds and other separators found in code."""
+    return _LINE.findall(text)
+
+
+def sample_lines(lines: Sequence[str], size: int, seed: int) -> list[str]:
+    """A seeded random sample of ``size`` lines in their original order (all if ``size`` is 0
+    or at least ``len(lines)``)."""
+    if size <= 0 or size >= len(lines):
+        return list(lines)
+    return [lines[i] for i in sorted(random.Random(seed).sample(range(len(lines)), size))]
+
+
+def write_vocab(tokenizer: SentencePieceTokenizer, path: str) -> None:
+    """SentencePiece's human-readable ``.vocab`` listing: ``piece<TAB>score`` per id, with the
+    newline piece written as ``\\n`` to keep one line per id. Nothing reads this file back."""
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(tokenizer.vocab_size):
+            piece = tokenizer.inv_vocab[i].replace(NEWLINE_PIECE, "\\n")
+            f.write(f"{piece}\t{tokenizer.score(i):g}\n")
+
+
+def train_tokenizer(config: TokenizerTrainingConfig) -> TokenizerTrainingSummary:
+    """Train a SentencePiece model for code on ``config.input``; deterministic given the input
+    and config.
+
+    Raises:
+        ValueError: bad ``model_type``, no text in the input, or SentencePiece rejects the
+            settings (e.g. ``vocab_size`` below the 256 byte pieces plus the characters kept).
+        FileNotFoundError: ``config.input`` does not exist.
+    """
+    start = time.perf_counter()
+    if config.model_type not in MODEL_TYPES:
+        raise ValueError(f"--model-type {config.model_type!r}: choose one of {MODEL_TYPES}")
+    documents = iter_documents(config.input, config.json_keys)
+    texts = [text for document in documents for text in document.values()]
+    lines = [line for text in texts for line in split_lines(text)]
+    if not lines:
+        raise ValueError(f"--input {config.input}: no text to train on")
+    lines = sample_lines(lines, config.input_sentence_size, config.seed)
+
+    # Written through model_writer, so the model does not record its own output path and is
+    # byte-identical wherever it is written.
+    model = io.BytesIO()
+    try:
+        sentencepiece.SentencePieceTrainer.train(
+            sentence_iterator=iter(lines),
+            model_writer=model,
+            model_type=config.model_type,
+            vocab_size=config.vocab_size,
+            character_coverage=config.character_coverage,
+            max_sentence_length=config.max_sentence_length,
+            minloglevel=2,  # SentencePiece's per-step log is hundreds of lines
+            **CODE_OPTIONS,
+        )
+    except RuntimeError as e:  # e.g. a vocabulary too small for the 256 byte pieces + characters
+        raise ValueError(f"SentencePiece training failed: {e}") from None
+    model_file = config.model_prefix + ".model"
+    Path(model_file).parent.mkdir(parents=True, exist_ok=True)
+    Path(model_file).write_bytes(model.getvalue())
+
+    tokenizer = SentencePieceTokenizer(model_file)
+    write_vocab(tokenizer, config.model_prefix + ".vocab")
+    tokens, failures = 0, 0
+    for text in texts:
+        ids = tokenizer.tokenize(text)
+        tokens += len(ids)
+        failures += tokenizer.detokenize(ids) != text
+    return TokenizerTrainingSummary(
+        model_file=model_file,
+        vocab_size=tokenizer.vocab_size,
+        documents=len(texts),
+        sentences=len(lines),
+        bytes=sum(len(text.encode("utf-8")) for text in texts),
+        tokens=tokens,
+        roundtrip_failures=failures,
+        seconds=time.perf_counter() - start,
+    )

@@ -1,4 +1,5 @@
-"""Cutting a tensor into scaling blocks: the one reshape shared by fp8_block, MX and NVFP4.
+"""Scaling groups: cutting a tensor into blocks (the one reshape shared by fp8_block, MX and
+NVFP4), the amax of a block or of a whole tensor, and the block-scaled result type.
 
 A tensor of shape (..., R, C) is viewed as a batch of L = prod(...) matrices
 R x C. A block is ``(block_rows, block_cols)`` elements of one matrix:
@@ -83,8 +84,23 @@ def to_blocks(x: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, Bl
 
 
 def block_amax(blocked: torch.Tensor) -> torch.Tensor:
-    """Per-block max |x|, shape (L, Rb, 1, Cb, 1). NaN anywhere in a block makes it NaN."""
-    return blocked.abs().amax(dim=(2, 4), keepdim=True)
+    """Per-block max |x|, shape (L, Rb, 1, Cb, 1). NaN anywhere in a block makes it NaN.
+
+    max(amax, -amin) reads the data twice but avoids materialising |x|, which is slower on CPU;
+    the final abs_ turns the -0 of an all-zero block into +0 (1 / -0 would be -inf downstream).
+    """
+    dims = (2, 4)
+    return torch.maximum(blocked.amax(dim=dims, keepdim=True), blocked.amin(dim=dims, keepdim=True).neg_()).abs_()
+
+
+def tensor_amax(x: torch.Tensor, override: torch.Tensor | float | None = None) -> torch.Tensor:
+    """0-d fp32 max |x| over the whole (non-empty) tensor (NaN if any element is NaN),
+    or ``override`` (e.g. an amax all-reduced across tensor-parallel shards) on x's device;
+    pass the override as a tensor on that device to avoid a host-to-device copy."""
+    if override is not None:
+        return torch.as_tensor(override, dtype=torch.float32, device=x.device)
+    lo, hi = torch.aminmax(x)
+    return torch.maximum(hi, lo.neg()).abs_()  # abs_: +0, not -0, for an all-zero tensor
 
 
 def from_blocks(blocked: torch.Tensor, view: BlockView) -> torch.Tensor:
@@ -118,9 +134,7 @@ class BlockScaled:
     block: tuple[int, int]
 
 
-def blocked_result(
-    elements: torch.Tensor, scales: torch.Tensor, view: BlockView
-) -> BlockScaled:
+def blocked_result(elements: torch.Tensor, scales: torch.Tensor, view: BlockView) -> BlockScaled:
     """Assemble a :class:`BlockScaled` from blocked elements (L, Rb, br, Cb, bc) and decode scales (L, Rb, 1, Cb, 1)."""
     return BlockScaled(
         dequantized=from_blocks(elements * scales, view),

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .fp8 import quantize_fp8_block, quantize_fp8_tensorwise
+from .fp8 import FP8_BLOCK, quantize_fp8_block, quantize_fp8_tensorwise
 from .formats import E4M3, E5M2
 from .mx import quantize_mxfp4, quantize_mxfp8
 from .nvfp4 import NVFP4_BLOCK, quantize_nvfp4
@@ -42,7 +42,6 @@ _ELEMENT_BITS = {
     "mxfp4": 4,
     "nvfp4": 4,
 }
-FP8_BLOCK = 128
 
 
 def _check_format(fmt: str) -> str:
@@ -83,7 +82,8 @@ def fake_quantize(
         stochastic: stochastic rounding of E2M1 elements (mxfp4, nvfp4); no effect otherwise.
         generator: RNG for stochastic rounding, on x's device (None: the default RNG).
     Returns:
-        Tensor of ``x``'s shape and dtype (computed in fp32 internally).
+        Tensor of ``x``'s shape and dtype: computed in fp32, the dequantized value is
+        rounded to ``x.dtype`` on return (as a dequantize-to-bf16 would).
     Raises:
         ValueError: unknown ``fmt`` or ``role``.
     """

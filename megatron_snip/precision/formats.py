@@ -32,6 +32,7 @@ import torch
 
 _F32_EXP_BIAS = 127
 _F32_MANT_BITS = 23
+_F32_EXP_MASK = 0x7F800000
 
 
 @dataclass(frozen=True)
@@ -57,10 +58,6 @@ class FloatFormat:
     max: float
     torch_dtype: torch.dtype | None = None
 
-    @property
-    def min_subnormal(self) -> float:
-        return 2.0 ** (self.emin - self.mant_bits)
-
 
 E4M3 = FloatFormat("e4m3", 4, 3, emin=-6, emax=8, max=448.0, torch_dtype=torch.float8_e4m3fn)
 E5M2 = FloatFormat("e5m2", 5, 2, emin=-14, emax=15, max=57344.0, torch_dtype=torch.float8_e5m2)
@@ -70,24 +67,26 @@ E2M1 = FloatFormat("e2m1", 2, 1, emin=0, emax=2, max=6.0)
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
-def _pow2_from_biased(biased_exp: torch.Tensor) -> torch.Tensor:
-    """2^(biased_exp - 127) as fp32 for int32 ``biased_exp`` in [1, 254] (normal range)."""
-    return (biased_exp << _F32_MANT_BITS).view(torch.float32)
+def div_rn(numerator: float, denominator: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded fp32 ``numerator / denominator``, elementwise.
 
-
-def _ulp_grid(a: torch.Tensor, fmt: FloatFormat) -> tuple[torch.Tensor, torch.Tensor]:
-    """Spacing of ``fmt``'s grid around each non-negative ``a`` (fp32) and its reciprocal.
-
-    The binade exponent is read from the fp32 bit pattern (exact, no log2) and
-    clamped to [emin, emax]: below emin the subnormals share the ulp of the
-    smallest binade; NaN (exponent field 255) lands on emax, harmlessly.
+    Needed because torch evaluates ``float / Tensor`` as ``float * (1 / Tensor)``
+    (two roundings), which differs from TE's ``max / amax`` in the last bit.
     """
-    biased = (a.view(torch.int32) >> _F32_MANT_BITS).clamp_(
-        fmt.emin + _F32_EXP_BIAS, fmt.emax + _F32_EXP_BIAS
+    return torch.div(torch.full_like(denominator, numerator), denominator)
+
+
+def _ulp(a: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """Spacing of ``fmt``'s grid at each non-negative fp32 ``a``: 2^(clamp(floor(log2 a), emin, emax) - mant_bits).
+
+    ``bits & 0x7F800000`` is the fp32 power of two <= a (exact, no log2);
+    clamping it to [2^emin, 2^emax] makes the subnormals share the ulp of the
+    smallest binade, and sends NaN (exponent field 255) harmlessly to emax.
+    """
+    power = (a.view(torch.int32) & _F32_EXP_MASK).clamp_(
+        (fmt.emin + _F32_EXP_BIAS) << _F32_MANT_BITS, (fmt.emax + _F32_EXP_BIAS) << _F32_MANT_BITS
     )
-    ulp = _pow2_from_biased(biased - fmt.mant_bits)
-    inv_ulp = _pow2_from_biased(2 * _F32_EXP_BIAS + fmt.mant_bits - biased)
-    return ulp, inv_ulp
+    return power.sub_(fmt.mant_bits << _F32_MANT_BITS).view(torch.float32)
 
 
 def round_to_format(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
@@ -107,10 +106,10 @@ def round_to_format(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
         # torch's fp32 -> float8 cast is RNE but not saturating; after the clamp it is exact.
         return clamped.to(fmt.torch_dtype).to(torch.float32)
     a = clamped.abs_()
-    ulp, inv_ulp = _ulp_grid(a, fmt)
-    # a * inv_ulp is exact (power-of-two scaling); torch.round is half-to-even, and
-    # even multiples of the ulp are exactly the codes with a zero mantissa LSB.
-    return torch.round(a.mul_(inv_ulp)).mul_(ulp).copysign_(x)
+    ulp = _ulp(a, fmt)
+    # a / ulp is exact (power of two); round_ is half-to-even, and even multiples
+    # of the ulp are exactly the codes with a zero mantissa LSB.
+    return a.div_(ulp).round_().mul_(ulp).copysign_(x)
 
 
 def round_e2m1_stochastic(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -128,8 +127,8 @@ def round_e2m1_stochastic(x: torch.Tensor, generator: torch.Generator | None = N
         float32 tensor of ``x``'s shape on the E2M1 grid.
     """
     a = x.float().clamp(-E2M1.max, E2M1.max).abs_()
-    ulp, inv_ulp = _ulp_grid(a, E2M1)
-    units = a.mul_(inv_ulp)  # exact: distance from 0 in ulps of this binade
+    ulp = _ulp(a, E2M1)
+    units = a.div_(ulp)  # exact: distance from 0 in ulps of this binade
     lower = torch.floor(units)
     u = torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float32)
     round_up = u < units.sub_(lower)
@@ -196,7 +195,7 @@ def encode_e8m0(scales: torch.Tensor) -> torch.Tensor:
 def decode_e8m0(codes: torch.Tensor) -> torch.Tensor:
     """E8M0 byte -> fp32 scale: 2^(code - 127) exactly (code 0 -> 2^-127), 255 -> NaN."""
     codes = codes.to(torch.int32)
-    normal = _pow2_from_biased(codes.clamp(1, 254))
+    normal = (codes.clamp(1, 254) << _F32_MANT_BITS).view(torch.float32)  # 2^(code - 127)
     tiny = torch.full_like(normal, 2.0**-127)
     value = torch.where(codes == 0, tiny, normal)
     return torch.where(codes == 255, torch.full_like(value, float("nan")), value)

@@ -21,9 +21,10 @@ from typing import Literal
 
 import torch
 
-from .blocks import BlockScaled, block_amax, blocked_result, to_blocks
-from .formats import E4M3, FloatFormat, round_to_format
+from .blocks import BlockScaled, block_amax, blocked_result, tensor_amax, to_blocks
+from .formats import E4M3, FloatFormat, div_rn, round_to_format
 
+FP8_BLOCK = 128
 _FP32_MAX = torch.finfo(torch.float32).max
 _SIGN_AND_EXPONENT = -(1 << 23)  # int32 0xFF800000: keeps sign and exponent bits
 
@@ -43,7 +44,7 @@ def fp8_scale_from_amax(
         float32 scales, shape of ``amax``: 1 where amax == 0, fp32 max where the
         quotient overflows, NaN where amax is not finite.
     """
-    scale = fmt.max / amax
+    scale = div_rn(fmt.max, amax)
     if margin:
         scale = scale / 2.0**margin
     scale = torch.where(torch.isinf(scale), torch.full_like(scale, _FP32_MAX), scale)
@@ -76,10 +77,6 @@ def _apply_tensor_scale(x: torch.Tensor, scale: torch.Tensor, fmt: FloatFormat) 
     return TensorScaled(elements * scale_inv, elements, scale, scale_inv)
 
 
-def _as_amax(amax: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor:
-    return torch.as_tensor(amax, dtype=torch.float32, device=like.device)
-
-
 def quantize_fp8_tensorwise(
     x: torch.Tensor,
     fmt: FloatFormat = E4M3,
@@ -99,8 +96,8 @@ def quantize_fp8_tensorwise(
         margin: headroom in binades.
     """
     x = x.float()
-    amax = x.abs().amax() if amax is None else _as_amax(amax, x)
-    return _apply_tensor_scale(x, fp8_scale_from_amax(amax, fmt, pow2=pow2_scale, margin=margin), fmt)
+    scale = fp8_scale_from_amax(tensor_amax(x, amax), fmt, pow2=pow2_scale, margin=margin)
+    return _apply_tensor_scale(x, scale, fmt)
 
 
 class FP8DelayedScaling:
@@ -115,7 +112,8 @@ class FP8DelayedScaling:
     or not finite; an overflowing scale becomes fp32 max.
 
     A tensor whose own amax is NaN/Inf dequantizes to all-NaN (the group rule
-    of this package), though its amax cannot change the next scale.
+    of this package); as in TE, such an amax then freezes the scale for as long
+    as it stays in the history window.
 
     State lives in ``scale`` (0-d) and ``amax_history`` (history_len,) fp32
     tensors, moved to the device of the tensors being quantized.
@@ -144,7 +142,7 @@ class FP8DelayedScaling:
         x = x.float()
         self.scale = self.scale.to(x.device)
         self.amax_history = self.amax_history.to(x.device)
-        amax = x.abs().amax()
+        amax = tensor_amax(x)
         scale = torch.where(torch.isfinite(amax), self.scale, torch.full_like(self.scale, float("nan")))
         result = _apply_tensor_scale(x, scale, self.fmt)
         self._record(amax)
@@ -153,7 +151,7 @@ class FP8DelayedScaling:
     def _record(self, amax: torch.Tensor) -> None:
         self.amax_history = torch.cat([amax.reshape(1), self.amax_history[:-1]])
         ref = self.amax_history.amax() if self.algo == "max" else self.amax_history[0]
-        new = self.fmt.max / ref / 2.0**self.margin
+        new = div_rn(self.fmt.max, ref) / 2.0**self.margin
         keep = (ref == 0) | ~torch.isfinite(ref)
         new = torch.where(keep, self.scale, new)
         self.scale = torch.where(torch.isinf(new), torch.full_like(new, _FP32_MAX), new)
@@ -163,7 +161,7 @@ def quantize_fp8_block(
     x: torch.Tensor,
     fmt: FloatFormat = E4M3,
     *,
-    block: tuple[int, int] = (1, 128),
+    block: tuple[int, int] = (1, FP8_BLOCK),
     pow2_scale: bool = True,
 ) -> BlockScaled:
     """FP8 block scaling (TE ``Float8BlockScaling``, DeepSeek-V3): one fp32 scale per block.

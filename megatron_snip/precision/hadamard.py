@@ -28,10 +28,10 @@ def hadamard_matrix(
     """Normalised n x n Sylvester Hadamard matrix (n a power of two): symmetric, H @ H.T = I."""
     if n < 1 or n & (n - 1):
         raise ValueError(f"Hadamard size must be a power of two, got {n}")
-    h = torch.ones(1, 1, dtype=torch.float64)
+    h = torch.ones(1, 1, dtype=torch.float64, device=device)  # built on the device: no host copy
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], dim=1), torch.cat([h, -h], dim=1)], dim=0)
-    return (h / n**0.5).to(dtype=dtype, device=device)
+    return (h / n**0.5).to(dtype)
 
 
 def random_signs(

@@ -37,7 +37,7 @@ MX_BLOCK = 32
 ScaleRule = Literal["ceil", "ocp"]
 
 _MANT_MASK = (1 << 23) - 1
-_HALF_OF_SUBNORMAL_RANGE = 1 << 22  # fp32 mantissa of 2^-127 when the exponent field is 0
+_MANT_OF_2_POW_MINUS_127 = 1 << 22  # 2^-127 is the fp32 subnormal with only the top mantissa bit
 
 
 def e8m0_code_ceil(amax: torch.Tensor, elem: FloatFormat) -> torch.Tensor:
@@ -46,11 +46,11 @@ def e8m0_code_ceil(amax: torch.Tensor, elem: FloatFormat) -> torch.Tensor:
     Reads the fp32 bits of the quotient: the biased exponent, plus one if any
     mantissa bit is set (not beyond code 254; a subnormal quotient <= 2^-127 keeps code 0).
     """
-    ratio = amax * torch.tensor(1.0 / elem.max, dtype=torch.float32, device=amax.device)
+    ratio = amax * (1.0 / elem.max)  # the Python scalar enters fp32 arithmetic as fl(1/max), as in TE
     bits = ratio.view(torch.int32)
     exp_field = bits >> 23
     mant = bits & _MANT_MASK
-    round_up = (mant > 0) & (exp_field < 254) & ((exp_field > 0) | (mant > _HALF_OF_SUBNORMAL_RANGE))
+    round_up = (mant > 0) & (exp_field < 254) & ((exp_field > 0) | (mant > _MANT_OF_2_POW_MINUS_127))
     code = exp_field + round_up.to(torch.int32)
     return torch.where(torch.isfinite(amax), code, torch.full_like(code, 255))
 

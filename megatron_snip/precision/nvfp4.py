@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .blocks import block_amax, from_blocks, to_blocks, to_grid
-from .formats import E2M1, E4M3, round_e2m1_stochastic, round_to_format
+from .blocks import block_amax, from_blocks, tensor_amax, to_blocks, to_grid
+from .formats import E2M1, E4M3, div_rn, round_e2m1_stochastic, round_to_format
 
 NVFP4_BLOCK = 16
 _FP32_MAX = torch.finfo(torch.float32).max
@@ -64,7 +64,7 @@ class NVFP4Quantized:
 
 def nvfp4_global_scale(global_amax: torch.Tensor) -> torch.Tensor:
     """S_enc = 448 * 6 / amax (fp32), capped at fp32 max; 1 if amax == 0; NaN if amax is not finite."""
-    scale = torch.clamp(E4M3.max * E2M1.max / global_amax, max=_FP32_MAX)
+    scale = torch.clamp(div_rn(E4M3.max * E2M1.max, global_amax), max=_FP32_MAX)
     scale = torch.where(global_amax == 0, torch.ones_like(scale), scale)
     return torch.where(torch.isfinite(global_amax), scale, torch.full_like(scale, float("nan")))
 
@@ -88,15 +88,12 @@ def quantize_nvfp4(
         generator: RNG for stochastic rounding, on x's device.
     """
     x = x.float()
-    global_amax = (
-        x.abs().amax() if amax is None else torch.as_tensor(amax, dtype=torch.float32, device=x.device)
-    )
+    global_amax = tensor_amax(x, amax)
     s_enc = nvfp4_global_scale(global_amax)
     s_dec = torch.reciprocal(s_enc)
     xb, view = to_blocks(x, block)
     b_amax = block_amax(xb)
-    inv_fp4_max = torch.tensor(1.0 / E2M1.max, dtype=torch.float32, device=x.device)
-    s_b = round_to_format(b_amax * (s_enc * inv_fp4_max), E4M3)
+    s_b = round_to_format(b_amax * (s_enc * (1.0 / E2M1.max)), E4M3)  # fl(S_enc * fl(1/6)) first, as TE
     s_b = torch.where(torch.isfinite(b_amax), s_b, torch.full_like(s_b, float("nan")))
     enc_b = torch.clamp(torch.reciprocal(s_b * s_dec), max=_FP32_MAX)
     scaled = xb * enc_b

@@ -95,10 +95,58 @@ def _set_rng_state(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+def _materialize_optimizer_state(optimizer) -> None:
+    """Create Adam's per-parameter state (step, moments) before loading into it.
+
+    The distributed optimizer's load path reads the state it will overwrite,
+    which torch's Adam creates lazily at its first step. A step with zero
+    gradients, zero LR and zero weight decay creates it without moving a weight.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not hasattr(opt, "data_parallel_group_idx") or inner is None or len(inner.state) > 0:
+            continue
+        saved = [(g["lr"], g["weight_decay"]) for g in inner.param_groups]
+        for g in inner.param_groups:
+            g["lr"], g["weight_decay"] = 0.0, 0.0
+            for p in g["params"]:
+                p.grad = torch.zeros_like(p)
+        inner.step()
+        for g, (lr, wd) in zip(inner.param_groups, saved):
+            g["lr"], g["weight_decay"] = lr, wd
+            for p in g["params"]:
+                p.grad = None
+
+
+def _restore_adam_steps(optimizer, state: dict) -> None:
+    """Set every parameter's Adam ``step`` to the checkpoint's, one tensor per parameter.
+
+    megatron-core's distributed optimizer, when it falls back to torch's Adam
+    (no apex / Transformer Engine), keeps the step in its param groups, and its
+    DP-reshardable load leaves each parameter with the step of the state it
+    loaded into (our placeholder) or one tensor shared by all parameters, which
+    torch would increment once per parameter. Either breaks the bias
+    correction after a resume.
+    """
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    # ChainedOptimizer stores a single optimizer's state unnested (see its load_state_dict).
+    states = [state] if len(chained) == 1 else [v for _, v in sorted(state.items())]
+    for opt, opt_state in zip(chained, states):
+        groups = opt_state.get("optimizer", {}).get("param_groups", [])
+        steps = {g["step"] for g in groups if "step" in g}
+        if not hasattr(opt, "data_parallel_group_idx") or len(steps) != 1:
+            continue
+        step = float(steps.pop())
+        for param_state in opt.optimizer.state.values():
+            param_state["step"] = torch.tensor(step, dtype=torch.float32)
+
+
 def _sharded_state(model, optimizer, scheduler, *, is_loading: bool, with_optim: bool, with_rng: bool) -> dict:
     model_sd = model.sharded_state_dict()
     state = {"model": model_sd}
     if with_optim:
+        if is_loading:
+            _materialize_optimizer_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=DIST_OPT_FORMAT)
         state["opt_param_scheduler"] = scheduler.state_dict()
     if with_rng:
@@ -169,6 +217,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, load_optim: bool 
     if load_optim:
         with torch.no_grad():
             optimizer.load_state_dict(loaded["optimizer"])
+        _restore_adam_steps(optimizer, loaded["optimizer"])
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if load_rng:
         _set_rng_state(loaded["rng_state"])

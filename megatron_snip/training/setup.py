@@ -94,7 +94,8 @@ def build_scheduler(args: argparse.Namespace, optimizer) -> OptimizerParamSchedu
         max_lr=args.lr,
         min_lr=args.min_lr,
         lr_warmup_steps=args.lr_warmup_iters,
-        lr_decay_steps=max(args.lr_decay_iters, 1),
+        # megatron-core requires warmup < decay; only a 0-iteration run can violate it.
+        lr_decay_steps=max(args.lr_decay_iters, args.lr_warmup_iters + 1),
         lr_decay_style=args.lr_decay_style,
         start_wd=args.start_weight_decay,
         end_wd=args.end_weight_decay,

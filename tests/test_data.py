@@ -1,0 +1,369 @@
+"""The data pipeline: stdlib corpus -> SentencePiece tokenizer -> indexed dataset -> GPTDatasets.
+
+Everything runs on a 40-file slice of the stdlib and an 800-piece tokenizer built once per module
+under pytest's tmp directories.
+"""
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+
+from megatron_snip.data.corpus import CorpusConfig, build_corpus, list_sources, select_documents
+from megatron_snip.data.datasets import (
+    GPTDataConfig,
+    PreprocessConfig,
+    build_gpt_datasets,
+    check_vocab_covers_data,
+    megatron_num_samples,
+    parse_data_path,
+    preprocess,
+)
+from megatron_snip.data.stats import data_unigram_entropy, unigram_entropy
+from megatron_snip.data.tokenizer import (
+    TokenizerTrainingConfig,
+    build_tokenizer,
+    split_lines,
+    train_tokenizer,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB_SIZE = 800
+
+
+def load_tool(name: str):
+    """A tools/ script as a module, so its ``main(argv)`` runs in this process (no new
+    interpreter, i.e. no second multi-second megatron import)."""
+    spec = importlib.util.spec_from_file_location(f"tool_{name}", ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def read_jsonl(path) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def write_indexed(prefix: Path, documents: list[list[int]]) -> str:
+    """A hand-made uint16 indexed dataset, one sequence per document."""
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
+    for doc in documents:
+        builder.add_document(doc, [len(doc)])
+    builder.finalize(f"{prefix}.idx")
+    return str(prefix)
+
+
+def documents_of(prefix: str) -> list[np.ndarray]:
+    dataset = IndexedDataset(prefix)
+    # Copies: the arrays view the dataset's mmap, which its __del__ unmaps.
+    return [np.array(dataset[i]) for i in range(len(dataset))]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("data")
+
+
+@pytest.fixture(scope="module")
+def corpus(data_dir) -> str:
+    path = str(data_dir / "corpus.jsonl")
+    build_corpus(CorpusConfig(output=path, max_docs=40, exclude_tests=True, seed=1234))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer_model(data_dir, corpus) -> str:
+    summary = train_tokenizer(
+        TokenizerTrainingConfig(
+            input=corpus, model_prefix=str(data_dir / "sp"), vocab_size=VOCAB_SIZE
+        )
+    )
+    assert summary.roundtrip_failures == 0
+    return summary.model_file
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_model):
+    return build_tokenizer("SentencePieceTokenizer", tokenizer_model)
+
+
+@pytest.fixture(scope="module")
+def eod_prefix(data_dir, corpus, tokenizer_model) -> str:
+    config = PreprocessConfig(
+        input=corpus,
+        output_prefix=str(data_dir / "eod"),
+        tokenizer_model=tokenizer_model,
+        append_eod=True,
+        progress=False,
+    )
+    return preprocess(config).prefixes["text"]
+
+
+# --- corpus --------------------------------------------------------------------------------
+
+
+def test_build_corpus_is_deterministic_and_cli_matches(tmp_path, corpus):
+    again = tmp_path / "again.jsonl"
+    build_corpus(CorpusConfig(output=str(again), max_docs=40, exclude_tests=True, seed=1234))
+    assert again.read_bytes() == Path(corpus).read_bytes()
+
+    docs = read_jsonl(corpus)
+    assert len(docs) == 40
+    paths = [d["path"] for d in docs]
+    assert paths == sorted(paths)
+    assert all(d["text"] and set(d) == {"text", "path"} for d in docs)
+    assert not any(part in ("test", "tests", "idle_test", "site-packages")
+                   for p in paths for part in p.split("/"))
+
+    # The CLI imports no megatron, so a real subprocess is cheap here.
+    cli = tmp_path / "cli.jsonl"
+    subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "build_corpus.py"), "--output", str(cli),
+         "--max-docs", "40", "--exclude-tests", "--seed", "1234"],
+        check=True, capture_output=True,
+    )
+    assert cli.read_bytes() == Path(corpus).read_bytes()
+
+
+def test_corpus_skips_non_utf8_third_party_and_tests(tmp_path):
+    root = tmp_path / "lib"
+    for rel, data in {
+        "a.py": b"x = 1\n",
+        "pkg/b.py": "s = 'caf\u00e9'\r\n".encode(),
+        "latin1.py": "s = 'caf\u00e9'\n".encode("latin-1"),
+        "site-packages/third.py": b"y = 2\n",
+        "test/test_a.py": b"assert True\n",
+        "empty.py": b"",
+    }.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+
+    out = tmp_path / "c.jsonl"
+    summary = build_corpus(CorpusConfig(output=str(out), root=str(root), exclude_tests=True))
+    docs = read_jsonl(out)
+    assert [d["path"] for d in docs] == ["a.py", "pkg/b.py"]
+    assert docs[1]["text"] == "s = 'caf\u00e9'\n"  # newlines normalized
+    assert (summary.documents, summary.skipped) == (2, 1)
+    assert len(list_sources(root, exclude_tests=False)) == 5
+
+
+def test_select_documents_respects_limits(corpus):
+    from megatron_snip.data.corpus import Document
+
+    docs = [Document(d["path"], d["text"]) for d in read_jsonl(corpus)]
+    picked = select_documents(docs, max_docs=None, max_bytes=100_000, seed=3)
+    assert sum(len(d.text.encode()) for d in picked) <= 100_000
+    assert picked == select_documents(docs, max_docs=None, max_bytes=100_000, seed=3)
+    assert [d.path for d in picked] == sorted(d.path for d in picked)
+    assert len(select_documents(docs, max_docs=7, max_bytes=None, seed=3)) == 7
+
+
+# --- tokenizer -----------------------------------------------------------------------------
+
+
+def test_tokenizer_training_is_deterministic(tmp_path, corpus, tokenizer_model):
+    again = train_tokenizer(
+        TokenizerTrainingConfig(
+            input=corpus, model_prefix=str(tmp_path / "again"), vocab_size=VOCAB_SIZE
+        )
+    )
+    assert Path(again.model_file).read_bytes() == Path(tokenizer_model).read_bytes()
+
+
+def test_tokenizer_roundtrips_python_source_exactly(corpus, tokenizer):
+    for doc in read_jsonl(corpus):
+        assert tokenizer.detokenize(tokenizer.tokenize(doc["text"])) == doc["text"], doc["path"]
+
+    tricky = (
+        "class A:\n\n\n    def f(self):   \n\t\treturn  'caf\u00e9 \u2603'  # x\n"
+        "        pass\n\x0c\n\r\n  \n"
+    )
+    assert tokenizer.detokenize(tokenizer.tokenize(tricky)) == tricky
+    newline = tokenizer.vocab["\n"]
+    assert tokenizer.tokenize("\n\n") == [newline, newline]
+    # Indentation is learned as whitespace-only pieces, not one token per space.
+    first = tokenizer.inv_vocab[tokenizer.tokenize("        return x")[0]]
+    assert set(first) == {"\u2581"} and len(first) > 1
+
+
+def test_tokenizer_special_ids(tokenizer, tokenizer_model):
+    assert tokenizer.vocab_size == VOCAB_SIZE
+    assert (tokenizer.pad, tokenizer.bos, tokenizer.eos, tokenizer.eod) == (0, 2, 3, 3)
+    assert len(tokenizer.vocab) == VOCAB_SIZE
+    assert all(tokenizer.vocab[piece] == i for i, piece in tokenizer.inv_vocab.items())
+    ids = tokenizer.tokenize("x = 1")
+    assert tokenizer.detokenize([*ids, tokenizer.eod, tokenizer.pad]) == "x = 1"
+    assert tokenizer.unique_identifiers["tokenizer_path"] == [tokenizer_model]
+
+
+def test_split_lines_keeps_newlines_and_splits_only_on_them():
+    assert split_lines("a\n\nb\x0cc\n  d") == ["a\n", "\n", "b\x0cc\n", "  d"]
+    assert split_lines("") == []
+
+
+def test_build_tokenizer_errors(tmp_path):
+    with pytest.raises(ValueError, match="--tokenizer-type 'GPT2BPETokenizer'"):
+        build_tokenizer("GPT2BPETokenizer", "x.model")
+    with pytest.raises(FileNotFoundError, match="--tokenizer-model .*missing.model"):
+        build_tokenizer("SentencePieceTokenizer", str(tmp_path / "missing.model"))
+    garbage = tmp_path / "garbage.model"
+    garbage.write_text("not a model")
+    with pytest.raises(ValueError, match="--tokenizer-model .*not a SentencePiece model"):
+        build_tokenizer("SentencePieceTokenizer", str(garbage))
+
+
+# --- preprocessing -------------------------------------------------------------------------
+
+
+def test_preprocess_roundtrip_with_eod(corpus, tokenizer, eod_prefix):
+    docs = read_jsonl(corpus)
+    stored = documents_of(eod_prefix)
+    assert len(stored) == len(docs)
+    assert stored[0].dtype == np.uint16
+    for doc, ids in zip(docs, stored):
+        assert ids[-1] == tokenizer.eod
+        assert tokenizer.detokenize(ids[:-1]) == doc["text"]
+
+
+def test_preprocess_cli_workers_match_and_without_eod(
+    tmp_path, corpus, tokenizer_model, eod_prefix
+):
+    tool = load_tool("preprocess_data")
+    common = ["--input", corpus, "--tokenizer-type", "SentencePieceTokenizer",
+              "--tokenizer-model", tokenizer_model, "--log-interval", "10"]
+    tool.main([*common, "--output-prefix", str(tmp_path / "w2"), "--workers", "2", "--append-eod"])
+    for suffix in (".bin", ".idx"):
+        written = Path(f"{tmp_path}/w2_text_document{suffix}").read_bytes()
+        assert written == Path(eod_prefix + suffix).read_bytes()
+
+    tool.main([*common, "--output-prefix", str(tmp_path / "plain"), "--workers", "1"])
+    plain = documents_of(f"{tmp_path}/plain_text_document")
+    with_eod = documents_of(eod_prefix)
+    assert all(np.array_equal(p, e[:-1]) for p, e in zip(plain, with_eod))
+
+
+def test_preprocess_plain_text_input(tmp_path, tokenizer_model, tokenizer):
+    text = tmp_path / "lines.txt"
+    text.write_text("first line\n\nsecond  line\n")
+    summary = preprocess(PreprocessConfig(input=str(text), output_prefix=str(tmp_path / "t"),
+                                          tokenizer_model=tokenizer_model, progress=False))
+    decoded = [tokenizer.detokenize(ids) for ids in documents_of(summary.prefixes["text"])]
+    assert decoded == ["first line", "second  line"]
+
+
+def test_preprocess_errors(tmp_path, tokenizer_model):
+    def run(path, **kwargs):
+        config = PreprocessConfig(input=str(path), output_prefix=str(tmp_path / "out"),
+                                  tokenizer_model=tokenizer_model, progress=False, **kwargs)
+        return preprocess(config)
+
+    with pytest.raises(FileNotFoundError, match="--input .*nope.jsonl"):
+        run(tmp_path / "nope.jsonl")
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"text": oops}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: invalid JSON"):
+        run(bad)
+    assert not (tmp_path / "out_text_document.bin").exists()  # no half-written dataset
+
+    keyless = tmp_path / "keyless.jsonl"
+    keyless.write_text('{"text": "ok"}\n{"content": "x"}\n')
+    with pytest.raises(ValueError, match=r"keyless.jsonl:2: missing key 'text'"):
+        run(keyless, workers=2)
+
+
+# --- GPT datasets --------------------------------------------------------------------------
+
+
+def test_parse_data_path():
+    assert parse_data_path(["p"]) == (["p"], None)
+    assert parse_data_path(["a", "b"]) == (["a", "b"], None)
+    assert parse_data_path(["0.8", "a", "0.2", "b"]) == (["a", "b"], [0.8, 0.2])
+    with pytest.raises(ValueError, match="--data-path: blend weight 'x'"):
+        parse_data_path(["0.8", "a", "x", "b"])
+    with pytest.raises(ValueError, match="--data-path: blend weight '0'"):
+        parse_data_path(["1", "a", "0", "b"])
+
+
+def test_megatron_num_samples():
+    # 100 iterations, validation every 50 (at 50, 100) and at the end: 3 x 10 batches.
+    assert megatron_num_samples(100, 10, 50, 8) == (800, 240, 80)
+
+
+def test_gpt_datasets_from_preprocessed_data(tmp_path, monkeypatch, tokenizer, eod_prefix):
+    import megatron.core.datasets.utils as megatron_utils
+
+    def no_compile():
+        raise AssertionError("compile_helpers must not be called: the wheel ships helpers_cpp")
+
+    monkeypatch.setattr(megatron_utils, "compile_helpers", no_compile)
+    config = GPTDataConfig(data_path=(eod_prefix,), seq_length=64, split="90,10,0",
+                           path_to_cache=str(tmp_path / "cache"))
+    train, valid, test = build_gpt_datasets(config, tokenizer, (100, 20, 0))
+    assert test is None and len(train) >= 100 and len(valid) >= 20
+    sample = train[0]
+    assert sample["tokens"].shape == sample["labels"].shape == (64,)
+    assert sample["tokens"][1:].tolist() == sample["labels"][:-1].tolist()
+    assert int(sample["tokens"].max()) < tokenizer.vocab_size
+
+
+def test_blend_weights_are_respected(tmp_path, tokenizer):
+    a = write_indexed(tmp_path / "a", [[10] * 40 + [3]] * 50)
+    b = write_indexed(tmp_path / "b", [[20] * 40 + [3]] * 50)
+    config = GPTDataConfig(data_path=("0.8", a, "0.2", b), seq_length=16, split="100,0,0",
+                           path_to_cache=str(tmp_path / "cache"))
+    train, _, _ = build_gpt_datasets(config, tokenizer, (2000, 0, 0))
+    from_a = sum(10 in train[i]["tokens"].tolist() for i in range(len(train)))
+    assert len(train) >= 2000
+    assert from_a / len(train) == pytest.approx(0.8, abs=0.02)
+
+
+def test_gpt_dataset_errors(tmp_path, tokenizer, eod_prefix):
+    def build(*data_path, split="90,10,0", samples=(10, 10, 0)):
+        config = GPTDataConfig(data_path=data_path, seq_length=16, split=split,
+                               path_to_cache=str(tmp_path / "cache"))
+        return build_gpt_datasets(config, tokenizer, samples)
+
+    missing = r"--data-path .*missing.bin not found.*preprocess_data.py"
+    with pytest.raises(FileNotFoundError, match=missing):
+        build(str(tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError, match="without .bin/.idx"):
+        build(eod_prefix + ".bin")
+    with pytest.raises(ValueError, match="--data-path: blend weight 'half'"):
+        build("0.5", eod_prefix, "half", eod_prefix)
+
+    too_big = write_indexed(tmp_path / "big", [[5, VOCAB_SIZE + 7, 3]] * 4)
+    with pytest.raises(ValueError, match=rf"holds token id {VOCAB_SIZE + 7}.*--tokenizer-model"):
+        build(too_big)
+    with pytest.raises(ValueError, match=rf"holds token id {VOCAB_SIZE + 7}"):
+        check_vocab_covers_data([too_big], VOCAB_SIZE)
+
+    # 40 documents: a 1/1000 test share gets none, which megatron-core would loop on forever.
+    with pytest.raises(ValueError, match="--split 969,30,1 gives the test split none of the 40"):
+        build(eod_prefix, split="969,30,1", samples=(10, 10, 10))
+    build(eod_prefix, split="969,30,0", samples=(10, 10, 0))
+
+
+# --- stats ---------------------------------------------------------------------------------
+
+
+def test_unigram_entropy_matches_hand_computation(tmp_path):
+    # p = (1/2, 1/4, 1/4): H = 1/2 ln 2 + 2 * 1/4 ln 4 = 1.5 ln 2
+    assert unigram_entropy(np.array([7, 7, 8, 9])) == pytest.approx(1.5 * math.log(2))
+    a = write_indexed(tmp_path / "a", [[7, 7], [8, 9]])
+    assert data_unigram_entropy([a]) == pytest.approx(1.5 * math.log(2))
+
+    # Weighted blend: the mixture 0.5 * {7: 1} + 0.5 * {6: 1} has H = ln 2, whatever the sizes.
+    b = write_indexed(tmp_path / "b", [[7] * 30])
+    c = write_indexed(tmp_path / "c", [[6] * 10])
+    assert data_unigram_entropy(["1", b, "1", c]) == pytest.approx(math.log(2))
+    # Unweighted: token counts pool, p = (3/4, 1/4).
+    pooled = -(0.75 * math.log(0.75) + 0.25 * math.log(0.25))
+    assert data_unigram_entropy([b, c]) == pytest.approx(pooled)

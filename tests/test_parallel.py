@@ -1,0 +1,108 @@
+"""Multi-process training over gloo: parity between layouts, resume-exactness, resharding.
+
+Every run starts from the same saved initial weights (PP stages draw their
+initial weights from different RNG streams, so a shared checkpoint is what
+makes layouts comparable) and reads the same global batches.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from conftest import scalars, torchrun, train_args
+
+LOSS = "train/lm loss"
+VALID = "valid/lm loss"
+
+
+@pytest.fixture(scope="module")
+def init_ckpt(tiny_data, tmp_path_factory):
+    """Initial weights saved by a TP1 PP1 run that trains 0 iterations."""
+    path = tmp_path_factory.mktemp("init") / "ckpt"
+    torchrun(1, train_args(tiny_data, "--save", str(path), iters=0))
+    return path
+
+
+def run_from_init(tiny_data, init_ckpt, tmp_path, nproc, *layout, iters=6):
+    tb = tmp_path / "tb"
+    torchrun(nproc, train_args(tiny_data, *layout, "--load", str(init_ckpt), "--no-load-optim", "--no-load-rng",
+                               "--tensorboard-dir", str(tb), iters=iters))
+    return scalars(tb, LOSS)
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_data, init_ckpt, tmp_path_factory):
+    """Losses of TP1 PP1 DP1 from the initial weights."""
+    return run_from_init(tiny_data, init_ckpt, tmp_path_factory.mktemp("base"), 1)
+
+
+def assert_close(got: dict, want: dict, rel: float):
+    assert sorted(got) == sorted(want) and len(want) > 0
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=rel), f"iteration {step}: {got[step]} vs {want[step]}"
+
+
+def test_losses_fall(baseline):
+    assert baseline[6] < baseline[1] - 0.3
+
+
+@pytest.mark.parametrize("layout,nproc", [
+    (("--tensor-model-parallel-size", "2"), 2),
+    (("--pipeline-model-parallel-size", "2"), 2),
+    ((), 2),  # DP=2 with the same global batch: 2 micro-batches per rank instead of 4
+])
+def test_layout_matches_single_process(tiny_data, init_ckpt, baseline, tmp_path, layout, nproc):
+    losses = run_from_init(tiny_data, init_ckpt, tmp_path, nproc, *layout)
+    # Only the order of floating-point reductions differs between layouts.
+    assert_close(losses, baseline, rel=2e-5)
+
+
+def _resume_from(src, iteration: int, dst):
+    """A copy of checkpoint directory ``src`` whose newest checkpoint is ``iteration``."""
+    dst.mkdir()
+    name = f"iter_{iteration:07d}"
+    shutil.copytree(src / name, dst / name)
+    (dst / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def tp2pp2_run(tiny_data, tmp_path_factory):
+    """8 iterations at TP2 PP2 saving at 4 and 8."""
+    d = tmp_path_factory.mktemp("tp2pp2")
+    torchrun(4, train_args(tiny_data, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                           "--save", str(d / "ckpt"), "--save-interval", "4", "--tensorboard-dir", str(d / "tb"),
+                           iters=8))
+    return d
+
+
+def test_resume_is_exact_tp2pp2(tiny_data, tp2pp2_run, tmp_path):
+    ckpt = _resume_from(tp2pp2_run / "ckpt", 4, tmp_path / "ckpt")
+    torchrun(4, train_args(tiny_data, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                           "--load", str(ckpt), "--tensorboard-dir", str(tmp_path / "tb"), iters=8))
+    full = scalars(tp2pp2_run / "tb", LOSS)
+    resumed = scalars(tmp_path / "tb", LOSS)
+    assert sorted(resumed) == [5, 6, 7, 8]
+    assert {k: full[k] for k in resumed} == resumed  # bit-identical losses
+    assert scalars(tmp_path / "tb", VALID) == scalars(tp2pp2_run / "tb", VALID)
+
+
+def test_tp2pp2_checkpoint_loads_into_tp1pp1(tiny_data, tp2pp2_run, tmp_path):
+    torchrun(1, train_args(tiny_data, "--load", str(tp2pp2_run / "ckpt"), "--skip-train",
+                           "--tensorboard-dir", str(tmp_path / "tb"), iters=8))
+    want = scalars(tp2pp2_run / "tb", VALID)[8]
+    assert scalars(tmp_path / "tb", VALID)[8] == pytest.approx(want, rel=1e-5)
+
+
+def test_distributed_optimizer_resume_is_exact(tiny_data, tmp_path):
+    args = ("--use-distributed-optimizer", "--save-interval", "3")
+    torchrun(2, train_args(tiny_data, *args, "--save", str(tmp_path / "full"), "--tensorboard-dir",
+                           str(tmp_path / "tb_full")))
+    ckpt = _resume_from(tmp_path / "full", 3, tmp_path / "resumed")
+    torchrun(2, train_args(tiny_data, *args, "--load", str(ckpt), "--save", str(ckpt),
+                           "--tensorboard-dir", str(tmp_path / "tb_res")))
+    full, resumed = scalars(tmp_path / "tb_full", LOSS), scalars(tmp_path / "tb_res", LOSS)
+    assert sorted(resumed) == [4, 5, 6]
+    assert {k: full[k] for k in resumed} == resumed

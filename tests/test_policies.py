@@ -1,0 +1,183 @@
+"""Tests of the baseline precision plans (megatron_snip.snip.policies)."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from megatron_snip.snip import policies
+from megatron_snip.snip.ilp import (
+    BWD,
+    FWD,
+    InfeasibleTargetError,
+    LinearModule,
+    SnipProblem,
+    evaluate_plan,
+    largest_feasible_target,
+    solve,
+)
+
+TYPES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+# Llama-like relative sizes (in x out, in units of 256x256): qkv with GQA, proj, fc1 gated, fc2.
+SHAPES = {"linear_qkv": (8, 12), "linear_proj": (8, 8), "linear_fc1": (8, 44), "linear_fc2": (22, 8)}
+
+
+def llama_modules(n_layers, n_stages=1):
+    mods = []
+    for layer in range(n_layers):
+        for t in TYPES:
+            i, o = SHAPES[t.rsplit(".", 1)[-1]]
+            mods.append(LinearModule.from_shape(f"decoder.layers.{layer}.{t}", layer, 1024, i * 256, o * 256,
+                                                stage=layer * n_stages // n_layers))
+    return mods
+
+
+def random_table(rng, mods, formats):
+    return {m.name: {f: float(rng.uniform(0, 1)) for f in formats} for m in mods}
+
+
+def random_problem(seed):
+    rng = np.random.default_rng(seed)
+    formats = ("bf16", "fp8", "nvfp4", "mxfp4")[: int(rng.integers(3, 5))]
+    split = bool(rng.random() < 0.4)
+    mods = llama_modules(int(rng.integers(2, 6)), n_stages=int(rng.integers(1, 3)))
+    costs = (dict(fwd_cost=random_table(rng, mods, formats), bwd_cost=random_table(rng, mods, formats))
+             if split else dict(cost=random_table(rng, mods, formats)))
+    pins = {mods[0].name: "bf16"} if rng.random() < 0.5 else {}
+    base = SnipProblem(mods, formats, 0.0, **costs, per_stage=bool(rng.random() < 0.5), pins=pins)
+    target = float(rng.uniform(0.05, 1.0)) * largest_feasible_target(base)
+    switch = dict(current=policies.random_plan(base, seed=seed), switch_penalty=0.05) if rng.random() < 0.3 else {}
+    return rng, replace(base, target=target, **switch)
+
+
+def all_baselines(problem, rng, seed):
+    stat = dict(error=random_table(rng, problem.modules, problem.formats))
+    rel = dict(rel_error=random_table(rng, problem.modules, problem.formats))
+    if problem.split:
+        stat["bwd_error"] = random_table(rng, problem.modules, problem.formats)
+        rel["bwd_rel_error"] = random_table(rng, problem.modules, problem.formats)
+    return {
+        "uniform": policies.uniform(problem),
+        "random": policies.random_plan(problem, seed=seed),
+        "min_quant_error": policies.min_quant_error(problem, **stat, solver="highs"),
+        "min_relative_quant_error": policies.min_relative_quant_error(problem, **rel, solver="highs"),
+        "keep_ends_high": policies.keep_ends_high(problem, first=1, last=1),
+        "layer_type": policies.layer_type_heuristic(problem),
+    }
+
+
+def test_baselines_meet_budget_and_never_beat_the_ilp():
+    for seed in range(30):
+        rng, problem = random_problem(seed)
+        sol = solve(problem, "highs", mip_gap=0)
+        plans = all_baselines(problem, rng, seed)
+        for name, plan in plans.items():
+            ctx = f"seed {seed} {name}"
+            assert set(plan) == {u.key for u in problem.units}, ctx
+            assert all(plan[u.key] == u.pin for u in problem.units if u.pin), ctx
+            ev = evaluate_plan(problem, plan)
+            assert ev.meets_target, ctx
+            assert sol.objective <= ev.objective + 1e-9, ctx
+        table = policies.format_comparison(problem, {"snip_ilp": sol.plan, **plans})
+        assert len(table.splitlines()) == len(plans) + 2 and "NO" not in table
+
+
+def test_fill_stops_at_the_budget():
+    # Order-based baselines convert only until the budget is met, so they
+    # overshoot by less than one unit's share (here all units are equal).
+    mods = [LinearModule(f"decoder.layers.{i}.mlp.linear_fc1", i, 1.0, 1.0, 1.0) for i in range(10)]
+    cost = {m.name: {"fp8": 0.0, "nvfp4": 1.0} for m in mods}
+    p = SnipProblem(mods, ("fp8", "nvfp4"), 0.35, cost=cost)
+    for plan in (policies.random_plan(p, seed=3), policies.layer_type_heuristic(p)):
+        assert evaluate_plan(p, plan).fp4_fraction == pytest.approx(0.4)
+
+
+def test_per_stage_fill_meets_every_stage():
+    mods = llama_modules(4, n_stages=2)
+    cost = {m.name: {"fp8": 0.0, "nvfp4": 1.0} for m in mods}
+    p = SnipProblem(mods, ("fp8", "nvfp4"), 0.6, cost=cost, per_stage=True)
+    for plan in (policies.random_plan(p, 1), policies.layer_type_heuristic(p), policies.keep_ends_high(p, 2, 0)):
+        assert all(v >= 0.6 for v in evaluate_plan(p, plan).stage_fp4_fraction.values())
+
+
+def test_random_plan_is_seeded():
+    _, p = random_problem(5)
+    assert policies.random_plan(p, seed=11) == policies.random_plan(p, seed=11)
+    assert len({tuple(policies.random_plan(p, seed=s).values()) for s in range(8)}) > 1
+
+
+def test_uniform():
+    mods = llama_modules(2)
+    cost = {m.name: {"bf16": 0.0, "fp8": 0.0, "nvfp4": 1.0} for m in mods}
+    p = SnipProblem(mods, ("bf16", "fp8", "nvfp4"), 0.5, cost=cost, pins={mods[0].name: "bf16"})
+    plan = policies.uniform(p)
+    assert plan[mods[0].name] == "bf16" and set(list(plan.values())[1:]) == {"nvfp4"}
+    with pytest.raises(InfeasibleTargetError, match="not met by a uniform fp8 plan") as exc:
+        policies.uniform(p, "fp8")
+    assert exc.value.largest_feasible == 0.0
+    assert set(policies.uniform(replace(p, target=0.0), "fp8").values()) == {"bf16", "fp8"}
+
+
+def test_keep_ends_high():
+    mods = [LinearModule(f"decoder.layers.{i}.mlp.linear_fc1", i, 1.0, 1.0, 1.0) for i in range(6)]
+    cost = {m.name: {"fp8": 0.0, "nvfp4": 1.0} for m in mods}
+
+    def fp4_layers(target, first, last):
+        plan = policies.keep_ends_high(SnipProblem(mods, ("fp8", "nvfp4"), target, cost=cost), first, last)
+        return [i for i, m in enumerate(mods) if plan[m.name] == "nvfp4"]
+
+    # Unprotected layers all go FP4, even past the target.
+    assert fp4_layers(0.3, 1, 1) == [1, 2, 3, 4]
+    # Not enough: protected layers are released innermost first (layer 1 before 0 and 5).
+    assert fp4_layers(0.6, 2, 1) == [1, 2, 3, 4]
+    assert fp4_layers(0.8, 2, 1) == [0, 1, 2, 3, 4]
+    assert fp4_layers(1.0, 2, 1) == [0, 1, 2, 3, 4, 5]
+
+
+def test_layer_type_heuristic_order():
+    mods = llama_modules(3)
+    cost = {m.name: {"fp8": 0.0, "nvfp4": 1.0} for m in mods}
+    fc1 = [m for m in mods if m.name.endswith("linear_fc1")]
+    share = sum(m.flops for m in fc1) / sum(m.flops for m in mods)
+    p = SnipProblem(mods, ("fp8", "nvfp4"), share, cost=cost)
+    plan = policies.layer_type_heuristic(p)
+    assert {k for k, f in plan.items() if f == "nvfp4"} == {m.name for m in fc1}
+    # A custom order; within a type, layers go center-out (middle layer 1 first).
+    p = replace(p, target=min(m.flops for m in mods if m.name.endswith("linear_proj")) / p.total_flops)
+    plan = policies.layer_type_heuristic(p, order=("linear_proj",))
+    assert [k for k, f in plan.items() if f == "nvfp4"] == ["decoder.layers.1.self_attention.linear_proj"]
+
+
+def test_split_mode_baselines_use_pass_keys():
+    mods = llama_modules(2)
+    cost = {m.name: {"fp8": 0.0, "nvfp4": 1.0} for m in mods}
+    p = SnipProblem(mods, ("fp8", "nvfp4"), 0.5, fwd_cost=cost, bwd_cost=cost, pins={(mods[0].name, BWD): "fp8"})
+    plan = policies.layer_type_heuristic(p)
+    assert plan[(mods[0].name, BWD)] == "fp8"
+    assert set(plan) == {(m.name, p_) for m in mods for p_ in (FWD, BWD)}
+    with pytest.raises(ValueError, match="split mode"):
+        policies.min_quant_error(p, cost)
+    assert evaluate_plan(p, policies.min_quant_error(p, cost, cost, solver="highs")).meets_target
+
+
+def test_min_quant_error_is_the_ilp_on_the_statistic():
+    rng, p = random_problem(2)
+    err = random_table(rng, p.modules, p.formats)
+    bwd = random_table(rng, p.modules, p.formats) if p.split else None
+    plan = policies.min_quant_error(p, err, bwd, solver="highs")
+    costs = dict(fwd_cost=err, bwd_cost=bwd) if p.split else dict(cost=err)
+    on_stat = replace(p, **costs, current=None, switch_penalty=0.0)
+    assert evaluate_plan(on_stat, plan).objective == pytest.approx(solve(on_stat, "highs", mip_gap=0).objective,
+                                                                   rel=1e-4)
+
+
+def test_format_choices_are_validated():
+    mods = llama_modules(1)
+    cost = {m.name: {"fp8": 0.0, "nvfp4": 1.0} for m in mods}
+    p = SnipProblem(mods, ("fp8", "nvfp4"), 0.5, cost=cost)
+    with pytest.raises(ValueError, match="not one of the FP4 candidates"):
+        policies.random_plan(p, fp4_format="fp8")
+    with pytest.raises(ValueError, match="not one of the non-FP4 candidates"):
+        policies.random_plan(p, high_format="bf16")
+    with pytest.raises(ValueError, match="first and last"):
+        policies.keep_ends_high(p, first=-1)
