@@ -236,19 +236,19 @@ def _validate_files(args: argparse.Namespace) -> None:
              "--data-path is required: the prefix of a preprocessed dataset (tools/preprocess_data.py)")
     _require(args.tokenizer_model is not None,
              "--tokenizer-model is required: a sentencepiece .model file (tools/train_tokenizer.py)")
-    _require(os.path.isfile(args.tokenizer_model),
-             f"--tokenizer-model {args.tokenizer_model!r} does not exist; train one with "
-             f"tools/train_tokenizer.py or fix the path")
-    from megatron_snip.data.datasets import check_data_prefixes, parse_data_path
+    from megatron_snip.data.datasets import check_data_prefixes, check_vocab_covers_data, parse_data_path
+    from megatron_snip.data.tokenizer import build_tokenizer
+    from megatron_snip.training.checkpointing import CheckpointError, verify_latest
 
     try:
-        check_data_prefixes(parse_data_path(args.data_path)[0])
-    except (FileNotFoundError, ValueError) as e:
+        prefixes = parse_data_path(args.data_path)[0]
+        check_data_prefixes(prefixes)
+        check_vocab_covers_data(prefixes, build_tokenizer(args.tokenizer_type, args.tokenizer_model).vocab_size)
+        latest = verify_latest(args.load) if args.load is not None else None
+    except (FileNotFoundError, ValueError, CheckpointError) as e:
         raise ArgumentError(str(e)) from e
     if args.load is not None:
-        from megatron_snip.training.checkpointing import find_latest
-
-        if find_latest(args.load) is None and os.path.abspath(args.load) != os.path.abspath(args.save or ""):
+        if latest is None and os.path.abspath(args.load) != os.path.abspath(args.save or ""):
             raise ArgumentError(
                 f"--load {args.load!r} holds no checkpoint (no latest_checkpointed_iteration.txt); "
                 f"fix the path, or pass the same directory to --save and --load to resume-or-start")

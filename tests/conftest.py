@@ -81,3 +81,11 @@ def scalars(tensorboard_dir: str | Path, tag: str) -> dict[int, float]:
         if tag in acc.Tags()["scalars"]:
             values.update({e.step: e.value for e in acc.Scalars(tag)})
     return values
+
+
+@pytest.fixture(scope="session")
+def init_ckpt(tiny_data, tmp_path_factory) -> Path:
+    """Initial weights saved by a TP1 PP1 run that trains 0 iterations."""
+    path = tmp_path_factory.mktemp("init") / "ckpt"
+    torchrun(1, train_args(tiny_data, "--save", str(path), iters=0))
+    return path

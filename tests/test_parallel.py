@@ -17,14 +17,6 @@ LOSS = "train/lm loss"
 VALID = "valid/lm loss"
 
 
-@pytest.fixture(scope="module")
-def init_ckpt(tiny_data, tmp_path_factory):
-    """Initial weights saved by a TP1 PP1 run that trains 0 iterations."""
-    path = tmp_path_factory.mktemp("init") / "ckpt"
-    torchrun(1, train_args(tiny_data, "--save", str(path), iters=0))
-    return path
-
-
 def run_from_init(tiny_data, init_ckpt, tmp_path, nproc, *layout, iters=6):
     tb = tmp_path / "tb"
     torchrun(nproc, train_args(tiny_data, *layout, "--load", str(init_ckpt), "--no-load-optim", "--no-load-rng",

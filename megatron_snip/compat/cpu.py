@@ -144,6 +144,20 @@ def _cuda_stand_ins() -> dict:
     }
 
 
+def _apply_rng_state_changes_now() -> None:
+    """Make megatron's RNG-state setter take effect.
+
+    ``megatron.core.tensor_parallel.random`` sets CUDA RNG states through
+    ``torch.cuda._lazy_call``, which without an initialised CUDA context only
+    queues the call (with a stack trace) forever: the tracker's forks would
+    never switch generators and every fork would leak memory.
+    """
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    mcore_random._lazy_call = lambda callback, **_: callback()
+    STATE.patched.append("megatron.core.tensor_parallel.random._lazy_call")
+
+
 def _reenter_mode_in_autograd_engine(mode: _CudaAsCpuMode) -> None:
     """Keep the mode active for code the autograd engine runs.
 
@@ -205,6 +219,7 @@ def enable() -> CompatState:
         if name in ("get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all"):
             # megatron also reaches these through ``torch.cuda.random``.
             setattr(torch.cuda.random, name, fn)
+    _apply_rng_state_changes_now()
     STATE.mode = _CudaAsCpuMode()
     STATE.mode.__enter__()
     _reenter_mode_in_autograd_engine(STATE.mode)

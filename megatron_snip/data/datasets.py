@@ -282,11 +282,29 @@ def load_tokens(prefix: str) -> np.ndarray:
     return np.memmap(get_bin_path(prefix), dtype=dtype, mode="r")
 
 
+# Checks and statistics read at most this many tokens per dataset, so a launch
+# over terabytes of data does not scan them all on every rank.
+SAMPLE_TOKENS = 1 << 25
+_SAMPLE_CHUNKS = 64
+
+
+def sample_tokens(prefix: str, max_tokens: int = SAMPLE_TOKENS) -> np.ndarray:
+    """All tokens of a dataset, or ``max_tokens`` of them in evenly spaced contiguous chunks."""
+    tokens = load_tokens(prefix)
+    if tokens.size <= max_tokens:
+        return tokens
+    chunk = max_tokens // _SAMPLE_CHUNKS
+    starts = np.linspace(0, tokens.size - chunk, _SAMPLE_CHUNKS).astype(np.int64)
+    return np.concatenate([tokens[s:s + chunk] for s in starts])
+
+
 def check_vocab_covers_data(prefixes: Sequence[str], vocab_size: int) -> None:
     """Raise ValueError naming ``--tokenizer-model``/``--data-path`` if a dataset holds a token
-    id >= ``vocab_size`` (data tokenized with another tokenizer). Reads each ``.bin`` once."""
+    id >= ``vocab_size`` (data tokenized with another tokenizer). Reads each ``.bin`` whole up
+    to ``SAMPLE_TOKENS`` tokens, else a sample of that size (a foreign tokenizer's ids show up
+    everywhere, so a sample finds them)."""
     for prefix in prefixes:
-        tokens = load_tokens(prefix)
+        tokens = sample_tokens(prefix)
         max_id = int(tokens.max()) if tokens.size else -1
         if max_id >= vocab_size:
             raise ValueError(

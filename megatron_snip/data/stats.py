@@ -9,7 +9,7 @@ from typing import Sequence
 
 import numpy as np
 
-from megatron_snip.data.datasets import load_tokens, parse_data_path
+from megatron_snip.data.datasets import parse_data_path, sample_tokens
 
 
 def entropy_from_counts(counts: np.ndarray) -> float:
@@ -32,10 +32,11 @@ def data_unigram_entropy(data_path: Sequence[str]) -> float:
     For a weighted blend ``[w1, prefix1, ...]`` the stream is the mixture ``sum_i w_i p_i`` of
     the datasets' unigram distributions (weights normalized); without weights, the datasets are
     drawn in proportion to their sizes, i.e. their token counts are pooled. eod tokens count as
-    tokens, since the model is trained to predict them. All splits are included.
+    tokens, since the model is trained to predict them. All splits are included. Datasets
+    larger than ``SAMPLE_TOKENS`` are estimated from an evenly spaced sample of that size.
     """
     prefixes, weights = parse_data_path(data_path)
-    counts = [np.bincount(load_tokens(prefix)) for prefix in prefixes]
+    counts = [np.bincount(sample_tokens(prefix)) for prefix in prefixes]
     for prefix, c in zip(prefixes, counts):
         if c.sum() == 0:
             raise ValueError(f"--data-path {prefix}: dataset has no tokens")

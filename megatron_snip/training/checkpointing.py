@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from torch.distributed.checkpoint.api import CheckpointException
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,22 @@ def find_latest(root: str) -> int | None:
     if not os.path.isdir(iteration_dir(root, iteration)):
         raise CheckpointError(f"{tracker} names iteration {iteration} but {iteration_dir(root, iteration)} "
                               f"is missing; restore it or point the tracker at an existing iter_* directory")
+    return iteration
+
+
+# Files every complete dist_checkpointing checkpoint holds.
+_REQUIRED_FILES = ("metadata.json", ".metadata", "common.pt")
+
+
+def verify_latest(root: str) -> int | None:
+    """Like :func:`find_latest`, and check the checkpoint is structurally complete."""
+    iteration = find_latest(root)
+    if iteration is not None:
+        path = iteration_dir(root, iteration)
+        missing = [f for f in _REQUIRED_FILES if not os.path.isfile(os.path.join(path, f))]
+        if missing:
+            raise CheckpointError(f"checkpoint {path} is incomplete (missing {', '.join(missing)}); delete it and "
+                                  f"point {os.path.join(root, TRACKER)} at an earlier iteration")
     return iteration
 
 
@@ -96,15 +113,18 @@ def _set_rng_state(state: dict) -> None:
 
 
 def _materialize_optimizer_state(optimizer) -> None:
-    """Create Adam's per-parameter state (step, moments) before loading into it.
+    """Create Adam's per-parameter state if it does not exist yet, equal to a fresh one.
 
-    The distributed optimizer's load path reads the state it will overwrite,
-    which torch's Adam creates lazily at its first step. A step with zero
-    gradients, zero LR and zero weight decay creates it without moving a weight.
+    torch's Adam creates its state lazily at the first step, so a checkpoint
+    written before any step (``--train-iters 0``, a preemption at start-up)
+    would lack it, and the distributed optimizer's load path reads the state it
+    overwrites. A step with zero gradients, LR and weight decay creates the
+    moments (zeros) without moving a weight; resetting ``step`` to 0 makes the
+    state identical to a fresh optimizer's.
     """
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(opt, "optimizer", None)
-        if not hasattr(opt, "data_parallel_group_idx") or inner is None or len(inner.state) > 0:
+        if inner is None or len(inner.state) > 0:
             continue
         saved = [(g["lr"], g["weight_decay"]) for g in inner.param_groups]
         for g in inner.param_groups:
@@ -116,17 +136,20 @@ def _materialize_optimizer_state(optimizer) -> None:
             g["lr"], g["weight_decay"] = lr, wd
             for p in g["params"]:
                 p.grad = None
+                if "step" in inner.state[p]:
+                    inner.state[p]["step"] = torch.zeros_like(inner.state[p]["step"])
 
 
 def _restore_adam_steps(optimizer, state: dict) -> None:
-    """Set every parameter's Adam ``step`` to the checkpoint's, one tensor per parameter.
+    """Give every parameter its own, correct Adam ``step`` tensor after a load.
 
-    megatron-core's distributed optimizer, when it falls back to torch's Adam
-    (no apex / Transformer Engine), keeps the step in its param groups, and its
+    Two megatron-core quirks with torch's Adam (no apex / Transformer Engine):
+    the distributed optimizer keeps the step in its param groups, and its
     DP-reshardable load leaves each parameter with the step of the state it
-    loaded into (our placeholder) or one tensor shared by all parameters, which
-    torch would increment once per parameter. Either breaks the bias
-    correction after a resume.
+    loaded into (or one tensor shared by all, which torch would increment once
+    per parameter); the other optimizers drop a step of 0 when saving
+    (iteration-0 checkpoints, see :func:`_fill_missing_steps`). Either would break
+    Adam's bias correction.
     """
     chained = getattr(optimizer, "chained_optimizers", [optimizer])
     # ChainedOptimizer stores a single optimizer's state unnested (see its load_state_dict).
@@ -134,19 +157,29 @@ def _restore_adam_steps(optimizer, state: dict) -> None:
     for opt, opt_state in zip(chained, states):
         groups = opt_state.get("optimizer", {}).get("param_groups", [])
         steps = {g["step"] for g in groups if "step" in g}
-        if not hasattr(opt, "data_parallel_group_idx") or len(steps) != 1:
-            continue
-        step = float(steps.pop())
-        for param_state in opt.optimizer.state.values():
-            param_state["step"] = torch.tensor(step, dtype=torch.float32)
+        group_step = float(steps.pop()) if hasattr(opt, "data_parallel_group_idx") and len(steps) == 1 else None
+        if group_step is not None:
+            for param_state in opt.optimizer.state.values():
+                param_state["step"] = torch.tensor(group_step, dtype=torch.float32)
+
+
+def _fill_missing_steps(state) -> None:
+    """Add ``step = 0`` to Adam states saved without one (see :func:`_restore_adam_steps`)."""
+    if not isinstance(state, dict):
+        return
+    if "param_groups" in state and isinstance(state.get("state"), dict):
+        for param_state in state["state"].values():
+            if isinstance(param_state, dict) and "exp_avg" in param_state and "step" not in param_state:
+                param_state["step"] = torch.tensor(0.0, dtype=torch.float32)
+    for value in state.values():
+        _fill_missing_steps(value)
 
 
 def _sharded_state(model, optimizer, scheduler, *, is_loading: bool, with_optim: bool, with_rng: bool) -> dict:
     model_sd = model.sharded_state_dict()
     state = {"model": model_sd}
     if with_optim:
-        if is_loading:
-            _materialize_optimizer_state(optimizer)
+        _materialize_optimizer_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=DIST_OPT_FORMAT)
         state["opt_param_scheduler"] = scheduler.state_dict()
     if with_rng:
@@ -186,6 +219,21 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extr
     return final
 
 
+# torch.distributed.checkpoint reports failed reads as a BaseException subclass.
+_READ_ERRORS = (Exception, CheckpointException)
+
+
+def _damaged(root: str, path: str, error: BaseException) -> CheckpointError:
+    # A CheckpointException wraps the per-rank errors; the first one says what broke.
+    # (each as an (exception, traceback) pair).
+    error = next(iter(getattr(error, "failures", {}).values()), error)
+    if isinstance(error, tuple):
+        error = error[0]
+    first_line = (str(error).strip().splitlines() or [""])[0][:300]
+    return CheckpointError(f"cannot load checkpoint {path} ({type(error).__name__}: {first_line}); if it is damaged, "
+                           f"delete it and point {os.path.join(root, TRACKER)} at an earlier iteration")
+
+
 def load_checkpoint(root: str, model, optimizer, scheduler, *, load_optim: bool = True,
                     load_rng: bool = True) -> dict | None:
     """Load the newest checkpoint under ``root`` into model/optimizer/scheduler.
@@ -201,20 +249,19 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, load_optim: bool 
     path = iteration_dir(root, iteration)
     try:
         common = dist_checkpointing.load_common_state_dict(path)
-    except Exception as e:
-        raise CheckpointError(f"checkpoint {path} is corrupt or incomplete ({type(e).__name__}: {e}); "
-                              f"delete it and point {os.path.join(root, TRACKER)} at an earlier iteration") from e
+    except _READ_ERRORS as e:
+        raise _damaged(root, path, e) from e
     if load_optim:
         _check_optimizer_layout(common, optimizer, path)
     load_rng = load_rng and common.get("layout") == _layout()
     state = _sharded_state(model, optimizer, scheduler, is_loading=True, with_optim=load_optim, with_rng=load_rng)
     try:
         loaded = dist_checkpointing.load(state, path)
-    except Exception as e:
-        raise CheckpointError(f"cannot load checkpoint {path} ({type(e).__name__}: {e}); if it is damaged, "
-                              f"delete it and point {os.path.join(root, TRACKER)} at an earlier iteration") from e
+    except _READ_ERRORS as e:
+        raise _damaged(root, path, e) from e
     model.load_state_dict(loaded["model"])
     if load_optim:
+        _fill_missing_steps(loaded["optimizer"])
         with torch.no_grad():
             optimizer.load_state_dict(loaded["optimizer"])
         _restore_adam_steps(optimizer, loaded["optimizer"])

@@ -237,7 +237,11 @@ def main(argv: list[str] | None = None) -> int:
     except ArgumentError as e:
         print(f"pretrain_llama.py: error: {e}", file=sys.stderr)
         return 2
-    pretrain(args)
+    try:
+        pretrain(args)
+    except checkpointing.CheckpointError as e:
+        print(f"pretrain_llama.py: error: {e}", file=sys.stderr)
+        return 1
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     return 0

@@ -1,0 +1,120 @@
+"""Applying a precision plan to this rank's part of a megatron-core GPTModel.
+
+The plan speaks in global names (``decoder.layers.{i}.mlp.linear_fc1``, i
+the 0-based global layer index); a rank holds only its pipeline stage's
+layers (``decoder.layers`` indices are stage-local there) and a TP shard of
+each. :class:`PrecisionController` finds every quantized linear of the model
+chunks it is given, names it globally from its ``TransformerLayer``'s
+``layer_number`` (1-based, global), and sets precisions from plans. Every
+rank applies the same plan at the same iteration; nothing is communicated.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from megatron_snip.precision.plan import LINEAR_MODULES, PrecisionPlan, module_name, parse_module_name
+from megatron_snip.precision.recipes import BF16, Precision, RecipeConfig
+
+from .quantized_layers import QuantizedLinearMixin
+
+
+def _find_linears(chunks: Sequence[torch.nn.Module]) -> dict[str, QuantizedLinearMixin]:
+    """Global plan name -> quantized linear module, ordered by layer then execution order."""
+    found: dict[str, QuantizedLinearMixin] = {}
+    for chunk in chunks:
+        for layer in chunk.modules():
+            if not isinstance(layer, TransformerLayer):
+                continue
+            for relative, module in layer.named_modules():
+                if not isinstance(module, QuantizedLinearMixin):
+                    continue
+                if relative not in LINEAR_MODULES:
+                    raise ValueError(f"quantized linear at {relative!r} in layer {layer.layer_number} is not one "
+                                     f"of the plan's modules ({', '.join(LINEAR_MODULES)})")
+                found[module_name(layer.layer_number - 1, relative)] = module
+    total = sum(isinstance(m, QuantizedLinearMixin) for chunk in chunks for m in chunk.modules())
+    if total != len(found):
+        raise ValueError(f"{total - len(found)} quantized linear module(s) lie outside a TransformerLayer "
+                         "and have no plan name")
+    return dict(sorted(found.items(), key=lambda item: _order(item[0])))
+
+
+def _order(name: str) -> tuple[int, int]:
+    layer, module = parse_module_name(name)
+    return layer, LINEAR_MODULES.index(module)
+
+
+def _module_seed(name: str, seed: int) -> int:
+    """A stable per-module seed: the same on every rank and every run (Python's hash() is not)."""
+    return (seed << 32) ^ zlib.crc32(name.encode())
+
+
+class PrecisionController:
+    """Sets the precision of every quantized linear in this rank's model chunks.
+
+    Args:
+        model: a GPTModel chunk (possibly wrapped, e.g. in DDP / Float16Module) or a list
+            of chunks (virtual pipeline stages).
+        recipe: the recipe for all modules.
+        seed: base seed of the modules' stochastic rounding and Hadamard signs. Hadamard
+            signs depend on (seed, module name) only, so all TP ranks of a module agree;
+            the rounding RNG also mixes in the global rank, so shards draw independently.
+    """
+
+    def __init__(self, model: torch.nn.Module | Sequence[torch.nn.Module], *,
+                 recipe: RecipeConfig = RecipeConfig(), seed: int = 0):
+        chunks = list(model) if isinstance(model, Sequence) else [model]
+        self._modules = _find_linears(chunks)
+        if not self._modules:
+            raise ValueError("no quantized linear modules in the model: build it with precision_layer_spec()")
+        self.num_layers = next(iter(self._modules.values())).config.num_layers
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        for name, module in self._modules.items():
+            module.module_name = name
+            module.quant_state.reseed(_module_seed(name, seed), stream=rank)
+            module.set_recipe(recipe)
+
+    def module_names(self) -> list[str]:
+        """Global names of this rank's quantized linears, by layer then execution order."""
+        return list(self._modules)
+
+    def modules(self) -> dict[str, QuantizedLinearMixin]:
+        """Global name -> module, for this rank."""
+        return dict(self._modules)
+
+    def current_plan(self) -> PrecisionPlan:
+        """The precisions this rank's modules run now (modules of other stages: bf16 default)."""
+        return PrecisionPlan({name: m.precision for name, m in self._modules.items()}, BF16)
+
+    def apply(self, plan: PrecisionPlan) -> dict[str, tuple[Precision, Precision]]:
+        """Set every module's precision from ``plan``, effective at the next forward.
+
+        All modules are checked before any changes, so a plan that does not fit
+        (layers beyond the model, TP block alignment, sequence parallel) raises
+        ValueError and leaves the model as it was.
+
+        Returns:
+            This rank's modules whose precision changed: name -> (old, new).
+        """
+        plan.validate(self.num_layers)
+        for name, module in self._modules.items():
+            module.check_precision(plan[name], module.recipe)
+        changed = {}
+        for name, module in self._modules.items():
+            if module.precision != plan[name]:
+                changed[name] = (module.precision, plan[name])
+                module.precision = plan[name]
+        return changed
+
+    def set_recipe(self, recipe: RecipeConfig) -> None:
+        """Use ``recipe`` in every module from the next forward (checked for all modules first)."""
+        for module in self._modules.values():
+            module.check_precision(module.precision, recipe)
+        for module in self._modules.values():
+            module.recipe = recipe

@@ -1,0 +1,197 @@
+"""megatron-core tensor-parallel linear layers whose GEMMs run in a per-module precision.
+
+:class:`QuantizedColumnParallelLinear` and :class:`QuantizedRowParallelLinear`
+are drop-in subclasses of megatron-core's local ``ColumnParallelLinear`` /
+``RowParallelLinear`` (same constructor, parameters, checkpoint layout and
+``(output, bias)`` return). Each holds a ``precision`` that can be set at any
+time without rebuilding anything. In bf16 they *are* the parent (its forward
+runs); otherwise they do the parent's tensor-parallel communication around
+:func:`megatron_snip.precision.linear.quantized_linear`:
+
+- column-parallel (W split along out): ``copy_to_tensor_model_parallel_region``
+  (identity forward, all-reduce of dX backward), then the GEMM; the output
+  stays split. Split operands: W and dY.
+- row-parallel (W split along in, input already split): the GEMM on the
+  shard, then ``reduce_from_tensor_model_parallel_region``. Split operands: X and W.
+
+Per-tensor amaxes of split operands are all-reduced (MAX) over the TP group,
+and a split reduction dim must fall on block boundaries, so a TP-sharded
+layer quantizes exactly as the unsharded one. Sequence parallelism is not
+supported in the quantized path yet.
+
+:func:`precision_layer_spec` puts these classes into megatron-core's local GPT layer spec.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.utils import get_pg_size
+
+from megatron_snip.precision.linear import QuantState, quantized_linear
+from megatron_snip.precision.recipes import BF16, Precision, RecipeConfig, reduction_block
+
+
+class QuantizedLinearMixin:
+    """What the column- and row-parallel quantized layers share (listed before the megatron base).
+
+    Attributes:
+        precision: the module's :class:`Precision` (validated on assignment).
+        recipe: the :class:`RecipeConfig` realising it (set through :meth:`set_recipe`).
+        quant_state: the module's :class:`QuantState`.
+        module_name: the global plan name, set by ``PrecisionController`` (used in messages).
+    """
+
+    # Per subclass: operands split across TP ranks, which dim of W the split runs along,
+    # and the megatron attribute holding this rank's length of that dim.
+    sharded_operands: frozenset[str] = frozenset()
+    sharded_dim: str = ""
+    sharded_size_attr: str = ""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._precision = BF16
+        self.recipe = RecipeConfig()
+        self.quant_state = QuantState()
+        self.module_name = type(self).__name__
+
+    @property
+    def precision(self) -> Precision:
+        return self._precision
+
+    @precision.setter
+    def precision(self, precision: Precision) -> None:
+        self.check_precision(precision, self.recipe)
+        self._precision = precision
+
+    def set_recipe(self, recipe: RecipeConfig) -> None:
+        self.check_precision(self._precision, recipe)
+        self.recipe = recipe
+
+    def check_precision(self, precision: Precision, recipe: RecipeConfig) -> None:
+        """Raise ValueError if this module cannot run ``precision`` under ``recipe``."""
+        if precision.is_bf16:
+            return
+        if self.config.sequence_parallel:
+            raise ValueError(f"{self.module_name}: precision {precision} with sequence parallelism is not "
+                             "supported yet; run without --sequence-parallel or keep this module in bf16")
+        tp = get_pg_size(self.tp_group)
+        if tp == 1:
+            return
+        # A strided layout (SwiGLU's fc1: [gate_r; up_r] per rank) holds `stride` separate
+        # slices of the full tensor: each must start on a block boundary.
+        stride = getattr(self.weight, "partition_stride", 1)
+        size = getattr(self, self.sharded_size_attr) // stride
+        for name in dict.fromkeys((precision.fwd, precision.bwd)):
+            block = reduction_block(name, recipe)
+            if size % block:
+                slices = f" in {stride} slices of {size}" if stride > 1 else f" ({size} per rank)"
+                raise ValueError(
+                    f"{self.module_name}: cannot run {name}: its {self.sharded_dim} dimension is split over "
+                    f"TP={tp} ranks{slices}, not a multiple of the {name} block of {block}"
+                )
+
+    def _amax_all_reduce(self, amax: torch.Tensor) -> torch.Tensor:
+        # NaN -> Inf first: MAX over a NaN is order-dependent, Inf is not, and a non-finite
+        # amax makes the whole tensor NaN on every rank either way (see docs/numerics.md).
+        amax = torch.nan_to_num(amax.clone(), nan=math.inf)
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.tp_group)
+        return amax
+
+    def _quantized_gemm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        split = get_pg_size(self.tp_group) > 1
+        return quantized_linear(
+            x, weight, self._precision, self.recipe, self.quant_state,
+            amax_reduce=self._amax_all_reduce if split else None,
+            sharded=self.sharded_operands if split else frozenset(),
+        )
+
+    def _output_and_bias(self, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Add the bias, or hand it back to the caller with ``skip_bias_add``, as the parents do."""
+        if self.skip_bias_add:
+            return output, self.bias
+        return (output if self.bias is None else output + self.bias), None
+
+    def __repr__(self) -> str:
+        return f"{super().__repr__()[:-1]}, precision={self._precision})"
+
+
+class QuantizedColumnParallelLinear(QuantizedLinearMixin, ColumnParallelLinear):
+    """``ColumnParallelLinear`` with a per-module precision (W split along out)."""
+
+    sharded_operands = frozenset({"w", "dy"})
+    sharded_dim = "output"
+    sharded_size_attr = "output_size_per_partition"
+
+    def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None,
+                runtime_gather_output: bool | None = None):
+        """input_: [s, b, h]; returns ([s, b, out / tp] (or gathered), bias or None)."""
+        if self._precision.is_bf16:
+            return super().forward(input_, weight, runtime_gather_output)
+        x = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
+        output, bias = self._output_and_bias(self._quantized_gemm(x, self.weight if weight is None else weight))
+        gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
+        if gather:
+            output = gather_from_tensor_model_parallel_region(output, group=self.tp_group)
+        return output, bias
+
+
+class QuantizedRowParallelLinear(QuantizedLinearMixin, RowParallelLinear):
+    """``RowParallelLinear`` with a per-module precision (W and X split along in)."""
+
+    sharded_operands = frozenset({"x", "w"})
+    sharded_dim = "input"
+    sharded_size_attr = "input_size_per_partition"
+
+    def forward(self, input_: torch.Tensor):
+        """input_: [s, b, in / tp] (or [s, b, in] if not input_is_parallel); returns ([s, b, out], bias or None)."""
+        if self._precision.is_bf16:
+            return super().forward(input_)
+        x = input_ if self.input_is_parallel else scatter_to_tensor_model_parallel_region(input_, group=self.tp_group)
+        output = reduce_from_tensor_model_parallel_region(self._quantized_gemm(x, self.weight), group=self.tp_group)
+        return self._output_and_bias(output)
+
+
+_QUANTIZED = {ColumnParallelLinear: QuantizedColumnParallelLinear, RowParallelLinear: QuantizedRowParallelLinear}
+# Where the four linear modules sit in a TransformerLayer spec: submodule -> its linear fields.
+_LINEAR_FIELDS = {"self_attention": ("linear_qkv", "linear_proj"), "mlp": ("linear_fc1", "linear_fc2")}
+
+
+def _quantized(entry, where: str):
+    """The quantized counterpart of a spec entry (a class or a ModuleSpec of one)."""
+    cls = entry.module if isinstance(entry, ModuleSpec) else entry
+    if cls in _QUANTIZED.values():
+        return entry
+    if cls not in _QUANTIZED:
+        raise ValueError(f"precision_layer_spec: {where} is {cls!r}; it needs megatron-core's local "
+                         "ColumnParallelLinear/RowParallelLinear (get_gpt_layer_local_spec)")
+    return dataclasses.replace(entry, module=_QUANTIZED[cls]) if isinstance(entry, ModuleSpec) else _QUANTIZED[cls]
+
+
+def precision_layer_spec(base: ModuleSpec) -> ModuleSpec:
+    """A copy of a megatron-core local GPT layer spec with linear_qkv, linear_proj, linear_fc1
+    and linear_fc2 replaced by the quantized classes (``base`` is left unchanged).
+
+    Args:
+        base: e.g. ``get_gpt_layer_local_spec(normalization="RMSNorm")``.
+    Raises:
+        ValueError: a linear is not megatron-core's local one (e.g. a Transformer Engine spec).
+    """
+    layer = base.submodules
+    children = {}
+    for child_field, linear_fields in _LINEAR_FIELDS.items():
+        child = getattr(layer, child_field)
+        linears = {f: _quantized(getattr(child.submodules, f), f"{child_field}.{f}") for f in linear_fields}
+        children[child_field] = dataclasses.replace(child, submodules=dataclasses.replace(child.submodules, **linears))
+    return dataclasses.replace(base, submodules=dataclasses.replace(layer, **children))

@@ -1,0 +1,98 @@
+"""Bad input fails before any process-group work, naming the flag and the fix."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, train_args
+from megatron_snip.arguments import ArgumentError, parse_args
+
+
+def parse(data, *extra, world_size=1):
+    return parse_args(train_args(data, *extra), world_size=world_size, cuda=False)
+
+
+def test_valid_arguments_derive_layout(tiny_data):
+    args = parse(tiny_data, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", world_size=8)
+    assert args.data_parallel_size == 2
+    assert args.num_microbatches == 8 // (2 * 2)
+    assert args.lr_decay_iters == args.train_iters
+
+
+def test_preset_fills_shape_and_flags_override(tiny_data):
+    args = parse_args(["--model-preset", "llama3-8b", "--num-layers", "2", "--train-iters", "1",
+                       "--data-path", tiny_data.prefix, "--tokenizer-model", tiny_data.tokenizer_model],
+                      world_size=1, cuda=False)
+    assert (args.hidden_size, args.num_query_groups, args.rotary_base) == (4096, 8, 500000)
+    assert args.num_layers == 2
+
+
+@pytest.mark.parametrize("extra,world,flag", [
+    (("--num-attention-heads", "4", "--num-query-groups", "4", "--tensor-model-parallel-size", "3"), 3,
+     "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3"),
+    (("--num-query-groups", "1", "--tensor-model-parallel-size", "2"), 2, "--num-query-groups 1"),
+    (("--num-layers", "4", "--pipeline-model-parallel-size", "3"), 3,
+     "--num-layers 4 is not divisible by --pipeline-model-parallel-size 3"),
+    (("--global-batch-size", "6", "--micro-batch-size", "4"), 1, "--global-batch-size 6 is not divisible"),
+    (("--tensor-model-parallel-size", "2"), 3, "world size 3 is not divisible"),
+    (("--seq-length", "128"), 1, "--seq-length 128 exceeds --max-position-embeddings 64"),
+    (("--sequence-parallel", "--tensor-model-parallel-size", "2"), 2, "--sequence-parallel needs CUDA"),
+    (("--lr-warmup-iters", "6"), 1, "--lr-warmup-iters 6 must be smaller than --lr-decay-iters 6"),
+    (("--save-interval", "2"), 1, "--save-interval needs --save"),
+    (("--recompute-granularity", "full"), 1, "--recompute-method"),
+])
+def test_inconsistent_flags(tiny_data, extra, world, flag):
+    with pytest.raises(ArgumentError, match=flag.replace("-", r"\-")):
+        parse(tiny_data, *extra, world_size=world)
+
+
+def test_missing_data_path(tiny_data):
+    with pytest.raises(ArgumentError, match=r"--data-path .*nope.* not found.*preprocess_data"):
+        parse_args(train_args(tiny_data) + ["--data-path", "/nope/data_text_document"], world_size=1, cuda=False)
+
+
+def test_missing_tokenizer_model(tiny_data):
+    with pytest.raises(ArgumentError, match=r"--tokenizer-model"):
+        parse_args(train_args(tiny_data) + ["--tokenizer-model", "/nope/tok.model"], world_size=1, cuda=False)
+
+
+def test_tokenizer_smaller_than_data(tiny_data, tmp_path):
+    from megatron_snip.data.tokenizer import TokenizerTrainingConfig, train_tokenizer
+
+    train_tokenizer(TokenizerTrainingConfig(input=tiny_data.corpus, model_prefix=str(tmp_path / "small"),
+                                            vocab_size=512))
+    with pytest.raises(ArgumentError, match=r"holds token id \d+, but the tokenizer \(--tokenizer-model\) has only 512"):
+        parse_args(train_args(tiny_data) + ["--tokenizer-model", str(tmp_path / "small.model")],
+                   world_size=1, cuda=False)
+
+
+def test_load_without_checkpoint(tiny_data, tmp_path):
+    with pytest.raises(ArgumentError, match=r"--load .* holds no checkpoint"):
+        parse(tiny_data, "--load", str(tmp_path))
+    # The resume-or-start pattern (SLURM requeue) is allowed to find nothing yet.
+    assert parse(tiny_data, "--load", str(tmp_path), "--save", str(tmp_path)).load == str(tmp_path)
+
+
+def test_corrupt_tracker(tiny_data, tmp_path):
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("garbage")
+    with pytest.raises(ArgumentError, match=r"corrupt: expected an iteration number"):
+        parse(tiny_data, "--load", str(tmp_path))
+
+
+def test_incomplete_checkpoint(tiny_data, tmp_path):
+    (tmp_path / "iter_0000005").mkdir()
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("5")
+    with pytest.raises(ArgumentError, match=r"iter_0000005 is incomplete \(missing metadata.json"):
+        parse(tiny_data, "--load", str(tmp_path))
+
+
+def test_cli_reports_error_and_exit_code(tiny_data):
+    """The user sees one line on stderr and exit status 2, before any process group starts."""
+    proc = subprocess.run([sys.executable, str(ROOT / "pretrain_llama.py"),
+                           *train_args(tiny_data, "--num-layers", "3", "--pipeline-model-parallel-size", "2")],
+                          capture_output=True, text=True, env={"WORLD_SIZE": "2", "PATH": ""}, cwd=ROOT)
+    assert proc.returncode == 2
+    assert "error: --num-layers 3 is not divisible by --pipeline-model-parallel-size 2" in proc.stderr

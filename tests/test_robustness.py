@@ -1,0 +1,68 @@
+"""Nothing is lost: preemption saves, a crashed save leaves the previous checkpoint, damage is reported."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from conftest import ROOT, free_port, scalars, torchrun, train_args
+
+
+def test_sigterm_saves_and_exits_zero(tiny_data, tmp_path):
+    """SLURM signals every task; each finishes its iteration, all save together, exit 0."""
+    ckpt = tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           str(ROOT / "pretrain_llama.py"),
+           *train_args(tiny_data, "--save", str(ckpt), "--log-interval", "1", iters=100000)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "[train] iteration       3" in line:
+                break
+        workers = psutil.Process(proc.pid).children()
+        assert len(workers) == 2
+        for w in workers:
+            w.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    output = "".join(lines) + rest
+    assert proc.returncode == 0, output[-4000:]
+    assert "exit signal received" in output
+    saved = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    assert 3 <= saved < 100000 and (ckpt / f"iter_{saved:07d}").is_dir()
+
+
+def test_partial_save_is_ignored_and_replaced(tiny_data, init_ckpt, tmp_path):
+    """A save that crashed leaves ``iter_N.tmp``: resume uses the previous checkpoint; the next save wins."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(init_ckpt, ckpt)
+    partial = ckpt / "iter_0000002.tmp"
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"\x00" * 100)  # what a killed writer leaves behind
+    torchrun(1, train_args(tiny_data, "--load", str(ckpt), "--save", str(ckpt), "--save-interval", "2",
+                           "--tensorboard-dir", str(tmp_path / "tb"), iters=2))
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
+    assert (ckpt / "iter_0000002").is_dir() and not partial.exists()
+    assert sorted(scalars(tmp_path / "tb", "train/lm loss")) == [1, 2]  # it resumed at iteration 0
+
+
+def test_damaged_shard_is_reported(tiny_data, init_ckpt, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(init_ckpt, ckpt)
+    shard = next((ckpt / "iter_0000000").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])  # truncated by a full disk
+    proc = torchrun(1, train_args(tiny_data, "--load", str(ckpt)), check=False)
+    assert proc.returncode != 0
+    assert "cannot load checkpoint" in proc.stderr and "point" in proc.stderr and "earlier iteration" in proc.stderr
