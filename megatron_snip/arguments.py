@@ -91,6 +91,30 @@ def _training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-eps", type=float, default=1e-8)
 
 
+def _precision(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("precision of the linear layers (docs/numerics.md)")
+    g.add_argument("--precision", choices=["bf16", "fp8", "fp4", "nvfp4", "mxfp4"], default=None,
+                   help="Uniform precision of every linear module's GEMMs (default bf16; fp4 means "
+                        "--fp4-recipe). Embedding, output layer, norms and attention stay high precision.")
+    g.add_argument("--fp8-recipe", choices=["tensorwise", "delayed", "blockwise", "mxfp8"], default="tensorwise",
+                   help="How fp8 is scaled (default tensorwise: stateless, so a module that switches to fp8 "
+                        "mid-run is scaled right from its first step).")
+    g.add_argument("--fp8-format", choices=["hybrid", "e4m3"], default=None,
+                   help="E4M3 forward / E5M2 gradients (hybrid, default) or E4M3 everywhere. As in "
+                        "Megatron, giving it without --precision selects --precision fp8.")
+    g.add_argument("--fp8-amax-history-len", type=int, default=1024)
+    g.add_argument("--fp8-amax-compute-algo", choices=["max", "most_recent"], default="max")
+    g.add_argument("--fp8-margin", type=int, default=0)
+    g.add_argument("--fp4-recipe", choices=["nvfp4", "mxfp4"], default="nvfp4",
+                   help="The 4-bit format that --precision fp4 and SNIP use.")
+    g.add_argument("--first-last-layers-bf16", action="store_true",
+                   help="Keep the first/last layers' linear modules in bf16 (see the next two flags).")
+    g.add_argument("--num-layers-at-start-in-bf16", type=int, default=1)
+    g.add_argument("--num-layers-at-end-in-bf16", type=int, default=1)
+    g.add_argument("--precision-plan", default=None,
+                   help="JSON plan: precision per module (overrides --precision and a checkpoint's plan).")
+
+
 def _data(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="+", default=None,
@@ -99,6 +123,8 @@ def _data(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer-type", default="SentencePieceTokenizer")
     g.add_argument("--tokenizer-model", default=None)
     g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--num-workers", type=int, default=2,
+                   help="Data-loader worker processes per rank (0: load in the training process).")
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
     g.add_argument("--eod-mask-loss", action="store_true")
@@ -131,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Pretrain a Llama-family model with megatron-core (TP x PP x DP).",
         allow_abbrev=False,
     )
-    for add in (_parallel, _model, _training, _data, _checkpoint_and_logging):
+    for add in (_parallel, _model, _training, _precision, _data, _checkpoint_and_logging):
         add(p)
     return p
 
@@ -215,6 +241,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool,
     for flag in ("log_interval", "eval_interval"):
         _require(getattr(args, flag) >= 1, f"--{flag.replace('_', '-')} must be >= 1")
     _require(args.eval_iters >= 0, "--eval-iters must be >= 0")
+    _require(args.num_workers >= 0, "--num-workers must be >= 0")
     if args.save_interval is not None:
         _require(args.save_interval >= 1, "--save-interval must be >= 1")
         _require(args.save is not None, "--save-interval needs --save DIR")
@@ -222,6 +249,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool,
         args.start_weight_decay = args.weight_decay
     if args.end_weight_decay is None:
         args.end_weight_decay = args.weight_decay
+    _validate_precision(args)
     if check_files:
         _validate_files(args)
     if args.distributed_backend is None:
@@ -229,6 +257,22 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool,
     _require(args.distributed_backend == "gloo" or cuda,
              "--distributed-backend nccl needs CUDA; use --distributed-backend gloo on CPU")
     return args
+
+
+def _validate_precision(args: argparse.Namespace) -> None:
+    if args.precision is None:
+        args.precision = "fp8" if args.fp8_format is not None else "bf16"
+    if args.precision == "fp4":
+        args.precision = args.fp4_recipe
+    if args.fp8_format is None:
+        args.fp8_format = "hybrid"
+    _require(args.transformer_impl == "local" or (args.precision == "bf16" and args.precision_plan is None),
+             "--precision / --precision-plan need --transformer-impl local (the quantized linear layers "
+             "replace megatron-core's local ones)")
+    for flag in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+        _require(0 <= getattr(args, flag) <= args.num_layers,
+                 f"--{flag.replace('_', '-')} must lie in [0, --num-layers {args.num_layers}]")
+    _require(args.fp8_amax_history_len >= 1, "--fp8-amax-history-len must be >= 1")
 
 
 def _validate_files(args: argparse.Namespace) -> None:
@@ -245,6 +289,10 @@ def _validate_files(args: argparse.Namespace) -> None:
         check_data_prefixes(prefixes)
         check_vocab_covers_data(prefixes, build_tokenizer(args.tokenizer_type, args.tokenizer_model).vocab_size)
         latest = verify_latest(args.load) if args.load is not None else None
+        if args.precision_plan is not None:
+            from megatron_snip.training.precision import initial_plan
+
+            initial_plan(args)
     except (FileNotFoundError, ValueError, CheckpointError) as e:
         raise ArgumentError(str(e)) from e
     if args.load is not None:

@@ -3,36 +3,43 @@
 Like Megatron's pretraining sampler: the global sample stream is cut into
 global batches; within a batch, micro-batch ``k`` of DP rank ``r`` holds samples
 ``start + k*mbs*dp + r*mbs + [0, mbs)``. Resuming at ``consumed_samples``
-therefore continues the stream exactly, whatever the layout.
+therefore continues the stream exactly, whatever the layout. Worker processes
+(``--num-workers``) prepare the next micro-batches while the model computes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
-import numpy as np
 import torch
+from torch.utils.data import DataLoader
 
 
-class MicroBatches:
-    """Iterator of micro-batch dicts ``{tokens, labels, loss_mask, position_ids[, attention_mask]}``.
+class MicroBatchSampler:
+    """Yields the dataset indices of this DP rank's micro-batches, forever, from ``consumed_samples``."""
 
-    Each value is the dataset's per-sample array stacked to ``[mbs, ...]``.
-    """
-
-    def __init__(self, dataset: Sequence, micro_batch_size: int, dp_rank: int, dp_size: int,
+    def __init__(self, dataset_size: int, micro_batch_size: int, dp_rank: int, dp_size: int,
                  consumed_samples: int = 0):
-        if len(dataset) == 0:
+        if dataset_size == 0:
             raise ValueError("the dataset is empty: check --split and --data-path")
-        self.dataset = dataset
-        self.mbs, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
+        self.size, self.mbs, self.dp_rank, self.dp_size = dataset_size, micro_batch_size, dp_rank, dp_size
         self.consumed_samples = consumed_samples
 
-    def __iter__(self):
-        return self
+    def __iter__(self) -> Iterator[list[int]]:
+        start = self.consumed_samples
+        while True:
+            first = start + self.dp_rank * self.mbs
+            yield [(first + i) % self.size for i in range(self.mbs)]
+            start += self.mbs * self.dp_size
 
-    def __next__(self) -> dict[str, torch.Tensor]:
-        start = self.consumed_samples + self.dp_rank * self.mbs
-        samples = [self.dataset[(start + i) % len(self.dataset)] for i in range(self.mbs)]
-        self.consumed_samples += self.mbs * self.dp_size
-        return {k: torch.as_tensor(np.stack([np.asarray(s[k]) for s in samples])) for k in samples[0]}
+
+def micro_batches(dataset: Sequence, micro_batch_size: int, dp_rank: int, dp_size: int,
+                  consumed_samples: int = 0, num_workers: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+    """Iterator of micro-batch dicts ``{tokens, labels, loss_mask, position_ids[, attention_mask]}``.
+
+    Each value is the dataset's per-sample tensor stacked to ``[mbs, ...]``.
+    """
+    sampler = MicroBatchSampler(len(dataset), micro_batch_size, dp_rank, dp_size, consumed_samples)
+    loader = DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
+                        pin_memory=torch.cuda.is_available(), persistent_workers=False)
+    return iter(loader)

@@ -11,6 +11,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_snip.model.quantized_layers import precision_layer_spec
+
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     """Megatron's padding: the embedding rows split evenly over TP ranks."""
@@ -62,7 +64,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
 
 
 def layer_spec(args: argparse.Namespace) -> ModuleSpec:
-    """The transformer-layer spec: megatron-core's local modules or Transformer Engine's."""
+    """The transformer-layer spec: megatron-core's local modules (with quantized linears) or TE's."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if args.transformer_impl == "transformer_engine":
@@ -74,7 +76,8 @@ def layer_spec(args: argparse.Namespace) -> ModuleSpec:
                 "pip install 'megatron-snip[te]' on a CUDA machine, or use --transformer-impl local"
             ) from e
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    # megatron-core's local layer with our quantized linears: per-module precision, bf16 = the parent's path.
+    return precision_layer_spec(gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm"))
 
 
 def build_model(args: argparse.Namespace, config: TransformerConfig, vocab_size: int) -> GPTModel:

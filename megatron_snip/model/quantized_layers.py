@@ -47,7 +47,8 @@ class QuantizedLinearMixin:
     """What the column- and row-parallel quantized layers share (listed before the megatron base).
 
     Attributes:
-        precision: the module's :class:`Precision` (validated on assignment).
+        precision: the module's :class:`Precision` (validated on assignment; text such as
+            "fp8/bf16" is parsed), effective from the next forward.
         recipe: the :class:`RecipeConfig` realising it (set through :meth:`set_recipe`).
         quant_state: the module's :class:`QuantState`.
         module_name: the global plan name, set by ``PrecisionController`` (used in messages).
@@ -71,7 +72,8 @@ class QuantizedLinearMixin:
         return self._precision
 
     @precision.setter
-    def precision(self, precision: Precision) -> None:
+    def precision(self, precision: Precision | str) -> None:
+        precision = Precision.parse(precision) if isinstance(precision, str) else precision
         self.check_precision(precision, self.recipe)
         self._precision = precision
 
@@ -83,7 +85,7 @@ class QuantizedLinearMixin:
         """Raise ValueError if this module cannot run ``precision`` under ``recipe``."""
         if precision.is_bf16:
             return
-        if self.config.sequence_parallel:
+        if self.sequence_parallel:  # the parents' own flag (column-parallel drops it at TP=1)
             raise ValueError(f"{self.module_name}: precision {precision} with sequence parallelism is not "
                              "supported yet; run without --sequence-parallel or keep this module in bf16")
         tp = get_pg_size(self.tp_group)

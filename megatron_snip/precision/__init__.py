@@ -75,3 +75,33 @@ __all__ = [
     "round_e2m1_stochastic",
     "round_to_format",
 ]
+
+# Per-module precision: recipes, the quantized linear GEMMs, plans, FLOP accounting.
+from .flops import FlopFractions, LlamaLinearDims, flop_fractions, flops_by_format, gemm_flops
+from .linear import QuantState, hadamard_wgrad_operands, quantize_operand, quantized_linear
+from .plan import LINEAR_MODULES, PlanError, PrecisionPlan, module_name, module_names, parse_module_name
+from .recipes import BF16, PRECISION_NAMES, OperandQuantizer, Precision, RecipeConfig, operand_quantizer
+
+__all__ += [
+    "BF16",
+    "FlopFractions",
+    "LINEAR_MODULES",
+    "LlamaLinearDims",
+    "OperandQuantizer",
+    "PRECISION_NAMES",
+    "PlanError",
+    "Precision",
+    "PrecisionPlan",
+    "QuantState",
+    "RecipeConfig",
+    "flop_fractions",
+    "flops_by_format",
+    "gemm_flops",
+    "hadamard_wgrad_operands",
+    "module_name",
+    "module_names",
+    "operand_quantizer",
+    "parse_module_name",
+    "quantize_operand",
+    "quantized_linear",
+]

@@ -130,7 +130,8 @@ class RecipeConfig:
         if self.fp8_format not in FP8_FORMATS:
             raise ValueError(f"fp8_format must be one of {', '.join(FP8_FORMATS)}, got {self.fp8_format!r}")
         if self.fp8_amax_compute_algo not in ("max", "most_recent"):
-            raise ValueError(f"fp8_amax_compute_algo must be 'max' or 'most_recent', got {self.fp8_amax_compute_algo!r}")
+            raise ValueError("fp8_amax_compute_algo must be 'max' or 'most_recent', "
+                             f"got {self.fp8_amax_compute_algo!r}")
         if self.fp8_amax_history_len < 1:
             raise ValueError(f"fp8_amax_history_len must be >= 1, got {self.fp8_amax_history_len}")
 

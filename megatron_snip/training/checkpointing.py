@@ -21,6 +21,7 @@ import logging
 import os
 import random
 import shutil
+import warnings
 
 import numpy as np
 import torch
@@ -256,7 +257,10 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, load_optim: bool 
     load_rng = load_rng and common.get("layout") == _layout()
     state = _sharded_state(model, optimizer, scheduler, is_loading=True, with_optim=load_optim, with_rng=load_rng)
     try:
-        loaded = dist_checkpointing.load(state, path)
+        with warnings.catch_warnings():
+            # megatron-core 0.16 calls torch APIs that torch marks deprecated; nothing for a user to do.
+            warnings.simplefilter("ignore", FutureWarning)
+            loaded = dist_checkpointing.load(state, path)
     except _READ_ERRORS as e:
         raise _damaged(root, path, e) from e
     model.load_state_dict(loaded["model"])

@@ -34,9 +34,10 @@ def is_logging_rank() -> bool:
 
 def setup_console() -> None:
     """Python logging to stdout, prefixed with the rank: INFO on rank 0, WARNING elsewhere."""
-    import torch.distributed as dist
+    import os
 
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    # Set up before the process group exists: torchrun/srun put the rank in the environment.
+    rank = int(os.environ.get("RANK", "0"))
     # Rank 0 tells the story; the others speak only of problems.
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stdout,
                         format=f"[rank{rank}] %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S", force=True)

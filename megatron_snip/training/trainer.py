@@ -11,6 +11,7 @@ import argparse
 import math
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 
@@ -19,13 +20,17 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_snip.data.loader import MicroBatches
+from megatron_snip.data.loader import micro_batches
 from megatron_snip.data.tokenizer import build_tokenizer
 from megatron_snip.model.llama import build_model, flops_per_token, num_parameters, transformer_config
+from megatron_snip.model.precision_control import PrecisionController
+from megatron_snip.precision.flops import LlamaLinearDims, flop_fractions
+from megatron_snip.precision.plan import PrecisionPlan
 from megatron_snip.training import checkpointing
 from megatron_snip.training.data import build_datasets_from_args
 from megatron_snip.training.logger import MetricsLogger, peak_tflops, setup_console
 from megatron_snip.training.setup import build_optimizer, build_scheduler, initialize_distributed, wrap_ddp
+from megatron_snip.training.precision import initial_plan, recipe_from_args
 from megatron_snip.training.signals import ExitSignalHandler
 
 
@@ -74,6 +79,9 @@ class Trainer:
         self.config = transformer_config(args)
         model = build_model(args, self.config, self.tokenizer.vocab_size)
         self.model = [wrap_ddp(args, self.config, model)]
+        self.precision = PrecisionController(self.model, recipe=recipe_from_args(args), seed=args.seed)
+        self.linear_dims = LlamaLinearDims.from_config(self.config)
+        self.set_plan(initial_plan(args))
         self.optimizer = build_optimizer(args, self.model)
         self.scheduler = build_scheduler(args, self.optimizer)
         self.state = TrainState()
@@ -81,6 +89,13 @@ class Trainer:
         self.logger = MetricsLogger(args.tensorboard_dir)
         self.tokens_per_iteration = args.global_batch_size * args.seq_length
         self.flops_per_iteration = flops_per_token(args, self.tokenizer.vocab_size) * self.tokens_per_iteration
+
+    # -- precision ---------------------------------------------------------
+    def set_plan(self, plan: PrecisionPlan) -> None:
+        """Apply a precision plan to every linear module; all ranks call this at the same iteration."""
+        self.precision.apply(plan)
+        self.plan = plan
+        self.flop_fractions = flop_fractions(plan, self.linear_dims)
 
     # -- checkpoints -------------------------------------------------------
     def resume(self) -> None:
@@ -93,28 +108,31 @@ class Trainer:
             return
         if not args.finetune:
             self.state = TrainState(loaded["iteration"], loaded["consumed_samples"])
+        if "precision_plan" in loaded and args.precision_plan is None and not args.finetune:
+            self.set_plan(PrecisionPlan.from_dict(loaded["precision_plan"], source=args.load))
         self.logger.text(f"resumed from {args.load} at iteration {loaded['iteration']} "
                          f"(consumed samples {loaded['consumed_samples']}); continuing at {self.state.iteration}")
 
     def save(self) -> None:
         path = checkpointing.save_checkpoint(
             self.args.save, self.state.iteration, self.model[0].module, self.optimizer, self.scheduler,
-            extra={"consumed_samples": self.state.consumed_samples, "args": vars(self.args)})
+            extra={"consumed_samples": self.state.consumed_samples, "args": vars(self.args),
+                   "precision_plan": self.plan.to_dict()})
         self.logger.text(f"saved checkpoint {path}")
 
     # -- steps -------------------------------------------------------------
-    def _batches(self, split: str, consumed: int) -> MicroBatches:
-        return MicroBatches(getattr(self.datasets, split), self.args.micro_batch_size,
-                            parallel_state.get_data_parallel_rank(),
-                            parallel_state.get_data_parallel_world_size(), consumed)
+    def _batches(self, split: str, consumed: int) -> Iterator[dict]:
+        return micro_batches(getattr(self.datasets, split), self.args.micro_batch_size,
+                             parallel_state.get_data_parallel_rank(),
+                             parallel_state.get_data_parallel_world_size(), consumed, self.args.num_workers)
 
-    def _run(self, data: MicroBatches, forward_only: bool) -> list[dict]:
+    def _run(self, data: Iterator[dict], forward_only: bool) -> list[dict]:
         return self.forward_backward(
             forward_step_func=forward_step, data_iterator=data, model=self.model,
             num_microbatches=self.args.num_microbatches, seq_length=self.args.seq_length,
             micro_batch_size=self.args.micro_batch_size, forward_only=forward_only)
 
-    def train_step(self, data: MicroBatches) -> tuple[float | None, float]:
+    def train_step(self, data: Iterator[dict]) -> tuple[float | None, float]:
         """One optimizer step over a global batch. Returns (loss or None off the last stage, grad norm)."""
         for chunk in self.model:
             chunk.zero_grad_buffer()
@@ -147,6 +165,9 @@ class Trainer:
         exit_signal = ExitSignalHandler()
         data = self._batches("train", self.state.consumed_samples)
         peak = peak_tflops(args.peak_tflops)
+        if peak is not None:
+            self.logger.text(f"MFU is reported against a peak of {peak:g} TFLOP/s per GPU "
+                             f"(dense BF16 of this GPU, or --peak-tflops)")
         # Time only the training steps: evaluation and checkpoint time would
         # otherwise deflate tokens/s.
         window_loss, window_iters, window_seconds = 0.0, 0, 0.0
@@ -175,12 +196,14 @@ class Trainer:
             if args.exit_interval and it % args.exit_interval == 0:
                 self.logger.text(f"--exit-interval {args.exit_interval}: exiting at iteration {it}")
                 break
+        exit_signal.close()
         if args.save and saved_at != self.state.iteration:
             self.save()
 
     def _metrics(self, loss: float, grad_norm: float, seconds_per_iter: float, peak: float | None) -> dict:
         world = dist.get_world_size()
-        tflops_per_gpu = self.flops_per_iteration / seconds_per_iter / world / 1e12
+        tflops_per_device = self.flops_per_iteration / seconds_per_iter / world / 1e12
+        device = "GPU" if torch.cuda.is_available() else "process"
         m = {
             "consumed samples": self.state.consumed_samples,
             "lm loss": loss,
@@ -188,10 +211,12 @@ class Trainer:
             "grad norm": grad_norm,
             "tokens per second": self.tokens_per_iteration / seconds_per_iter,
             "seconds per iteration": seconds_per_iter,
-            "TFLOPs per GPU": tflops_per_gpu,
+            f"TFLOPs per {device}": tflops_per_device,
+            "fp4 flops fraction": self.flop_fractions.fp4,
+            "fp8 flops fraction": self.flop_fractions.fp8,
         }
         if peak is not None:
-            m["MFU"] = tflops_per_gpu / peak
+            m["MFU"] = tflops_per_device / peak
         if torch.cuda.is_available():
             m["max memory allocated GiB"] = torch.cuda.max_memory_allocated() / 2**30
         else:
@@ -203,7 +228,8 @@ class Trainer:
     def _log_validation(self, iteration: int) -> None:
         val = self.evaluate()
         if val is not None:
-            self.logger.log(iteration, {"lm loss": val, "ppl": math.exp(min(val, 50.0))}, prefix="valid")
+            self.logger.log(iteration, {"lm loss": val, "ppl": math.exp(min(val, 50.0)),
+                                        "unigram entropy": self.datasets.unigram_entropy}, prefix="valid")
 
 
 def pretrain(args: argparse.Namespace) -> TrainState:
@@ -216,6 +242,10 @@ def pretrain(args: argparse.Namespace) -> TrainState:
              f"parameters; TP={args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size} "
              f"DP={args.data_parallel_size}; global batch {args.global_batch_size} x {args.seq_length} tokens; "
              f"device {'cuda' if torch.cuda.is_available() else 'cpu (megatron_snip.compat.cpu)'}")
+    fractions = trainer.flop_fractions
+    log.text(f"precision: backend torch (quantize-dequantize emulation, FP32 accumulation); plan "
+             f"{args.precision_plan or args.precision}: {fractions.fp4:.1%} of linear-layer FLOPs in FP4, "
+             f"{fractions.fp8:.1%} in FP8; fp8 recipe {args.fp8_recipe}/{args.fp8_format}, fp4 {args.fp4_recipe}")
     log.text(f"unigram entropy of the training data: {trainer.datasets.unigram_entropy:.4f} nats/token "
              f"(a model without context cannot beat this)")
     if args.load:
