@@ -3,8 +3,11 @@
     python bench/step_time.py                       # TP=2 PP=2 on 4 local processes (CPU here)
     python bench/step_time.py --nproc 8 --tp 2 --pp 1 --preset tinyllama-1.1b --bf16   # a GPU node
 
+    python bench/step_time.py --precision nvfp4 mxfp4 fp8   # + emulated precisions vs bf16
+
 Prints the median seconds per iteration of each and the ratio ours / plain
-(goal: < 1.03). "ours" is ``Trainer.train()`` end to end (real data loader,
+(goal: < 1.03), and for each ``--precision`` the ratio of our step time with
+every linear module in that precision to our bf16 step time. "ours" is ``Trainer.train()`` end to end (real data loader,
 loss reporting, logging, the preemption check); "plain" is the textbook
 megatron-core loop (forward_backward_func + optimizer.step) on in-memory
 random tokens. Both build the model from the same arguments. Each mode runs
@@ -124,6 +127,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=40)
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--precision", nargs="*", default=[], choices=["fp8", "nvfp4", "mxfp4"],
+                   help="also time uniform precisions, as a ratio to bf16")
     p.add_argument("--worker", choices=["ours", "plain"], help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     opts, rest = p.parse_known_args()
@@ -135,21 +140,26 @@ def main() -> None:
         workdir = Path(tmp)
         prefix, tok = build_data(workdir)
         argv = training_args(opts, prefix, tok, opts.iters)
+        runs = {"plain": ("plain", []), "ours": ("ours", [])}
+        runs.update({p: ("ours", ["--precision", p]) for p in opts.precision})
         best: dict[str, float] = {}
         for repeat in range(opts.repeats):
-            for mode in ("plain", "ours"):
-                out = workdir / f"{mode}{repeat}.json"
+            for name, (mode, extra) in runs.items():
+                out = workdir / f"{name}{repeat}.json"
                 subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(opts.nproc),
-                                __file__, "--worker", mode, "--warmup", str(opts.warmup), "--out", str(out), *argv],
+                                __file__, "--worker", mode, "--warmup", str(opts.warmup), "--out", str(out),
+                                *argv, *extra],
                                check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                                stdout=subprocess.DEVNULL)
                 median = statistics.median(json.loads(out.read_text()))
-                best[mode] = min(best.get(mode, float("inf")), median)
+                best[name] = min(best.get(name, float("inf")), median)
     print(f"layout TP={opts.tp} PP={opts.pp} DP={opts.nproc // (opts.tp * opts.pp)}, preset {opts.preset}, "
           f"global batch {opts.global_batch_size}, {opts.iters - opts.warmup} timed iterations x {opts.repeats}")
     print(f"plain megatron-core loop : {best['plain'] * 1e3:8.1f} ms/iteration")
     print(f"megatron-snip trainer    : {best['ours'] * 1e3:8.1f} ms/iteration")
     print(f"ratio ours / plain       : {best['ours'] / best['plain']:8.3f}")
+    for p in opts.precision:
+        print(f"uniform {p:<6} (emulated): {best[p] * 1e3:8.1f} ms/iteration, ratio to bf16 {best[p] / best['ours']:.3f}")
 
 
 if __name__ == "__main__":

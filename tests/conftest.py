@@ -44,7 +44,7 @@ def free_port() -> int:
 
 
 # A small Llama that runs a step in well under a second on 2 cores at any layout.
-TINY_MODEL = ["--model-preset", "tiny", "--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "160",
+TINY_MODEL = ["--model-preset", "tiny", "--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "192",
               "--num-attention-heads", "4", "--num-query-groups", "2", "--seq-length", "64",
               "--max-position-embeddings", "64"]
 

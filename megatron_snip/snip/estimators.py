@@ -1,0 +1,266 @@
+"""SNIP's divergence estimators: pure functions of the probe statistics.
+
+For one linear module ``Y = X W^T`` and a candidate format f (derivations and
+units in ``docs/snip.md``):
+
+* forward loss divergence, the second-order loss rise when the module's fprop
+  runs in f::
+
+      dL(l, f) = 0.5 * (tr H_l / numel(Y_l)) * ||E_f||^2,   E_f = Q(X) Q(W)^T - X W^T
+
+  with ``tr H_l`` the trace of the loss Hessian with respect to the module
+  output (a Hutchinson estimate), so ``tr H_l / numel(Y_l)`` is the mean
+  per-element curvature;
+
+* backward weight divergence, the squared drift of the Adam update when the
+  module's dgrad and wgrad run in f::
+
+      dU(l, f) = ( ||P~ * eW_f||^2  +  g_l * ||eX_f||^2 / numel(X_l) ) / D
+
+  local part (the module's own weight gradient error eW) plus propagated part
+  (the input-gradient error eX entering every lower parameter's gradient,
+  ``g_l = ||J_l P~||_F^2`` its preconditioned gain); ``P~ = c * P`` is the
+  sensitivity of Adam's update to the gradient (see :func:`adam_sensitivity`)
+  and D the number of data-parallel ranks whose gradients are averaged;
+
+* normalised: ``dL / loss`` and ``dU / ||u||^2`` (u the clean update), so both
+  are dimensionless; ``cost = alpha * dL/loss + beta * dU/||u||^2``.
+
+Everything here is plain arithmetic on floats and tensors: no distributed code.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from .statistics import ModuleStatistics, ProbeStatistics
+
+# The reference precision: a module in bf16 runs megatron-core's own layer, so it
+# diverges from the clean model by definition not at all.
+REFERENCE_FORMAT = "bf16"
+
+
+# -- Adam ------------------------------------------------------------------------------------------
+
+def adam_preconditioner(exp_avg_sq: torch.Tensor, step: float, beta2: float, eps: float) -> torch.Tensor:
+    """``P = 1 / (sqrt(v_hat) + eps)``, ``v_hat = v / (1 - beta2^step)``: Adam's per-element
+    preconditioner from its current second moment (the gradient of the coming step is left
+    out, so P does not depend on the gradient error it weighs).
+
+    Args:
+        exp_avg_sq: v, any shape, units gradient^2.
+        step: optimizer steps taken so far (>= 1).
+    Returns:
+        fp32 tensor of v's shape, units 1 / gradient.
+    """
+    if step < 1:
+        raise ValueError(f"Adam has taken {step} steps: its second moment is empty; probe after >= 1 step")
+    v_hat = exp_avg_sq.float() / (1.0 - beta2**step)
+    return 1.0 / (v_hat.sqrt() + eps)
+
+
+def adam_step_scale(lr: float, beta1: float, step: float) -> float:
+    """``c = lr * (1 - beta1) / (1 - beta1^(step+1))``: how much the next update moves per unit of
+    preconditioned gradient (the new gradient enters m with weight 1 - beta1, and m is
+    bias-corrected at step + 1). Units: parameter * gradient / gradient = parameter."""
+    return lr * (1.0 - beta1) / (1.0 - beta1 ** (step + 1))
+
+
+def adam_sensitivity(exp_avg_sq: torch.Tensor, step: float, lr: float, beta1: float, beta2: float,
+                     eps: float) -> torch.Tensor:
+    """``P~ = c * P = d(update) / d(gradient)``, element-wise (v held fixed): a gradient error
+    ``delta`` moves the next Adam update by ``P~ * delta``. Units: parameter / gradient."""
+    return adam_step_scale(lr, beta1, step) * adam_preconditioner(exp_avg_sq, step, beta2, eps)
+
+
+def adam_update(exp_avg: torch.Tensor, grad: torch.Tensor, preconditioner: torch.Tensor, lr: float,
+                beta1: float, step: float) -> torch.Tensor:
+    """The next Adam update (weight decay left out: it does not depend on the gradient)::
+
+        u = lr / (1 - beta1^(step+1)) * P * (beta1 * m + (1 - beta1) * g)
+
+    Args:
+        exp_avg: m; grad: g; preconditioner: P (all the same shape).
+    Returns:
+        u in fp32, units of the parameter.
+    """
+    m_next = beta1 * exp_avg.float() + (1.0 - beta1) * grad.float()
+    return lr / (1.0 - beta1 ** (step + 1)) * preconditioner * m_next
+
+
+# -- probe read-outs -------------------------------------------------------------------------------
+
+def hutchinson_trace(noise_dot_grad_diff: float, sigma: float) -> float:
+    """``tr H ~= <Z, G(+sigma Z) - G(-sigma Z)> / (2 sigma)`` for Z with E[Z Z^T] = I.
+
+    Antithetic central difference: exact for a quadratic loss, O(sigma^2) otherwise.
+
+    Args:
+        noise_dot_grad_diff: ``<Z, G+ - G->`` (units of Z * dL/dY).
+        sigma: absolute noise scale (units of Y).
+    Returns:
+        trace estimate, units loss / Y^2.
+    """
+    return noise_dot_grad_diff / (2.0 * sigma)
+
+
+def perturbation_gain(input_change_sq: float, sigma: float) -> float:
+    """``g ~= ||X(theta + sigma P~ w) - X(theta - sigma P~ w)||^2 / (4 sigma^2)``: one sample of
+    ``||J P~ w||^2`` whose mean over w (E[w w^T] = I) is ``||J P~||_F^2``.
+
+    Args:
+        input_change_sq: squared norm of the input change between the two perturbations (X^2).
+        sigma: the perturbation scale; the perturbation is ``sigma * P~ * w``, so sigma has
+            the units of a gradient (loss / parameter).
+    Returns:
+        gain, units (X * parameter / loss)^2, so that ``gain * ||eX||^2 / numel(X)`` (eX in
+        loss / X) is a squared parameter drift.
+    """
+    return input_change_sq / (4.0 * sigma**2)
+
+
+# -- the divergences -------------------------------------------------------------------------------
+
+def forward_loss_divergence(curvature_trace: float, output_numel: float, output_err_sq: float) -> float:
+    """``dL = 0.5 * (tr H / numel(Y)) * ||E||^2`` (units of the loss)."""
+    return 0.5 * curvature_trace * output_err_sq / output_numel
+
+
+def propagated_update_divergence(gain: float, input_numel: float, input_grad_err_sq: float) -> float:
+    """``g * ||eX||^2 / numel(X)``: the squared update drift of all lower parameters caused by an
+    isotropic input-gradient error eX (units parameter^2)."""
+    return gain * input_grad_err_sq / input_numel
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Estimated divergences of one (module, format) pair.
+
+    Attributes:
+        loss_change: dL, units of the loss.
+        update_local: local part of dU (module's own weight), parameter^2.
+        update_propagated: propagated part of dU (lower parameters), parameter^2.
+        forward: dL / loss (dimensionless).
+        backward: dU / ||u||^2 (dimensionless).
+    """
+
+    loss_change: float
+    update_local: float
+    update_propagated: float
+    forward: float
+    backward: float
+
+    def cost(self, alpha: float = 1.0, beta: float = 1.0) -> float:
+        """``alpha * forward + beta * backward``."""
+        return alpha * self.forward + beta * self.backward
+
+
+ZERO = Divergence(0.0, 0.0, 0.0, 0.0, 0.0)
+
+
+def module_divergences(module: ModuleStatistics, *, loss: float, update_sq: float,
+                       data_parallel_size: int = 1) -> dict[str, Divergence]:
+    """Divergences of one module for every format it was measured in.
+
+    Args:
+        module: its statistics (sums over the probe batch of one data-parallel rank,
+            averaged over ranks).
+        loss: the clean loss, for normalisation.
+        update_sq: ``||u||^2`` of the clean update of the whole model.
+        data_parallel_size: D; gradient errors of D ranks average in the update, and being
+            independent their squares add: the drift of the mean is 1/D of a rank's.
+    Returns:
+        format -> :class:`Divergence`.
+    """
+    if not (loss > 0 and update_sq > 0):
+        raise ValueError(f"normalisers must be positive: loss {loss}, ||u||^2 {update_sq}")
+    out = {}
+    for fmt, err in module.errors.items():
+        dl = forward_loss_divergence(module.curvature, module.output_numel, err.output_sq)
+        local = err.update_sq / data_parallel_size
+        propagated = propagated_update_divergence(module.gain, module.input_numel,
+                                                  err.input_grad_sq) / data_parallel_size
+        out[fmt] = Divergence(dl, local, propagated, dl / loss, (local + propagated) / update_sq)
+    return out
+
+
+def divergences(stats: ProbeStatistics) -> dict[str, dict[str, Divergence]]:
+    """Module -> format -> :class:`Divergence` for every module of ``stats`` (which must hold
+    the clean loss, i.e. include the last pipeline stage: see ``gather_across_pipeline``)."""
+    if stats.loss is None:
+        raise ValueError("the statistics carry no loss (it lives on the last pipeline stage): "
+                         "gather them across the pipeline first")
+    return {name: module_divergences(m, loss=stats.loss, update_sq=stats.update_sq,
+                                     data_parallel_size=stats.data_parallel_size)
+            for name, m in stats.modules.items()}
+
+
+@dataclass(frozen=True)
+class CostTables:
+    """Cost tables in the form :class:`megatron_snip.snip.ilp.SnipProblem` takes.
+
+    ``joint`` for one format per module (``cost=``); ``forward`` and ``backward`` for split
+    mode (``fwd_cost=``, ``bwd_cost=``). Each maps module -> format -> cost (>= 0, finite).
+    """
+
+    joint: dict[str, dict[str, float]]
+    forward: dict[str, dict[str, float]]
+    backward: dict[str, dict[str, float]]
+
+
+def cost_tables(stats: ProbeStatistics, alpha: float = 1.0, beta: float = 1.0,
+                formats: Iterable[str] | None = None) -> CostTables:
+    """The ILP's cost tables: ``alpha * dL/loss`` (forward), ``beta * dU/||u||^2`` (backward),
+    their sum (joint). ``bf16`` costs 0 (the reference).
+
+    Args:
+        stats: statistics of every module (gathered across the pipeline).
+        formats: the ILP's candidates (default: bf16 and every measured format).
+    Raises:
+        ValueError: a candidate was not measured for some module, or a module cannot run it
+            (e.g. a tensor-parallel split off its block boundaries); the message names them.
+    """
+    formats = list(formats) if formats is not None else [REFERENCE_FORMAT, *stats.formats]
+    table = divergences(stats)
+    missing = [f"{name}: {fmt} ({stats.modules[name].unsupported.get(fmt, 'not measured')})"
+               for name in table for fmt in formats
+               if fmt != REFERENCE_FORMAT and fmt not in table[name]]
+    if missing:
+        raise ValueError(f"no estimate for {len(missing)} (module, format) pair(s): " + "; ".join(missing[:5])
+                         + ("; ..." if len(missing) > 5 else "")
+                         + ". Leave the format out of the candidates or pin those modules.")
+    fwd, bwd, joint = {}, {}, {}
+    for name, per_format in table.items():
+        pick = {f: ZERO if f == REFERENCE_FORMAT else per_format[f] for f in formats}
+        fwd[name] = {f: _finite(alpha * d.forward, name, f) for f, d in pick.items()}
+        bwd[name] = {f: _finite(beta * d.backward, name, f) for f, d in pick.items()}
+        joint[name] = {f: fwd[name][f] + bwd[name][f] for f in formats}
+    return CostTables(joint, fwd, bwd)
+
+
+def _finite(value: float, name: str, fmt: str) -> float:
+    if not math.isfinite(value):
+        raise ValueError(f"{name}: the {fmt} estimate is {value}; the probe statistics are not finite")
+    # A Hutchinson trace is an unbiased estimate and may come out slightly negative where the
+    # curvature is ~0; the ILP wants costs >= 0 and a non-positive rise means "harmless".
+    return max(value, 0.0)
+
+
+def local_error_baselines(stats: ProbeStatistics) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+    """The two quantization-error baselines the SNIP paper compares against.
+
+    Returns:
+        (absolute, relative): module -> format -> ``||E_f||^2`` and ``||E_f||^2 / ||Y||^2``.
+    """
+    absolute = {n: {f: e.output_sq for f, e in m.errors.items()} for n, m in stats.modules.items()}
+    relative = {n: {f: e.output_sq / m.output_sq for f, e in m.errors.items()} for n, m in stats.modules.items()}
+    return absolute, relative
+
+
+def flatten(table: Mapping[str, Mapping[str, float]]) -> dict[tuple[str, str], float]:
+    """``{module: {format: v}}`` -> ``{(module, format): v}``."""
+    return {(name, fmt): v for name, row in table.items() for fmt, v in row.items()}
