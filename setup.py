@@ -14,6 +14,7 @@ setup(
         "sentencepiece",
         "tensorboard",
         "tqdm",
+        "matplotlib",
         "highspy",
     ],
     extras_require={

@@ -115,6 +115,31 @@ def _precision(p: argparse.ArgumentParser) -> None:
                    help="JSON plan: precision per module (overrides --precision and a checkpoint's plan).")
 
 
+def _snip(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("SNIP adaptive precision (docs/snip.md)")
+    g.add_argument("--snip", action="store_true",
+                   help="Re-plan the precision of every linear module at intervals from measured divergences.")
+    g.add_argument("--snip-fp4-target", type=float, default=0.75,
+                   help="Fraction of linear-layer FLOPs to run in FP4 (the ILP's budget).")
+    g.add_argument("--snip-interval", type=int, default=None,
+                   help="Iterations between re-plans (default: --save-interval).")
+    g.add_argument("--snip-warmup-plan", default="bf16",
+                   help="Plan before the first cycle: a precision name or a plan JSON file.")
+    g.add_argument("--snip-solver", choices=["auto", "gurobi", "highs"], default="auto")
+    g.add_argument("--snip-formats", nargs="+", default=None,
+                   help="Candidate precisions (default: bf16 fp8 and --fp4-recipe).")
+    g.add_argument("--snip-budget", choices=["per-stage", "global"], default="per-stage",
+                   help="FP4 budget for each pipeline stage (no stage becomes the bottleneck) or only overall.")
+    g.add_argument("--snip-split-passes", action="store_true",
+                   help="Choose the forward GEMM's and the backward GEMMs' precision separately.")
+    g.add_argument("--snip-loss-weight", type=float, default=1.0, help="Weight of the loss divergence (alpha).")
+    g.add_argument("--snip-update-weight", type=float, default=1.0, help="Weight of the update divergence (beta).")
+    g.add_argument("--snip-switch-penalty", type=float, default=0.0,
+                   help="Objective penalty per module whose precision changes from the current plan.")
+    g.add_argument("--snip-probe-passes", type=int, default=3,
+                   help="Antithetic noise passes per estimator (the paper's 1 + 3 + 3 budget).")
+
+
 def _data(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="+", default=None,
@@ -157,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Pretrain a Llama-family model with megatron-core (TP x PP x DP).",
         allow_abbrev=False,
     )
-    for add in (_parallel, _model, _training, _precision, _data, _checkpoint_and_logging):
+    for add in (_parallel, _model, _training, _precision, _snip, _data, _checkpoint_and_logging):
         add(p)
     return p
 
@@ -250,6 +275,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool,
     if args.end_weight_decay is None:
         args.end_weight_decay = args.weight_decay
     _validate_precision(args)
+    _validate_snip(args)
     if check_files:
         _validate_files(args)
     if args.distributed_backend is None:
@@ -275,6 +301,26 @@ def _validate_precision(args: argparse.Namespace) -> None:
     _require(args.fp8_amax_history_len >= 1, "--fp8-amax-history-len must be >= 1")
 
 
+def _validate_snip(args: argparse.Namespace) -> None:
+    if args.snip_formats is None:
+        args.snip_formats = ["bf16", "fp8", args.fp4_recipe]
+    if not args.snip:
+        return
+    _require(0.0 <= args.snip_fp4_target <= 1.0, f"--snip-fp4-target {args.snip_fp4_target} must lie in [0, 1]")
+    if args.snip_interval is None:
+        _require(args.save_interval is not None,
+                 "--snip needs --snip-interval N or --save-interval N (SNIP re-plans at checkpoint intervals)")
+        args.snip_interval = args.save_interval
+    _require(args.snip_interval >= 1, "--snip-interval must be >= 1")
+    valid = {"bf16", "fp8", "nvfp4", "mxfp4"}
+    bad = [f for f in args.snip_formats if f not in valid]
+    _require(not bad, f"--snip-formats: unknown {bad}; choose from {sorted(valid)}")
+    _require(any(f in ("nvfp4", "mxfp4") for f in args.snip_formats) or args.snip_fp4_target == 0,
+             "--snip-formats has no FP4 format (nvfp4 or mxfp4) but --snip-fp4-target is above 0")
+    _require(args.snip_probe_passes >= 1, "--snip-probe-passes must be >= 1")
+    _require(args.transformer_impl == "local", "--snip needs --transformer-impl local")
+
+
 def _validate_files(args: argparse.Namespace) -> None:
     _require(args.data_path is not None,
              "--data-path is required: the prefix of a preprocessed dataset (tools/preprocess_data.py)")
@@ -289,10 +335,9 @@ def _validate_files(args: argparse.Namespace) -> None:
         check_data_prefixes(prefixes)
         check_vocab_covers_data(prefixes, build_tokenizer(args.tokenizer_type, args.tokenizer_model).vocab_size)
         latest = verify_latest(args.load) if args.load is not None else None
-        if args.precision_plan is not None:
-            from megatron_snip.training.precision import initial_plan
+        from megatron_snip.training.precision import initial_plan
 
-            initial_plan(args)
+        initial_plan(args)  # a bad plan file fails here, before any process group
     except (FileNotFoundError, ValueError, CheckpointError) as e:
         raise ArgumentError(str(e)) from e
     if args.load is not None:

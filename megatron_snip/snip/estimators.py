@@ -55,11 +55,11 @@ def adam_preconditioner(exp_avg_sq: torch.Tensor, step: float, beta2: float, eps
         exp_avg_sq: v, any shape, units gradient^2.
         step: optimizer steps taken so far (>= 1).
     Returns:
-        fp32 tensor of v's shape, units 1 / gradient.
+        tensor of v's shape and dtype, units 1 / gradient.
     """
     if step < 1:
         raise ValueError(f"Adam has taken {step} steps: its second moment is empty; probe after >= 1 step")
-    v_hat = exp_avg_sq.float() / (1.0 - beta2**step)
+    v_hat = exp_avg_sq / (1.0 - beta2**step)
     return 1.0 / (v_hat.sqrt() + eps)
 
 
@@ -84,11 +84,12 @@ def adam_update(exp_avg: torch.Tensor, grad: torch.Tensor, preconditioner: torch
         u = lr / (1 - beta1^(step+1)) * P * (beta1 * m + (1 - beta1) * g)
 
     Args:
-        exp_avg: m; grad: g; preconditioner: P (all the same shape).
+        exp_avg: m; grad: g; preconditioner: P (all the same shape; the result has their
+            promoted dtype).
     Returns:
-        u in fp32, units of the parameter.
+        u, units of the parameter.
     """
-    m_next = beta1 * exp_avg.float() + (1.0 - beta1) * grad.float()
+    m_next = beta1 * exp_avg + (1.0 - beta1) * grad
     return lr / (1.0 - beta1 ** (step + 1)) * preconditioner * m_next
 
 

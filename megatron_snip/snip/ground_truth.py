@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -36,7 +37,17 @@ from megatron_snip.model.quantized_layers import QuantizedLinearMixin
 from megatron_snip.precision.linear import QuantState
 from megatron_snip.precision.recipes import BF16, Precision
 
-from .probes import AdamView, ForwardStep, PassRunner, default_forward_step, noise_key, preserved_training_state
+from .probes import (
+    AdamView,
+    ForwardStep,
+    MicrobatchCounter,
+    ModuleLayout,
+    PassRunner,
+    default_forward_step,
+    needs_grad,
+    noise_key,
+    preserved_training_state,
+)
 
 Table = dict[str, dict[str, float]]  # module -> format -> value
 
@@ -88,6 +99,27 @@ def _runners(model, batches, seq_length, micro_batch_size, forward_step_func, lo
             for batch in batches]
 
 
+@dataclass(frozen=True)
+class ForwardTruth:
+    """Measured forward divergences, module -> format -> value, each relative to the all-bf16 loss.
+
+    Attributes:
+        loss_change: ``(L_f - L_ref) / L_ref``, the loss change of the real run.
+        first_order: ``<G, Y_f - Y_ref> / L_ref``, its linear part (G = dL/dY of the all-bf16
+            run, Y_f - Y_ref the module's output change: both exact, on the same batch).
+    """
+
+    loss_change: Table
+    first_order: Table
+
+    @property
+    def second_order(self) -> Table:
+        """``loss_change - first_order``: the real run's change beyond the linear term, which is
+        what the second-order estimator ``dL`` predicts (the linear term's sign follows the
+        batch and averages out over training)."""
+        return {m: {f: v - self.first_order[m][f] for f, v in row.items()} for m, row in self.loss_change.items()}
+
+
 def forward_ground_truth(
     model: Sequence[torch.nn.Module],
     controller: PrecisionController,
@@ -99,8 +131,11 @@ def forward_ground_truth(
     seeds: Sequence[int] = (0,),
     forward_step_func: ForwardStep | None = None,
     loss_key: str = "lm loss",
-) -> Table:
-    """Measured ``(L_f - L_ref) / L_ref`` of running only module l's fprop in f.
+) -> ForwardTruth:
+    """Measured loss change of running only module l's fprop in f, and its linear part.
+
+    Per batch: one all-bf16 forward + backward (reference loss, module outputs and their
+    gradients), then one forward per (module, format, seed).
 
     Args:
         model: this rank's model chunks (one, DDP-wrapped); controller: its controller.
@@ -108,33 +143,97 @@ def forward_ground_truth(
         formats: formats to measure; pairs a module cannot run are left out of the result.
         seeds: rounding seeds (quantization states) to average over.
     Returns:
-        module -> format -> mean relative loss change, on every rank.
+        :class:`ForwardTruth` averaged over batches and seeds, on every rank.
     """
     chunks = list(model)
     runners = _runners(chunks, batches, seq_length, micro_batch_size, forward_step_func, loss_key)
     plan = _module_formats(controller, formats, "fwd")
+    pairs = [(name, fmt) for name, fmts in plan for fmt in fmts]
     local = controller.modules()
-    sums: Table = {name: dict.fromkeys(fmts, 0.0) for name, fmts in plan}
+    layouts = {name: ModuleLayout.of(m) for name, m in local.items()}
+    counters = {name: MicrobatchCounter() for name in local}
+    device = next(chunks[0].parameters()).device
+    # Relative loss changes (non-zero on the last stage only) and relative linear parts (on the
+    # module's stage only, TP shards and DP ranks not yet summed).
+    loss_sum = torch.zeros(len(pairs), dtype=torch.float64, device=device)
+    first_sum = torch.zeros(len(pairs), dtype=torch.float64, device=device)
     with preserved_training_state(chunks, local) as rng:
         for module in local.values():
             module.precision = BF16
         for runner in runners:
+            outputs: dict[tuple[str, int], torch.Tensor] = {}
+            grads: dict[tuple[str, int], torch.Tensor] = {}
+            scale = runner.loss_scale
+
+            def keep(name: str, out) -> None:
+                if needs_grad(out):
+                    key = name, counters[name]()
+                    outputs[key] = out[0].detach().float().clone()
+                    out[0].register_hook(lambda g, key=key: grads.__setitem__(key, g.detach().float() / scale))
+
+            for counter in counters.values():
+                counter.reset()
             rng.restore()
-            ref = runner.run(forward_only=True)
-            for name, fmts in plan:
-                for fmt in fmts:
-                    for seed in seeds:
-                        with _only(local, name, Precision(fmt, "bf16"), seed):
-                            rng.restore()
-                            loss = runner.run(forward_only=True)
-                        if loss is not None:
-                            sums[name][fmt] += (loss - ref) / ref
-    result = {name: {f: v / (len(runners) * len(seeds)) for f, v in row.items()} for name, row in sums.items()}
-    # The loss lives on the last pipeline stage: hand its table to every stage.
-    holder = [result]
-    dist.broadcast_object_list(holder, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                               group=parallel_state.get_pipeline_model_parallel_group())
-    return holder[0]
+            with _taps(local, local, keep):
+                ref = _on_every_stage(runner.run(forward_only=False), device)
+            for i, (name, fmt) in enumerate(pairs):
+                def linear_part(name: str, out, i=i) -> None:
+                    key = name, counters[name]()
+                    change = out[0].detach().float() - outputs[key]
+                    first_sum[i] += layouts[name].y_weight * (grads[key] * change).sum(dtype=torch.float64) / ref
+
+                for seed in seeds:
+                    if name in counters:
+                        counters[name].reset()
+                    with _only(local, name, Precision(fmt, "bf16"), seed), _taps(local, [name], linear_part):
+                        rng.restore()
+                        loss = runner.run(forward_only=True)
+                    if loss is not None:
+                        loss_sum[i] += (loss - ref) / ref
+    n = len(runners) * len(seeds)
+    first = _sum_over_shards(first_sum)
+    dist.all_reduce(loss_sum, group=parallel_state.get_pipeline_model_parallel_group())
+    return ForwardTruth(_table(pairs, (loss_sum / n).tolist()), _table(pairs, (first / n).tolist()))
+
+
+def _on_every_stage(loss: float | None, device: torch.device) -> float:
+    """The last stage's loss, on every pipeline stage."""
+    t = torch.tensor(0.0 if loss is None else loss, dtype=torch.float64, device=device)
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        if not parallel_state.is_pipeline_last_stage():
+            t.zero_()
+        dist.all_reduce(t, group=parallel_state.get_pipeline_model_parallel_group())
+    return t.item()
+
+
+def _sum_over_shards(t: torch.Tensor) -> torch.Tensor:
+    """Per-rank partial sums completed over TP (replicas weighted 0), averaged over DP, and
+    gathered from the stage that holds them (the others hold zeros)."""
+    t = t.clone()
+    dist.all_reduce(t, group=parallel_state.get_tensor_model_parallel_group())
+    dist.all_reduce(t, group=parallel_state.get_data_parallel_group())
+    t /= parallel_state.get_data_parallel_world_size()
+    dist.all_reduce(t, group=parallel_state.get_pipeline_model_parallel_group())
+    return t
+
+
+def _table(pairs: Sequence[tuple[str, str]], values: Sequence[float]) -> Table:
+    out: Table = {}
+    for (name, fmt), v in zip(pairs, values):
+        out.setdefault(name, {})[fmt] = v
+    return out
+
+
+@contextlib.contextmanager
+def _taps(modules: Mapping[str, QuantizedLinearMixin], names, fn) -> Iterator[None]:
+    """Call ``fn(name, output)`` after the forward of each of ``names`` held on this rank."""
+    handles = [modules[n].register_forward_hook(lambda mod, args, out, n=n: fn(n, out))
+               for n in names if n in modules]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def backward_ground_truth(

@@ -60,8 +60,14 @@ from megatron_snip.precision.linear import QuantState, quantized_linear
 from megatron_snip.precision.plan import parse_module_name
 from megatron_snip.precision.recipes import BF16, Precision
 
-from .estimators import REFERENCE_FORMAT, adam_preconditioner, adam_step_scale, adam_update, hutchinson_trace, \
-    perturbation_gain
+from .estimators import (
+    REFERENCE_FORMAT,
+    adam_preconditioner,
+    adam_step_scale,
+    adam_update,
+    hutchinson_trace,
+    perturbation_gain,
+)
 from .statistics import FormatErrors, ModuleStatistics, ProbeStatistics
 
 ForwardStep = Callable  # (data_iterator, model) -> (output, loss_func), as megatron's schedules call it
@@ -163,6 +169,17 @@ def global_flat_index(shape: Sequence[int], *, partition_dim: int | None = None,
     return (outer * (n_local * size) + d_full) * inner + within
 
 
+def param_global_index(param: torch.nn.Parameter, start: int = 0, end: int | None = None) -> torch.Tensor:
+    """:func:`global_flat_index` of elements ``start:end`` of this rank's (flattened) shard of a
+    megatron parameter, from its tensor-parallel attributes."""
+    split = getattr(param, "tensor_model_parallel", False)
+    return global_flat_index(param.shape, partition_dim=param.partition_dim if split else None,
+                             stride=getattr(param, "partition_stride", 1),
+                             rank=parallel_state.get_tensor_model_parallel_rank(),
+                             size=parallel_state.get_tensor_model_parallel_world_size(),
+                             start=start, end=end, device=param.device)
+
+
 # -- the optimizer's view of each parameter --------------------------------------------------------
 
 @dataclass(eq=False)
@@ -195,11 +212,11 @@ class AdamSlice:
         return float(self.state["step"])
 
     def sensitivity(self) -> torch.Tensor:
-        """``P~ = c P`` on the slice (flat fp32): d(update) / d(gradient)."""
-        beta1, beta2 = self.group["betas"]
-        return adam_step_scale(self.group["lr"], beta1, self.step) * self.preconditioner()
+        """``P~ = c P`` on the slice (flat): d(update) / d(gradient)."""
+        return adam_step_scale(self.group["lr"], self.group["betas"][0], self.step) * self.preconditioner()
 
     def preconditioner(self) -> torch.Tensor:
+        """Adam's ``P = 1 / (sqrt(v_hat) + eps)`` on the slice (flat)."""
         return adam_preconditioner(self.state["exp_avg_sq"].view(-1), self.step, self.group["betas"][1],
                                    self.group["eps"])
 
@@ -230,12 +247,13 @@ class AdamView:
         self.slices: dict[torch.nn.Parameter, AdamSlice] = {}
         parts = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
         for opt in parts:
+            groups = {id(p): g for g in opt.optimizer.param_groups for p in g["params"]}
             for param, main, start, end, sharded in _main_params(opt):
                 if main is None:
                     raise ValueError(f"{names.get(param, 'a parameter')}: the optimizer keeps no fp32 main "
                                      "parameter (precision-aware distributed optimizer); SNIP probes need "
                                      "its Adam state: run without --use-precision-aware-optimizer")
-                group = next(g for g in opt.optimizer.param_groups if any(p is main for p in g["params"]))
+                group = groups[id(main)]
                 if group.get("amsgrad", False):
                     raise ValueError("SNIP probes model Adam without AMSGrad; the optimizer uses amsgrad=True")
                 state = opt.optimizer.state.get(main, {})
@@ -277,6 +295,9 @@ def _default_device() -> torch.device:
 def _main_params(opt):
     """(model param, main param or None, start, end, dp_sharded) for one megatron optimizer."""
     if isinstance(opt, DistributedOptimizer):
+        if opt.data_parallel_group.size() != parallel_state.get_data_parallel_world_size():
+            raise ValueError("SNIP probes sum the distributed optimizer's shards over the whole data-parallel "
+                             "group; several distributed-optimizer instances (partial sharding) are not supported")
         pairs = [*zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups),
                  *zip(opt.model_fp32_groups, opt.shard_fp32_groups)]
         for model_group, main_group in pairs:
@@ -339,7 +360,8 @@ class RngStates:
 def preserved_training_state(chunks: Sequence[torch.nn.Module], modules: dict[str, QuantizedLinearMixin],
                              restore_grads: bool = False) -> Iterator[RngStates]:
     """Run probe passes without leaving a trace: on exit every module's precision and quantization
-    state and every RNG state are back, the DDP gradient buffers zeroed (or restored).
+    state, every RNG state and every ``param.grad`` reference are back, the DDP gradient buffers
+    zeroed (or restored).
 
     Yields:
         the captured :class:`RngStates`; restore them before each pass so every pass draws the
@@ -354,6 +376,13 @@ def preserved_training_state(chunks: Sequence[torch.nn.Module], modules: dict[st
     states = {n: m.quant_state for n, m in modules.items()}
     buffers = [b for chunk in chunks for b in chunk.buffers + chunk.expert_parallel_buffers]
     grads = [b.grad_data.clone() for b in buffers] if restore_grads else None
+    # After an optimizer step megatron's FP32Optimizer leaves ``param.grad`` aliasing
+    # ``param.main_grad`` (the trainer's optimizer.zero_grad() drops it at the next step); a
+    # backward would then accumulate into the buffer twice. Detach the references meanwhile.
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    grad_refs = [p.grad for p in params]
+    for p in params:
+        p.grad = None
     try:
         yield rng
     finally:
@@ -365,6 +394,8 @@ def preserved_training_state(chunks: Sequence[torch.nn.Module], modules: dict[st
         if grads is not None:
             for b, g in zip(buffers, grads):
                 b.grad_data.copy_(g)
+        for p, g in zip(params, grad_refs):
+            p.grad = g
         rng.restore()
 
 
@@ -411,8 +442,12 @@ class PassRunner:
         return iter(self._batches)
 
     def _record(self) -> Iterator:
-        for _ in range(self.num_microbatches):
-            batch = next(self._source)
+        for i in range(self.num_microbatches):
+            try:
+                batch = next(self._source)
+            except StopIteration:
+                raise ValueError(f"the probe data iterator ran out after {i} of {self.num_microbatches} "
+                                 "micro-batches") from None
             self._batches.append(batch)
             yield batch
 
@@ -445,55 +480,88 @@ def _sq(t: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(t.float(), dtype=torch.float64).square()
 
 
+@dataclass(frozen=True)
+class ModuleLayout:
+    """How a linear module is split over its tensor-parallel group.
+
+    Attributes:
+        tp, tp_rank: size of the module's TP group and this rank's place in it.
+        row: row-parallel (X and W split along in; Y all-reduced, replicated) rather than
+            column-parallel (W split along out; X replicated, Y split).
+        x_weight, y_weight: 1 where this rank's X- / Y-shaped values are a distinct shard of
+            the module's (so they add over TP ranks), 0 on TP ranks > 0 where they are a
+            replica (row-parallel Y and its all-reduced errors; column-parallel X and its
+            all-reduced dgrad error): one SUM over the TP group then completes every sum.
+    """
+
+    tp: int
+    tp_rank: int
+    row: bool
+    x_weight: float
+    y_weight: float
+
+    @classmethod
+    def of(cls, module: QuantizedLinearMixin) -> ModuleLayout:
+        tp = get_pg_size(module.tp_group)
+        tp_rank = module.tp_group.rank() if tp > 1 else 0
+        row = "x" in module.sharded_operands
+        return cls(tp, tp_rank, row, x_weight=1.0 if row or tp_rank == 0 else 0.0,
+                   y_weight=1.0 if not row or tp_rank == 0 else 0.0)
+
+
+class MicrobatchCounter:
+    """Index of the micro-batch now in a module's forward, from the order of its forwards.
+
+    Forwards run in micro-batch order within a pass; forwards without grad (the first run of a
+    recomputed layer) count separately from those with it (its recomputation), so both runs
+    of a micro-batch get the same index.
+    """
+
+    def __init__(self):
+        self._counts: dict[bool, int] = {}
+
+    def __call__(self) -> int:
+        grad = torch.is_grad_enabled()
+        m = self._counts.get(grad, 0)
+        self._counts[grad] = m + 1
+        return m
+
+    def reset(self) -> None:
+        """Start a new pass."""
+        self._counts.clear()
+
+
 @dataclass(eq=False)
 class _Probe:
-    """One module's measurement state on this rank.
-
-    ``x_weight`` / ``y_weight`` are 1 where this rank's X / Y-shaped values are a distinct
-    shard of the module's (so they add over TP ranks) and 0 on TP ranks > 0 where they are
-    a replica (row-parallel Y and its all-reduced errors; column-parallel X and its
-    all-reduced dgrad error), so one SUM over the TP group completes every sum.
-    """
+    """One module's measurement state on this rank (sums before the TP / DP reduction)."""
 
     name: str
     module: QuantizedLinearMixin
+    layout: ModuleLayout
     formats: list[str]
     unsupported: dict[str, str]
-    row: bool
-    tp: int
-    x_weight: float
-    y_weight: float
     adam: AdamSlice | None
     states: dict[str, QuantState] = field(default_factory=dict)
     sums: dict[str, torch.Tensor] = field(default_factory=dict)
-    counts: dict[bool, int] = field(default_factory=dict)
+    next_microbatch: MicrobatchCounter = field(default_factory=MicrobatchCounter)
     sigma: float = 0.0
 
     def add(self, key: str, value: torch.Tensor) -> None:
         self.sums[key] = self.sums.get(key, 0.0) + value
 
-    def next_microbatch(self) -> int:
-        """Index of the micro-batch now in this module's forward. Forwards run in micro-batch
-        order; forwards without grad (the first run of a recomputed layer) count separately from
-        those with it (its recomputation), so both runs of a micro-batch get the same index."""
-        grad = torch.is_grad_enabled()
-        m = self.counts.get(grad, 0)
-        self.counts[grad] = m + 1
-        return m
-
     def output_noise(self, y: torch.Tensor, key: int) -> torch.Tensor:
         """Layout-invariant Rademacher noise shaped like this rank's output (column-parallel
         outputs are split along features like the weight's rows)."""
-        index = global_flat_index(y.shape, partition_dim=None if self.row else -1,
+        index = global_flat_index(y.shape, partition_dim=None if self.layout.row else -1,
                                   stride=getattr(self.module.weight, "partition_stride", 1),
-                                  rank=self.module.tp_group.rank() if self.tp > 1 else 0, size=self.tp,
+                                  rank=self.layout.tp_rank, size=self.layout.tp,
                                   device=y.device)
         return rademacher(index, key).view(y.shape)
 
     def quantized_gemms(self, fmt: str, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor):
         """(Y, dX, dW) of the module's GEMMs in ``fmt`` on fp32 (tokens, in) x, (out, in) w,
         (tokens, out) dy: the layer's own autograd function, quantizers and TP amax reduction."""
-        split = self.tp > 1
+        split = self.layout.tp > 1
         with torch.enable_grad():
             x = x.detach().requires_grad_()
             w = w.detach().requires_grad_()
@@ -508,19 +576,20 @@ class _Probe:
         w = self.module.weight.detach().float()
         x = x.detach().reshape(-1, x.shape[-1]).float()
         dy = dy.detach().reshape(-1, dy.shape[-1]).float() / loss_scale
-        self.add("output_grad_sq", self.y_weight * _sq(dy))
+        self.add("output_grad_sq", self.layout.y_weight * _sq(dy))
         y_ref, dx_ref, dw_ref = x @ w.t(), dy @ w, dy.t() @ x
         sensitivity = None if self.adam is None else self.adam.sensitivity()
         for fmt in self.formats:
             y, dx, dw = self.quantized_gemms(fmt, x, w, dy)
             e_out, e_in = y - y_ref, dx - dx_ref
             # Partial sums over a split reduction dim: the error of the sum is the sum of errors.
-            if self.tp > 1 and self.row:
+            if self.layout.tp > 1 and self.layout.row:
                 dist.all_reduce(e_out, group=self.module.tp_group)
-            if self.tp > 1 and not self.row:
+            if self.layout.tp > 1 and not self.layout.row:
                 dist.all_reduce(e_in, group=self.module.tp_group)
-            self.add(f"{fmt}.output_sq", self.y_weight * _sq(e_out))
-            self.add(f"{fmt}.input_grad_sq", self.x_weight * _sq(e_in))
+            self.add(f"{fmt}.output_sq", self.layout.y_weight * _sq(e_out))
+            self.add(f"{fmt}.first_order", self.layout.y_weight * (e_out * dy).sum(dtype=torch.float64))
+            self.add(f"{fmt}.input_grad_sq", self.layout.x_weight * _sq(e_in))
             if sensitivity is not None:
                 self.add(f"{fmt}.update_sq", _sq(sensitivity * self.adam.flat(dw - dw_ref)))
 
@@ -554,7 +623,10 @@ def _reduce(probes: list[_Probe], keys: list[str], dp_sharded: bool) -> dict[str
 
 @contextlib.contextmanager
 def _hooks(probes: list[_Probe], hook: Callable) -> Iterator[None]:
-    handles = [p.module.register_forward_hook(lambda mod, args, out, p=p: hook(p, args[0], out)) for p in probes]
+    """``hook(probe, input, output)`` after every probed module's forward (its return value, if
+    not None, replaces the output)."""
+    handles = [p.module.register_forward_hook(lambda mod, args, kwargs, out, p=p: hook(p, _input(args, kwargs), out),
+                                              with_kwargs=True) for p in probes]
     try:
         yield
     finally:
@@ -562,7 +634,12 @@ def _hooks(probes: list[_Probe], hook: Callable) -> Iterator[None]:
             h.remove()
 
 
-def _needs_grad(out) -> bool:
+def _input(args: tuple, kwargs: dict) -> torch.Tensor:
+    return args[0] if args else kwargs["input_"]
+
+
+def needs_grad(out) -> bool:
+    """Whether a linear's forward output (output, bias) will receive a gradient."""
     return torch.is_grad_enabled() and out[0].requires_grad
 
 
@@ -601,8 +678,8 @@ def run_probe_cycle(
     """
     chunks = list(model)
     runner = PassRunner(chunks, data_iterator, num_microbatches=num_microbatches, seq_length=seq_length,
-                        micro_batch_size=micro_batch_size, forward_step_func=forward_step_func or default_forward_step(),
-                        loss_key=loss_key)
+                        micro_batch_size=micro_batch_size,
+                        forward_step_func=forward_step_func or default_forward_step(), loss_key=loss_key)
     adam = AdamView(optimizer, chunks)
     modules = controller.modules()
     probes = [_make_probe(name, module, config.formats, adam) for name, module in modules.items()]
@@ -614,7 +691,8 @@ def run_probe_cycle(
         loss = _clean_pass(runner, probes, loss_scale)
         update_sq = adam.model_sum(lambda s: _sq(s.update(s.flat(s.param.main_grad) / loss_scale)))
         clean_keys = ["input_numel", "output_numel", "input_sq", "weight_sq", "output_sq", "output_grad_sq",
-                      *[f"{f}.{k}" for f in config.formats for k in ("output_sq", "input_grad_sq", "update_sq")]]
+                      *[f"{f}.{k}" for f in config.formats
+                        for k in ("output_sq", "first_order", "input_grad_sq", "update_sq")]]
         clean = _reduce(probes, clean_keys, adam.dp_sharded)
         for p in probes:
             rms = math.sqrt(clean[p.name]["output_sq"] / clean[p.name]["output_numel"])
@@ -622,8 +700,7 @@ def run_probe_cycle(
         for k in range(config.hutchinson_probes):
             _hutchinson_pair(runner, probes, rng, noise_key(config.seed, "output", k), k, loss_scale)
         param_sigma = _param_sigma(adam, config)
-        for k in range(config.perturbation_probes):
-            _perturbation_pair(runner, probes, rng, adam, param_sigma, noise_key(config.seed, "param", k), k)
+        _perturbation_pairs(runner, probes, rng, adam, param_sigma, config)
         noise_keys = ([f"curvature.{k}" for k in range(config.hutchinson_probes)]
                       + [f"gain.{k}" for k in range(config.perturbation_probes)])
         noisy = _reduce(probes, noise_keys, adam.dp_sharded)
@@ -641,9 +718,6 @@ def run_probe_cycle(
 
 
 def _make_probe(name: str, module: QuantizedLinearMixin, formats: Sequence[str], adam: AdamView) -> _Probe:
-    tp = get_pg_size(module.tp_group)
-    tp_rank = module.tp_group.rank() if tp > 1 else 0
-    row = "x" in module.sharded_operands
     supported, unsupported = [], {}
     for fmt in formats:
         try:
@@ -651,9 +725,7 @@ def _make_probe(name: str, module: QuantizedLinearMixin, formats: Sequence[str],
             supported.append(fmt)
         except ValueError as e:
             unsupported[fmt] = str(e)
-    probe = _Probe(name, module, supported, unsupported, row, tp,
-                   x_weight=1.0 if row or tp_rank == 0 else 0.0, y_weight=1.0 if not row or tp_rank == 0 else 0.0,
-                   adam=adam.slices.get(module.weight))
+    probe = _Probe(name, module, ModuleLayout.of(module), supported, unsupported, adam=adam.slices.get(module.weight))
     # Private quantization states: the module's own RNG stream and delayed-scaling history stay
     # untouched; the same seed gives the same Hadamard signs the module uses.
     for fmt in supported:
@@ -665,13 +737,13 @@ def _make_probe(name: str, module: QuantizedLinearMixin, formats: Sequence[str],
 
 def _clean_pass(runner: PassRunner, probes: list[_Probe], loss_scale: float) -> float | None:
     def hook(p: _Probe, x: torch.Tensor, out):
-        if not _needs_grad(out):
+        if not needs_grad(out):
             return None
         y = out[0]
-        p.add("input_numel", p.x_weight * x.numel())
-        p.add("output_numel", p.y_weight * y.numel())
-        p.add("input_sq", p.x_weight * _sq(x))
-        p.add("output_sq", p.y_weight * _sq(y))
+        p.add("input_numel", p.layout.x_weight * x.numel())
+        p.add("output_numel", p.layout.y_weight * y.numel())
+        p.add("input_sq", p.layout.x_weight * _sq(x))
+        p.add("output_sq", p.layout.y_weight * _sq(y))
         y.register_hook(lambda dy: p.measure_errors(x, dy, loss_scale))
         return None
 
@@ -689,17 +761,18 @@ def _hutchinson_pair(runner: PassRunner, probes: list[_Probe], rng: RngStates, k
         def hook(p: _Probe, x: torch.Tensor, out, sign=sign):
             y = out[0]
             m_key = noise_key(key, p.name, p.next_microbatch())
-            noisy = y + (sign * p.sigma) * p.output_noise(y, m_key)
-            if _needs_grad(out):
+            # In the output's dtype: a bf16 model must stay bf16 downstream (and across stages).
+            noisy = y + ((sign * p.sigma) * p.output_noise(y, m_key)).to(y.dtype)
+            if needs_grad(out):
                 def read(g, p=p, m_key=m_key):
                     # Z is +-1, so the products are exact in fp32; the sum runs in fp64.
                     dot = (p.output_noise(g, m_key) * g.float()).sum(dtype=torch.float64)
-                    p.add(f"curvature.{k}", (sign * p.y_weight / loss_scale) * dot)
+                    p.add(f"curvature.{k}", (sign * p.layout.y_weight / loss_scale) * dot)
                 noisy.register_hook(read)
             return (noisy, *out[1:])
 
         for p in probes:
-            p.counts.clear()
+            p.next_microbatch.reset()
         rng.restore()
         with _hooks(probes, hook):
             runner.run(forward_only=False)
@@ -717,37 +790,34 @@ def _param_sigma(adam: AdamView, config: ProbeConfig) -> float:
     return rel * math.sqrt(theta_sq / sens_sq)
 
 
-def _perturbation_pair(runner: PassRunner, probes: list[_Probe], rng: RngStates, adam: AdamView, sigma: float,
-                       key: int, k: int) -> None:
-    """Forward passes with every parameter at ``theta +- sigma P~ w``; accumulates every module's
-    ``||X+ - X-||^2`` as ``gain.k``."""
-    tp_rank, tp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+def _perturbation_pairs(runner: PassRunner, probes: list[_Probe], rng: RngStates, adam: AdamView, sigma: float,
+                        config: ProbeConfig) -> None:
+    """For each draw k, forward passes with every parameter at ``theta +- sigma P~ w_k``; accumulates
+    every module's ``||X+ - X-||^2`` as ``gain.k``. The parameters are restored bit for bit."""
     saved = {s: s.flat(s.param.detach()).clone() for s in adam.slices.values()}
     plus: dict[tuple[str, int], torch.Tensor] = {}
 
-    def record(p: _Probe, x: torch.Tensor, out):
+    def record(p: _Probe, x: torch.Tensor, out, k: int):
         plus[p.name, p.next_microbatch()] = x.detach().float().clone()
 
-    def compare(p: _Probe, x: torch.Tensor, out):
+    def compare(p: _Probe, x: torch.Tensor, out, k: int):
         x_plus = plus.pop((p.name, p.next_microbatch()))
-        p.add(f"gain.{k}", p.x_weight * _sq(x.detach().float() - x_plus))
+        p.add(f"gain.{k}", p.layout.x_weight * _sq(x.detach().float() - x_plus))
 
     try:
-        for sign, hook in ((1.0, record), (-1.0, compare)):
-            with torch.no_grad():
-                for s, original in saved.items():
-                    param = s.param
-                    index = global_flat_index(param.shape, partition_dim=getattr(param, "partition_dim", None)
-                                              if getattr(param, "tensor_model_parallel", False) else None,
-                                              stride=getattr(param, "partition_stride", 1), rank=tp_rank, size=tp,
-                                              start=s.start, end=s.end, device=param.device)
-                    w = rademacher(index, noise_key(key, s.name))
-                    s.flat(param.data).copy_((original.float() + sign * sigma * s.sensitivity() * w).to(param.dtype))
-            for p in probes:
-                p.counts.clear()
-            rng.restore()
-            with _hooks(probes, hook):
-                runner.run(forward_only=True)
+        for k in range(config.perturbation_probes):
+            key = noise_key(config.seed, "param", k)
+            for sign, hook in ((1.0, record), (-1.0, compare)):
+                with torch.no_grad():
+                    for s, original in saved.items():
+                        w = rademacher(param_global_index(s.param, s.start, s.end), noise_key(key, s.name))
+                        perturbed = original.float() + sign * sigma * s.sensitivity() * w
+                        s.flat(s.param.data).copy_(perturbed.to(s.param.dtype))
+                for p in probes:
+                    p.next_microbatch.reset()
+                rng.restore()
+                with _hooks(probes, lambda p, x, out: hook(p, x, out, k)):
+                    runner.run(forward_only=True)
     finally:
         with torch.no_grad():
             for s, original in saved.items():
@@ -758,16 +828,17 @@ def _module_statistics(p: _Probe, sums: dict[str, float], config: ProbeConfig, p
                        stage: int) -> ModuleStatistics:
     layer, _ = parse_module_name(p.name)
     out_local, in_local = p.module.weight.shape
+    tp = p.layout.tp
     curv = [hutchinson_trace(sums[f"curvature.{k}"], p.sigma) for k in range(config.hutchinson_probes)]
     gains = [perturbation_gain(sums[f"gain.{k}"], param_sigma) for k in range(config.perturbation_probes)]
     return ModuleStatistics(
         name=p.name, layer=layer, stage=stage,
-        in_features=in_local * (p.tp if p.row else 1), out_features=out_local * (1 if p.row else p.tp),
+        in_features=in_local * (tp if p.layout.row else 1), out_features=out_local * (1 if p.layout.row else tp),
         input_numel=sums["input_numel"], output_numel=sums["output_numel"], input_sq=sums["input_sq"],
         weight_sq=sums["weight_sq"], output_sq=sums["output_sq"], output_grad_sq=sums["output_grad_sq"],
         curvature=sum(curv) / len(curv), curvature_probes=curv, gain=sum(gains) / len(gains), gain_probes=gains,
-        errors={f: FormatErrors(sums[f"{f}.output_sq"], sums[f"{f}.input_grad_sq"], sums[f"{f}.update_sq"])
-                for f in p.formats},
+        errors={f: FormatErrors(sums[f"{f}.output_sq"], sums[f"{f}.first_order"], sums[f"{f}.input_grad_sq"],
+                                sums[f"{f}.update_sq"]) for f in p.formats},
         unsupported=dict(p.unsupported),
     )
 

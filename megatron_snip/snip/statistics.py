@@ -39,6 +39,9 @@ class FormatErrors:
 
     Attributes:
         output_sq: ``||E_f||^2``, ``E_f = Q(X) Q(W)^T - X W^T`` (fprop error; Y-units^2).
+        first_order: ``<dY, E_f>``, the exact first-order loss change on the probe batch (loss
+            units). A diagnostic: its sign follows the batch and the step, so it averages out
+            over training and is left out of the cost.
         input_grad_sq: ``||eX_f||^2``, ``eX_f = Q(dY) Q(W) - dY W`` (dgrad error; (loss/X)^2).
         update_sq: ``||P~ * eW_f||^2``, ``eW_f = Q(dY)^T Q(X) - dY^T X`` (wgrad error) weighted
             by Adam's sensitivity ``P~``: the squared drift of this module's weight update
@@ -46,6 +49,7 @@ class FormatErrors:
     """
 
     output_sq: float
+    first_order: float
     input_grad_sq: float
     update_sq: float
 

@@ -65,6 +65,17 @@ class MetricsLogger:
             for key, value in metrics.items():
                 self.writer.add_scalar(f"{prefix}/{key}", value, iteration)
 
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        """TensorBoard only (e.g. per-layer panels too wide for the console)."""
+        if self.writer is not None:
+            for tag, value in values.items():
+                self.writer.add_scalar(tag, value, step)
+
+    def image(self, tag: str, image, step: int) -> None:
+        """An ``[H, W, 3]`` uint8 image on TensorBoard's image panel."""
+        if self.writer is not None:
+            self.writer.add_image(tag, image, step, dataformats="HWC")
+
     def text(self, message: str) -> None:
         if self.active:
             print(message, flush=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_snip.precision.plan import PlanError, PrecisionPlan
-from megatron_snip.precision.recipes import RecipeConfig
+from megatron_snip.precision.recipes import PRECISION_NAMES, RecipeConfig
 
 
 def recipe_from_args(args: argparse.Namespace) -> RecipeConfig:
@@ -20,20 +20,33 @@ def recipe_from_args(args: argparse.Namespace) -> RecipeConfig:
 
 
 def initial_plan(args: argparse.Namespace) -> PrecisionPlan:
-    """``--precision-plan FILE``, else uniform ``--precision``; then ``--first-last-layers-bf16``.
+    """The plan training starts with, then ``--first-last-layers-bf16`` on top.
 
-    Raises PlanError (a ValueError) naming the file for a bad plan file.
+    ``--precision-plan FILE``, else with ``--snip`` the ``--snip-warmup-plan`` (a
+    precision name or a file), else uniform ``--precision``. Raises PlanError (a
+    ValueError) naming the flag and the file for a bad plan file.
     """
     if args.precision_plan is not None:
-        try:
-            plan = PrecisionPlan.load(args.precision_plan)
-            plan.validate(args.num_layers, source=args.precision_plan)
-        except FileNotFoundError:
-            raise PlanError(f"--precision-plan {args.precision_plan}: file not found") from None
-        except PlanError as e:  # its message starts with the file name
-            raise PlanError(f"--precision-plan {e}") from None
+        plan = _load(args.precision_plan, "--precision-plan", args.num_layers)
+    elif args.snip:
+        spec = args.snip_warmup_plan
+        name = args.fp4_recipe if spec == "fp4" else spec
+        plan = PrecisionPlan.uniform(name) if name in PRECISION_NAMES else _load(spec, "--snip-warmup-plan",
+                                                                                  args.num_layers)
     else:
         plan = PrecisionPlan.uniform(args.precision)
     if args.first_last_layers_bf16:
         plan = plan.with_ends_bf16(args.num_layers, args.num_layers_at_start_in_bf16, args.num_layers_at_end_in_bf16)
+    return plan
+
+
+def _load(path: str, flag: str, num_layers: int) -> PrecisionPlan:
+    try:
+        plan = PrecisionPlan.load(path)
+        plan.validate(num_layers, source=path)
+    except FileNotFoundError:
+        raise PlanError(f"{flag} {path}: file not found (expected a plan JSON file"
+                        f"{' or a precision name' if flag == '--snip-warmup-plan' else ''})") from None
+    except PlanError as e:  # its message starts with the file name
+        raise PlanError(f"{flag} {e}") from None
     return plan

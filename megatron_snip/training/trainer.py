@@ -8,7 +8,9 @@ the pipeline schedule from ``get_forward_backward_func``, DDP, the optimizer,
 from __future__ import annotations
 
 import argparse
+import logging
 import math
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -26,6 +28,7 @@ from megatron_snip.model.llama import build_model, flops_per_token, num_paramete
 from megatron_snip.model.precision_control import PrecisionController
 from megatron_snip.precision.flops import LlamaLinearDims, flop_fractions
 from megatron_snip.precision.plan import PrecisionPlan
+from megatron_snip.snip.manager import PrecisionManager, log_cycle
 from megatron_snip.training import checkpointing
 from megatron_snip.training.data import build_datasets_from_args
 from megatron_snip.training.logger import MetricsLogger, peak_tflops, setup_console
@@ -82,6 +85,7 @@ class Trainer:
         self.precision = PrecisionController(self.model, recipe=recipe_from_args(args), seed=args.seed)
         self.linear_dims = LlamaLinearDims.from_config(self.config)
         self.set_plan(initial_plan(args))
+        self.snip = PrecisionManager(self, args) if args.snip else None
         self.optimizer = build_optimizer(args, self.model)
         self.scheduler = build_scheduler(args, self.optimizer)
         self.state = TrainState()
@@ -187,6 +191,8 @@ class Trainer:
                 window_loss, window_iters, window_seconds = 0.0, 0, 0.0
             if it % args.eval_interval == 0 or it == args.train_iters:
                 self._log_validation(it)
+            if self.snip is not None and self.snip.due(it):
+                self._snip_cycle(it)
             if args.save and args.save_interval and it % args.save_interval == 0:
                 self.save()
                 saved_at = it
@@ -199,6 +205,15 @@ class Trainer:
         exit_signal.close()
         if args.save and saved_at != self.state.iteration:
             self.save()
+
+    def _snip_cycle(self, iteration: int) -> None:
+        """Re-plan (all ranks), report, and keep the statistics next to the checkpoints."""
+        report = self.snip.cycle(iteration)
+        log_cycle(self.logger, report, self.args.num_layers)
+        if self.args.save:
+            path = self.snip.write_statistics(os.path.join(self.args.save, "snip"), iteration)
+            if path:
+                logging.getLogger(__name__).info("SNIP statistics written to %s", path)
 
     def _metrics(self, loss: float, grad_norm: float, seconds_per_iter: float, peak: float | None) -> dict:
         world = dist.get_world_size()

@@ -1,0 +1,72 @@
+"""Cost of one SNIP cycle, in training iterations.
+
+    python bench/snip_cycle.py                     # tiny Llama, TP=2 PP=2, 4 local processes (CPU here)
+    python bench/snip_cycle.py --nproc 8 --tp 2 --pp 2 --preset tinyllama-1.1b --bf16   # a GPU node
+
+Runs pretrain_llama.py with ``--snip`` re-planning once, then reads TensorBoard:
+the cycle's wall time (probe passes, statistics, gather, solve, broadcast) over
+the median seconds per training iteration before the cycle (the warm-up plan,
+bf16) and after it (the new plan). Goal: a cycle costs <= ~10 iterations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+
+def main() -> None:
+    from step_time import build_data
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--pp", type=int, default=2)
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--global-batch-size", type=int, default=16)
+    p.add_argument("--interval", type=int, default=10, help="iterations before (and after) the cycle")
+    p.add_argument("--probe-passes", type=int, default=3)
+    p.add_argument("--bf16", action="store_true")
+    opts = p.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        prefix, tok = build_data(work)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(opts.nproc),
+               str(ROOT / "pretrain_llama.py"), "--model-preset", opts.preset,
+               "--tensor-model-parallel-size", str(opts.tp), "--pipeline-model-parallel-size", str(opts.pp),
+               "--micro-batch-size", str(opts.micro_batch_size), "--global-batch-size", str(opts.global_batch_size),
+               "--train-iters", str(2 * opts.interval), "--lr", "1e-3", "--lr-decay-style", "constant",
+               "--data-path", prefix, "--tokenizer-model", tok, "--split", "99,1,0", "--eval-iters", "0",
+               "--log-interval", "1", "--snip", "--snip-interval", str(opts.interval),
+               "--snip-probe-passes", str(opts.probe_passes), "--tensorboard-dir", str(work / "tb"),
+               *(["--bf16"] if opts.bf16 else [])]
+        subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                       stdout=subprocess.DEVNULL)
+        acc = EventAccumulator(str(next((work / "tb").glob("**/events.out.tfevents.*"))), size_guidance={"scalars": 0})
+        acc.Reload()
+        per_iter = {e.step: e.value for e in acc.Scalars("train/seconds per iteration")}
+        cycle = acc.Scalars("snip/cycle seconds")[0].value
+    # Skip the first iterations (warm-up) and the one right after the cycle (new loader workers).
+    before = statistics.median(v for k, v in per_iter.items() if 3 <= k <= opts.interval)
+    after = statistics.median(v for k, v in per_iter.items() if k > opts.interval + 1)
+    print(f"layout TP={opts.tp} PP={opts.pp} DP={opts.nproc // (opts.tp * opts.pp)}, preset {opts.preset}, global "
+          f"batch {opts.global_batch_size}, {opts.probe_passes}+{opts.probe_passes} noise passes")
+    print(f"SNIP cycle                     : {cycle:8.2f} s")
+    print(f"iteration before (warm-up plan): {before:8.3f} s   cycle / iteration = {cycle / before:6.1f}")
+    print(f"iteration after (new plan)     : {after:8.3f} s   cycle / iteration = {cycle / after:6.1f}")
+
+
+if __name__ == "__main__":
+    main()

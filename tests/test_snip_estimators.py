@@ -1,0 +1,349 @@
+"""The SNIP estimators on toy problems whose answers are known in closed form.
+
+Pure functions only (no process groups): the least-squares model whose loss
+Hessian w.r.t. the output is exactly I/n, a random quadratic for the isotropic
+second-order rule, a 2-layer linear net for the propagated gain, torch's Adam
+for the update sensitivity, plus the statistics' JSON form, the cost tables
+handed to the ILP, and the rank correlation.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from megatron_snip.snip.estimators import (
+    adam_sensitivity,
+    adam_update,
+    cost_tables,
+    divergences,
+    forward_loss_divergence,
+    hutchinson_trace,
+    local_error_baselines,
+    module_divergences,
+    perturbation_gain,
+    propagated_update_divergence,
+)
+from megatron_snip.snip.ground_truth import rank_correlations, rank_with_ties, spearman
+from megatron_snip.snip.probes import noise_key, rademacher
+from megatron_snip.snip.statistics import FormatErrors, ModuleStatistics, ProbeStatistics
+
+
+def _rademacher(n: int, key: int) -> torch.Tensor:
+    return rademacher(torch.arange(n), key).double()
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward: least squares, y = X w, L = 0.5 ||y - t||^2 / n, so d^2L/dy^2 = I / n exactly.
+
+
+def test_hutchinson_is_exact_on_least_squares():
+    g = torch.Generator().manual_seed(0)
+    n, d = 200, 7
+    x, w, t = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((n, d), (d,), (n,)))
+    y = x @ w
+
+    def grad(y):  # dL/dy
+        return (y - t) / n
+
+    sigma = 1e-2 * y.norm().item() / math.sqrt(n)
+    for k in range(3):
+        z = _rademacher(n, noise_key("lsq", k))
+        trace = hutchinson_trace(torch.dot(z, grad(y + sigma * z) - grad(y - sigma * z)).item(), sigma)
+        # <Z, H Z> / ... with H = I/n and ||Z||^2 = n for +-1 noise: exactly tr(H) = 1.
+        assert trace == pytest.approx(1.0, rel=1e-12)
+
+
+def test_forward_divergence_is_the_second_order_loss_change():
+    g = torch.Generator().manual_seed(1)
+    n, d = 300, 5
+    x, w, t = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((n, d), (d,), (n,)))
+
+    def loss(y):
+        return 0.5 * ((y - t) ** 2).sum().item() / n
+
+    y = x @ w
+    e = 0.05 * torch.randn(n, generator=g, dtype=torch.float64)  # an injected output error
+    estimate = forward_loss_divergence(curvature_trace=1.0, output_numel=n, output_err_sq=(e**2).sum().item())
+    first_order = torch.dot((y - t) / n, e).item()
+    # The loss is quadratic in y: the change is exactly linear + estimate (to rounding).
+    assert loss(y + e) - loss(y) == pytest.approx(first_order + estimate, rel=1e-10)
+    # ... and the antithetic pair cancels the linear term.
+    assert 0.5 * (loss(y + e) + loss(y - e)) - loss(y) == pytest.approx(estimate, rel=1e-10)
+
+
+def test_isotropic_rule_on_an_anisotropic_quadratic():
+    """For E with i.i.d. entries the expected rise 0.5 E^T H E is 0.5 (tr H / n) E||E||^2 whatever H
+    is; the Hutchinson trace from few probes carries it."""
+    g = torch.Generator().manual_seed(2)
+    n = 64
+    a = torch.randn(n, n, generator=g, dtype=torch.float64)
+    h = a @ a.t() / n + torch.diag(torch.rand(n, generator=g, dtype=torch.float64) * 5)  # SPD, anisotropic
+    z = _rademacher(3000 * n, noise_key("q")).view(3000, n)
+    sigma = 0.1
+    grad_diff = (sigma * z) @ h - (-sigma * z) @ h  # G(+sigma z) - G(-sigma z) of the quadratic 0.5 y^T H y
+    trace = hutchinson_trace((z * grad_diff).sum(1), sigma).mean().item()
+    assert trace == pytest.approx(h.trace().item(), rel=0.03)
+    errors = 0.02 * torch.randn(4000, n, generator=g, dtype=torch.float64)
+    true_rise = 0.5 * torch.einsum("bi,ij,bj->b", errors, h, errors).mean().item()
+    estimate = forward_loss_divergence(trace, n, (errors**2).sum(1).mean().item())
+    assert estimate == pytest.approx(true_rise, rel=0.05)
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward: 2-layer linear net  h = x A^T (module input), y = h B^T, L = 0.5 ||y - t||^2 / N.
+# A dgrad error eX in dL/dh adds eX^T x to A's gradient. With Adam sensitivity S (same shape as A)
+# and i.i.d. eX of variance s^2, E||S * (eX^T x)||^2 = s^2 sum_ij S_ij^2 c_j, c_j = sum_n x_nj^2,
+# and the gain ||J S||_F^2 (J = dh/dA) is exactly sum_ij S_ij^2 c_j: propagated = gain * s^2.
+
+
+def _two_layer(seed=3, n=40, d0=6, d1=5):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d0, generator=g, dtype=torch.float64)
+    a = torch.randn(d1, d0, generator=g, dtype=torch.float64)
+    s = torch.rand(d1, d0, generator=g, dtype=torch.float64) + 0.1  # Adam's P~ for A
+    return g, x, a, s
+
+
+def test_injected_dgrad_error_enters_lower_gradient_as_ex_t_x():
+    g, x, a, s = _two_layer()
+    b = torch.randn(3, a.shape[0], generator=g, dtype=torch.float64)
+    t = torch.randn(x.shape[0], 3, generator=g, dtype=torch.float64)
+    e_x = torch.randn(x.shape[0], a.shape[0], generator=g, dtype=torch.float64)
+
+    def grad_a(error):
+        a_ = a.clone().requires_grad_()
+        h = x @ a_.t()
+        if error is not None:
+            h.register_hook(lambda grad: grad + error)
+        loss = 0.5 * ((h @ b.t() - t) ** 2).sum() / x.shape[0]
+        loss.backward()
+        return a_.grad
+
+    torch.testing.assert_close(grad_a(e_x) - grad_a(None), e_x.t() @ x)
+
+
+def test_perturbation_gain_matches_closed_form():
+    _, x, a, s = _two_layer()
+    closed = ((s**2) * (x**2).sum(0)).sum().item()
+    sigma, draws = 1e-3, 4000
+    w = _rademacher(draws * a.numel(), noise_key("gain")).view(draws, *a.shape)
+    dh = torch.einsum("nj,kij->kni", x, a + sigma * s * w) - torch.einsum("nj,kij->kni", x, a - sigma * s * w)
+    samples = perturbation_gain((dh**2).sum((1, 2)), sigma)
+    # Linear in the parameters: each draw is exactly ||J (P~ w)||^2 ...
+    torch.testing.assert_close(samples, (torch.einsum("nj,kij->kni", x, s * w) ** 2).sum((1, 2)), rtol=1e-6, atol=0)
+    # ... and their mean is ||J P~||_F^2: the hash noise has E[w w^T] = I.
+    mean, sd = samples.mean().item(), (samples.std() / math.sqrt(draws)).item()
+    assert abs(mean - closed) < 4 * sd, (mean, closed, sd)
+    assert abs(mean - closed) < 0.03 * closed
+
+
+def test_propagated_term_matches_injected_errors():
+    g, x, a, s = _two_layer()
+    gain = ((s**2) * (x**2).sum(0)).sum().item()
+    n_h = x.shape[0] * a.shape[0]
+    e_x = 0.3 * torch.randn(3000, x.shape[0], a.shape[0], generator=g, dtype=torch.float64)
+    drifts = ((s * torch.einsum("kni,nj->kij", e_x, x)) ** 2).sum((1, 2))
+    estimates = propagated_update_divergence(gain, n_h, (e_x**2).sum((1, 2)))
+    assert estimates.mean().item() == pytest.approx(drifts.mean().item(), rel=0.03)
+
+
+# ----------------------------------------------------------------------------------------------
+# Adam
+
+
+def _adam_history(beta2, steps=2000, seed=4):
+    """A parameter after ``steps`` Adam steps on a stationary gradient distribution."""
+    g = torch.Generator().manual_seed(seed)
+    p = torch.nn.Parameter(torch.randn(50, generator=g, dtype=torch.float64))
+    opt = torch.optim.Adam([p], lr=1e-2, betas=(0.9, beta2), eps=1e-8)
+    scale = torch.rand(50, generator=g, dtype=torch.float64) + 0.5
+    for _ in range(steps):
+        p.grad = scale * torch.randn(50, generator=g, dtype=torch.float64)
+        opt.step()
+    return g, p, opt, scale
+
+
+def _torch_step(p, opt, grad, exp_avg_sq=None):
+    """The update (theta_before - theta_after) torch's Adam takes from ``opt``'s state for ``grad``
+    (optionally with the second moment replaced)."""
+    p_ = torch.nn.Parameter(p.detach().clone())
+    o = torch.optim.Adam([p_], **{k: v for k, v in opt.defaults.items() if k in ("lr", "betas", "eps")})
+    o.load_state_dict(copy.deepcopy(opt.state_dict()))  # a copy: the state tensors would be shared
+    if exp_avg_sq is not None:
+        o.state[p_]["exp_avg_sq"] = exp_avg_sq
+    p_.grad = grad.clone()
+    o.step()
+    return p.detach() - p_.detach()
+
+
+@pytest.mark.parametrize("beta2", [0.95, 0.999])
+def test_adam_formulas_are_torch_adam_with_the_second_moment_held(beta2):
+    """With v set so that the step's own g^2 leaves v_hat where it is, torch's step is exactly
+    adam_update, and its response to a gradient change exactly adam_sensitivity * change."""
+    g, p, opt, scale = _adam_history(beta2, steps=300)
+    lr, beta1, eps = 1e-2, 0.9, 1e-8
+    state = opt.state[p]
+    step = float(state["step"])
+    v_hat = state["exp_avg_sq"] / (1 - beta2**step)
+    grad = 0.3 * scale * torch.randn(50, generator=g, dtype=torch.float64)
+    delta = 1e-3 * scale * torch.randn(50, generator=g, dtype=torch.float64)
+
+    def held(grad):  # v such that beta2 v + (1 - beta2) g^2 == v_hat (1 - beta2^(t+1))
+        return (v_hat * (1 - beta2 ** (step + 1)) - (1 - beta2) * grad**2) / beta2
+
+    precond = 1.0 / (v_hat.sqrt() + eps)
+    predicted = adam_update(state["exp_avg"], grad, precond, lr, beta1, step).double()
+    torch.testing.assert_close(predicted, _torch_step(p, opt, grad, held(grad)), rtol=1e-9, atol=1e-15)
+    sensitivity = adam_sensitivity(state["exp_avg_sq"], step, lr, beta1, beta2, eps).double()
+    change = _torch_step(p, opt, grad + delta, held(grad + delta)) - _torch_step(p, opt, grad, held(grad))
+    torch.testing.assert_close(sensitivity * delta, change, rtol=1e-6, atol=1e-15)
+
+
+def test_adam_formulas_approximate_the_real_step():
+    """The real step also folds g^2 into v_hat, with weight w = (1 - beta2) / (1 - beta2^(t+1));
+    at Megatron's default beta2 = 0.999 (w ~ 1e-3) that moves the update by ~1%."""
+    beta2 = 0.999
+    g, p, opt, scale = _adam_history(beta2)
+    state = opt.state[p]
+    step = float(state["step"])
+    tol = 10 * (1 - beta2) / (1 - beta2 ** (step + 1))
+
+    def rel_err(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    grad = scale * torch.randn(50, generator=g, dtype=torch.float64)
+    precond = 1.0 / ((state["exp_avg_sq"] / (1 - beta2**step)).sqrt() + 1e-8)
+    assert rel_err(adam_update(state["exp_avg"], grad, precond, 1e-2, 0.9, step), _torch_step(p, opt, grad)) < tol
+    delta = 1e-4 * scale * torch.randn(50, generator=g, dtype=torch.float64)
+    sensitivity = adam_sensitivity(state["exp_avg_sq"], step, 1e-2, 0.9, beta2, 1e-8).double()
+    assert rel_err(sensitivity * delta, _torch_step(p, opt, grad + delta) - _torch_step(p, opt, grad)) < tol
+
+
+# ----------------------------------------------------------------------------------------------
+# Statistics, normalisation, cost tables
+
+
+def _module(name, layer, curvature, gain, errors, unsupported=None):
+    return ModuleStatistics(
+        name=name, layer=layer, stage=0, in_features=8, out_features=16, input_numel=80.0, output_numel=160.0,
+        input_sq=80.0, weight_sq=1.0, output_sq=160.0, output_grad_sq=1e-4, curvature=curvature,
+        curvature_probes=[curvature], gain=gain, gain_probes=[gain],
+        errors={f: FormatErrors(*v) for f, v in errors.items()}, unsupported=unsupported or {})
+
+
+def _stats(**kw):
+    modules = {
+        "decoder.layers.0.mlp.linear_fc1": _module("decoder.layers.0.mlp.linear_fc1", 0, 3.2, 5.0,
+                                                   {"fp8": (0.1, 0.0, 1e-4, 2e-6), "nvfp4": (2.0, 0.1, 1e-3, 4e-5)}),
+        "decoder.layers.1.mlp.linear_fc1": _module("decoder.layers.1.mlp.linear_fc1", 1, 0.5, 9.0,
+                                                   {"fp8": (0.2, 0.0, 2e-4, 1e-6), "nvfp4": (4.0, -0.1, 3e-3, 2e-5)}),
+    }
+    return ProbeStatistics(modules=modules, formats=["fp8", "nvfp4"], loss=2.0, update_sq=1e-3,
+                           data_parallel_size=kw.get("dp", 1), num_microbatches=2, micro_batch_size=4,
+                           seq_length=32, iteration=100, stages=[0])
+
+
+def test_module_divergences_normalise_and_split_into_parts():
+    stats = _stats(dp=4)
+    m = stats.modules["decoder.layers.1.mlp.linear_fc1"]
+    d = module_divergences(m, loss=2.0, update_sq=1e-3, data_parallel_size=4)["nvfp4"]
+    assert d.loss_change == pytest.approx(0.5 * 0.5 * 4.0 / 160.0)
+    assert d.forward == pytest.approx(d.loss_change / 2.0)
+    assert d.update_local == pytest.approx(2e-5 / 4)
+    assert d.update_propagated == pytest.approx(9.0 * 3e-3 / 80.0 / 4)
+    assert d.backward == pytest.approx((d.update_local + d.update_propagated) / 1e-3)
+    assert d.cost(2.0, 0.5) == pytest.approx(2.0 * d.forward + 0.5 * d.backward)
+    assert divergences(stats)["decoder.layers.1.mlp.linear_fc1"]["nvfp4"] == d
+
+
+def test_cost_tables_feed_the_ilp():
+    from megatron_snip.snip.ilp import LinearModule, SnipProblem, solve
+
+    stats = _stats()
+    tables = cost_tables(stats, alpha=1.0, beta=2.0)
+    names = list(stats.modules)
+    for name in names:
+        assert tables.joint[name]["bf16"] == 0.0
+        for fmt in ("fp8", "nvfp4"):
+            assert tables.joint[name][fmt] == pytest.approx(tables.forward[name][fmt] + tables.backward[name][fmt])
+        assert tables.forward[name]["fp8"] < tables.forward[name]["nvfp4"]
+    modules = [LinearModule.from_shape(n, i, 128, 8, 16) for i, n in enumerate(names)]
+    plan = solve(SnipProblem(modules, ["bf16", "fp8", "nvfp4"], target=0.5, cost=tables.joint), solver="highs").plan
+    assert sorted(plan.values()) == ["bf16", "nvfp4"]  # one module in FP4, the other in free bf16
+    cheaper = min(names, key=lambda n: tables.joint[n]["nvfp4"])
+    assert plan[cheaper] == "nvfp4"
+    split = SnipProblem(modules, ["bf16", "fp8", "nvfp4"], target=0.5, fwd_cost=tables.forward,
+                        bwd_cost=tables.backward)
+    assert solve(split, solver="highs").meets_target
+
+
+def test_cost_tables_refuse_unmeasured_pairs_and_clamp_negative_curvature():
+    stats = _stats()
+    stats.modules["decoder.layers.0.mlp.linear_fc1"].unsupported["mxfp4"] = "cannot run mxfp4: split of 80"
+    with pytest.raises(ValueError, match=r"decoder.layers.0.mlp.linear_fc1: mxfp4 \(cannot run mxfp4"):
+        cost_tables(stats, formats=["bf16", "fp8", "mxfp4"])
+    stats.modules["decoder.layers.1.mlp.linear_fc1"].curvature = -0.1  # a noisy ~0 trace
+    assert cost_tables(stats).forward["decoder.layers.1.mlp.linear_fc1"]["fp8"] == 0.0
+    stats.loss = None
+    with pytest.raises(ValueError, match="gather them across the pipeline"):
+        cost_tables(stats)
+
+
+def test_statistics_json_round_trip_and_merge(tmp_path):
+    stats = _stats()
+    path = tmp_path / "cycle.json"
+    stats.save(path)
+    again = ProbeStatistics.load(path)
+    assert again == stats and again.is_finite()
+    first = ProbeStatistics.from_dict({**stats.to_dict(), "loss": None, "stages": [0],
+                                       "modules": {k: v for k, v in stats.to_dict()["modules"].items() if "layers.0" in k}})
+    second = ProbeStatistics.from_dict({**stats.to_dict(), "stages": [1],
+                                        "modules": {k: v for k, v in stats.to_dict()["modules"].items() if "layers.1" in k}})
+    merged = ProbeStatistics.merge([second, first])
+    assert merged.modules == stats.modules and merged.loss == 2.0 and merged.stages == [0, 1]
+    with pytest.raises(ValueError, match="more than one part"):
+        ProbeStatistics.merge([stats, stats])
+    with pytest.raises(ValueError, match="version"):
+        ProbeStatistics.from_dict({**stats.to_dict(), "version": 99})
+    stats.modules["decoder.layers.0.mlp.linear_fc1"].gain = math.nan
+    assert not stats.is_finite()
+
+
+def test_local_error_baselines():
+    absolute, relative = local_error_baselines(_stats())
+    assert absolute["decoder.layers.1.mlp.linear_fc1"]["nvfp4"] == 4.0
+    assert relative["decoder.layers.1.mlp.linear_fc1"]["nvfp4"] == 4.0 / 160.0
+
+
+# ----------------------------------------------------------------------------------------------
+# Rank correlation
+
+
+def test_spearman_with_ties():
+    assert rank_with_ties([10.0, 20.0, 20.0, 5.0, 20.0]) == [2.0, 4.0, 4.0, 1.0, 4.0]
+    # The classic textbook example (IQ vs hours of TV): rho = -29/165.
+    iq = [106, 100, 86, 101, 99, 103, 97, 113, 112, 110]
+    tv = [7, 27, 2, 50, 28, 29, 20, 12, 6, 17]
+    assert spearman(iq, tv) == pytest.approx(-29 / 165)
+    assert spearman([1, 2, 3], [10, 20, 30]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    # With ties: Pearson correlation of the mid-ranks.
+    x, y = [1, 2, 2, 3], [1, 3, 2, 4]
+    rx, ry = [1, 2.5, 2.5, 4], [1, 3, 2, 4]
+    mx, my = sum(rx) / 4, sum(ry) / 4
+    expected = sum((a - mx) * (b - my) for a, b in zip(rx, ry)) / math.sqrt(
+        sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
+    assert spearman(x, y) == pytest.approx(expected)
+    assert math.isnan(spearman([1, 1], [1, 2]))
+
+
+def test_rank_correlations_overall_and_per_format():
+    truth = {"a": {"fp8": 1.0, "nvfp4": 10.0}, "b": {"fp8": 2.0, "nvfp4": 20.0}, "c": {"fp8": 3.0, "nvfp4": 15.0}}
+    estimate = {"a": {"fp8": 1.0, "nvfp4": 9.0}, "b": {"fp8": 3.0, "nvfp4": 30.0}, "c": {"fp8": 2.0, "nvfp4": 40.0}}
+    rho = rank_correlations(estimate, truth)
+    assert rho["fp8"] == pytest.approx(0.5) and rho["nvfp4"] == pytest.approx(0.5)
+    assert rho["all"] == pytest.approx(spearman([1, 9, 3, 30, 2, 40], [1, 10, 2, 20, 3, 15]))

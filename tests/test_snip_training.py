@@ -1,0 +1,54 @@
+"""SNIP end to end through pretrain_llama.py at TP=2, PP=2 on CPU."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from conftest import scalars, torchrun, train_args
+
+TARGET = 0.5
+LAYOUT = ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2")
+SNIP = ("--snip", "--snip-fp4-target", str(TARGET), "--save-interval", "3", "--snip-probe-passes", "1",
+        "--lr-decay-style", "constant")
+
+
+@pytest.fixture(scope="module")
+def snip_run(tiny_data, tmp_path_factory):
+    """6 iterations, re-planning (and saving) at 3 and 6."""
+    d = tmp_path_factory.mktemp("snip")
+    torchrun(4, train_args(tiny_data, *LAYOUT, *SNIP, "--save", str(d / "ckpt"), "--tensorboard-dir", str(d / "tb"),
+                           iters=6))
+    return d
+
+
+def test_replans_at_two_intervals_and_meets_the_target(snip_run):
+    fp4 = scalars(snip_run / "tb", "train/fp4 flops fraction")
+    assert fp4[1] == fp4[3] == 0.0  # the bf16 warm-up plan until the first cycle
+    assert fp4[4] >= TARGET - 1e-9 and fp4[6] >= TARGET - 1e-9
+    cycles = scalars(snip_run / "tb", "snip/fp4 flops fraction")
+    assert sorted(cycles) == [3, 6] and min(cycles.values()) >= TARGET - 1e-9
+    assert scalars(snip_run / "tb", "snip/fp4 flops fraction")[3] == pytest.approx(fp4[4])
+    for it in (3, 6):
+        record = json.loads((snip_run / "ckpt" / "snip" / f"snip_iter_{it:07d}.json").read_text())
+        assert record["cycle"]["iteration"] == it
+        assert len(record["statistics"]["modules"]) == 16  # 4 layers x 4 linear modules, from both stages
+        stage_fraction = record["cycle"]["stage_fp4_fraction"]
+        assert min(stage_fraction.values()) >= TARGET - 1e-9  # per-stage budget
+    losses = scalars(snip_run / "tb", "train/lm loss")
+    assert losses[6] < losses[1]
+
+
+def test_resume_restores_the_plan_and_continues_identically(tiny_data, snip_run, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    shutil.copytree(snip_run / "ckpt" / "iter_0000003", ckpt / "iter_0000003")
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("3")
+    torchrun(4, train_args(tiny_data, *LAYOUT, *SNIP, "--load", str(ckpt), "--save", str(ckpt),
+                           "--tensorboard-dir", str(tmp_path / "tb"), iters=6))
+    for tag in ("train/lm loss", "train/fp4 flops fraction", "snip/objective"):
+        full = scalars(snip_run / "tb", tag)
+        resumed = scalars(tmp_path / "tb", tag)
+        assert resumed and {k: full[k] for k in resumed} == resumed, tag
