@@ -137,7 +137,7 @@ def _snip(p: argparse.ArgumentParser) -> None:
     g.add_argument("--snip-switch-penalty", type=float, default=0.0,
                    help="Objective penalty per module whose precision changes from the current plan.")
     g.add_argument("--snip-probe-passes", type=int, default=3,
-                   help="Antithetic noise passes per estimator (the paper's 1 + 3 + 3 budget).")
+                   help="Antithetic noise draws per estimator, each a +/- pair of passes (default 3: 1 + 6 + 6 passes).")
 
 
 def _data(p: argparse.ArgumentParser) -> None:

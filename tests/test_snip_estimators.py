@@ -299,10 +299,11 @@ def test_statistics_json_round_trip_and_merge(tmp_path):
     stats.save(path)
     again = ProbeStatistics.load(path)
     assert again == stats and again.is_finite()
-    first = ProbeStatistics.from_dict({**stats.to_dict(), "loss": None, "stages": [0],
-                                       "modules": {k: v for k, v in stats.to_dict()["modules"].items() if "layers.0" in k}})
-    second = ProbeStatistics.from_dict({**stats.to_dict(), "stages": [1],
-                                        "modules": {k: v for k, v in stats.to_dict()["modules"].items() if "layers.1" in k}})
+    def part(stage, **changes):
+        modules = {k: v for k, v in stats.to_dict()["modules"].items() if f"layers.{stage}." in k}
+        return ProbeStatistics.from_dict({**stats.to_dict(), "stages": [stage], "modules": modules, **changes})
+
+    first, second = part(0, loss=None), part(1)
     merged = ProbeStatistics.merge([second, first])
     assert merged.modules == stats.modules and merged.loss == 2.0 and merged.stages == [0, 1]
     with pytest.raises(ValueError, match="more than one part"):

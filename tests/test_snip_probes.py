@@ -25,7 +25,7 @@ FP8 per-tensor amax one ulp off rescales the whole tensor), which moves a
 handful of elements by a quantum: up to ~6e-4 observed, 2e-3 allowed. Under the
 distributed optimizer each DP rank perturbs only its shard of the parameters,
 so one draw of the gain differs by zero-mean cross terms between the shards:
-compared within 25%.
+compared within 10% (2% observed).
 """
 
 from __future__ import annotations
@@ -171,6 +171,8 @@ def single_worker(rank, world, port, out_dir):
     controller.apply(PrecisionPlan({k: Precision.parse(v) for k, v in MIXED.items()}))
     _train(chunks, optimizer, batches, 1)
     before = _snapshot(chunks, controller)
+    out["state_was_live"] = (any(g.abs().max().item() > 0 for g in before["grads"])
+                             and all(r is not None for r in before["grad_references"]))
     data = iter([*batches[0], batches[1][0]])
     t0 = time.perf_counter()
     stats = run_probe_cycle(chunks, optimizer, controller, data, num_microbatches=MICRO, seq_length=SEQ,
@@ -253,6 +255,7 @@ def single(tmp_path_factory):
 
 
 def test_probe_leaves_no_trace(single):
+    assert single["state_was_live"], "the check needs gradients and param.grad references to preserve"
     assert single["unchanged"] == {k: True for k in single["unchanged"]}, single["unchanged"]
     assert single["left_in_iterator"], "the probe must read exactly num_microbatches micro-batches"
     assert single["grads_zeroed"] and single["params_unchanged_default"]
@@ -284,8 +287,8 @@ def test_first_order_term_of_probe_and_ground_truth_agree(single):
 
 def test_estimators_rank_like_the_ground_truth(single):
     rho = single["rho"]
-    print(f"\nprobe {single['probe_seconds']:.1f} s, ground truth {single['ground_truth_seconds']:.1f} s; "
-          f"median estimate/truth: {single['scale']}")
+    print(f"\nclean loss {single['stats']['loss']:.3f}; probe {single['probe_seconds']:.1f} s, ground truth "
+          f"{single['ground_truth_seconds']:.1f} s; median estimate/truth: {single['scale']}")
     for name, values in rho.items():
         print(f"  Spearman {name}: " + ", ".join(f"{k} {v:+.3f}" for k, v in values.items()))
     assert rho["forward vs loss change"]["all"] > 0
@@ -354,7 +357,7 @@ def parallel(tmp_path_factory):
 
 def _differences(a: dict, b: dict, skip_gain=False) -> dict[str, float]:
     """Largest relative difference per statistic over modules (and formats both measured)."""
-    out = {"loss": abs(a["loss"] - b["loss"]) / b["loss"], "update_sq": abs(a["update_sq"] - b["update_sq"]) / b["update_sq"]}
+    out = {key: abs(a[key] - b[key]) / b[key] for key in ("loss", "update_sq")}
     for name, m in b["modules"].items():
         other = a["modules"][name]
         for key, v in m.items():
@@ -366,8 +369,10 @@ def _differences(a: dict, b: dict, skip_gain=False) -> dict[str, float]:
         for fmt, errors in m["errors"].items():
             if fmt in other["errors"]:
                 for key, v in errors.items():
-                    scale = abs(v) if key != "first_order" else errors["output_sq"] ** 0.5 * m["output_grad_sq"] ** 0.5
-                    out[f"errors.{key}"] = max(out.get(f"errors.{key}", 0.0), abs(other["errors"][fmt][key] - v) / scale)
+                    # <dY, E> may be ~0: relative to its Cauchy-Schwarz bound ||dY|| ||E||
+                    scale = abs(v) if key != "first_order" else math.sqrt(errors["output_sq"] * m["output_grad_sq"])
+                    diff = abs(other["errors"][fmt][key] - v) / scale
+                    out[f"errors.{key}"] = max(out.get(f"errors.{key}", 0.0), diff)
     return out
 
 
@@ -386,7 +391,7 @@ def test_statistics_do_not_depend_on_the_parallel_layout(parallel, layout):
         print("gain (one draw, shard-wise perturbation) vs TP=1: largest relative difference "
               f"{max(abs(a - b) / b for a, b in gains.values()):.2f}")
         for a, b in gains.values():
-            assert a == pytest.approx(b, rel=0.25)
+            assert a == pytest.approx(b, rel=0.1)
 
 
 def test_tensor_parallel_split_off_block_boundaries_is_recorded(parallel):

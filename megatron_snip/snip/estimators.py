@@ -32,7 +32,7 @@ Everything here is plain arithmetic on floats and tensors: no distributed code.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -261,7 +261,3 @@ def local_error_baselines(stats: ProbeStatistics) -> tuple[dict[str, dict[str, f
     relative = {n: {f: e.output_sq / m.output_sq for f, e in m.errors.items()} for n, m in stats.modules.items()}
     return absolute, relative
 
-
-def flatten(table: Mapping[str, Mapping[str, float]]) -> dict[tuple[str, str], float]:
-    """``{module: {format: v}}`` -> ``{(module, format): v}``."""
-    return {(name, fmt): v for name, row in table.items() for fmt, v in row.items()}

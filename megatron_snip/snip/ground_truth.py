@@ -3,8 +3,8 @@
 * :func:`forward_ground_truth`: for every (module, format), only that module's
   fprop runs in the format (``Precision(fwd=f, bwd=bf16)``), everything else in
   bf16; the loss change against all-bf16, relative to the all-bf16 loss,
-  averaged over the given batches and rounding seeds. Comparable with the
-  estimator's ``dL / loss``.
+  averaged over the given batches and rounding seeds, and its exact linear part
+  ``<G, Y_f - Y_ref>``: the rest is what the estimator's ``dL / loss`` predicts.
 * :func:`backward_ground_truth`: only that module's dgrad and wgrad run in the
   format (``Precision(fwd=bf16, bwd=f)``); the drift of the update an Adam
   step would take from the optimizer's current state (preconditioner from
@@ -47,6 +47,7 @@ from .probes import (
     needs_grad,
     noise_key,
     preserved_training_state,
+    squared_norm,
 )
 
 Table = dict[str, dict[str, float]]  # module -> format -> value
@@ -274,21 +275,17 @@ def backward_ground_truth(
             rng.restore()
             runner.run(forward_only=False)
             ref = {s: s.flat(s.param.main_grad).float() / scale for s in adam.slices.values()}
-            update_sq = adam.model_sum(lambda s: _sq(s.update(ref[s])))
+            update_sq = adam.model_sum(lambda s: squared_norm(s.update(ref[s])))
             for name, fmts in plan:
                 for fmt in fmts:
                     for seed in seeds:
                         with _only(local, name, Precision("bf16", fmt), seed):
                             rng.restore()
                             runner.run(forward_only=False)
-                        drift = adam.model_sum(
-                            lambda s: _sq(sensitivity[s] * (s.flat(s.param.main_grad).float() / scale - ref[s])))
+                        drift = adam.model_sum(lambda s: squared_norm(
+                            sensitivity[s] * (s.flat(s.param.main_grad).float() / scale - ref[s])))
                         sums[name][fmt] += drift / update_sq
     return {name: {f: v / (len(runners) * len(seeds)) for f, v in row.items()} for name, row in sums.items()}
-
-
-def _sq(t: torch.Tensor) -> torch.Tensor:
-    return torch.linalg.vector_norm(t, dtype=torch.float64).square()
 
 
 # -- rank correlation ------------------------------------------------------------------------------

@@ -78,7 +78,8 @@ class ProbeConfig:
     """Settings of a probe cycle.
 
     Attributes:
-        formats: candidate formats to measure (bf16, the reference, needs no measurement).
+        formats: candidate formats to measure; bf16, the reference (cost 0), may be listed
+            and is dropped: it needs no measurement.
         hutchinson_probes: K noise draws for the curvatures, each an antithetic pair of
             forward + backward passes (2K passes).
         perturbation_probes: K parameter-perturbation draws for the gains, each an
@@ -101,10 +102,9 @@ class ProbeConfig:
     restore_grads: bool = False
 
     def __post_init__(self):
-        if REFERENCE_FORMAT in self.formats:
-            raise ValueError(f"{REFERENCE_FORMAT} is the reference and is not probed; leave it out of formats")
         for f in self.formats:
             Precision.uniform(f)
+        object.__setattr__(self, "formats", tuple(f for f in self.formats if f != REFERENCE_FORMAT))
         if self.hutchinson_probes < 1 or self.perturbation_probes < 1:
             raise ValueError("hutchinson_probes and perturbation_probes must be >= 1")
         if not self.output_noise > 0 or (self.param_noise is not None and not self.param_noise > 0):
@@ -211,9 +211,19 @@ class AdamSlice:
     def step(self) -> float:
         return float(self.state["step"])
 
+    @property
+    def lr(self) -> float:
+        """The group's learning rate, or 1 when the schedule is at 0 (warm-up start, decay to 0).
+
+        Every divergence SNIP uses is normalised by the clean update, and the LR
+        enters numerator and denominator squared, so its scale cancels; only a
+        zero LR would leave nothing to normalise by.
+        """
+        return self.group["lr"] or 1.0
+
     def sensitivity(self) -> torch.Tensor:
         """``P~ = c P`` on the slice (flat): d(update) / d(gradient)."""
-        return adam_step_scale(self.group["lr"], self.group["betas"][0], self.step) * self.preconditioner()
+        return adam_step_scale(self.lr, self.group["betas"][0], self.step) * self.preconditioner()
 
     def preconditioner(self) -> torch.Tensor:
         """Adam's ``P = 1 / (sqrt(v_hat) + eps)`` on the slice (flat)."""
@@ -222,7 +232,7 @@ class AdamSlice:
 
     def update(self, grad: torch.Tensor) -> torch.Tensor:
         """The Adam update this slice would take for (flat) gradient ``grad``."""
-        return adam_update(self.state["exp_avg"].view(-1), grad, self.preconditioner(), self.group["lr"],
+        return adam_update(self.state["exp_avg"].view(-1), grad, self.preconditioner(), self.lr,
                            self.group["betas"][0], self.step)
 
     def flat(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -475,7 +485,7 @@ def default_forward_step() -> ForwardStep:
 
 # -- per-module measurement ------------------------------------------------------------------------
 
-def _sq(t: torch.Tensor) -> torch.Tensor:
+def squared_norm(t: torch.Tensor) -> torch.Tensor:
     """``||t||^2`` as an fp64 0-d tensor (no host sync)."""
     return torch.linalg.vector_norm(t.float(), dtype=torch.float64).square()
 
@@ -576,7 +586,7 @@ class _Probe:
         w = self.module.weight.detach().float()
         x = x.detach().reshape(-1, x.shape[-1]).float()
         dy = dy.detach().reshape(-1, dy.shape[-1]).float() / loss_scale
-        self.add("output_grad_sq", self.layout.y_weight * _sq(dy))
+        self.add("output_grad_sq", self.layout.y_weight * squared_norm(dy))
         y_ref, dx_ref, dw_ref = x @ w.t(), dy @ w, dy.t() @ x
         sensitivity = None if self.adam is None else self.adam.sensitivity()
         for fmt in self.formats:
@@ -587,11 +597,11 @@ class _Probe:
                 dist.all_reduce(e_out, group=self.module.tp_group)
             if self.layout.tp > 1 and not self.layout.row:
                 dist.all_reduce(e_in, group=self.module.tp_group)
-            self.add(f"{fmt}.output_sq", self.layout.y_weight * _sq(e_out))
+            self.add(f"{fmt}.output_sq", self.layout.y_weight * squared_norm(e_out))
             self.add(f"{fmt}.first_order", self.layout.y_weight * (e_out * dy).sum(dtype=torch.float64))
-            self.add(f"{fmt}.input_grad_sq", self.layout.x_weight * _sq(e_in))
+            self.add(f"{fmt}.input_grad_sq", self.layout.x_weight * squared_norm(e_in))
             if sensitivity is not None:
-                self.add(f"{fmt}.update_sq", _sq(sensitivity * self.adam.flat(dw - dw_ref)))
+                self.add(f"{fmt}.update_sq", squared_norm(sensitivity * self.adam.flat(dw - dw_ref)))
 
 
 # Fields of a module's statistics that are sums of squares over the module's weight update
@@ -689,7 +699,7 @@ def run_probe_cycle(
         loss_scale = runner.loss_scale
         rng.restore()
         loss = _clean_pass(runner, probes, loss_scale)
-        update_sq = adam.model_sum(lambda s: _sq(s.update(s.flat(s.param.main_grad) / loss_scale)))
+        update_sq = adam.model_sum(lambda s: squared_norm(s.update(s.flat(s.param.main_grad) / loss_scale)))
         clean_keys = ["input_numel", "output_numel", "input_sq", "weight_sq", "output_sq", "output_grad_sq",
                       *[f"{f}.{k}" for f in config.formats
                         for k in ("output_sq", "first_order", "input_grad_sq", "update_sq")]]
@@ -742,13 +752,13 @@ def _clean_pass(runner: PassRunner, probes: list[_Probe], loss_scale: float) -> 
         y = out[0]
         p.add("input_numel", p.layout.x_weight * x.numel())
         p.add("output_numel", p.layout.y_weight * y.numel())
-        p.add("input_sq", p.layout.x_weight * _sq(x))
-        p.add("output_sq", p.layout.y_weight * _sq(y))
+        p.add("input_sq", p.layout.x_weight * squared_norm(x))
+        p.add("output_sq", p.layout.y_weight * squared_norm(y))
         y.register_hook(lambda dy: p.measure_errors(x, dy, loss_scale))
         return None
 
     for p in probes:
-        p.add("weight_sq", _sq(p.module.weight))
+        p.add("weight_sq", squared_norm(p.module.weight))
     with _hooks(probes, hook):
         return runner.run(forward_only=False)
 
@@ -785,8 +795,8 @@ def _param_sigma(adam: AdamView, config: ProbeConfig) -> float:
     if rel is None:
         dtypes = {s.param.dtype for s in adam.slices.values()}
         rel = 1e-3 if dtypes <= {torch.float32, torch.float64} else 3e-2
-    theta_sq = adam.model_sum(lambda s: _sq(s.flat(s.param.detach())))
-    sens_sq = adam.model_sum(lambda s: _sq(s.sensitivity()))
+    theta_sq = adam.model_sum(lambda s: squared_norm(s.flat(s.param.detach())))
+    sens_sq = adam.model_sum(lambda s: squared_norm(s.sensitivity()))
     return rel * math.sqrt(theta_sq / sens_sq)
 
 
@@ -802,7 +812,7 @@ def _perturbation_pairs(runner: PassRunner, probes: list[_Probe], rng: RngStates
 
     def compare(p: _Probe, x: torch.Tensor, out, k: int):
         x_plus = plus.pop((p.name, p.next_microbatch()))
-        p.add(f"gain.{k}", p.layout.x_weight * _sq(x.detach().float() - x_plus))
+        p.add(f"gain.{k}", p.layout.x_weight * squared_norm(x.detach().float() - x_plus))
 
     try:
         for k in range(config.perturbation_probes):
