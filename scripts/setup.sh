@@ -16,4 +16,4 @@ if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ] || [ requirements-cpu.txt -nt 
   python -m pip install -q --no-build-isolation -e '.[test]'
   touch "$stamp"
 fi
-python -c "import torch, megatron.core, megatron_snip; print(f'environment ready: torch {torch.__version__}, megatron-core {megatron.core.__version__}')"
+python -W ignore -c "import torch, megatron.core, megatron_snip; print(f'environment ready: torch {torch.__version__}, megatron-core {megatron.core.__version__}')"

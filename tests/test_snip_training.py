@@ -52,3 +52,14 @@ def test_resume_restores_the_plan_and_continues_identically(tiny_data, snip_run,
         full = scalars(snip_run / "tb", tag)
         resumed = scalars(tmp_path / "tb", tag)
         assert resumed and {k: full[k] for k in resumed} == resumed, tag
+
+
+def test_probe_cycles_leave_training_unchanged(tiny_data, tmp_path):
+    """With a target of 0 the plan stays bf16, so a run with cycles must match one without, bit for bit."""
+    common = ("--pipeline-model-parallel-size", "2", "--lr-decay-style", "constant")
+    torchrun(2, train_args(tiny_data, *common, "--tensorboard-dir", str(tmp_path / "plain"), iters=5))
+    torchrun(2, train_args(tiny_data, *common, "--snip", "--snip-fp4-target", "0", "--snip-interval", "2",
+                           "--snip-probe-passes", "1", "--tensorboard-dir", str(tmp_path / "snip"), iters=5))
+    assert sorted(scalars(tmp_path / "snip", "snip/objective")) == [2, 4]  # two cycles ran
+    assert set(scalars(tmp_path / "snip", "train/fp4 flops fraction").values()) == {0.0}
+    assert scalars(tmp_path / "snip", "train/lm loss") == scalars(tmp_path / "plain", "train/lm loss")

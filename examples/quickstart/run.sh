@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The quickstart: set up, build a real dataset (this Python's standard library source),
-# train a tokenizer, and pretrain a tiny Llama at TP=2 x PP=2 (4 processes) on CPU, then
-# resume from its checkpoint. Outputs under runs/quickstart/ (override with OUT=...).
+# train a tokenizer, and pretrain a tiny Llama at TP=2 x PP=2 (4 processes) on CPU with SNIP
+# adaptive precision (75% of linear-layer FLOPs in NVFP4, re-planned at every checkpoint),
+# stop as a preempted job would, and resume. Outputs under runs/quickstart/ (OUT=... to move).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 bash scripts/setup.sh
@@ -33,9 +34,12 @@ ARGS=(
   --log-interval 10 --eval-interval 100 --eval-iters 4
   --save "$OUT/checkpoints" --load "$OUT/checkpoints" --save-interval 100
   --tensorboard-dir "$OUT/tensorboard"
+  --snip --snip-fp4-target 0.75
 )
 echo "== training to iteration $((TRAIN_ITERS / 2)), then stopping (as a preempted job would) =="
 torchrun --nproc-per-node 4 pretrain_llama.py "${ARGS[@]}" --exit-interval $((TRAIN_ITERS / 2))
 echo "== resuming from $OUT/checkpoints =="
 torchrun --nproc-per-node 4 pretrain_llama.py "${ARGS[@]}"
-echo "== done: TensorBoard logs in $OUT/tensorboard (tensorboard --logdir $OUT/tensorboard) =="
+python tools/snip_report.py "$OUT/checkpoints/snip" --out "$OUT/snip_report"
+echo "== done: TensorBoard logs in $OUT/tensorboard (tensorboard --logdir $OUT/tensorboard);"
+echo "   SNIP statistics in $OUT/checkpoints/snip, plots in $OUT/snip_report =="
