@@ -14,7 +14,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_snip.precision import (
-    E2M1,
     E4M3,
     E5M2,
     FORMATS,

@@ -7,10 +7,8 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import psutil
-import pytest
 
 from conftest import ROOT, free_port, scalars, torchrun, train_args
 

@@ -66,7 +66,7 @@ def main() -> int:
         trainer.train()
     formats = [f for f in args.snip_formats if f != "bf16"]
     n_mb = args.num_microbatches
-    data = trainer._batches("train", trainer.state.consumed_samples)
+    data = trainer.batches("train", trainer.state.consumed_samples)
     batches = [list(islice(data, n_mb)) for _ in range(opts.validate_batches)]
 
     stats = gather_across_pipeline(run_probe_cycle(

@@ -20,11 +20,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from megatron_snip.fileio import write_text_atomic
 
 from .recipes import BF16, Precision
 
@@ -165,15 +166,7 @@ class PrecisionPlan:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the JSON form atomically (a reader never sees a partial file)."""
-        path = Path(path)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(self.to_json())
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        write_text_atomic(path, self.to_json())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> PrecisionPlan:

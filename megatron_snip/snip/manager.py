@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 
 import torch.distributed as dist
 
+from megatron_snip.fileio import write_text_atomic
 from megatron_snip.precision.plan import PrecisionPlan, parse_module_name
 from megatron_snip.snip.estimators import cost_tables, divergences
 from megatron_snip.snip.ilp import InfeasibleTargetError
@@ -69,7 +70,7 @@ class PrecisionManager:
         start = time.perf_counter()
         t = self.trainer
         # The next global batch, read through a loader of its own: the training iterator does not move.
-        probe_data = t._batches("train", t.state.consumed_samples)
+        probe_data = t.batches("train", t.state.consumed_samples)
         stats = run_probe_cycle(t.model, t.optimizer, t.precision, probe_data,
                                 num_microbatches=self.args.num_microbatches, seq_length=self.args.seq_length,
                                 micro_batch_size=self.args.micro_batch_size, config=self.probe,
@@ -118,15 +119,13 @@ class PrecisionManager:
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, f"snip_iter_{iteration:07d}.json")
         report = asdict(self.reports[-1]) if self.reports else None
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            run = {"dims": asdict(self.trainer.linear_dims), "tokens": self.args.global_batch_size * self.args.seq_length,
-                   "pipeline_stages": self.args.pipeline_model_parallel_size, "formats": list(self.planner.formats),
-                   "budget": self.args.snip_budget, "fp4_target": self.args.snip_fp4_target}
-            json.dump({"run": run, "statistics": self.statistics.to_dict(), "cycle": report,
-                       "divergences": {n: {fmt: asdict(d) for fmt, d in per.items()}
-                                       for n, per in divergences(self.statistics).items()}}, f, indent=1)
-        os.replace(tmp, path)
+        run = {"dims": asdict(self.trainer.linear_dims), "tokens": self.args.global_batch_size * self.args.seq_length,
+               "pipeline_stages": self.args.pipeline_model_parallel_size, "formats": list(self.planner.formats),
+               "budget": self.args.snip_budget, "fp4_target": self.args.snip_fp4_target}
+        write_text_atomic(path, json.dumps({
+            "run": run, "statistics": self.statistics.to_dict(), "cycle": report,
+            "divergences": {n: {fmt: asdict(d) for fmt, d in per.items()}
+                            for n, per in divergences(self.statistics).items()}}, indent=1))
         return path
 
 

@@ -23,11 +23,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from megatron_snip.fileio import write_text_atomic
 from megatron_snip.precision.plan import LINEAR_MODULES, parse_module_name
 
 STATS_VERSION = 1
@@ -153,15 +153,7 @@ class ProbeStatistics:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the JSON form atomically (one file per cycle)."""
-        path = Path(path)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(self.to_json())
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        write_text_atomic(path, self.to_json())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> ProbeStatistics:

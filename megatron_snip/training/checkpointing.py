@@ -30,6 +30,8 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron_snip.fileio import write_text_atomic
+
 log = logging.getLogger(__name__)
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -210,12 +212,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extr
     if dist.get_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        tracker_tmp = os.path.join(root, TRACKER + ".tmp")
-        with open(tracker_tmp, "w") as f:
-            f.write(str(iteration))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tracker_tmp, os.path.join(root, TRACKER))
+        write_text_atomic(os.path.join(root, TRACKER), str(iteration))
     dist.barrier()
     return final
 

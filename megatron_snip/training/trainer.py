@@ -125,7 +125,8 @@ class Trainer:
         self.logger.text(f"saved checkpoint {path}")
 
     # -- steps -------------------------------------------------------------
-    def _batches(self, split: str, consumed: int) -> Iterator[dict]:
+    def batches(self, split: str, consumed: int) -> Iterator[dict]:
+        """This DP rank's micro-batches of ``split`` from sample ``consumed`` on (a fresh loader)."""
         return micro_batches(getattr(self.datasets, split), self.args.micro_batch_size,
                              parallel_state.get_data_parallel_rank(),
                              parallel_state.get_data_parallel_world_size(), consumed, self.args.num_workers)
@@ -156,7 +157,7 @@ class Trainer:
             return None
         for chunk in self.model:
             chunk.eval()
-        data = self._batches("valid", 0)
+        data = self.batches("valid", 0)
         losses = [self._run(data, forward_only=True) for _ in range(self.args.eval_iters)]
         for chunk in self.model:
             chunk.train()
@@ -167,7 +168,7 @@ class Trainer:
     def train(self) -> None:
         args = self.args
         exit_signal = ExitSignalHandler()
-        data = self._batches("train", self.state.consumed_samples)
+        data = self.batches("train", self.state.consumed_samples)
         peak = peak_tflops(args.peak_tflops)
         if peak is not None:
             self.logger.text(f"MFU is reported against a peak of {peak:g} TFLOP/s per GPU "
