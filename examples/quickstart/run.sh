@@ -40,6 +40,8 @@ echo "== training to iteration $((TRAIN_ITERS / 2)), then stopping (as a preempt
 torchrun --nproc-per-node 4 pretrain_llama.py "${ARGS[@]}" --exit-interval $((TRAIN_ITERS / 2))
 echo "== resuming from $OUT/checkpoints =="
 torchrun --nproc-per-node 4 pretrain_llama.py "${ARGS[@]}"
-python tools/snip_report.py "$OUT/checkpoints/snip" --out "$OUT/snip_report"
+if compgen -G "$OUT/checkpoints/snip/snip_iter_*.json" > /dev/null; then
+  python tools/snip_report.py "$OUT/checkpoints/snip" --out "$OUT/snip_report"
+fi
 echo "== done: TensorBoard logs in $OUT/tensorboard (tensorboard --logdir $OUT/tensorboard);"
 echo "   SNIP statistics in $OUT/checkpoints/snip, plots in $OUT/snip_report =="
