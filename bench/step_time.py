@@ -3,11 +3,12 @@
     python bench/step_time.py                       # TP=2 PP=2 on 4 local processes (CPU here)
     python bench/step_time.py --nproc 8 --tp 2 --pp 1 --preset tinyllama-1.1b --bf16   # a GPU node
 
-    python bench/step_time.py --precision nvfp4 mxfp4 fp8   # + emulated precisions vs bf16
+    python bench/step_time.py --compare-precision nvfp4 mxfp4 fp8   # + emulated precisions vs bf16
 
 Prints the median seconds per iteration of each and the ratio ours / plain
 (goal: < 1.03), and for each ``--precision`` the ratio of our step time with
-every linear module in that precision to our bf16 step time. "ours" is ``Trainer.train()`` end to end (real data loader,
+every linear module in that precision to our bf16 step time. (Options this
+script does not know pass through to pretrain_llama.py, e.g. ``--num-workers 0``.) "ours" is ``Trainer.train()`` end to end (real data loader,
 loss reporting, logging, the preemption check); "plain" is the textbook
 megatron-core loop (forward_backward_func + optimizer.step) on in-memory
 random tokens. Both build the model from the same arguments. Each mode runs
@@ -127,7 +128,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=40)
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--precision", nargs="*", default=[], choices=["fp8", "nvfp4", "mxfp4"],
+    p.add_argument("--compare-precision", nargs="*", default=[], choices=["fp8", "nvfp4", "mxfp4"],
                    help="also time uniform precisions, as a ratio to bf16")
     p.add_argument("--worker", choices=["ours", "plain"], help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -139,9 +140,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         prefix, tok = build_data(workdir)
-        argv = training_args(opts, prefix, tok, opts.iters)
+        argv = training_args(opts, prefix, tok, opts.iters) + rest
         runs = {"plain": ("plain", []), "ours": ("ours", [])}
-        runs.update({p: ("ours", ["--precision", p]) for p in opts.precision})
+        runs.update({p: ("ours", ["--precision", p]) for p in opts.compare_precision})
         best: dict[str, float] = {}
         for repeat in range(opts.repeats):
             for name, (mode, extra) in runs.items():
@@ -158,7 +159,7 @@ def main() -> None:
     print(f"plain megatron-core loop : {best['plain'] * 1e3:8.1f} ms/iteration")
     print(f"megatron-snip trainer    : {best['ours'] * 1e3:8.1f} ms/iteration")
     print(f"ratio ours / plain       : {best['ours'] / best['plain']:8.3f}")
-    for p in opts.precision:
+    for p in opts.compare_precision:
         print(f"uniform {p:<6} (emulated): {best[p] * 1e3:8.1f} ms/iteration, ratio to bf16 {best[p] / best['ours']:.3f}")
 
 

@@ -148,8 +148,9 @@ def _data(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer-type", default="SentencePieceTokenizer")
     g.add_argument("--tokenizer-model", default=None)
     g.add_argument("--data-cache-path", default=None)
-    g.add_argument("--num-workers", type=int, default=2,
-                   help="Data-loader worker processes per rank (0: load in the training process).")
+    g.add_argument("--num-workers", type=int, default=None,
+                   help="Data-loader worker processes per rank (0: load in the training process). Default: 2 "
+                        "with CUDA (as Megatron); 0 without, where workers would compete with training for cores.")
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
     g.add_argument("--eod-mask-loss", action="store_true")
@@ -266,6 +267,8 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool,
     for flag in ("log_interval", "eval_interval"):
         _require(getattr(args, flag) >= 1, f"--{flag.replace('_', '-')} must be >= 1")
     _require(args.eval_iters >= 0, "--eval-iters must be >= 0")
+    if args.num_workers is None:
+        args.num_workers = 2 if cuda else 0
     _require(args.num_workers >= 0, "--num-workers must be >= 0")
     if args.save_interval is not None:
         _require(args.save_interval >= 1, "--save-interval must be >= 1")
