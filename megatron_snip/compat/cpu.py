@@ -60,7 +60,7 @@ class _CudaAsCpuMode(TorchFunctionMode):
 
 
 class _Event:
-    """CPU stand-in for ``torch.cuda.Event``: records wall-clock time."""
+    """CPU stand-in for ``torch.cuda.Event``: records wall-clock time; CPU work is already done."""
 
     def __init__(self, enable_timing: bool = False, **_):
         self._t = None
@@ -71,10 +71,10 @@ class _Event:
         self._t = time.perf_counter()
 
     def synchronize(self):
-        pass
+        """Nothing to wait for: CPU ops complete before they return."""
 
     def wait(self, stream=None):
-        pass
+        """Nothing to wait for: CPU ops complete before they return."""
 
     def query(self):
         return True
@@ -84,19 +84,19 @@ class _Event:
 
 
 class _Stream:
-    """CPU stand-in for ``torch.cuda.Stream``: everything is already ordered."""
+    """CPU stand-in for ``torch.cuda.Stream``: there is one stream, and it is always in order."""
 
     def __init__(self, *_, **__):
-        pass
+        """No device queue to create."""
 
     def wait_stream(self, other):
-        pass
+        """Already ordered."""
 
     def wait_event(self, event):
-        pass
+        """Already ordered."""
 
     def synchronize(self):
-        pass
+        """Nothing to wait for."""
 
     def record_event(self, event=None):
         event = event or _Event()
