@@ -25,19 +25,13 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 
 def main() -> None:
-    from step_time import build_data
+    from step_time import add_layout_args, build_data
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc", type=int, default=4)
-    p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--pp", type=int, default=2)
-    p.add_argument("--preset", default="tiny")
-    p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--global-batch-size", type=int, default=16)
+    add_layout_args(p)
     p.add_argument("--interval", type=int, default=10, help="iterations before (and after) the cycle")
     p.add_argument("--probe-passes", type=int, default=3)
-    p.add_argument("--bf16", action="store_true")
     opts = p.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -116,8 +116,8 @@ def build_data(workdir: Path) -> tuple[str, str]:
     return summary.prefixes["text"], str(workdir / "tok.model")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_layout_args(p: argparse.ArgumentParser) -> None:
+    """The model and layout options every bench here shares."""
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--pp", type=int, default=2)
@@ -125,6 +125,11 @@ def main() -> None:
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--global-batch-size", type=int, default=16)
     p.add_argument("--bf16", action="store_true")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_layout_args(p)
     p.add_argument("--iters", type=int, default=40)
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--repeats", type=int, default=2)
