@@ -20,6 +20,6 @@ setup(
     extras_require={
         "gurobi": ["gurobipy"],
         "te": ["transformer_engine[pytorch]"],
-        "test": ["pytest", "hypothesis", "gurobipy"],
+        "test": ["pytest", "hypothesis", "gurobipy", "triton; platform_system == 'Linux'"],
     },
 )

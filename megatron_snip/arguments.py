@@ -9,6 +9,7 @@ process-group work and raises :class:`ArgumentError` naming the flag and the fix
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 
 from megatron_snip.model.presets import PRESETS
@@ -113,6 +114,12 @@ def _precision(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-layers-at-end-in-bf16", type=int, default=1)
     g.add_argument("--precision-plan", default=None,
                    help="JSON plan: precision per module (overrides --precision and a checkpoint's plan).")
+    g.add_argument("--quant-kernels", choices=["auto", "triton", "torch"], default="auto",
+                   help="Who quantizes the GEMM operands: fused Triton kernels (bit-identical to the torch "
+                        "reference) or the torch reference; auto = triton on CUDA when it imports.")
+    g.add_argument("--fp8-gemm", choices=["auto", "scaled_mm", "emulated"], default="auto",
+                   help="Per-tensor FP8 GEMMs on the FP8 bytes with torch._scaled_mm (tensor cores) or "
+                        "emulated in fp32; auto = scaled_mm on GPUs with FP8 tensor cores (sm_89+).")
 
 
 def _snip(p: argparse.ArgumentParser) -> None:
@@ -277,7 +284,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool,
         args.start_weight_decay = args.weight_decay
     if args.end_weight_decay is None:
         args.end_weight_decay = args.weight_decay
-    _validate_precision(args)
+    _validate_precision(args, cuda)
     _validate_snip(args)
     if check_files:
         _validate_files(args)
@@ -288,20 +295,23 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool,
     return args
 
 
-def _validate_precision(args: argparse.Namespace) -> None:
+def _validate_precision(args: argparse.Namespace, cuda: bool) -> None:
     if args.precision is None:
         args.precision = "fp8" if args.fp8_format is not None else "bf16"
     if args.precision == "fp4":
         args.precision = args.fp4_recipe
     if args.fp8_format is None:
         args.fp8_format = "hybrid"
-    _require(args.transformer_impl == "local" or (args.precision == "bf16" and args.precision_plan is None),
-             "--precision / --precision-plan need --transformer-impl local (the quantized linear layers "
-             "replace megatron-core's local ones)")
     for flag in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
         _require(0 <= getattr(args, flag) <= args.num_layers,
                  f"--{flag.replace('_', '-')} must lie in [0, --num-layers {args.num_layers}]")
     _require(args.fp8_amax_history_len >= 1, "--fp8-amax-history-len must be >= 1")
+    if args.quant_kernels == "triton":
+        _require(importlib.util.find_spec("triton") is not None,
+                 "--quant-kernels triton needs the triton package (pip install triton); use --quant-kernels torch")
+        _require(cuda or os.environ.get("TRITON_INTERPRET") == "1",
+                 "--quant-kernels triton needs CUDA (or TRITON_INTERPRET=1 to run the kernels in Triton's "
+                 "slow CPU interpreter); use --quant-kernels torch or auto")
 
 
 def _validate_snip(args: argparse.Namespace) -> None:

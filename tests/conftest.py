@@ -10,8 +10,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+
+if not torch.cuda.is_available():
+    # Without a GPU, the Triton kernels' tests (test_triton_qdq.py) run them in Triton's
+    # interpreter. Triton reads this when it is imported (megatron-core imports it) and when
+    # a kernel launches, so it is set before anything else; nothing else launches kernels on CPU.
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,13 @@ def test_inconsistent_flags(tiny_data, extra, world, flag):
         parse(tiny_data, *extra, world_size=world)
 
 
+def test_triton_kernels_need_cuda(tiny_data, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ArgumentError, match=r"--quant-kernels triton needs (CUDA|the triton package)"):
+        parse(tiny_data, "--quant-kernels", "triton")
+    assert parse(tiny_data, "--quant-kernels", "torch", "--fp8-gemm", "scaled_mm").fp8_gemm == "scaled_mm"
+
+
 def test_missing_data_path(tiny_data):
     with pytest.raises(ArgumentError, match=r"--data-path .*nope.* not found.*preprocess_data"):
         parse_args(train_args(tiny_data) + ["--data-path", "/nope/data_text_document"], world_size=1, cuda=False)

@@ -24,21 +24,35 @@ from megatron_snip.precision.recipes import BF16, Precision, RecipeConfig
 from .quantized_layers import QuantizedLinearMixin
 
 
+def _is_plan_linear(module: torch.nn.Module) -> bool:
+    """Our quantized layers, or megatron-core's Transformer Engine linears (``te_quant_params``)."""
+    return isinstance(module, QuantizedLinearMixin) or hasattr(module, "te_quant_params")
+
+
+def _plan_interface(module: torch.nn.Module):
+    """The precision interface of a plan linear: the module itself, or a TE module's adapter."""
+    if isinstance(module, QuantizedLinearMixin):
+        return module
+    from .te_precision import TELinearPrecision
+
+    return TELinearPrecision(module)
+
+
 def _find_linears(chunks: Sequence[torch.nn.Module]) -> dict[str, QuantizedLinearMixin]:
-    """Global plan name -> quantized linear module, ordered by layer then execution order."""
+    """Global plan name -> linear module (or its TE adapter), ordered by layer then execution order."""
     found: dict[str, QuantizedLinearMixin] = {}
     for chunk in chunks:
         for layer in chunk.modules():
             if not isinstance(layer, TransformerLayer):
                 continue
             for relative, module in layer.named_modules():
-                if not isinstance(module, QuantizedLinearMixin):
+                if not _is_plan_linear(module):
                     continue
                 if relative not in LINEAR_MODULES:
                     raise ValueError(f"quantized linear at {relative!r} in layer {layer.layer_number} is not one "
                                      f"of the plan's modules ({', '.join(LINEAR_MODULES)})")
-                found[module_name(layer.layer_number - 1, relative)] = module
-    total = sum(isinstance(m, QuantizedLinearMixin) for chunk in chunks for m in chunk.modules())
+                found[module_name(layer.layer_number - 1, relative)] = _plan_interface(module)
+    total = sum(_is_plan_linear(m) for chunk in chunks for m in chunk.modules())
     if total != len(found):
         raise ValueError(f"{total - len(found)} quantized linear module(s) lie outside a TransformerLayer "
                          "and have no plan name")
@@ -72,7 +86,8 @@ class PrecisionController:
         chunks = list(model) if isinstance(model, Sequence) else [model]
         self._modules = _find_linears(chunks)
         if not self._modules:
-            raise ValueError("no quantized linear modules in the model: build it with precision_layer_spec()")
+            raise ValueError("no quantized linear modules in the model: build it with precision_layer_spec() "
+                             "or megatron-core's Transformer Engine layer spec")
         self.num_layers = next(iter(self._modules.values())).config.num_layers
         rank = dist.get_rank() if dist.is_initialized() else 0
         for name, module in self._modules.items():

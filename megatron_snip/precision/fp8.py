@@ -140,15 +140,20 @@ class FP8DelayedScaling:
     def quantize(self, x: torch.Tensor) -> TensorScaled:
         """Quantize ``x`` with the current scale, then record its amax and update the scale."""
         x = x.float()
-        self.scale = self.scale.to(x.device)
-        self.amax_history = self.amax_history.to(x.device)
         amax = tensor_amax(x)
-        scale = torch.where(torch.isfinite(amax), self.scale, torch.full_like(self.scale, float("nan")))
-        result = _apply_tensor_scale(x, scale, self.fmt)
-        self._record(amax)
+        result = _apply_tensor_scale(x, self.scale_for(amax), self.fmt)
+        self.record(amax)
         return result
 
-    def _record(self, amax: torch.Tensor) -> None:
+    def scale_for(self, amax: torch.Tensor) -> torch.Tensor:
+        """The encode scale for this step's tensor of amax ``amax`` (0-d fp32, on its device):
+        the current scale, or NaN when ``amax`` is not finite (the whole tensor becomes NaN)."""
+        self.scale = self.scale.to(amax.device)
+        self.amax_history = self.amax_history.to(amax.device)
+        return torch.where(torch.isfinite(amax), self.scale, torch.full_like(self.scale, float("nan")))
+
+    def record(self, amax: torch.Tensor) -> None:
+        """Push this step's amax (0-d fp32; the all-shard amax under TP) and update the scale."""
         self.amax_history = torch.cat([amax.reshape(1), self.amax_history[:-1]])
         ref = self.amax_history.amax() if self.algo == "max" else self.amax_history[0]
         new = div_rn(self.fmt.max, ref) / 2.0**self.margin

@@ -11,6 +11,12 @@ Stateful parts of a module (FP8 delayed-scaling amax histories, the RNG of
 stochastic rounding, the Hadamard sign vector) live in a :class:`QuantState`
 owned by the module and passed in.
 
+Speed without changing bits: ``recipe.kernels`` quantizes the operands with
+fused Triton kernels (``triton_qdq.py``, bit-identical to the reference) on
+GPU, and ``recipe.fp8_gemm`` runs per-tensor FP8 GEMMs on the FP8 bytes with
+``torch._scaled_mm`` (tensor cores; equal to the fp32 GEMM up to accumulation
+order). Everything else is emulated: quantize-dequantize, then an fp32 GEMM.
+
 Tensor parallelism: a per-tensor amax (FP8 tensorwise/delayed scale, NVFP4
 global scale) of an operand that is split across ranks must be the amax of
 the whole tensor, or a sharded GEMM would not quantize like the unsharded
@@ -28,8 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from .blocks import tensor_amax
-from .fp8 import FP8DelayedScaling, _apply_tensor_scale, quantize_fp8_block, quantize_fp8_tensorwise
-from .formats import FloatFormat
+from .formats import E2M1, E4M3, FloatFormat, round_to_format
+from .fp8 import FP8DelayedScaling, _apply_tensor_scale, fp8_scale_from_amax, quantize_fp8_block
 from .hadamard import HADAMARD_SIZE, random_hadamard_transform, random_signs
 from .mx import quantize_mxfp4, quantize_mxfp8
 from .nvfp4 import quantize_nvfp4
@@ -114,20 +120,107 @@ class LinearQuantization:
         """The amax override for a per-tensor scale of ``t`` (None: the quantizer's own amax)."""
         if self.amax_reduce is None or operand not in self.sharded:
             return None
-        return self.amax_reduce(tensor_amax(t))
+        return self.amax_reduce(tensor_amax(t).float())
 
 
-def _quantize_delayed(t: torch.Tensor, scaler: FP8DelayedScaling, amax: torch.Tensor | None) -> torch.Tensor:
-    """``scaler.quantize(t)``, but recording ``amax`` (the all-shard amax) when given, as TE
-    reduces delayed-scaling amaxes over the TP group so every rank keeps the same scale."""
-    if amax is None:
-        return scaler.quantize(t).dequantized
-    scaler.scale = scaler.scale.to(t.device)
-    scaler.amax_history = scaler.amax_history.to(t.device)
-    scale = torch.where(torch.isfinite(amax), scaler.scale, torch.full_like(scaler.scale, float("nan")))
-    result = _apply_tensor_scale(t, scale, scaler.fmt)
-    scaler._record(amax)
-    return result.dequantized
+@dataclass(frozen=True)
+class FP8Operand:
+    """A per-tensor-scaled FP8 operand kept as bytes, for ``torch._scaled_mm``.
+
+    Attributes:
+        data: float8 tensor (e4m3fn / e5m2), the operand's shape and layout.
+        scale_inv: 0-d fp32 decode scale: the value is ``data * scale_inv``.
+    """
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+
+    def t(self) -> FP8Operand:
+        return FP8Operand(self.data.t(), self.scale_inv)
+
+    def dequantized(self) -> torch.Tensor:
+        return self.data.float() * self.scale_inv
+
+
+Operand = torch.Tensor | FP8Operand
+
+
+def _triton_qdq(recipe: RecipeConfig, t: torch.Tensor):
+    """The fused-kernel module when ``recipe.kernels`` selects it for ``t``, else None."""
+    if recipe.kernels == "torch" or (recipe.kernels == "auto" and not t.is_cuda):
+        return None
+    try:
+        from . import triton_qdq
+    except ImportError as e:
+        if recipe.kernels == "triton":
+            raise ImportError(f"--quant-kernels triton needs the triton package ({e}); "
+                              "pip install triton, or use --quant-kernels torch") from e
+        return None
+    return triton_qdq
+
+
+def scaled_mm_enabled(recipe: RecipeConfig, t: torch.Tensor) -> bool:
+    """Whether per-tensor FP8 GEMMs on ``t``'s device run through ``torch._scaled_mm``."""
+    if recipe.fp8_gemm == "auto":
+        return t.is_cuda and torch.cuda.get_device_capability(t.device) >= (8, 9)
+    return recipe.fp8_gemm == "scaled_mm"
+
+
+def describe_backend(recipe: RecipeConfig, device: torch.device) -> str:
+    """One line for the start-up log: what quantizes the operands and what runs the GEMMs on ``device``."""
+    probe = torch.empty(0, device=device)
+    kernels = "fused Triton kernels" if _triton_qdq(recipe, probe) is not None else "torch reference quantizers"
+    fp8 = ("per-tensor FP8 GEMMs on torch._scaled_mm, other GEMMs" if scaled_mm_enabled(recipe, probe)
+           else "GEMMs")
+    return f"torch: operands quantized by {kernels}; {fp8} on dequantized operands with fp32 accumulation"
+
+
+def _quantize(t: torch.Tensor, q: OperandQuantizer, operand: str, quant: LinearQuantization,
+              keep_fp8: bool = False) -> Operand:
+    """:func:`quantize_operand`; with ``keep_fp8`` a per-tensor FP8 operand comes back as an
+    :class:`FP8Operand` (bytes + scale) instead of dequantized."""
+    src = t.t() if q.columnwise else t
+    kernels = _triton_qdq(quant.recipe, src)
+    if kernels is None:
+        src = src.float()
+    if q.scheme == "bf16":
+        out = src.to(torch.bfloat16).float()
+    elif q.scheme in ("fp8_tensorwise", "fp8_delayed"):
+        amax = tensor_amax(src, quant.global_amax(src, operand)).float()
+        if q.scheme == "fp8_tensorwise":
+            scale = fp8_scale_from_amax(amax, q.element)
+        else:
+            scaler = quant.state.delayed_scaler(operand, q.element, quant.recipe)
+            scale = scaler.scale_for(amax)
+            scaler.record(amax)
+        if keep_fp8:  # per-tensor quantizers are never columnwise: src is t
+            elements = round_to_format(src.float() * scale, q.element)
+            return FP8Operand(elements.to(q.element.torch_dtype), torch.reciprocal(scale))
+        if kernels is not None:
+            out = kernels.qdq_fp8_tensorwise(src, scale, q.element)
+        else:
+            out = _apply_tensor_scale(src, scale, q.element).dequantized
+    elif q.scheme == "fp8_block":
+        out = (kernels.qdq_fp8_block(src, block=q.block) if kernels is not None
+               else quantize_fp8_block(src, block=q.block).dequantized)
+    elif q.scheme == "mxfp8":
+        out = (kernels.qdq_mx(src, E4M3, scale_rule="ceil") if kernels is not None
+               else quantize_mxfp8(src).dequantized)
+    else:
+        generator = quant.state.generator(src.device) if q.stochastic else None
+        if q.scheme == "mxfp4":
+            out = (kernels.qdq_mx(src, E2M1, scale_rule="ocp", stochastic=q.stochastic, generator=generator)
+                   if kernels is not None else
+                   quantize_mxfp4(src, stochastic=q.stochastic, generator=generator).dequantized)
+        else:
+            amax = quant.global_amax(src, operand)
+            if kernels is not None:
+                out = kernels.qdq_nvfp4(src, block=q.block, global_amax=tensor_amax(src, amax).float(),
+                                        stochastic=q.stochastic, generator=generator)
+            else:
+                out = quantize_nvfp4(src, block=q.block, amax=amax, stochastic=q.stochastic,
+                                     generator=generator).dequantized
+    return out.t() if q.columnwise else out
 
 
 def quantize_operand(t: torch.Tensor, q: OperandQuantizer, operand: str, quant: LinearQuantization) -> torch.Tensor:
@@ -138,30 +231,42 @@ def quantize_operand(t: torch.Tensor, q: OperandQuantizer, operand: str, quant: 
         q: the quantizer; ``q.columnwise`` quantizes along dim 0 (via the transpose).
             ``q.hadamard`` is not applied here (see :func:`hadamard_wgrad_operands`).
         operand: "x", "w" or "dy" (selects the delayed-scaling history and the amax reduction).
-        quant: precision, recipe, state, TP amax reduction.
+        quant: precision, recipe (incl. which kernels quantize), state, TP amax reduction.
     Returns:
         fp32 tensor of ``t``'s shape and layout.
     """
-    src = (t.t() if q.columnwise else t).float()
-    if q.scheme == "bf16":
-        out = src.to(torch.bfloat16).float()
-    elif q.scheme == "fp8_tensorwise":
-        out = quantize_fp8_tensorwise(src, q.element, amax=quant.global_amax(src, operand)).dequantized
-    elif q.scheme == "fp8_delayed":
-        scaler = quant.state.delayed_scaler(operand, q.element, quant.recipe)
-        out = _quantize_delayed(src, scaler, quant.global_amax(src, operand))
-    elif q.scheme == "fp8_block":
-        out = quantize_fp8_block(src, block=q.block).dequantized
-    elif q.scheme == "mxfp8":
-        out = quantize_mxfp8(src).dequantized
-    else:
-        generator = quant.state.generator(src.device) if q.stochastic else None
-        if q.scheme == "mxfp4":
-            out = quantize_mxfp4(src, stochastic=q.stochastic, generator=generator).dequantized
-        else:
-            out = quantize_nvfp4(src, block=q.block, amax=quant.global_amax(src, operand),
-                                 stochastic=q.stochastic, generator=generator).dequantized
-    return out.t() if q.columnwise else out
+    return _quantize(t, q, operand, quant)
+
+
+def _scaled_mm_shapes_ok(a: FP8Operand, b: FP8Operand) -> bool:
+    # torch._scaled_mm: all dims multiples of 16, and at most one operand in E5M2.
+    dims_ok = all(d % 16 == 0 for d in (*a.data.shape, b.data.shape[1]))
+    return dims_ok and not (a.data.dtype == b.data.dtype == torch.float8_e5m2)
+
+
+def _matmul(a: Operand, b: Operand) -> torch.Tensor:
+    """fp32 ``a @ b`` for a (M, K), b (K, N): tensor-core FP8 when both are FP8 bytes and
+    ``torch._scaled_mm`` takes their shapes, else an fp32 GEMM on the dequantized values."""
+    if isinstance(a, FP8Operand) and isinstance(b, FP8Operand) and _scaled_mm_shapes_ok(a, b):
+        # _scaled_mm wants A row-major and B column-major.
+        return torch._scaled_mm(a.data.contiguous(), b.data.t().contiguous().t(),
+                                scale_a=a.scale_inv, scale_b=b.scale_inv, out_dtype=torch.float32)
+    dense = [op.dequantized() if isinstance(op, FP8Operand) else op for op in (a, b)]
+    return dense[0] @ dense[1]
+
+
+def _save(ctx, *operands: Operand) -> None:
+    """save_for_backward for operands, FP8 ones as their (bytes, scale) pair."""
+    tensors = []
+    for op in operands:
+        tensors.extend((op.data, op.scale_inv) if isinstance(op, FP8Operand) else (op,))
+    ctx.fp8_saved = [isinstance(op, FP8Operand) for op in operands]
+    ctx.save_for_backward(*tensors)
+
+
+def _saved(ctx) -> list[Operand]:
+    tensors = iter(ctx.saved_tensors)
+    return [FP8Operand(next(tensors), next(tensors)) if fp8 else next(tensors) for fp8 in ctx.fp8_saved]
 
 
 def hadamard_wgrad_operands(
@@ -187,29 +292,32 @@ class _QuantizedLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, quant: LinearQuantization) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
+        fp8_bytes = scaled_mm_enabled(quant.recipe, x2)
         q_x, q_w = quant.quantizer("fprop", "x"), quant.quantizer("fprop", "w")
-        x_q = quantize_operand(x2, q_x, "x", quant)
-        w_q = quantize_operand(weight, q_w, "w", quant)
-        y = x_q @ w_q.t()
+        x_q = _quantize(x2, q_x, "x", quant, fp8_bytes)
+        w_q = _quantize(weight, q_w, "w", quant, fp8_bytes)
+        y = _matmul(x_q, w_q.t())
         # Where the backward GEMM quantizes an operand exactly as fprop did, keep the
         # fprop copy: it saves the work and, for delayed scaling, records one amax per step.
         ctx.x_ready = quant.quantizer("wgrad", "x") == q_x
         ctx.w_ready = quant.quantizer("dgrad", "w") == q_w
-        ctx.save_for_backward(x_q if ctx.x_ready else x2, w_q if ctx.w_ready else weight)
-        ctx.quant, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = quant, x.shape, x.dtype, weight.dtype
+        _save(ctx, x_q if ctx.x_ready else x2, w_q if ctx.w_ready else weight)
+        ctx.quant, ctx.fp8_bytes = quant, fp8_bytes
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         return y.reshape(*x.shape[:-1], weight.shape[0]).to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         quant: LinearQuantization = ctx.quant
-        x_saved, w_saved = ctx.saved_tensors
+        x_saved, w_saved = _saved(ctx)
         dy2 = dy.reshape(-1, dy.shape[-1])
+        fp8_bytes = ctx.fp8_bytes
         q_dy_d, q_dy_w = quant.quantizer("dgrad", "dy"), quant.quantizer("wgrad", "dy")
         dx = dw = dy_q = None
         if ctx.needs_input_grad[0]:
-            dy_q = quantize_operand(dy2, q_dy_d, "dy", quant)
-            w_q = w_saved if ctx.w_ready else quantize_operand(w_saved, quant.quantizer("dgrad", "w"), "w", quant)
-            dx = (dy_q @ w_q).reshape(ctx.x_shape).to(ctx.x_dtype)
+            dy_q = _quantize(dy2, q_dy_d, "dy", quant, fp8_bytes)
+            w_q = w_saved if ctx.w_ready else _quantize(w_saved, quant.quantizer("dgrad", "w"), "w", quant, fp8_bytes)
+            dx = _matmul(dy_q, w_q).reshape(ctx.x_shape).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             q_x = quant.quantizer("wgrad", "x")
             if q_dy_w.hadamard:
@@ -218,9 +326,9 @@ class _QuantizedLinearFn(torch.autograd.Function):
                 x_wq = quantize_operand(x_w, q_x, "x", quant)
             else:
                 reuse_dy = dy_q is not None and q_dy_w == q_dy_d
-                dy_wq = dy_q if reuse_dy else quantize_operand(dy2, q_dy_w, "dy", quant)
-                x_wq = x_saved if ctx.x_ready else quantize_operand(x_saved, q_x, "x", quant)
-            dw = (dy_wq.t() @ x_wq).to(ctx.w_dtype)
+                dy_wq = dy_q if reuse_dy else _quantize(dy2, q_dy_w, "dy", quant, fp8_bytes)
+                x_wq = x_saved if ctx.x_ready else _quantize(x_saved, q_x, "x", quant, fp8_bytes)
+            dw = _matmul(dy_wq.t(), x_wq).to(ctx.w_dtype)
         return dx, dw, None
 
 

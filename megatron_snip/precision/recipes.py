@@ -31,6 +31,8 @@ PRECISION_NAMES = ("bf16", "fp8", "nvfp4", "mxfp4")
 FP4_NAMES = ("nvfp4", "mxfp4")
 FP8_RECIPES = ("tensorwise", "delayed", "blockwise", "mxfp8")
 FP8_FORMATS = ("hybrid", "e4m3")
+KERNELS = ("auto", "triton", "torch")
+FP8_GEMMS = ("auto", "scaled_mm", "emulated")
 GEMMS = ("fprop", "dgrad", "wgrad")
 OPERANDS = ("x", "w", "dy")
 # The two operands of each GEMM, in the order they enter it.
@@ -113,6 +115,13 @@ class RecipeConfig:
             along tokens before NVFP4 quantization (TE's default).
         nvfp4_2d_weights: 16x16 weight tiles (TE's default), else 1x16 blocks along
             each GEMM's reduction dim.
+        kernels: how operands are quantized: "torch" (the reference quantizers), "triton"
+            (fused kernels, bit-identical; CUDA, or Triton's interpreter), "auto" (triton
+            for CUDA tensors when it imports, else torch). Changes speed, never bits.
+        fp8_gemm: how per-tensor-scaled FP8 GEMMs run: "emulated" (dequantize, fp32 GEMM),
+            "scaled_mm" (``torch._scaled_mm`` on the FP8 bytes: tensor cores on GPU), "auto"
+            (scaled_mm on CUDA GPUs with FP8 tensor cores, compute capability >= 8.9).
+            The two agree up to fp32 accumulation order.
     """
 
     fp8_recipe: str = "tensorwise"
@@ -123,8 +132,14 @@ class RecipeConfig:
     fp4_stochastic_rounding: bool = True
     nvfp4_random_hadamard: bool = True
     nvfp4_2d_weights: bool = True
+    kernels: str = "auto"
+    fp8_gemm: str = "auto"
 
     def __post_init__(self):
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}")
+        if self.fp8_gemm not in FP8_GEMMS:
+            raise ValueError(f"fp8_gemm must be one of {', '.join(FP8_GEMMS)}, got {self.fp8_gemm!r}")
         if self.fp8_recipe not in FP8_RECIPES:
             raise ValueError(f"fp8_recipe must be one of {', '.join(FP8_RECIPES)}, got {self.fp8_recipe!r}")
         if self.fp8_format not in FP8_FORMATS:

@@ -16,6 +16,8 @@ def recipe_from_args(args: argparse.Namespace) -> RecipeConfig:
         fp8_amax_history_len=args.fp8_amax_history_len,
         fp8_amax_compute_algo=args.fp8_amax_compute_algo,
         fp8_margin=args.fp8_margin,
+        kernels=args.quant_kernels,
+        fp8_gemm=args.fp8_gemm,
     )
 
 
@@ -37,7 +39,20 @@ def initial_plan(args: argparse.Namespace) -> PrecisionPlan:
         plan = PrecisionPlan.uniform(args.precision)
     if args.first_last_layers_bf16:
         plan = plan.with_ends_bf16(args.num_layers, args.num_layers_at_start_in_bf16, args.num_layers_at_end_in_bf16)
+    if args.transformer_impl == "transformer_engine":
+        _check_te(plan, recipe_from_args(args), args.precision_plan or f"--precision {args.precision}")
     return plan
+
+
+def _check_te(plan: PrecisionPlan, recipe: RecipeConfig, source: str) -> None:
+    """Every precision of ``plan`` must be one the te backend can run (PlanError naming it)."""
+    from megatron_snip.model.te_precision import te_quant_params
+
+    for name, precision in [("default", plan.default), *plan.modules.items()]:
+        try:
+            te_quant_params(precision, recipe)
+        except ValueError as e:
+            raise PlanError(f"{source}: {name}: {e} (--transformer-impl transformer_engine)") from None
 
 
 def _load(path: str, flag: str, num_layers: int) -> PrecisionPlan:

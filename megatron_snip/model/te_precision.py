@@ -1,0 +1,117 @@
+"""The ``te`` precision backend: megatron-core's Transformer Engine linears, one recipe per module.
+
+With ``--transformer-impl transformer_engine`` the model is built from
+megatron-core's TE layer spec (TELayerNormColumnParallelLinear for linear_qkv and
+linear_fc1, TERowParallelLinear for linear_proj and linear_fc2). Since 0.16 each of
+them reads its ``te_quant_params`` on every forward and, when set, enters
+``fp8_autocast`` with that recipe around TE's GEMMs (FP8 and NVFP4 on tensor cores).
+:class:`TELinearPrecision` gives such a module the interface the
+``PrecisionController`` drives (``precision``, ``check_precision``, ``recipe``),
+so plans, ``--precision``, ``--first-last-layers-bf16`` and plan switching work as
+with the ``torch`` backend.
+
+What TE cannot express is refused with the module named: different formats for
+the forward and the backward GEMMs (a TE recipe covers all three), MXFP4 (TE has
+no MXFP4 recipe), and delayed scaling (megatron-core's per-module recipes leave
+it out; use --fp8-recipe tensorwise, blockwise or mxfp8). SNIP's probes measure
+with this package's quantizers, so ``--snip`` needs the torch backend.
+
+Transformer Engine is imported only by megatron-core's TE modules; this file
+builds megatron-core's own dataclasses and runs without TE installed.
+"""
+
+from __future__ import annotations
+
+import torch
+from packaging.version import Version as PkgVersion
+
+from megatron_snip.precision.linear import QuantState
+from megatron_snip.precision.recipes import BF16, Precision, RecipeConfig
+
+NVFP4_MIN_TE = "2.8.0"  # first Transformer Engine release with NVFP4BlockScaling
+
+
+def te_quant_params(precision: Precision, recipe: RecipeConfig):
+    """megatron-core's ``TEQuantizationParams`` running ``precision`` under ``recipe``
+    (None for bf16: the module runs unquantized). Raises ValueError for what TE cannot run."""
+    from megatron.core.enums import Fp4Recipe, Fp8Recipe
+    from megatron.core.extensions.transformer_engine import TEQuantizationParams, TEQuantizationRecipe
+
+    if precision.fwd != precision.bwd:
+        raise ValueError(f"precision {precision}: the te backend runs one format for all three GEMMs of "
+                         "a module (a TE recipe covers forward and backward); use the torch backend "
+                         "(--transformer-impl local) for split precisions")
+    name = precision.fwd
+    if name == "bf16":
+        return None
+    if name == "mxfp4":
+        raise ValueError("precision mxfp4: Transformer Engine has no MXFP4 recipe; use nvfp4 "
+                         "(--fp4-recipe nvfp4) or the torch backend (--transformer-impl local)")
+    if name == "fp8" and recipe.fp8_recipe == "delayed":
+        raise ValueError("fp8 with --fp8-recipe delayed: megatron-core's per-module TE recipes do not "
+                         "support delayed scaling; use --fp8-recipe tensorwise, blockwise or mxfp8")
+    if name == "nvfp4":
+        _require_te_version(NVFP4_MIN_TE, "nvfp4")
+    te_recipe = TEQuantizationRecipe(
+        fp8_quantization_recipe=Fp8Recipe(recipe.fp8_recipe) if name == "fp8" else None,
+        fp4_quantization_recipe=Fp4Recipe.nvfp4 if name == "nvfp4" else None,
+        fp8_format=recipe.fp8_format,
+        override_nonquantized_autocast=True,  # no global autocast is open: this module opens its own
+    )
+    return TEQuantizationParams(training_recipe=te_recipe, evaluation_recipe=None)
+
+
+def _require_te_version(version: str, what: str) -> None:
+    from megatron.core.utils import get_te_version
+
+    found = get_te_version()
+    if found is None:
+        return  # no TE here: building the TE layer spec fails first, and says so
+    if found < PkgVersion(version):
+        raise ValueError(f"{what} on the te backend needs Transformer Engine >= {version}, found {found}")
+
+
+class TELinearPrecision:
+    """A megatron-core TE linear seen through the per-module precision interface.
+
+    Attributes:
+        module: the TE linear (its ``te_quant_params`` is what changes).
+        config: the module's TransformerConfig.
+        recipe: the :class:`RecipeConfig` realising ``precision``.
+        quant_state: unused by TE (it keeps its own state); present so every backend's
+            modules are driven alike.
+        module_name: the global plan name (set by the controller).
+    """
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.config = module.config
+        self.recipe = RecipeConfig()
+        self.quant_state = QuantState()
+        self.module_name = type(module).__name__
+        self._precision = BF16
+        module.te_quant_params = None
+
+    @property
+    def precision(self) -> Precision:
+        return self._precision
+
+    @precision.setter
+    def precision(self, precision: Precision | str) -> None:
+        precision = Precision.parse(precision) if isinstance(precision, str) else precision
+        self.module.te_quant_params = self._params(precision, self.recipe)
+        self._precision = precision
+
+    def set_recipe(self, recipe: RecipeConfig) -> None:
+        self.module.te_quant_params = self._params(self._precision, recipe)
+        self.recipe = recipe
+
+    def check_precision(self, precision: Precision, recipe: RecipeConfig) -> None:
+        """Raise ValueError if this module cannot run ``precision`` under ``recipe``."""
+        self._params(precision, recipe)
+
+    def _params(self, precision: Precision, recipe: RecipeConfig):
+        try:
+            return te_quant_params(precision, recipe)
+        except ValueError as e:
+            raise ValueError(f"{self.module_name}: {e}") from None

@@ -1,0 +1,86 @@
+"""The te backend's plan -> megatron-core per-module TE recipe mapping, and its refusals.
+
+Transformer Engine itself cannot be installed on these CPU machines; what is tested
+here is everything on our side of megatron-core's ``te_quant_params`` interface:
+the recipes built per module (megatron-core's own dataclasses), plan switching through
+the adapter, and the clear errors for what TE cannot run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from megatron.core.enums import Fp4Recipe, Fp8Recipe
+
+from conftest import train_args
+from megatron_snip.arguments import ArgumentError, parse_args
+from megatron_snip.model.te_precision import TELinearPrecision, te_quant_params
+from megatron_snip.precision.recipes import Precision, RecipeConfig
+
+
+@pytest.mark.parametrize("fp8_recipe", ["tensorwise", "blockwise", "mxfp8"])
+@pytest.mark.parametrize("fp8_format", ["hybrid", "e4m3"])
+def test_fp8_maps_to_the_matching_te_recipe(fp8_recipe, fp8_format):
+    params = te_quant_params(Precision.uniform("fp8"), RecipeConfig(fp8_recipe=fp8_recipe, fp8_format=fp8_format))
+    recipe = params.training_recipe
+    assert recipe.fp8_quantization_recipe == Fp8Recipe(fp8_recipe)
+    assert recipe.fp4_quantization_recipe is None
+    assert recipe.fp8_format == fp8_format
+    # nothing opens a global autocast in our runs: the module must open its own
+    assert recipe.override_nonquantized_autocast
+    assert params.evaluation_recipe is None  # evaluation runs as training does
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is not None,
+                    reason="with TE installed its version decides whether nvfp4 is available")
+def test_nvfp4_maps_to_te_nvfp4_and_bf16_to_no_recipe():
+    recipe = te_quant_params(Precision.uniform("nvfp4"), RecipeConfig()).training_recipe
+    assert recipe.fp4_quantization_recipe == Fp4Recipe.nvfp4 and recipe.fp8_quantization_recipe is None
+    assert te_quant_params(Precision.uniform("bf16"), RecipeConfig()) is None
+
+
+@pytest.mark.parametrize("precision,recipe,message", [
+    ("fp8/bf16", RecipeConfig(), "one format for all three GEMMs"),
+    ("mxfp4", RecipeConfig(), "no MXFP4 recipe"),
+    ("fp8", RecipeConfig(fp8_recipe="delayed"), "do not support delayed scaling"),
+])
+def test_what_te_cannot_run_is_refused(precision, recipe, message):
+    with pytest.raises(ValueError, match=message):
+        te_quant_params(Precision.parse(precision), recipe)
+
+
+class _TELinearStandIn(torch.nn.Module):
+    """The two attributes of megatron-core's TE linears the adapter touches (TE is not installable here)."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = object()
+        self.te_quant_params = "left over"
+
+
+def test_adapter_switches_the_module_recipe_and_names_the_module_on_errors():
+    module = _TELinearStandIn()
+    linear = TELinearPrecision(module)
+    assert module.te_quant_params is None and str(linear.precision) == "bf16"
+    linear.precision = "fp8"
+    assert module.te_quant_params.training_recipe.fp8_quantization_recipe == Fp8Recipe.tensorwise
+    linear.set_recipe(RecipeConfig(fp8_recipe="mxfp8"))
+    assert module.te_quant_params.training_recipe.fp8_quantization_recipe == Fp8Recipe.mxfp8
+    linear.module_name = "decoder.layers.3.mlp.linear_fc2"
+    with pytest.raises(ValueError, match=r"decoder.layers.3.mlp.linear_fc2: precision mxfp4"):
+        linear.precision = "mxfp4"
+    assert str(linear.precision) == "fp8"  # a refused precision changes nothing
+    linear.precision = "bf16"
+    assert module.te_quant_params is None
+
+
+@pytest.mark.parametrize("extra,message", [
+    (("--precision", "mxfp4"), "--precision mxfp4: default: precision mxfp4: Transformer Engine has no MXFP4"),
+    (("--precision", "fp8", "--fp8-recipe", "delayed"), "do not support delayed scaling"),
+])
+def test_te_flags_are_checked_before_start(tiny_data, extra, message):
+    argv = train_args(tiny_data, "--transformer-impl", "transformer_engine", *extra)
+    with pytest.raises(ArgumentError, match=message):
+        parse_args(argv, world_size=1, cuda=True)
