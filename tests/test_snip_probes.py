@@ -307,7 +307,7 @@ def test_estimators_rank_like_the_ground_truth(single):
 
 
 def parallel_worker(rank, world, port, out_dir):
-    from megatron_snip.snip.probes import AdamView
+    from megatron_snip.snip.adam_view import AdamView
 
     _start(rank, world, port)
     batches = _batches(4, seed=0)
@@ -334,7 +334,8 @@ def parallel_worker(rank, world, port, out_dir):
 
 def _load(chunks, optimizer, reference):
     """This layout's share of the reference (TP=1) weights and Adam state."""
-    from megatron_snip.snip.probes import AdamView, global_parameter_names, param_global_index as index
+    from megatron_snip.snip.adam_view import AdamView, global_parameter_names
+    from megatron_snip.snip.noise import param_global_index as index
 
     for chunk in chunks:  # one step on zero gradients creates the Adam state, overwritten below
         chunk.zero_grad_buffer()
@@ -407,7 +408,7 @@ def test_tensor_parallel_split_off_block_boundaries_is_recorded(parallel):
 
 def test_noise_is_layout_invariant():
     """A shard's noise is the full tensor's noise split the way megatron splits the weight."""
-    from megatron_snip.snip.probes import global_flat_index, noise_key, rademacher
+    from megatron_snip.snip.noise import global_flat_index, noise_key, rademacher
 
     key = noise_key(0, "param", 0, "decoder.layers.0.mlp.linear_fc1.weight")
     full_shape, size = (12, 8), 2

@@ -96,32 +96,39 @@ def adam_update(exp_avg: torch.Tensor, grad: torch.Tensor, preconditioner: torch
 # -- probe read-outs -------------------------------------------------------------------------------
 
 def hutchinson_trace(noise_dot_grad_diff: float, sigma: float) -> float:
-    """``tr H ~= <Z, G(+sigma Z) - G(-sigma Z)> / (2 sigma)`` for Z with E[Z Z^T] = I.
+    """``tr H ~= <Z, G(+sigma Z) - G(0)> / sigma`` for Rademacher Z (E[Z Z^T] = I).
 
-    Antithetic central difference: exact for a quadratic loss, O(sigma^2) otherwise.
+    Forward difference against the clean pass's gradient G(0): exact for a quadratic loss;
+    the next term, ``(sigma / 2) T[Z, Z, Z]`` of the third derivative T, has mean zero
+    because every odd moment of Rademacher noise vanishes, so it adds variance, not bias
+    (an antithetic pair would cancel it at the price of a second pass per draw).
 
     Args:
-        noise_dot_grad_diff: ``<Z, G+ - G->`` (units of Z * dL/dY).
+        noise_dot_grad_diff: ``<Z, G(+) - G(0)>`` (units of Z * dL/dY).
         sigma: absolute noise scale (units of Y).
     Returns:
         trace estimate, units loss / Y^2.
     """
-    return noise_dot_grad_diff / (2.0 * sigma)
+    return noise_dot_grad_diff / sigma
 
 
 def perturbation_gain(input_change_sq: float, sigma: float) -> float:
-    """``g ~= ||X(theta + sigma P~ w) - X(theta - sigma P~ w)||^2 / (4 sigma^2)``: one sample of
-    ``||J P~ w||^2`` whose mean over w (E[w w^T] = I) is ``||J P~||_F^2``.
+    """``g ~= ||X(theta + sigma P~ w) - X(theta)||^2 / sigma^2``: one sample of ``||J P~ w||^2``
+    whose mean over w (E[w w^T] = I) is ``||J P~||_F^2``.
+
+    Forward difference against the clean pass: exact where X is linear in the parameters;
+    the next term, the cross product of ``J P~ w`` with the second-order change, is odd in
+    w and has mean zero for Rademacher w.
 
     Args:
-        input_change_sq: squared norm of the input change between the two perturbations (X^2).
+        input_change_sq: squared norm of the input change the perturbation causes (X^2).
         sigma: the perturbation scale; the perturbation is ``sigma * P~ * w``, so sigma has
             the units of a gradient (loss / parameter).
     Returns:
         gain, units (X * parameter / loss)^2, so that ``gain * ||eX||^2 / numel(X)`` (eX in
         loss / X) is a squared parameter drift.
     """
-    return input_change_sq / (4.0 * sigma**2)
+    return input_change_sq / sigma**2
 
 
 # -- the divergences -------------------------------------------------------------------------------

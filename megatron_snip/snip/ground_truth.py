@@ -37,18 +37,10 @@ from megatron_snip.model.quantized_layers import QuantizedLinearMixin
 from megatron_snip.precision.linear import QuantState
 from megatron_snip.precision.recipes import BF16, Precision
 
-from .probes import (
-    AdamView,
-    ForwardStep,
-    MicrobatchCounter,
-    ModuleLayout,
-    PassRunner,
-    default_forward_step,
-    needs_grad,
-    noise_key,
-    preserved_training_state,
-    squared_norm,
-)
+from .adam_view import AdamView
+from .noise import noise_key
+from .passes import ForwardStep, PassRunner, default_forward_step, preserved_training_state
+from .probes import MicrobatchCounter, ModuleLayout, needs_grad, squared_norm
 
 Table = dict[str, dict[str, float]]  # module -> format -> value
 

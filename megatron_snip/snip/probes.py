@@ -14,12 +14,12 @@ masks:
    re-run on the captured X, W, dY through
    :func:`megatron_snip.precision.linear.quantized_linear` (the layers' own
    code); plus the clean Adam update ``||u||^2`` from the reduced gradients;
-2. **Hutchinson passes** (2K forward + backward): antithetic Rademacher noise
-   ``+-sigma_l Z_l`` at every module output at once; ``<Z_l, G+ - G->`` gives
-   ``tr(H_l)`` for every module;
-3. **perturbation passes** (2K forward only): every parameter moved by
-   ``+-sigma P~ * w``; ``||X+ - X-||^2`` at every module input gives the
-   propagated gains ``g_l``.
+2. **Hutchinson passes** (K forward + backward): Rademacher noise
+   ``+sigma_l Z_l`` at every module output at once; ``<Z_l, G(+) - G(0)>``, with
+   ``<Z_l, G(0)>`` read in the clean pass's backward, gives ``tr(H_l)`` for every module;
+3. **perturbation passes** (K forward only): every parameter moved by
+   ``+sigma P~ * w``; ``||X(+) - X(0)||^2`` at every module input, X(0) kept from
+   the clean pass, gives the propagated gains ``g_l``.
 
 Noise is a counter-based hash of (seed, pass, tensor name, global element
 index), so it is the same for every tensor-/pipeline-parallel layout and
@@ -28,31 +28,23 @@ states or RNG states; the DDP gradient buffers are zeroed (or restored with
 ``ProbeConfig.restore_grads``); the caller's data iterator is read for exactly
 ``num_microbatches`` micro-batches.
 
-Adam's state comes from the megatron optimizer: :class:`AdamView` maps each
-model parameter to the slice of its fp32 main parameter and optimizer state
-held on this rank (the whole parameter for ``FP32Optimizer`` /
-``Float16OptimizerWithFloat16Params``, a shard of the flat buffer for the
-``DistributedOptimizer``, whose sums then run over the data-parallel group).
+Parts in their own modules: the noise (``noise.py``), Adam's state per
+parameter slice on this rank (``adam_view.py``), replaying passes through the
+pipeline schedule without side effects (``passes.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state, tensor_parallel
-from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-from megatron.core.optimizer.optimizer import ChainedOptimizer, Float16OptimizerWithFloat16Params, FP32Optimizer
-from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.transformer.module import param_is_not_shared
-from megatron.core.transformer.transformer_layer import TransformerLayer
-from megatron.core.utils import get_model_config, get_pg_size
+from megatron.core import parallel_state
+from megatron.core.utils import get_pg_size
 
 from megatron_snip.model.precision_control import PrecisionController
 from megatron_snip.model.quantized_layers import QuantizedLinearMixin
@@ -60,17 +52,11 @@ from megatron_snip.precision.linear import QuantState, quantized_linear
 from megatron_snip.precision.plan import parse_module_name
 from megatron_snip.precision.recipes import BF16, Precision
 
-from .estimators import (
-    REFERENCE_FORMAT,
-    adam_preconditioner,
-    adam_step_scale,
-    adam_update,
-    hutchinson_trace,
-    perturbation_gain,
-)
+from .adam_view import AdamSlice, AdamView
+from .estimators import REFERENCE_FORMAT, hutchinson_trace, perturbation_gain
+from .noise import global_flat_index, noise_key, param_global_index, rademacher
+from .passes import ForwardStep, PassRunner, RngStates, default_forward_step, preserved_training_state
 from .statistics import FormatErrors, ModuleStatistics, ProbeStatistics
-
-ForwardStep = Callable  # (data_iterator, model) -> (output, loss_func), as megatron's schedules call it
 
 
 @dataclass(frozen=True)
@@ -80,10 +66,10 @@ class ProbeConfig:
     Attributes:
         formats: candidate formats to measure; bf16, the reference (cost 0), may be listed
             and is dropped: it needs no measurement.
-        hutchinson_probes: K noise draws for the curvatures, each an antithetic pair of
-            forward + backward passes (2K passes).
-        perturbation_probes: K parameter-perturbation draws for the gains, each an
-            antithetic pair of forward-only passes (2K passes).
+        hutchinson_probes: K noise draws for the curvatures, each one forward + backward
+            pass differenced against the clean pass (K passes).
+        perturbation_probes: K parameter-perturbation draws for the gains, each one
+            forward-only pass differenced against the clean pass (K passes).
         output_noise: Hutchinson noise scale relative to each module's output RMS.
         param_noise: parameter perturbation size relative to the parameter norm,
             ``||sigma P~ w|| = param_noise * ||theta||``; None: 1e-3 for fp32 parameters,
@@ -109,378 +95,6 @@ class ProbeConfig:
             raise ValueError("hutchinson_probes and perturbation_probes must be >= 1")
         if not self.output_noise > 0 or (self.param_noise is not None and not self.param_noise > 0):
             raise ValueError("output_noise and param_noise must be > 0")
-
-
-# -- layout-invariant noise ------------------------------------------------------------------------
-
-_M32 = 0xFFFFFFFF
-
-
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """``(x * c) mod 2^32`` for x in [0, 2^32) held in int64, without overflowing int64."""
-    return ((x & 0xFFFF) * c + ((((x >> 16) * c) & 0xFFFF) << 16)) & _M32
-
-
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """Chris Wellons' ``lowbias32`` integer hash on int64 tensors holding 32-bit values."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def noise_key(*parts) -> int:
-    """A 64-bit key for one noise tensor from its description (seed, pass, name, ...)."""
-    return int.from_bytes(hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest(), "little")
-
-
-def rademacher(index: torch.Tensor, key: int) -> torch.Tensor:
-    """+-1 (fp32) for each global element index (int64), a hash of (key, index): the same value
-    for an element whichever rank holds it and in whatever order it is drawn."""
-    h = _hash32((index & _M32) ^ (key & _M32))
-    h = _hash32(h ^ (index >> 32) ^ ((key >> 32) & _M32))
-    return 1.0 - 2.0 * (h >> 31).float()
-
-
-def global_flat_index(shape: Sequence[int], *, partition_dim: int | None = None, stride: int = 1, rank: int = 0,
-                      size: int = 1, start: int = 0, end: int | None = None,
-                      device: torch.device | str = "cpu") -> torch.Tensor:
-    """Indices, in the unsharded tensor, of elements ``start:end`` of a flattened shard.
-
-    The shard is megatron's tensor-parallel split of dim ``partition_dim`` (None: not split):
-    the full dim is cut into chunks of ``shape[dim] / stride`` and rank r holds chunks
-    r, r + size, r + 2 size, ... (``_initialize_affine_weight_cpu``; SwiGLU's fc1 has stride 2).
-
-    Returns:
-        int64 tensor of ``end - start`` flat indices into the full tensor (row-major).
-    """
-    numel = math.prod(shape)
-    end = numel if end is None else end
-    local = torch.arange(start, end, dtype=torch.int64, device=device)
-    if partition_dim is None or size == 1:
-        return local
-    dim = partition_dim % len(shape)
-    n_local, inner = shape[dim], math.prod(shape[dim + 1:])
-    chunk = n_local // stride
-    outer, rest = local // (n_local * inner), local % (n_local * inner)
-    d, within = rest // inner, rest % inner
-    d_full = ((d // chunk) * size + rank) * chunk + d % chunk
-    return (outer * (n_local * size) + d_full) * inner + within
-
-
-def param_global_index(param: torch.nn.Parameter, start: int = 0, end: int | None = None) -> torch.Tensor:
-    """:func:`global_flat_index` of elements ``start:end`` of this rank's (flattened) shard of a
-    megatron parameter, from its tensor-parallel attributes."""
-    split = getattr(param, "tensor_model_parallel", False)
-    return global_flat_index(param.shape, partition_dim=param.partition_dim if split else None,
-                             stride=getattr(param, "partition_stride", 1),
-                             rank=parallel_state.get_tensor_model_parallel_rank(),
-                             size=parallel_state.get_tensor_model_parallel_world_size(),
-                             start=start, end=end, device=param.device)
-
-
-# -- the optimizer's view of each parameter --------------------------------------------------------
-
-@dataclass(eq=False)
-class AdamSlice:
-    """The elements ``start:end`` of a flattened model parameter that this rank's optimizer
-    updates, with their Adam state.
-
-    Attributes:
-        param: the model parameter; name: its global name (layout-independent).
-        start, end: the slice of ``param.view(-1)``.
-        state: the inner optimizer's state of the main parameter (``exp_avg``, ``exp_avg_sq``,
-            ``step``), each holding ``end - start`` elements.
-        group: the inner optimizer's param group (lr, betas, eps).
-        dp_sharded: held by one data-parallel rank only (distributed optimizer).
-        counted: counts in model-wide sums on this rank (not a tensor-parallel duplicate
-            held by a rank other than TP rank 0, not a shared copy).
-    """
-
-    param: torch.nn.Parameter
-    name: str
-    start: int
-    end: int
-    state: dict
-    group: dict
-    dp_sharded: bool
-    counted: bool
-
-    @property
-    def step(self) -> float:
-        return float(self.state["step"])
-
-    @property
-    def lr(self) -> float:
-        """The group's learning rate, or 1 when the schedule is at 0 (warm-up start, decay to 0).
-
-        Every divergence SNIP uses is normalised by the clean update, and the LR
-        enters numerator and denominator squared, so its scale cancels; only a
-        zero LR would leave nothing to normalise by.
-        """
-        return self.group["lr"] or 1.0
-
-    def sensitivity(self) -> torch.Tensor:
-        """``P~ = c P`` on the slice (flat): d(update) / d(gradient)."""
-        return adam_step_scale(self.lr, self.group["betas"][0], self.step) * self.preconditioner()
-
-    def preconditioner(self) -> torch.Tensor:
-        """Adam's ``P = 1 / (sqrt(v_hat) + eps)`` on the slice (flat)."""
-        return adam_preconditioner(self.state["exp_avg_sq"].view(-1), self.step, self.group["betas"][1],
-                                   self.group["eps"])
-
-    def update(self, grad: torch.Tensor) -> torch.Tensor:
-        """The Adam update this slice would take for (flat) gradient ``grad``."""
-        return adam_update(self.state["exp_avg"].view(-1), grad, self.preconditioner(), self.lr,
-                           self.group["betas"][0], self.step)
-
-    def flat(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor.view(-1)[start:end]`` (tensor shaped like the parameter)."""
-        return tensor.view(-1)[self.start:self.end]
-
-
-class AdamView:
-    """Model parameter -> :class:`AdamSlice` for every parameter this rank's optimizer updates.
-
-    Supported: megatron's ``FP32Optimizer``, ``Float16OptimizerWithFloat16Params`` and
-    ``DistributedOptimizer`` (alone or chained) around torch Adam/AdamW.
-
-    Raises:
-        ValueError: another optimizer, a precision-aware distributed optimizer (main params
-            held inside the fused optimizer), AMSGrad, or no Adam state yet.
-    """
-
-    def __init__(self, optimizer, chunks: Sequence[torch.nn.Module]):
-        names = global_parameter_names(chunks)
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        self.slices: dict[torch.nn.Parameter, AdamSlice] = {}
-        parts = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
-        for opt in parts:
-            groups = {id(p): g for g in opt.optimizer.param_groups for p in g["params"]}
-            for param, main, start, end, sharded in _main_params(opt):
-                if main is None:
-                    raise ValueError(f"{names.get(param, 'a parameter')}: the optimizer keeps no fp32 main "
-                                     "parameter (precision-aware distributed optimizer); SNIP probes need "
-                                     "its Adam state: run without --use-precision-aware-optimizer")
-                group = groups[id(main)]
-                if group.get("amsgrad", False):
-                    raise ValueError("SNIP probes model Adam without AMSGrad; the optimizer uses amsgrad=True")
-                state = opt.optimizer.state.get(main, {})
-                if "exp_avg_sq" not in state:
-                    raise ValueError(f"{names.get(param, 'a parameter')}: no Adam state (exp_avg_sq): "
-                                     f"the optimizer is {type(opt.optimizer).__name__} or has not stepped yet; "
-                                     "SNIP probes need Adam/AdamW after at least one optimizer step")
-                counted = (param_is_not_shared(param)
-                           and (tensor_parallel.param_is_not_tensor_parallel_duplicate(param) or tp_rank == 0))
-                self.slices[param] = AdamSlice(param, names[param], start, end, state, group, sharded, counted)
-
-    @property
-    def dp_sharded(self) -> bool:
-        return any(s.dp_sharded for s in self.slices.values())
-
-    def model_sum(self, per_slice: Callable[[AdamSlice], torch.Tensor]) -> float:
-        """``sum over every parameter element of the model`` of a per-slice fp64 sum, complete over
-        tensor-, pipeline- and (distributed optimizer) data-parallel shards; the same on every rank."""
-        device = next(iter(self.slices)).device if self.slices else _default_device()
-        sharded = torch.zeros((), dtype=torch.float64, device=device)
-        replicated = torch.zeros((), dtype=torch.float64, device=device)
-        for s in self.slices.values():
-            if s.counted:
-                if s.dp_sharded:
-                    sharded += per_slice(s)
-                else:
-                    replicated += per_slice(s)
-        if parallel_state.get_data_parallel_world_size() > 1:
-            dist.all_reduce(sharded, group=parallel_state.get_data_parallel_group())
-        total = sharded + replicated
-        dist.all_reduce(total, group=parallel_state.get_model_parallel_group())
-        return total.item()
-
-
-def _default_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def _main_params(opt):
-    """(model param, main param or None, start, end, dp_sharded) for one megatron optimizer."""
-    if isinstance(opt, DistributedOptimizer):
-        if opt.data_parallel_group.size() != parallel_state.get_data_parallel_world_size():
-            raise ValueError("SNIP probes sum the distributed optimizer's shards over the whole data-parallel "
-                             "group; several distributed-optimizer instances (partial sharding) are not supported")
-        pairs = [*zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups),
-                 *zip(opt.model_fp32_groups, opt.shard_fp32_groups)]
-        for model_group, main_group in pairs:
-            for param, main in zip(model_group, main_group):
-                r = opt._get_model_param_range_map(param)["param"]
-                yield param, main, r.start, r.end, True
-    elif isinstance(opt, Float16OptimizerWithFloat16Params):
-        for model_group, main_group in zip(opt.float16_groups, opt.fp32_from_float16_groups):
-            for param, main in zip(model_group, main_group):
-                yield param, main, 0, param.numel(), False
-        for group in opt.fp32_from_fp32_groups:
-            for param in group:
-                yield param, param, 0, param.numel(), False
-    elif isinstance(opt, FP32Optimizer):
-        for group in opt.optimizer.param_groups:
-            for param in group["params"]:
-                yield param, param, 0, param.numel(), False
-    else:
-        raise ValueError(f"SNIP probes support megatron's FP32Optimizer, Float16OptimizerWithFloat16Params and "
-                         f"DistributedOptimizer; got {type(opt).__name__}")
-
-
-def global_parameter_names(chunks: Sequence[torch.nn.Module]) -> dict[torch.nn.Parameter, str]:
-    """Parameter -> name independent of the parallel layout: wrapper prefixes (``module.``)
-    dropped, transformer layers numbered globally (``decoder.layers.{layer_number - 1}``)."""
-    names = {}
-    for chunk in chunks:
-        layers = {prefix: m.layer_number - 1 for prefix, m in chunk.named_modules() if isinstance(m, TransformerLayer)}
-        for name, param in chunk.named_parameters():
-            for prefix, layer in layers.items():
-                if name.startswith(prefix + "."):
-                    name = f"decoder.layers.{layer}" + name[len(prefix):]
-                    break
-            while name.startswith("module."):
-                name = name[len("module."):]
-            names[param] = name
-    return names
-
-
-# -- leaving no trace ------------------------------------------------------------------------------
-
-class RngStates:
-    """The torch CPU/CUDA RNG states and megatron's RNG tracker states, captured once."""
-
-    def __init__(self):
-        self.cpu = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-        tracker = tensor_parallel.get_cuda_rng_tracker()
-        self.tracker = {k: v.clone() for k, v in tracker.get_states().items()} if tracker.is_initialized() else None
-
-    def restore(self) -> None:
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state_all(self.cuda)
-        if self.tracker is not None:
-            tensor_parallel.get_cuda_rng_tracker().set_states({k: v.clone() for k, v in self.tracker.items()})
-
-
-@contextlib.contextmanager
-def preserved_training_state(chunks: Sequence[torch.nn.Module], modules: dict[str, QuantizedLinearMixin],
-                             restore_grads: bool = False) -> Iterator[RngStates]:
-    """Run probe passes without leaving a trace: on exit every module's precision and quantization
-    state, every RNG state and every ``param.grad`` reference are back, the DDP gradient buffers
-    zeroed (or restored).
-
-    Yields:
-        the captured :class:`RngStates`; restore them before each pass so every pass draws the
-        same dropout masks.
-    """
-    for chunk in chunks:
-        if not hasattr(chunk, "zero_grad_buffer"):
-            raise ValueError(f"the model chunk is a {type(chunk).__name__}; SNIP probes need it wrapped in "
-                             "megatron-core's DistributedDataParallel (as the trainer does)")
-    rng = RngStates()
-    precisions = {n: m.precision for n, m in modules.items()}
-    states = {n: m.quant_state for n, m in modules.items()}
-    buffers = [b for chunk in chunks for b in chunk.buffers + chunk.expert_parallel_buffers]
-    grads = [b.grad_data.clone() for b in buffers] if restore_grads else None
-    # After an optimizer step megatron's FP32Optimizer leaves ``param.grad`` aliasing
-    # ``param.main_grad`` (the trainer's optimizer.zero_grad() drops it at the next step); a
-    # backward would then accumulate into the buffer twice. Detach the references meanwhile.
-    params = [p for chunk in chunks for p in chunk.parameters()]
-    grad_refs = [p.grad for p in params]
-    for p in params:
-        p.grad = None
-    try:
-        yield rng
-    finally:
-        for name, module in modules.items():
-            module.quant_state = states[name]
-            module.precision = precisions[name]
-        for chunk in chunks:
-            chunk.zero_grad_buffer()
-        if grads is not None:
-            for b, g in zip(buffers, grads):
-                b.grad_data.copy_(g)
-        for p, g in zip(params, grad_refs):
-            p.grad = g
-        rng.restore()
-
-
-# -- running passes --------------------------------------------------------------------------------
-
-class PassRunner:
-    """Runs forward(-backward) passes over the same recorded micro-batches through megatron's
-    schedule (any pipeline layout). The first pass reads ``num_microbatches`` micro-batches
-    from the caller's iterator; later passes replay them."""
-
-    def __init__(self, chunks: Sequence[torch.nn.Module], data_iterator: Iterator | None, *, num_microbatches: int,
-                 seq_length: int, micro_batch_size: int, forward_step_func: ForwardStep, loss_key: str):
-        if len(chunks) != 1:
-            raise ValueError(f"SNIP probes run one model chunk per rank; got {len(chunks)} "
-                             "(virtual pipeline stages are not supported)")
-        config = get_model_config(chunks[0])
-        if config.sequence_parallel:
-            raise ValueError("SNIP probes do not support sequence parallelism (nor do the quantized layers)")
-        if config.calculate_per_token_loss:
-            raise ValueError("SNIP probes need the loss averaged per micro-batch; calculate_per_token_loss is set")
-        if parallel_state.get_context_parallel_world_size() > 1:
-            raise ValueError("SNIP probes do not support context parallelism")
-        self.chunks = list(chunks)
-        self.config = config
-        self.num_microbatches = num_microbatches
-        self.seq_length, self.micro_batch_size = seq_length, micro_batch_size
-        self.forward_step_func, self.loss_key = forward_step_func, loss_key
-        self._source, self._batches = data_iterator, None
-        self._schedule = get_forward_backward_func()
-
-    @property
-    def loss_scale(self) -> float:
-        """The factor the schedule multiplies the loss by before backward (1 without a grad scaler)."""
-        f = self.config.grad_scale_func
-        device = next(self.chunks[0].parameters()).device
-        return 1.0 if f is None else float(f(torch.ones(1, device=device)).item())
-
-    def _data(self) -> Iterator | None:
-        if self._source is None:
-            return None
-        if self._batches is None:
-            self._batches = []
-            return self._record()
-        return iter(self._batches)
-
-    def _record(self) -> Iterator:
-        for i in range(self.num_microbatches):
-            try:
-                batch = next(self._source)
-            except StopIteration:
-                raise ValueError(f"the probe data iterator ran out after {i} of {self.num_microbatches} "
-                                 "micro-batches") from None
-            self._batches.append(batch)
-            yield batch
-
-    def run(self, forward_only: bool) -> float | None:
-        """One pass; returns the mean loss on the last stage (None elsewhere)."""
-        if not forward_only:
-            for chunk in self.chunks:
-                chunk.zero_grad_buffer()
-        with torch.no_grad() if forward_only else contextlib.nullcontext():
-            out = self._schedule(forward_step_func=self.forward_step_func, data_iterator=self._data(),
-                                 model=self.chunks, num_microbatches=self.num_microbatches,
-                                 seq_length=self.seq_length, micro_batch_size=self.micro_batch_size,
-                                 forward_only=forward_only)
-        if not out:
-            return None
-        return sum(float(d[self.loss_key]) for d in out) / len(out)
-
-
-def default_forward_step() -> ForwardStep:
-    """The trainer's forward step (imported late: the trainer imports much more)."""
-    from megatron_snip.training.trainer import forward_step
-
-    return forward_step
 
 
 # -- per-module measurement ------------------------------------------------------------------------
@@ -698,7 +312,9 @@ def run_probe_cycle(
             module.precision = BF16
         loss_scale = runner.loss_scale
         rng.restore()
-        loss = _clean_pass(runner, probes, loss_scale)
+        curvature_keys = [noise_key(config.seed, "output", k) for k in range(config.hutchinson_probes)]
+        clean_inputs: dict[tuple[str, int], torch.Tensor] = {}
+        loss = _clean_pass(runner, probes, loss_scale, curvature_keys, clean_inputs)
         update_sq = adam.model_sum(lambda s: squared_norm(s.update(s.flat(s.param.main_grad) / loss_scale)))
         clean_keys = ["input_numel", "output_numel", "input_sq", "weight_sq", "output_sq", "output_grad_sq",
                       *[f"{f}.{k}" for f in config.formats
@@ -707,10 +323,11 @@ def run_probe_cycle(
         for p in probes:
             rms = math.sqrt(clean[p.name]["output_sq"] / clean[p.name]["output_numel"])
             p.sigma = config.output_noise * (rms if rms > 0 else 1.0)
-        for k in range(config.hutchinson_probes):
-            _hutchinson_pair(runner, probes, rng, noise_key(config.seed, "output", k), k, loss_scale)
         param_sigma = _param_sigma(adam, config)
-        _perturbation_pairs(runner, probes, rng, adam, param_sigma, config)
+        _perturbation_passes(runner, probes, rng, adam, param_sigma, config, clean_inputs)
+        clean_inputs.clear()  # before the Hutchinson passes need activation memory
+        for k, key in enumerate(curvature_keys):
+            _hutchinson_pass(runner, probes, rng, key, k, loss_scale)
         noise_keys = ([f"curvature.{k}" for k in range(config.hutchinson_probes)]
                       + [f"gain.{k}" for k in range(config.perturbation_probes)])
         noisy = _reduce(probes, noise_keys, adam.dp_sharded)
@@ -745,8 +362,14 @@ def _make_probe(name: str, module: QuantizedLinearMixin, formats: Sequence[str],
     return probe
 
 
-def _clean_pass(runner: PassRunner, probes: list[_Probe], loss_scale: float) -> float | None:
+def _clean_pass(runner: PassRunner, probes: list[_Probe], loss_scale: float, curvature_keys: Sequence[int],
+                inputs: dict[tuple[str, int], torch.Tensor]) -> float | None:
+    """The reference pass: norms, every format's exact GEMM errors, ``-<Z_k, G(0)>`` into
+    ``curvature.k`` for the noise each Hutchinson pass k will add (see :func:`_hutchinson_pass`),
+    and every module input into ``inputs`` (for :func:`_perturbation_passes`)."""
     def hook(p: _Probe, x: torch.Tensor, out):
+        microbatch = p.next_microbatch()  # counted as in the noise passes
+        inputs[p.name, microbatch] = x.detach().clone()
         if not needs_grad(out):
             return None
         y = out[0]
@@ -754,38 +377,48 @@ def _clean_pass(runner: PassRunner, probes: list[_Probe], loss_scale: float) -> 
         p.add("output_numel", p.layout.y_weight * y.numel())
         p.add("input_sq", p.layout.x_weight * squared_norm(x))
         p.add("output_sq", p.layout.y_weight * squared_norm(y))
-        y.register_hook(lambda dy: p.measure_errors(x, dy, loss_scale))
+
+        def backward(dy: torch.Tensor) -> None:
+            p.measure_errors(x, dy, loss_scale)
+            for k, key in enumerate(curvature_keys):
+                z = p.output_noise(dy, noise_key(key, p.name, microbatch))
+                p.add(f"curvature.{k}", (-p.layout.y_weight / loss_scale) * (z * dy.float()).sum(dtype=torch.float64))
+
+        y.register_hook(backward)
         return None
 
     for p in probes:
         p.add("weight_sq", squared_norm(p.module.weight))
+        p.next_microbatch.reset()
     with _hooks(probes, hook):
         return runner.run(forward_only=False)
 
 
-def _hutchinson_pair(runner: PassRunner, probes: list[_Probe], rng: RngStates, key: int, k: int,
+def _hutchinson_pass(runner: PassRunner, probes: list[_Probe], rng: RngStates, key: int, k: int,
                      loss_scale: float) -> None:
-    """Passes with ``+sigma_l Z`` and ``-sigma_l Z`` at every module output (Z drawn per module
-    and micro-batch); accumulates ``<Z, G+ - G->`` as ``curvature.k``."""
-    for sign in (1.0, -1.0):
-        def hook(p: _Probe, x: torch.Tensor, out, sign=sign):
-            y = out[0]
-            m_key = noise_key(key, p.name, p.next_microbatch())
-            # In the output's dtype: a bf16 model must stay bf16 downstream (and across stages).
-            noisy = y + ((sign * p.sigma) * p.output_noise(y, m_key)).to(y.dtype)
-            if needs_grad(out):
-                def read(g, p=p, m_key=m_key):
-                    # Z is +-1, so the products are exact in fp32; the sum runs in fp64.
-                    dot = (p.output_noise(g, m_key) * g.float()).sum(dtype=torch.float64)
-                    p.add(f"curvature.{k}", (sign * p.layout.y_weight / loss_scale) * dot)
-                noisy.register_hook(read)
-            return (noisy, *out[1:])
+    """A pass with ``+sigma_l Z`` at every module output (Z drawn per module and micro-batch);
+    accumulates ``<Z, G(+)>`` into ``curvature.k``, where the clean pass put ``-<Z, G(0)>``."""
+    def hook(p: _Probe, x: torch.Tensor, out):
+        y = out[0]
+        z = p.output_noise(y, noise_key(key, p.name, p.next_microbatch()))
+        # In the output's dtype: a bf16 model must stay bf16 downstream (and across stages).
+        noisy = y + (p.sigma * z).to(y.dtype)
+        if needs_grad(out):
+            # The backward reads the same Z: kept as int8 (+-1) until then rather than hashed again.
+            z8 = z.to(torch.int8)
 
-        for p in probes:
-            p.next_microbatch.reset()
-        rng.restore()
-        with _hooks(probes, hook):
-            runner.run(forward_only=False)
+            def read(g, p=p, z8=z8):
+                # Z is +-1, so the products are exact in fp32; the sum runs in fp64.
+                dot = (z8 * g.float()).sum(dtype=torch.float64)
+                p.add(f"curvature.{k}", (p.layout.y_weight / loss_scale) * dot)
+            noisy.register_hook(read)
+        return (noisy, *out[1:])
+
+    for p in probes:
+        p.next_microbatch.reset()
+    rng.restore()
+    with _hooks(probes, hook):
+        runner.run(forward_only=False)
 
 
 def _param_sigma(adam: AdamView, config: ProbeConfig) -> float:
@@ -800,34 +433,31 @@ def _param_sigma(adam: AdamView, config: ProbeConfig) -> float:
     return rel * math.sqrt(theta_sq / sens_sq)
 
 
-def _perturbation_pairs(runner: PassRunner, probes: list[_Probe], rng: RngStates, adam: AdamView, sigma: float,
-                        config: ProbeConfig) -> None:
-    """For each draw k, forward passes with every parameter at ``theta +- sigma P~ w_k``; accumulates
-    every module's ``||X+ - X-||^2`` as ``gain.k``. The parameters are restored bit for bit."""
+def _perturbation_passes(runner: PassRunner, probes: list[_Probe], rng: RngStates, adam: AdamView, sigma: float,
+                         config: ProbeConfig, clean_inputs: dict[tuple[str, int], torch.Tensor]) -> None:
+    """For each draw k, a forward pass with every parameter at ``theta + sigma P~ w_k``;
+    accumulates every module's ``||X(+) - X(0)||^2`` as ``gain.k``, X(0) from the clean pass.
+    The parameters are restored bit for bit."""
     saved = {s: s.flat(s.param.detach()).clone() for s in adam.slices.values()}
-    plus: dict[tuple[str, int], torch.Tensor] = {}
-
-    def record(p: _Probe, x: torch.Tensor, out, k: int):
-        plus[p.name, p.next_microbatch()] = x.detach().float().clone()
+    sensitivity = {s: s.sensitivity() for s in saved}
 
     def compare(p: _Probe, x: torch.Tensor, out, k: int):
-        x_plus = plus.pop((p.name, p.next_microbatch()))
-        p.add(f"gain.{k}", p.layout.x_weight * squared_norm(x.detach().float() - x_plus))
+        x_clean = clean_inputs[p.name, p.next_microbatch()]
+        p.add(f"gain.{k}", p.layout.x_weight * squared_norm(x.detach().float() - x_clean.float()))
 
     try:
         for k in range(config.perturbation_probes):
             key = noise_key(config.seed, "param", k)
-            for sign, hook in ((1.0, record), (-1.0, compare)):
-                with torch.no_grad():
-                    for s, original in saved.items():
-                        w = rademacher(param_global_index(s.param, s.start, s.end), noise_key(key, s.name))
-                        perturbed = original.float() + sign * sigma * s.sensitivity() * w
-                        s.flat(s.param.data).copy_(perturbed.to(s.param.dtype))
-                for p in probes:
-                    p.next_microbatch.reset()
-                rng.restore()
-                with _hooks(probes, lambda p, x, out: hook(p, x, out, k)):
-                    runner.run(forward_only=True)
+            with torch.no_grad():
+                for s, original in saved.items():
+                    w = rademacher(param_global_index(s.param, s.start, s.end), noise_key(key, s.name))
+                    perturbed = original.float() + sigma * sensitivity[s] * w
+                    s.flat(s.param.data).copy_(perturbed.to(s.param.dtype))
+            for p in probes:
+                p.next_microbatch.reset()
+            rng.restore()
+            with _hooks(probes, lambda p, x, out: compare(p, x, out, k)):
+                runner.run(forward_only=True)
     finally:
         with torch.no_grad():
             for s, original in saved.items():

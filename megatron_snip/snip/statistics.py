@@ -67,7 +67,7 @@ class ModuleStatistics:
         input_sq, weight_sq, output_sq, output_grad_sq: ``||X||^2``, ``||W||^2``, ``||Y||^2``,
             ``||dY||^2`` of the clean pass.
         curvature: Hutchinson estimate of ``tr(d^2 L / dY^2)`` (loss / Y-unit^2); the mean of
-            ``curvature_probes``, one value per antithetic noise pair.
+            ``curvature_probes``, one value per noise draw.
         gain: estimate of ``||J P~||_F^2``, J = dX / d(parameters below), the preconditioned
             gain of lower layers' updates w.r.t. the module input; the mean of ``gain_probes``.
         errors: format -> :class:`FormatErrors` for each measured format.

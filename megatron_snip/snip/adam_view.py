@@ -1,0 +1,186 @@
+"""Adam's state as the SNIP probes see it: each model parameter's slice of the fp32 main
+parameter and optimizer state held on this rank.
+
+The whole parameter for megatron's ``FP32Optimizer`` / ``Float16OptimizerWithFloat16Params``;
+a shard of the flat buffer for the ``DistributedOptimizer``, whose sums then run over the
+data-parallel group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.optimizer import ChainedOptimizer, Float16OptimizerWithFloat16Params, FP32Optimizer
+from megatron.core.transformer.module import param_is_not_shared
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from .estimators import adam_preconditioner, adam_step_scale, adam_update
+
+@dataclass(eq=False)
+class AdamSlice:
+    """The elements ``start:end`` of a flattened model parameter that this rank's optimizer
+    updates, with their Adam state.
+
+    Attributes:
+        param: the model parameter; name: its global name (layout-independent).
+        start, end: the slice of ``param.view(-1)``.
+        state: the inner optimizer's state of the main parameter (``exp_avg``, ``exp_avg_sq``,
+            ``step``), each holding ``end - start`` elements.
+        group: the inner optimizer's param group (lr, betas, eps).
+        dp_sharded: held by one data-parallel rank only (distributed optimizer).
+        counted: counts in model-wide sums on this rank (not a tensor-parallel duplicate
+            held by a rank other than TP rank 0, not a shared copy).
+    """
+
+    param: torch.nn.Parameter
+    name: str
+    start: int
+    end: int
+    state: dict
+    group: dict
+    dp_sharded: bool
+    counted: bool
+
+    @property
+    def step(self) -> float:
+        return float(self.state["step"])
+
+    @property
+    def lr(self) -> float:
+        """The group's learning rate, or 1 when the schedule is at 0 (warm-up start, decay to 0).
+
+        Every divergence SNIP uses is normalised by the clean update, and the LR
+        enters numerator and denominator squared, so its scale cancels; only a
+        zero LR would leave nothing to normalise by.
+        """
+        return self.group["lr"] or 1.0
+
+    def sensitivity(self) -> torch.Tensor:
+        """``P~ = c P`` on the slice (flat): d(update) / d(gradient)."""
+        return adam_step_scale(self.lr, self.group["betas"][0], self.step) * self.preconditioner()
+
+    def preconditioner(self) -> torch.Tensor:
+        """Adam's ``P = 1 / (sqrt(v_hat) + eps)`` on the slice (flat)."""
+        return adam_preconditioner(self.state["exp_avg_sq"].view(-1), self.step, self.group["betas"][1],
+                                   self.group["eps"])
+
+    def update(self, grad: torch.Tensor) -> torch.Tensor:
+        """The Adam update this slice would take for (flat) gradient ``grad``."""
+        return adam_update(self.state["exp_avg"].view(-1), grad, self.preconditioner(), self.lr,
+                           self.group["betas"][0], self.step)
+
+    def flat(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor.view(-1)[start:end]`` (tensor shaped like the parameter)."""
+        return tensor.view(-1)[self.start:self.end]
+
+
+class AdamView:
+    """Model parameter -> :class:`AdamSlice` for every parameter this rank's optimizer updates.
+
+    Supported: megatron's ``FP32Optimizer``, ``Float16OptimizerWithFloat16Params`` and
+    ``DistributedOptimizer`` (alone or chained) around torch Adam/AdamW.
+
+    Raises:
+        ValueError: another optimizer, a precision-aware distributed optimizer (main params
+            held inside the fused optimizer), AMSGrad, or no Adam state yet.
+    """
+
+    def __init__(self, optimizer, chunks: Sequence[torch.nn.Module]):
+        names = global_parameter_names(chunks)
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.slices: dict[torch.nn.Parameter, AdamSlice] = {}
+        parts = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+        for opt in parts:
+            groups = {id(p): g for g in opt.optimizer.param_groups for p in g["params"]}
+            for param, main, start, end, sharded in _main_params(opt):
+                if main is None:
+                    raise ValueError(f"{names.get(param, 'a parameter')}: the optimizer keeps no fp32 main "
+                                     "parameter (precision-aware distributed optimizer); SNIP probes need "
+                                     "its Adam state: run without --use-precision-aware-optimizer")
+                group = groups[id(main)]
+                if group.get("amsgrad", False):
+                    raise ValueError("SNIP probes model Adam without AMSGrad; the optimizer uses amsgrad=True")
+                state = opt.optimizer.state.get(main, {})
+                if "exp_avg_sq" not in state:
+                    raise ValueError(f"{names.get(param, 'a parameter')}: no Adam state (exp_avg_sq): "
+                                     f"the optimizer is {type(opt.optimizer).__name__} or has not stepped yet; "
+                                     "SNIP probes need Adam/AdamW after at least one optimizer step")
+                counted = (param_is_not_shared(param)
+                           and (tensor_parallel.param_is_not_tensor_parallel_duplicate(param) or tp_rank == 0))
+                self.slices[param] = AdamSlice(param, names[param], start, end, state, group, sharded, counted)
+
+    @property
+    def dp_sharded(self) -> bool:
+        return any(s.dp_sharded for s in self.slices.values())
+
+    def model_sum(self, per_slice: Callable[[AdamSlice], torch.Tensor]) -> float:
+        """``sum over every parameter element of the model`` of a per-slice fp64 sum, complete over
+        tensor-, pipeline- and (distributed optimizer) data-parallel shards; the same on every rank."""
+        device = next(iter(self.slices)).device if self.slices else _default_device()
+        sharded = torch.zeros((), dtype=torch.float64, device=device)
+        replicated = torch.zeros((), dtype=torch.float64, device=device)
+        for s in self.slices.values():
+            if s.counted:
+                if s.dp_sharded:
+                    sharded += per_slice(s)
+                else:
+                    replicated += per_slice(s)
+        if parallel_state.get_data_parallel_world_size() > 1:
+            dist.all_reduce(sharded, group=parallel_state.get_data_parallel_group())
+        total = sharded + replicated
+        dist.all_reduce(total, group=parallel_state.get_model_parallel_group())
+        return total.item()
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _main_params(opt):
+    """(model param, main param or None, start, end, dp_sharded) for one megatron optimizer."""
+    if isinstance(opt, DistributedOptimizer):
+        if opt.data_parallel_group.size() != parallel_state.get_data_parallel_world_size():
+            raise ValueError("SNIP probes sum the distributed optimizer's shards over the whole data-parallel "
+                             "group; several distributed-optimizer instances (partial sharding) are not supported")
+        pairs = [*zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups),
+                 *zip(opt.model_fp32_groups, opt.shard_fp32_groups)]
+        for model_group, main_group in pairs:
+            for param, main in zip(model_group, main_group):
+                r = opt._get_model_param_range_map(param)["param"]
+                yield param, main, r.start, r.end, True
+    elif isinstance(opt, Float16OptimizerWithFloat16Params):
+        for model_group, main_group in zip(opt.float16_groups, opt.fp32_from_float16_groups):
+            for param, main in zip(model_group, main_group):
+                yield param, main, 0, param.numel(), False
+        for group in opt.fp32_from_fp32_groups:
+            for param in group:
+                yield param, param, 0, param.numel(), False
+    elif isinstance(opt, FP32Optimizer):
+        for group in opt.optimizer.param_groups:
+            for param in group["params"]:
+                yield param, param, 0, param.numel(), False
+    else:
+        raise ValueError(f"SNIP probes support megatron's FP32Optimizer, Float16OptimizerWithFloat16Params and "
+                         f"DistributedOptimizer; got {type(opt).__name__}")
+
+
+def global_parameter_names(chunks: Sequence[torch.nn.Module]) -> dict[torch.nn.Parameter, str]:
+    """Parameter -> name independent of the parallel layout: wrapper prefixes (``module.``)
+    dropped, transformer layers numbered globally (``decoder.layers.{layer_number - 1}``)."""
+    names = {}
+    for chunk in chunks:
+        layers = {prefix: m.layer_number - 1 for prefix, m in chunk.named_modules() if isinstance(m, TransformerLayer)}
+        for name, param in chunk.named_parameters():
+            for prefix, layer in layers.items():
+                if name.startswith(prefix + "."):
+                    name = f"decoder.layers.{layer}" + name[len(prefix):]
+                    break
+            while name.startswith("module."):
+                name = name[len("module."):]
+            names[param] = name
+    return names

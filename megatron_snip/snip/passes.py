@@ -1,0 +1,153 @@
+"""Running probe passes through megatron's pipeline schedule without leaving a trace.
+
+:class:`PassRunner` replays the same recorded micro-batches through any pipeline
+layout; :func:`preserved_training_state` puts precisions, quantization states, RNG
+states and gradient buffers back afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_model_config
+
+from megatron_snip.model.quantized_layers import QuantizedLinearMixin
+
+ForwardStep = Callable  # (data_iterator, model) -> (output, loss_func), as megatron's schedules call it
+
+class RngStates:
+    """The torch CPU/CUDA RNG states and megatron's RNG tracker states, captured once."""
+
+    def __init__(self):
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        tracker = tensor_parallel.get_cuda_rng_tracker()
+        self.tracker = {k: v.clone() for k, v in tracker.get_states().items()} if tracker.is_initialized() else None
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+        if self.tracker is not None:
+            tensor_parallel.get_cuda_rng_tracker().set_states({k: v.clone() for k, v in self.tracker.items()})
+
+
+@contextlib.contextmanager
+def preserved_training_state(chunks: Sequence[torch.nn.Module], modules: dict[str, QuantizedLinearMixin],
+                             restore_grads: bool = False) -> Iterator[RngStates]:
+    """Run probe passes without leaving a trace: on exit every module's precision and quantization
+    state, every RNG state and every ``param.grad`` reference are back, the DDP gradient buffers
+    zeroed (or restored).
+
+    Yields:
+        the captured :class:`RngStates`; restore them before each pass so every pass draws the
+        same dropout masks.
+    """
+    for chunk in chunks:
+        if not hasattr(chunk, "zero_grad_buffer"):
+            raise ValueError(f"the model chunk is a {type(chunk).__name__}; SNIP probes need it wrapped in "
+                             "megatron-core's DistributedDataParallel (as the trainer does)")
+    rng = RngStates()
+    precisions = {n: m.precision for n, m in modules.items()}
+    states = {n: m.quant_state for n, m in modules.items()}
+    buffers = [b for chunk in chunks for b in chunk.buffers + chunk.expert_parallel_buffers]
+    grads = [b.grad_data.clone() for b in buffers] if restore_grads else None
+    # After an optimizer step megatron's FP32Optimizer leaves ``param.grad`` aliasing
+    # ``param.main_grad`` (the trainer's optimizer.zero_grad() drops it at the next step); a
+    # backward would then accumulate into the buffer twice. Detach the references meanwhile.
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    grad_refs = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        yield rng
+    finally:
+        for name, module in modules.items():
+            module.quant_state = states[name]
+            module.precision = precisions[name]
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        if grads is not None:
+            for b, g in zip(buffers, grads):
+                b.grad_data.copy_(g)
+        for p, g in zip(params, grad_refs):
+            p.grad = g
+        rng.restore()
+
+
+# -- running passes --------------------------------------------------------------------------------
+
+class PassRunner:
+    """Runs forward(-backward) passes over the same recorded micro-batches through megatron's
+    schedule (any pipeline layout). The first pass reads ``num_microbatches`` micro-batches
+    from the caller's iterator; later passes replay them."""
+
+    def __init__(self, chunks: Sequence[torch.nn.Module], data_iterator: Iterator | None, *, num_microbatches: int,
+                 seq_length: int, micro_batch_size: int, forward_step_func: ForwardStep, loss_key: str):
+        if len(chunks) != 1:
+            raise ValueError(f"SNIP probes run one model chunk per rank; got {len(chunks)} "
+                             "(virtual pipeline stages are not supported)")
+        config = get_model_config(chunks[0])
+        if config.sequence_parallel:
+            raise ValueError("SNIP probes do not support sequence parallelism (nor do the quantized layers)")
+        if config.calculate_per_token_loss:
+            raise ValueError("SNIP probes need the loss averaged per micro-batch; calculate_per_token_loss is set")
+        if parallel_state.get_context_parallel_world_size() > 1:
+            raise ValueError("SNIP probes do not support context parallelism")
+        self.chunks = list(chunks)
+        self.config = config
+        self.num_microbatches = num_microbatches
+        self.seq_length, self.micro_batch_size = seq_length, micro_batch_size
+        self.forward_step_func, self.loss_key = forward_step_func, loss_key
+        self._source, self._batches = data_iterator, None
+        self._schedule = get_forward_backward_func()
+
+    @property
+    def loss_scale(self) -> float:
+        """The factor the schedule multiplies the loss by before backward (1 without a grad scaler)."""
+        f = self.config.grad_scale_func
+        device = next(self.chunks[0].parameters()).device
+        return 1.0 if f is None else float(f(torch.ones(1, device=device)).item())
+
+    def _data(self) -> Iterator | None:
+        if self._source is None:
+            return None
+        if self._batches is None:
+            self._batches = []
+            return self._record()
+        return iter(self._batches)
+
+    def _record(self) -> Iterator:
+        for i in range(self.num_microbatches):
+            try:
+                batch = next(self._source)
+            except StopIteration:
+                raise ValueError(f"the probe data iterator ran out after {i} of {self.num_microbatches} "
+                                 "micro-batches") from None
+            self._batches.append(batch)
+            yield batch
+
+    def run(self, forward_only: bool) -> float | None:
+        """One pass; returns the mean loss on the last stage (None elsewhere)."""
+        if not forward_only:
+            for chunk in self.chunks:
+                chunk.zero_grad_buffer()
+        with torch.no_grad() if forward_only else contextlib.nullcontext():
+            out = self._schedule(forward_step_func=self.forward_step_func, data_iterator=self._data(),
+                                 model=self.chunks, num_microbatches=self.num_microbatches,
+                                 seq_length=self.seq_length, micro_batch_size=self.micro_batch_size,
+                                 forward_only=forward_only)
+        if not out:
+            return None
+        return sum(float(d[self.loss_key]) for d in out) / len(out)
+
+
+def default_forward_step() -> ForwardStep:
+    """The trainer's forward step (imported late: the trainer imports much more)."""
+    from megatron_snip.training.trainer import forward_step
+
+    return forward_step
