@@ -56,6 +56,18 @@ def test_triton_kernels_need_cuda(tiny_data, monkeypatch):
     assert parse(tiny_data, "--quant-kernels", "torch", "--fp8-gemm", "scaled_mm").fp8_gemm == "scaled_mm"
 
 
+def test_plan_blocks_must_fit_the_tensor_parallel_split(tiny_data):
+    """TINY_MODEL at TP=2: linear_qkv's output is 128, 64 per rank, less than a 128 fp8 block."""
+    with pytest.raises(ArgumentError, match=r"--precision fp8: decoder.layers.0.self_attention.linear_qkv cannot "
+                                            r"run fp8 at --tensor-model-parallel-size 2: its output dimension is "
+                                            r"split into slices of 64, not a multiple of the fp8 block of 128"):
+        parse(tiny_data, "--precision", "fp8", "--fp8-recipe", "blockwise", "--tensor-model-parallel-size", "2",
+              world_size=2)
+    # per-tensor fp8 and the 16/32-element FP4 blocks fit
+    for precision in ("fp8", "nvfp4", "mxfp4"):
+        parse(tiny_data, "--precision", precision, "--tensor-model-parallel-size", "2", world_size=2)
+
+
 def test_missing_data_path(tiny_data):
     with pytest.raises(ArgumentError, match=r"--data-path .*nope.* not found.*preprocess_data"):
         parse_args(train_args(tiny_data) + ["--data-path", "/nope/data_text_document"], world_size=1, cuda=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -48,6 +49,28 @@ def test_mixed_plan_file_at_tp2(tiny_data, tmp_path):
     assert scalars(tmp_path / "tb", FP8)[6] == pytest.approx(want.fp8, rel=1e-6)
     losses = scalars(tmp_path / "tb", LOSS)
     assert losses[6] < losses[1]
+
+
+def test_resume_continues_the_quantization_state_bit_for_bit(tiny_data, tmp_path):
+    """Stochastic rounding (nvfp4, mxfp4 gradients) and delayed scaling (fp8) carry state from
+    step to step; a run resumed at 3 must draw the same rounding and use the same scales as
+    the run that went on."""
+    plan = mixed_plan()
+    plan.save(tmp_path / "plan.json")
+    common = ("--tensor-model-parallel-size", "2", "--precision-plan", str(tmp_path / "plan.json"),
+              "--fp8-recipe", "delayed", "--save-interval", "3", "--lr-decay-style", "constant")
+    full = tmp_path / "full"
+    torchrun(2, train_args(tiny_data, *common, "--save", str(full), "--tensorboard-dir", str(tmp_path / "tb"),
+                           iters=6))
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(full / "iter_0000003", resumed / "iter_0000003")
+    (resumed / "latest_checkpointed_iteration.txt").write_text("3")
+    torchrun(2, train_args(tiny_data, *common, "--load", str(resumed), "--save", str(resumed),
+                           "--tensorboard-dir", str(tmp_path / "tb2"), iters=6))
+    losses, again = scalars(tmp_path / "tb", LOSS), scalars(tmp_path / "tb2", LOSS)
+    assert sorted(again) == [4, 5, 6]
+    assert {k: losses[k] for k in again} == again
 
 
 def test_plan_change_takes_effect_next_iteration_and_survives_checkpoint(tiny_data, tmp_path):

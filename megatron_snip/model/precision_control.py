@@ -127,6 +127,17 @@ class PrecisionController:
                 module.precision = plan[name]
         return changed
 
+    def quant_states(self) -> dict[str, dict]:
+        """This rank's per-module quantization state (stochastic-rounding RNGs, delayed-scaling
+        histories), by global module name, for a checkpoint."""
+        return {name: module.quant_state.state_dict() for name, module in self._modules.items()}
+
+    def load_quant_states(self, states: dict[str, dict]) -> None:
+        """Restore :meth:`quant_states` of the same rank of the same layout."""
+        for name, module in self._modules.items():
+            if name in states:
+                module.quant_state.load_state_dict(states[name])
+
     def set_recipe(self, recipe: RecipeConfig) -> None:
         """Use ``recipe`` in every module from the next forward (checked for all modules first)."""
         for module in self._modules.values():

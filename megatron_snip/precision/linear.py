@@ -27,6 +27,7 @@ split falls on block boundaries (checked by the layers).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -68,6 +69,27 @@ class QuantState:
         self.stream = stream
         self._signs = random_signs(HADAMARD_SIZE, seed=seed)
         self._generators: dict[torch.device, torch.Generator] = {}
+
+    def state_dict(self) -> dict:
+        """Everything a resumed run needs to continue bit for bit: the stochastic-rounding
+        generators' states (per device) and the delayed-scaling scalers (on CPU)."""
+        delayed = {}
+        for operand, scaler in self.delayed.items():
+            saved = copy.copy(scaler)
+            saved.scale, saved.amax_history = scaler.scale.cpu(), scaler.amax_history.cpu()
+            delayed[operand] = saved
+        return {"seed": self.seed, "stream": self.stream, "delayed": delayed,
+                "generators": {str(device): g.get_state() for device, g in self._generators.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` (generators of devices this machine lacks are skipped)."""
+        self.reseed(state["seed"], state["stream"])
+        self.delayed = dict(state["delayed"])
+        for device, generator_state in state["generators"].items():
+            device = torch.device(device)
+            if device.type == "cuda" and not torch.cuda.is_available():
+                continue
+            self.generator(device).set_state(generator_state)
 
     def generator(self, device: torch.device) -> torch.Generator:
         """The stochastic-rounding RNG on ``device`` (one per device, created seeded)."""

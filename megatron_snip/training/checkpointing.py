@@ -88,9 +88,11 @@ def _layout() -> dict:
     }
 
 
-def _rng_state() -> ShardedObject:
-    """This rank's RNG states as an object sharded over (pp, tp, dp)."""
+def _rng_state(quantization: dict | None = None) -> ShardedObject:
+    """This rank's RNG states (and ``quantization``: the modules' stochastic-rounding RNGs and
+    delayed-scaling histories) as an object sharded over (pp, tp, dp)."""
     state = {
+        "quantization": quantization or {},
         "random": random.getstate(),
         "np": np.random.get_state(),
         "torch": torch.get_rng_state(),
@@ -178,7 +180,8 @@ def _fill_missing_steps(state) -> None:
         _fill_missing_steps(value)
 
 
-def _sharded_state(model, optimizer, scheduler, *, is_loading: bool, with_optim: bool, with_rng: bool) -> dict:
+def _sharded_state(model, optimizer, scheduler, *, is_loading: bool, with_optim: bool, with_rng: bool,
+                   quantization: dict | None = None) -> dict:
     model_sd = model.sharded_state_dict()
     state = {"model": model_sd}
     if with_optim:
@@ -186,15 +189,17 @@ def _sharded_state(model, optimizer, scheduler, *, is_loading: bool, with_optim:
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=DIST_OPT_FORMAT)
         state["opt_param_scheduler"] = scheduler.state_dict()
     if with_rng:
-        state["rng_state"] = _rng_state()
+        state["rng_state"] = _rng_state(quantization)
     return state
 
 
-def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extra: dict) -> str:
+def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extra: dict,
+                    quantization: dict | None = None) -> str:
     """Write a complete checkpoint of ``iteration`` under ``root``; collective over all ranks.
 
     ``model`` is the unwrapped megatron-core module of this rank; ``extra`` is
-    replicated, JSON-like state (iteration bookkeeping, args, plans).
+    replicated, JSON-like state (iteration bookkeeping, args, plans);
+    ``quantization`` is this rank's module quantization state, saved with its RNG states.
     """
     final = iteration_dir(root, iteration)
     tmp = final + ".tmp"
@@ -203,7 +208,8 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extr
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
         os.makedirs(tmp)
     dist.barrier()
-    state = _sharded_state(model, optimizer, scheduler, is_loading=False, with_optim=True, with_rng=True)
+    state = _sharded_state(model, optimizer, scheduler, is_loading=False, with_optim=True, with_rng=True,
+                           quantization=quantization)
     state.update(extra)
     state["iteration"] = iteration
     state["layout"] = _layout()
@@ -237,9 +243,11 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, load_optim: bool 
     """Load the newest checkpoint under ``root`` into model/optimizer/scheduler.
 
     Returns the checkpoint's replicated state (iteration, consumed samples,
-    args, extra state), or None if ``root`` holds no checkpoint. Optimizer and
-    RNG states are skipped when asked, and RNG states also when the parallel
-    layout differs from the saved one (they are per rank).
+    args, extra state) plus, under "quantization", this rank's saved module
+    quantization state ({} when not loaded), or None if ``root`` holds no
+    checkpoint. Optimizer and RNG states are skipped when asked, and RNG and
+    quantization states also when the parallel layout differs from the saved
+    one (they are per rank).
     """
     iteration = find_latest(root)
     if iteration is None:
@@ -267,10 +275,13 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, load_optim: bool 
             optimizer.load_state_dict(loaded["optimizer"])
         _restore_adam_steps(optimizer, loaded["optimizer"])
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    quantization = {}
     if load_rng:
         _set_rng_state(loaded["rng_state"])
-    log.info("loaded checkpoint %s (optimizer: %s, rng: %s)", path, load_optim, load_rng)
-    return {k: v for k, v in loaded.items() if k not in ("model", "optimizer", "rng_state")}
+        quantization = loaded["rng_state"].get("quantization", {})  # absent in older checkpoints
+    log.info("loaded checkpoint %s (optimizer: %s, rng and quantization state: %s)", path, load_optim, load_rng)
+    rest = {k: v for k, v in loaded.items() if k not in ("model", "optimizer", "rng_state")}
+    return {**rest, "quantization": quantization}
 
 
 def _check_optimizer_layout(common: dict, optimizer, path: str) -> None:

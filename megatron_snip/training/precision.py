@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_snip.precision.plan import PlanError, PrecisionPlan
-from megatron_snip.precision.recipes import PRECISION_NAMES, RecipeConfig
+from megatron_snip.precision.flops import LlamaLinearDims
+from megatron_snip.precision.plan import PlanError, PrecisionPlan, module_names, parse_module_name
+from megatron_snip.precision.recipes import PRECISION_NAMES, RecipeConfig, reduction_block
+
+# Row-parallel modules split their input dimension across TP ranks; the others their output.
+_ROW_PARALLEL = ("self_attention.linear_proj", "mlp.linear_fc2")
 
 
 def recipe_from_args(args: argparse.Namespace) -> RecipeConfig:
@@ -39,9 +43,42 @@ def initial_plan(args: argparse.Namespace) -> PrecisionPlan:
         plan = PrecisionPlan.uniform(args.precision)
     if args.first_last_layers_bf16:
         plan = plan.with_ends_bf16(args.num_layers, args.num_layers_at_start_in_bf16, args.num_layers_at_end_in_bf16)
+    source = args.precision_plan or (f"--snip-warmup-plan {args.snip_warmup_plan}" if args.snip
+                                     else f"--precision {args.precision}")
     if args.transformer_impl == "transformer_engine":
-        _check_te(plan, recipe_from_args(args), args.precision_plan or f"--precision {args.precision}")
+        _check_te(plan, recipe_from_args(args), source)
+    else:
+        _check_tensor_parallel_blocks(plan, args, source)
     return plan
+
+
+def _check_tensor_parallel_blocks(plan: PrecisionPlan, args: argparse.Namespace, source: str) -> None:
+    """Where tensor parallelism splits a module's reduction dimension, every rank's slice must
+    hold whole scaling blocks (the layers check the same at start-up; this says it before any
+    process starts). PlanError naming the module, the sizes and the block."""
+    tp = args.tensor_model_parallel_size
+    if tp == 1:
+        return
+    recipe = recipe_from_args(args)
+    dims = LlamaLinearDims(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                           ffn_hidden_size=args.ffn_hidden_size,
+                           kv_channels=args.hidden_size // args.num_attention_heads,
+                           num_query_groups=args.num_query_groups)
+    for name in module_names(args.num_layers):
+        module = parse_module_name(name)[1]
+        in_features, out_features = dims.in_out(module)
+        row = module in _ROW_PARALLEL
+        # SwiGLU's fc1 holds gate and up slices per rank, each of which must start on a block.
+        slices = 2 if module == "mlp.linear_fc1" else 1
+        per_slice = (in_features if row else out_features) // tp // slices
+        for fmt in dict.fromkeys((plan[name].fwd, plan[name].bwd)):
+            block = reduction_block(fmt, recipe)
+            if per_slice % block:
+                raise PlanError(
+                    f"{source}: {name} cannot run {fmt} at --tensor-model-parallel-size {tp}: its "
+                    f"{'input' if row else 'output'} dimension is split into slices of {per_slice}, not a "
+                    f"multiple of the {fmt} block of {block}; keep the module in another precision "
+                    f"(e.g. --first-last-layers-bf16 or a plan) or use a smaller TP size")
 
 
 def _check_te(plan: PrecisionPlan, recipe: RecipeConfig, source: str) -> None:

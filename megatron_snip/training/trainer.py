@@ -115,6 +115,7 @@ class Trainer:
             self.state = TrainState(loaded["iteration"], loaded["consumed_samples"])
         if "precision_plan" in loaded and args.precision_plan is None and not args.finetune:
             self.set_plan(PrecisionPlan.from_dict(loaded["precision_plan"], source=args.load))
+        self.precision.load_quant_states(loaded["quantization"])
         self.logger.text(f"resumed from {args.load} at iteration {loaded['iteration']} "
                          f"(consumed samples {loaded['consumed_samples']}); continuing at {self.state.iteration}")
 
@@ -122,7 +123,8 @@ class Trainer:
         path = checkpointing.save_checkpoint(
             self.args.save, self.state.iteration, self.model[0].module, self.optimizer, self.scheduler,
             extra={"consumed_samples": self.state.consumed_samples, "args": vars(self.args),
-                   "precision_plan": self.plan.to_dict()})
+                   "precision_plan": self.plan.to_dict()},
+            quantization=self.precision.quant_states())
         self.logger.text(f"saved checkpoint {path}")
 
     # -- steps -------------------------------------------------------------
