@@ -61,6 +61,14 @@ def te_quant_params(precision: Precision, recipe: RecipeConfig):
     return TEQuantizationParams(training_recipe=te_recipe, evaluation_recipe=None)
 
 
+def describe_te_backend() -> str:
+    """One line for the start-up log."""
+    from megatron.core.utils import get_te_version
+
+    return (f"te: Transformer Engine {get_te_version()} linears (megatron-core's TE layer spec), "
+            "each module's GEMMs under its own TE recipe from the plan")
+
+
 def _require_te_version(version: str, what: str) -> None:
     from megatron.core.utils import get_te_version
 

@@ -26,6 +26,7 @@ from megatron_snip.data.loader import micro_batches
 from megatron_snip.data.tokenizer import build_tokenizer
 from megatron_snip.model.llama import build_model, flops_per_token, num_parameters, transformer_config
 from megatron_snip.model.precision_control import PrecisionController
+from megatron_snip.model.te_precision import describe_te_backend
 from megatron_snip.precision.flops import LlamaLinearDims, flop_fractions
 from megatron_snip.precision.linear import describe_backend
 from megatron_snip.precision.plan import PrecisionPlan
@@ -262,8 +263,11 @@ def pretrain(args: argparse.Namespace) -> TrainState:
              f"DP={args.data_parallel_size}; global batch {args.global_batch_size} x {args.seq_length} tokens; "
              f"device {'cuda' if torch.cuda.is_available() else 'cpu (megatron_snip.compat.cpu)'}")
     fractions = trainer.flop_fractions
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    log.text(f"precision backend {describe_backend(recipe_from_args(args), device)}")
+    if args.transformer_impl == "transformer_engine":
+        log.text(f"precision backend {describe_te_backend()}")
+    else:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        log.text(f"precision backend {describe_backend(recipe_from_args(args), device)}")
     log.text(f"precision: plan "
              f"{args.precision_plan or args.precision}: {fractions.fp4:.1%} of linear-layer FLOPs in FP4, "
              f"{fractions.fp8:.1%} in FP8; fp8 recipe {args.fp8_recipe}/{args.fp8_format}, fp4 {args.fp4_recipe}")
