@@ -332,6 +332,8 @@ def _validate_snip(args: argparse.Namespace) -> None:
              "--snip-formats has no FP4 format (nvfp4 or mxfp4) but --snip-fp4-target is above 0")
     _require(args.snip_probe_passes >= 1, "--snip-probe-passes must be >= 1")
     _require(args.transformer_impl == "local", "--snip needs --transformer-impl local")
+    _require(not args.sequence_parallel, "--snip does not support --sequence-parallel yet (its probes read "
+             "whole-sequence module inputs); drop --sequence-parallel")
 
 
 def _validate_files(args: argparse.Namespace) -> None:

@@ -68,6 +68,13 @@ def test_plan_blocks_must_fit_the_tensor_parallel_split(tiny_data):
         parse(tiny_data, "--precision", precision, "--tensor-model-parallel-size", "2", world_size=2)
 
 
+def test_snip_with_sequence_parallel_is_refused_at_start(tiny_data):
+    argv = train_args(tiny_data, "--snip", "--save-interval", "3", "--save", "/tmp/unused", "--sequence-parallel",
+                      "--tensor-model-parallel-size", "2")
+    with pytest.raises(ArgumentError, match="--snip does not support --sequence-parallel"):
+        parse_args(argv, world_size=2, cuda=True)
+
+
 def test_missing_data_path(tiny_data):
     with pytest.raises(ArgumentError, match=r"--data-path .*nope.* not found.*preprocess_data"):
         parse_args(train_args(tiny_data) + ["--data-path", "/nope/data_text_document"], world_size=1, cuda=False)

@@ -57,6 +57,7 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
     results = {}
     _layout(tp=world)
     results["parity"] = layer_parity(rank, world)
+    results["parity_sp"] = layer_parity(rank, world, sequence_parallel=True)
     results["layer_alignment"] = layer_alignment(world)
     results["tp_model"] = tp_model_alignment()
     _layout(pp=world)
@@ -80,7 +81,7 @@ def results(tmp_path_factory):
 # TP=2 vs TP=1 parity of single layers
 
 
-def _layer_case(kind, precision, tp_group, world):
+def _layer_case(kind, precision, tp_group, world, sequence_parallel=False):
     """A layer of ``kind`` on ``tp_group`` (weights are copied in by :func:`_run_layer`)."""
     from megatron.core.model_parallel_config import ModelParallelConfig
 
@@ -88,7 +89,7 @@ def _layer_case(kind, precision, tp_group, world):
     from megatron_snip.precision.recipes import Precision, RecipeConfig
 
     config = ModelParallelConfig(tensor_model_parallel_size=world, use_cpu_initialization=True,
-                                 perform_initialization=False)
+                                 perform_initialization=False, sequence_parallel=sequence_parallel)
     common = dict(config=config, init_method=torch.nn.init.zeros_, bias=False, tp_group=tp_group)
     if kind == "column":
         layer = QuantizedColumnParallelLinear(OUT, 2 * OUT, gather_output=False, **common)
@@ -100,8 +101,10 @@ def _layer_case(kind, precision, tp_group, world):
     return layer
 
 
-def _run_layer(layer, kind, w_full, x_full, dy_full, rank, world):
-    """(y, dx, dw) of one forward/backward, each gathered to the full tensor."""
+def _run_layer(layer, kind, w_full, x_full, dy_full, rank, world, sequence_parallel=False):
+    """(y, dx, dw) of one forward/backward, each gathered to the full tensor. With sequence
+    parallelism the column layer's input and the row layer's output are split along the
+    sequence (dim 0), as megatron-core's sequence-parallel regions hold them."""
     import torch.distributed as dist
 
     def shard(t, dim):
@@ -115,15 +118,19 @@ def _run_layer(layer, kind, w_full, x_full, dy_full, rank, world):
     split_dim = 0 if kind == "column" else 1  # W (out, in): column splits out, row splits in
     with torch.no_grad():
         layer.weight.copy_(shard(w_full, split_dim))
-    x = (x_full if kind == "column" else shard(x_full, -1)).clone().requires_grad_()
-    y, _ = layer(x)
-    y.backward(dy_full if kind == "row" else shard(dy_full, -1))
+    sp = sequence_parallel
     if kind == "column":
-        return gather(y, -1), x.grad, gather(layer.weight.grad, 0)
-    return y, gather(x.grad, -1), gather(layer.weight.grad, 1)
+        x = (shard(x_full, 0) if sp else x_full).clone().requires_grad_()
+        y, _ = layer(x)
+        y.backward(shard(dy_full, -1))
+        return gather(y, -1), gather(x.grad, 0) if sp else x.grad, gather(layer.weight.grad, 0)
+    x = shard(x_full, -1).clone().requires_grad_()
+    y, _ = layer(x)
+    y.backward(shard(dy_full, 0) if sp else dy_full)
+    return gather(y, 0) if sp else y, gather(x.grad, -1), gather(layer.weight.grad, 1)
 
 
-def layer_parity(rank, world):
+def layer_parity(rank, world, sequence_parallel=False):
     """TP=2 vs TP=1 results per (layer kind, precision); run under TP=world."""
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -138,7 +145,8 @@ def layer_parity(rank, world):
         x = torch.randn(*LEAD, in_f, generator=g)
         dy = torch.randn(*LEAD, out_f, generator=g)
         for precision in PRECISIONS:
-            tp2 = _run_layer(_layer_case(kind, precision, tp_group, world), kind, w, x, dy, rank, world)
+            tp2 = _run_layer(_layer_case(kind, precision, tp_group, world, sequence_parallel), kind, w, x, dy,
+                             rank, world, sequence_parallel)
             one = _layer_case(kind, precision, solo, 1)
             tp1 = _run_layer(one, kind, w, x, dy, 0, 1)
             # sum |a_i b_i| of the split-reduction output: the same GEMM on |operands|
@@ -149,11 +157,10 @@ def layer_parity(rank, world):
 
 
 def layer_alignment(world):
-    """A 96-wide column-parallel layer at TP=2 (48 per rank): fine for nvfp4's 16, not mxfp4's 32;
-    a sequence-parallel layer refuses quantized precisions."""
+    """A 96-wide column-parallel layer at TP=2 (48 per rank): fine for nvfp4's 16, not mxfp4's 32."""
     from megatron.core.model_parallel_config import ModelParallelConfig
 
-    from megatron_snip.model.quantized_layers import QuantizedColumnParallelLinear, QuantizedRowParallelLinear
+    from megatron_snip.model.quantized_layers import QuantizedColumnParallelLinear
     from megatron_snip.precision.recipes import Precision
 
     config = ModelParallelConfig(tensor_model_parallel_size=world, use_cpu_initialization=True)
@@ -165,20 +172,15 @@ def layer_alignment(world):
     except ValueError as e:
         results["error"] = str(e)
     results["kept"] = str(narrow.precision)
-    sp = ModelParallelConfig(tensor_model_parallel_size=world, sequence_parallel=True, use_cpu_initialization=True)
-    row = QuantizedRowParallelLinear(OUT, OUT, config=sp, init_method=torch.nn.init.zeros_, bias=False,
-                                     input_is_parallel=True, skip_bias_add=True)
-    try:
-        row.precision = Precision.uniform("fp8")
-    except ValueError as e:
-        results["sequence_parallel"] = str(e)
     return results
 
 
+@pytest.mark.parametrize("sequence_parallel", [False, True])
 @pytest.mark.parametrize("kind", ["column", "row"])
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_tp2_matches_tp1(results, kind, precision):
-    r = results["parity"][kind, precision]
+def test_tp2_matches_tp1(results, kind, precision, sequence_parallel):
+    """Also with sequence parallelism, which changes the communication around the GEMMs only."""
+    r = results["parity_sp" if sequence_parallel else "parity"][kind, precision]
     names = ("y", "dx", "dw")
     tp2, tp1, magnitude = (dict(zip(names, r[k])) for k in ("tp2", "tp1", "magnitude"))
     for name in EXACT[kind]:
@@ -196,7 +198,6 @@ def test_split_not_on_block_boundaries_is_refused(results):
     align = results["layer_alignment"]
     assert "cannot run mxfp4" in align["error"] and "TP=2" in align["error"] and "48 per rank" in align["error"]
     assert align["kept"] == "nvfp4"
-    assert "sequence parallelism is not supported yet" in align["sequence_parallel"]
 
 
 # ----------------------------------------------------------------------------------------------

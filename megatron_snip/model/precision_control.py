@@ -111,7 +111,7 @@ class PrecisionController:
         """Set every module's precision from ``plan``, effective at the next forward.
 
         All modules are checked before any changes, so a plan that does not fit
-        (layers beyond the model, TP block alignment, sequence parallel) raises
+        (layers beyond the model, TP block alignment, what the te backend cannot run) raises
         ValueError and leaves the model as it was.
 
         Returns:

@@ -9,15 +9,18 @@ runs); otherwise they do the parent's tensor-parallel communication around
 :func:`megatron_snip.precision.linear.quantized_linear`:
 
 - column-parallel (W split along out): ``copy_to_tensor_model_parallel_region``
-  (identity forward, all-reduce of dX backward), then the GEMM; the output
-  stays split. Split operands: W and dY.
+  (identity forward, all-reduce of dX backward), or with sequence parallelism
+  ``gather_from_sequence_parallel_region`` (all-gather of the sequence forward,
+  reduce-scatter of dX backward), then the GEMM; the output stays split.
+  Split operands: W and dY.
 - row-parallel (W split along in, input already split): the GEMM on the
-  shard, then ``reduce_from_tensor_model_parallel_region``. Split operands: X and W.
+  shard, then ``reduce_from_tensor_model_parallel_region``, or with sequence
+  parallelism ``reduce_scatter_to_sequence_parallel_region``. Split operands: X and W.
 
 Per-tensor amaxes of split operands are all-reduced (MAX) over the TP group,
 and a split reduction dim must fall on block boundaries, so a TP-sharded
-layer quantizes exactly as the unsharded one. Sequence parallelism is not
-supported in the quantized path yet.
+layer quantizes exactly as the unsharded one. Sequence parallelism changes
+only the communication: the GEMMs see the whole sequence either way.
 
 :func:`precision_layer_spec` puts these classes into megatron-core's local GPT layer spec.
 """
@@ -32,8 +35,10 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -85,9 +90,6 @@ class QuantizedLinearMixin:
         """Raise ValueError if this module cannot run ``precision`` under ``recipe``."""
         if precision.is_bf16:
             return
-        if self.sequence_parallel:  # the parents' own flag (column-parallel drops it at TP=1)
-            raise ValueError(f"{self.module_name}: precision {precision} with sequence parallelism is not "
-                             "supported yet; run without --sequence-parallel or keep this module in bf16")
         tp = get_pg_size(self.tp_group)
         if tp == 1:
             return
@@ -141,7 +143,10 @@ class QuantizedColumnParallelLinear(QuantizedLinearMixin, ColumnParallelLinear):
         """input_: [s, b, h]; returns ([s, b, out / tp] (or gathered), bias or None)."""
         if self._precision.is_bf16:
             return super().forward(input_, weight, runtime_gather_output)
-        x = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
+        if self.sequence_parallel:  # the parent's flag (off at TP=1): [s / tp, b, h] -> [s, b, h]
+            x = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, group=self.tp_group)
+        else:
+            x = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
         output, bias = self._output_and_bias(self._quantized_gemm(x, self.weight if weight is None else weight))
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather:
@@ -157,11 +162,16 @@ class QuantizedRowParallelLinear(QuantizedLinearMixin, RowParallelLinear):
     sharded_size_attr = "input_size_per_partition"
 
     def forward(self, input_: torch.Tensor):
-        """input_: [s, b, in / tp] (or [s, b, in] if not input_is_parallel); returns ([s, b, out], bias or None)."""
+        """input_: [s, b, in / tp] (or [s, b, in] if not input_is_parallel); returns ([s, b, out]
+        ([s / tp, b, out] with sequence parallelism), bias or None)."""
         if self._precision.is_bf16:
             return super().forward(input_)
         x = input_ if self.input_is_parallel else scatter_to_tensor_model_parallel_region(input_, group=self.tp_group)
-        output = reduce_from_tensor_model_parallel_region(self._quantized_gemm(x, self.weight), group=self.tp_group)
+        partial = self._quantized_gemm(x, self.weight)
+        if self.sequence_parallel:
+            output = reduce_scatter_to_sequence_parallel_region(partial, group=self.tp_group)
+        else:
+            output = reduce_from_tensor_model_parallel_region(partial, group=self.tp_group)
         return self._output_and_bias(output)
 
 
