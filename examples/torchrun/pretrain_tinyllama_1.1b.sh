@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# TinyLlama-1.1B shape on one 8-GPU node: TP=1, PP=1, DP=8, BF16.
+# TinyLlama-1.1B shape on one 8-GPU node: TP=1, PP=1, DP=8, BF16, with SNIP re-planning the
+# linear layers' precision at every checkpoint (75% of their FLOPs in NVFP4).
 # Set DATA_PATH (prefix from tools/preprocess_data.py), TOKENIZER_MODEL and CKPT_DIR.
 set -euo pipefail
 DATA_PATH=${DATA_PATH:?set DATA_PATH to the dataset prefix, e.g. /data/starcoder_text_document}
@@ -18,4 +19,5 @@ torchrun --nproc-per-node "$GPUS" pretrain_llama.py \
   --tokenizer-type SentencePieceTokenizer --tokenizer-model "$TOKENIZER_MODEL" \
   --log-interval 10 --eval-interval 1000 --eval-iters 20 \
   --save "$CKPT_DIR" --load "$CKPT_DIR" --save-interval 1000 \
+  --snip --snip-fp4-target 0.75 \
   --tensorboard-dir "$CKPT_DIR/tensorboard" "$@"
