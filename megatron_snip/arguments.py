@@ -212,8 +212,9 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool,
                   check_files: bool = True) -> argparse.Namespace:
     """Check the arguments against each other and the launch; derive dependent values.
 
-    ``check_files=False`` skips the data/tokenizer/checkpoint paths (for checking
-    launch scripts on a machine without their data).
+    ``check_files=False`` skips the data/tokenizer/checkpoint paths and the optional
+    packages the flags need (for checking launch scripts on a machine without their
+    data or GPU software).
 
     Sets ``data_parallel_size``, ``global_batch_size`` (if unset),
     ``num_microbatches``, ``lr_decay_iters``, ``lr_warmup_iters`` and the
@@ -337,6 +338,11 @@ def _validate_snip(args: argparse.Namespace) -> None:
 
 
 def _validate_files(args: argparse.Namespace) -> None:
+    _require(not (args.sequence_parallel and args.transformer_impl == "local")
+             or importlib.util.find_spec("apex") is not None,
+             "--sequence-parallel with --transformer-impl local needs apex (megatron-core's torch norms do not "
+             "support sequence parallelism; NGC PyTorch containers include apex): install apex, or use "
+             "--transformer-impl transformer_engine, or drop --sequence-parallel")
     _require(args.data_path is not None,
              "--data-path is required: the prefix of a preprocessed dataset (tools/preprocess_data.py)")
     _require(args.tokenizer_model is not None,

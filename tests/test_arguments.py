@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 
@@ -72,6 +73,13 @@ def test_snip_with_sequence_parallel_is_refused_at_start(tiny_data):
     argv = train_args(tiny_data, "--snip", "--save-interval", "3", "--save", "/tmp/unused", "--sequence-parallel",
                       "--tensor-model-parallel-size", "2")
     with pytest.raises(ArgumentError, match="--snip does not support --sequence-parallel"):
+        parse_args(argv, world_size=2, cuda=True)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("apex") is not None, reason="apex is installed")
+def test_sequence_parallel_with_local_layers_needs_apex(tiny_data):
+    argv = train_args(tiny_data, "--sequence-parallel", "--tensor-model-parallel-size", "2")
+    with pytest.raises(ArgumentError, match="--sequence-parallel with --transformer-impl local needs apex"):
         parse_args(argv, world_size=2, cuda=True)
 
 
