@@ -21,7 +21,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron_snip.precision.plan import LINEAR_MODULES, PrecisionPlan, module_name, parse_module_name
 from megatron_snip.precision.recipes import BF16, Precision, RecipeConfig
 
-from .quantized_layers import QuantizedLinearMixin
+from .quantized_layers import PlanLinear, QuantizedLinearMixin
 
 
 def _is_plan_linear(module: torch.nn.Module) -> bool:
@@ -29,7 +29,7 @@ def _is_plan_linear(module: torch.nn.Module) -> bool:
     return isinstance(module, QuantizedLinearMixin) or hasattr(module, "te_quant_params")
 
 
-def _plan_interface(module: torch.nn.Module):
+def _plan_interface(module: torch.nn.Module) -> PlanLinear:
     """The precision interface of a plan linear: the module itself, or a TE module's adapter."""
     if isinstance(module, QuantizedLinearMixin):
         return module
@@ -38,9 +38,9 @@ def _plan_interface(module: torch.nn.Module):
     return TELinearPrecision(module)
 
 
-def _find_linears(chunks: Sequence[torch.nn.Module]) -> dict[str, QuantizedLinearMixin]:
+def _find_linears(chunks: Sequence[torch.nn.Module]) -> dict[str, PlanLinear]:
     """Global plan name -> linear module (or its TE adapter), ordered by layer then execution order."""
-    found: dict[str, QuantizedLinearMixin] = {}
+    found: dict[str, PlanLinear] = {}
     for chunk in chunks:
         for layer in chunk.modules():
             if not isinstance(layer, TransformerLayer):
@@ -99,7 +99,7 @@ class PrecisionController:
         """Global names of this rank's quantized linears, by layer then execution order."""
         return list(self._modules)
 
-    def modules(self) -> dict[str, QuantizedLinearMixin]:
+    def modules(self) -> dict[str, PlanLinear]:
         """Global name -> module, for this rank."""
         return dict(self._modules)
 

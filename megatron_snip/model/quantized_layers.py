@@ -48,7 +48,40 @@ from megatron_snip.precision.linear import QuantState, quantized_linear
 from megatron_snip.precision.recipes import BF16, Precision, RecipeConfig, reduction_block
 
 
-class QuantizedLinearMixin:
+class PlanLinear:
+    """The interface through which ``PrecisionController`` drives a linear module of a plan,
+    whatever runs its GEMMs: a precision validated on assignment and the recipe realising it.
+
+    Subclasses set ``_precision``, ``recipe``, ``quant_state`` and ``module_name``, and
+    implement :meth:`check_precision`; :meth:`_use` hands a checked (precision, recipe)
+    pair to whatever runs the GEMMs (nothing to do where the forward reads ``precision``).
+    """
+
+    @property
+    def precision(self) -> Precision:
+        return self._precision
+
+    @precision.setter
+    def precision(self, precision: Precision | str) -> None:
+        precision = Precision.parse(precision) if isinstance(precision, str) else precision
+        self.check_precision(precision, self.recipe)
+        self._use(precision, self.recipe)
+        self._precision = precision
+
+    def set_recipe(self, recipe: RecipeConfig) -> None:
+        self.check_precision(self._precision, recipe)
+        self._use(self._precision, recipe)
+        self.recipe = recipe
+
+    def check_precision(self, precision: Precision, recipe: RecipeConfig) -> None:
+        """Raise ValueError if this module cannot run ``precision`` under ``recipe``."""
+        raise NotImplementedError
+
+    def _use(self, precision: Precision, recipe: RecipeConfig) -> None:
+        pass
+
+
+class QuantizedLinearMixin(PlanLinear):
     """What the column- and row-parallel quantized layers share (listed before the megatron base).
 
     Attributes:
@@ -71,20 +104,6 @@ class QuantizedLinearMixin:
         self.recipe = RecipeConfig()
         self.quant_state = QuantState()
         self.module_name = type(self).__name__
-
-    @property
-    def precision(self) -> Precision:
-        return self._precision
-
-    @precision.setter
-    def precision(self, precision: Precision | str) -> None:
-        precision = Precision.parse(precision) if isinstance(precision, str) else precision
-        self.check_precision(precision, self.recipe)
-        self._precision = precision
-
-    def set_recipe(self, recipe: RecipeConfig) -> None:
-        self.check_precision(self._precision, recipe)
-        self.recipe = recipe
 
     def check_precision(self, precision: Precision, recipe: RecipeConfig) -> None:
         """Raise ValueError if this module cannot run ``precision`` under ``recipe``."""

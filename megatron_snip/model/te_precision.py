@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from packaging.version import Version as PkgVersion
 
+from megatron_snip.model.quantized_layers import PlanLinear
 from megatron_snip.precision.linear import QuantState
 from megatron_snip.precision.recipes import BF16, Precision, RecipeConfig
 
@@ -79,7 +80,7 @@ def _require_te_version(version: str, what: str) -> None:
         raise ValueError(f"{what} on the te backend needs Transformer Engine >= {version}, found {found}")
 
 
-class TELinearPrecision:
+class TELinearPrecision(PlanLinear):
     """A megatron-core TE linear seen through the per-module precision interface.
 
     Attributes:
@@ -100,26 +101,12 @@ class TELinearPrecision:
         self._precision = BF16
         module.te_quant_params = None
 
-    @property
-    def precision(self) -> Precision:
-        return self._precision
-
-    @precision.setter
-    def precision(self, precision: Precision | str) -> None:
-        precision = Precision.parse(precision) if isinstance(precision, str) else precision
-        self.module.te_quant_params = self._params(precision, self.recipe)
-        self._precision = precision
-
-    def set_recipe(self, recipe: RecipeConfig) -> None:
-        self.module.te_quant_params = self._params(self._precision, recipe)
-        self.recipe = recipe
-
     def check_precision(self, precision: Precision, recipe: RecipeConfig) -> None:
-        """Raise ValueError if this module cannot run ``precision`` under ``recipe``."""
-        self._params(precision, recipe)
-
-    def _params(self, precision: Precision, recipe: RecipeConfig):
+        """Raise ValueError (naming the module) if TE cannot run ``precision`` under ``recipe``."""
         try:
-            return te_quant_params(precision, recipe)
+            te_quant_params(precision, recipe)
         except ValueError as e:
             raise ValueError(f"{self.module_name}: {e}") from None
+
+    def _use(self, precision: Precision, recipe: RecipeConfig) -> None:
+        self.module.te_quant_params = te_quant_params(precision, recipe)
