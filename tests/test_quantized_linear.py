@@ -217,13 +217,38 @@ def test_amax_reduce_applies_to_sharded_per_tensor_amaxes_only():
         return amax * 2
 
     y, dx, dw = run(x, w, dy, "nvfp4", amax_reduce=doubled, sharded={"w", "dy"})
-    # W once (fprop; dgrad reuses the same 16x16-tile copy), dY for dgrad, M dY for wgrad.
-    assert len(calls) == 3 and calls[0] == w.abs().max()
+    # W for fprop, dY for dgrad, W again for dgrad (quantized anew rather than kept, see
+    # test_backward_keeps_no_fp32_copy_of_the_weight), M dY for wgrad.
+    assert len(calls) == 4 and calls[0] == calls[2] == w.abs().max()
     wq = quantize_nvfp4(w, block=(16, 16), amax=2 * w.abs().max()).dequantized
     assert torch.equal(y.reshape(-1, OUT), fq(x.reshape(-1, IN), "nvfp4") @ wq.t())
     calls.clear()
     run(x, w, dy, "mxfp4", amax_reduce=doubled, sharded={"w", "dy"})
     assert calls == [], "block-scaled formats have no per-tensor amax"
+
+
+@pytest.mark.parametrize("precision,fp8_gemm,kept", [
+    ("nvfp4", "emulated", None),            # dequantized fp32 W: quantized again in backward
+    ("fp8", "emulated", None),
+    ("fp8", "scaled_mm", torch.float8_e4m3fn),  # FP8 bytes: 1 byte per weight, kept
+])
+def test_backward_keeps_no_fp32_copy_of_the_weight(precision, fp8_gemm, kept):
+    """Every micro-batch in flight holds what its backward saved: the weight itself (no copy),
+    or W's FP8 bytes, never a dequantized fp32 copy of the weights."""
+    x, w, _ = operands()
+    w = w.clone().requires_grad_()
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        quantized_linear(x, w, Precision.uniform(precision), RecipeConfig(fp8_gemm=fp8_gemm), QuantState(seed=1))
+    weight_like = [t for t in saved if t.shape == w.shape]
+    assert any(t.data_ptr() == w.data_ptr() for t in weight_like) == (kept is None)
+    copies = [t for t in weight_like if t.data_ptr() != w.data_ptr()]
+    assert [t.dtype for t in copies] == ([] if kept is None else [kept])
 
 
 def test_precision_text_round_trip_and_errors():

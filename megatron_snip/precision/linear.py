@@ -321,8 +321,13 @@ class _QuantizedLinearFn(torch.autograd.Function):
         y = _matmul(x_q, w_q.t())
         # Where the backward GEMM quantizes an operand exactly as fprop did, keep the
         # fprop copy: it saves the work and, for delayed scaling, records one amax per step.
+        # Except a dequantized fp32 W: every micro-batch in flight would hold its own copy of
+        # the weights, so W is quantized again in backward (same parameter, stateless
+        # quantizer: the same values); FP8 bytes (1 byte/element) and delayed scaling (its
+        # scale has moved on since fprop) keep the fprop copy.
         ctx.x_ready = quant.quantizer("wgrad", "x") == q_x
-        ctx.w_ready = quant.quantizer("dgrad", "w") == q_w
+        ctx.w_ready = quant.quantizer("dgrad", "w") == q_w and (
+            isinstance(w_q, FP8Operand) or q_w.scheme == "fp8_delayed")
         _save(ctx, x_q if ctx.x_ready else x2, w_q if ctx.w_ready else weight)
         ctx.quant, ctx.fp8_bytes = quant, fp8_bytes
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
