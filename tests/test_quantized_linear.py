@@ -234,9 +234,9 @@ def test_amax_reduce_applies_to_sharded_per_tensor_amaxes_only():
 ])
 def test_backward_keeps_no_fp32_copy_of_the_weight(precision, fp8_gemm, kept):
     """Every micro-batch in flight holds what its backward saved: the weight itself (no copy),
-    or W's FP8 bytes, never a dequantized fp32 copy of the weights."""
+    or W's FP8 bytes, never a dequantized fp32 copy of the weights (nor of the input)."""
     x, w, _ = operands()
-    w = w.clone().requires_grad_()
+    x, w = x.to(torch.bfloat16).requires_grad_(), w.clone().requires_grad_()
     saved = []
 
     def pack(t):
@@ -249,6 +249,8 @@ def test_backward_keeps_no_fp32_copy_of_the_weight(precision, fp8_gemm, kept):
     assert any(t.data_ptr() == w.data_ptr() for t in weight_like) == (kept is None)
     copies = [t for t in weight_like if t.data_ptr() != w.data_ptr()]
     assert [t.dtype for t in copies] == ([] if kept is None else [kept])
+    fp32_copies = [t for t in saved if t.dtype == torch.float32 and t.data_ptr() != w.data_ptr()]
+    assert not [t for t in fp32_copies if t.numel() >= x.numel()], "an fp32 copy of X"
 
 
 def test_precision_text_round_trip_and_errors():

@@ -277,6 +277,11 @@ def _matmul(a: Operand, b: Operand) -> torch.Tensor:
     return dense[0] @ dense[1]
 
 
+def _keep(quantized: Operand, q: OperandQuantizer) -> bool:
+    """Whether the backward keeps fprop's quantized copy of an operand (see _QuantizedLinearFn)."""
+    return isinstance(quantized, FP8Operand) or q.scheme == "fp8_delayed"
+
+
 def _save(ctx, *operands: Operand) -> None:
     """save_for_backward for operands, FP8 ones as their (bytes, scale) pair."""
     tensors = []
@@ -319,15 +324,15 @@ class _QuantizedLinearFn(torch.autograd.Function):
         x_q = _quantize(x2, q_x, "x", quant, fp8_bytes)
         w_q = _quantize(weight, q_w, "w", quant, fp8_bytes)
         y = _matmul(x_q, w_q.t())
-        # Where the backward GEMM quantizes an operand exactly as fprop did, keep the
-        # fprop copy: it saves the work and, for delayed scaling, records one amax per step.
-        # Except a dequantized fp32 W: every micro-batch in flight would hold its own copy of
-        # the weights, so W is quantized again in backward (same parameter, stateless
-        # quantizer: the same values); FP8 bytes (1 byte/element) and delayed scaling (its
-        # scale has moved on since fprop) keep the fprop copy.
-        ctx.x_ready = quant.quantizer("wgrad", "x") == q_x
-        ctx.w_ready = quant.quantizer("dgrad", "w") == q_w and (
-            isinstance(w_q, FP8Operand) or q_w.scheme == "fp8_delayed")
+        # Where the backward GEMM quantizes an operand exactly as fprop did, it may keep the
+        # fprop copy. It does so for FP8 bytes (1 byte/element, less than the operand itself)
+        # and for delayed scaling (whose scale has moved on since fprop, and which must record
+        # one amax per step). A dequantized fp32 copy is not kept: it is larger than X or W
+        # themselves, and every micro-batch in flight would hold one (of the whole weights, for
+        # W). The backward quantizes the saved X / W again instead: same tensor, stateless
+        # quantizer, the same values.
+        ctx.x_ready = quant.quantizer("wgrad", "x") == q_x and _keep(x_q, q_x)
+        ctx.w_ready = quant.quantizer("dgrad", "w") == q_w and _keep(w_q, q_w)
         _save(ctx, x_q if ctx.x_ready else x2, w_q if ctx.w_ready else weight)
         ctx.quant, ctx.fp8_bytes = quant, fp8_bytes
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
