@@ -27,6 +27,7 @@ only the communication: the GEMMs see the whole sequence either way.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
 
@@ -48,13 +49,11 @@ from megatron_snip.precision.linear import QuantState, quantized_linear
 from megatron_snip.precision.recipes import BF16, Precision, RecipeConfig, reduction_block
 
 
-class PlanLinear:
+class PlanLinear(abc.ABC):
     """The interface through which ``PrecisionController`` drives a linear module of a plan,
     whatever runs its GEMMs: a precision validated on assignment and the recipe realising it.
 
-    Subclasses set ``_precision``, ``recipe``, ``quant_state`` and ``module_name``, and
-    implement :meth:`check_precision`; :meth:`_use` hands a checked (precision, recipe)
-    pair to whatever runs the GEMMs (nothing to do where the forward reads ``precision``).
+    Subclasses set ``_precision``, ``recipe``, ``quant_state`` and ``module_name``.
     """
 
     @property
@@ -73,12 +72,13 @@ class PlanLinear:
         self._use(self._precision, recipe)
         self.recipe = recipe
 
+    @abc.abstractmethod
     def check_precision(self, precision: Precision, recipe: RecipeConfig) -> None:
         """Raise ValueError if this module cannot run ``precision`` under ``recipe``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _use(self, precision: Precision, recipe: RecipeConfig) -> None:
-        pass
+        """Hand a checked (precision, recipe) to whatever runs the GEMMs, before they are stored."""
 
 
 class QuantizedLinearMixin(PlanLinear):
@@ -104,6 +104,9 @@ class QuantizedLinearMixin(PlanLinear):
         self.recipe = RecipeConfig()
         self.quant_state = QuantState()
         self.module_name = type(self).__name__
+
+    def _use(self, precision: Precision, recipe: RecipeConfig) -> None:
+        """Nothing to hand over: the forward reads ``_precision`` and ``recipe`` itself."""
 
     def check_precision(self, precision: Precision, recipe: RecipeConfig) -> None:
         """Raise ValueError if this module cannot run ``precision`` under ``recipe``."""

@@ -60,10 +60,9 @@ def _check_tensor_parallel_blocks(plan: PrecisionPlan, args: argparse.Namespace,
     if tp == 1:
         return
     recipe = recipe_from_args(args)
-    dims = LlamaLinearDims(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                           ffn_hidden_size=args.ffn_hidden_size,
-                           kv_channels=args.hidden_size // args.num_attention_heads,
-                           num_query_groups=args.num_query_groups)
+    from megatron_snip.model.llama import transformer_config
+
+    dims = LlamaLinearDims.from_config(transformer_config(args))
     for name in module_names(args.num_layers):
         module = parse_module_name(name)[1]
         in_features, out_features = dims.in_out(module)
