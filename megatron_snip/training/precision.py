@@ -76,8 +76,8 @@ def _check_tensor_parallel_blocks(plan: PrecisionPlan, args: argparse.Namespace,
                 raise PlanError(
                     f"{source}: {name} cannot run {fmt} at --tensor-model-parallel-size {tp}: its "
                     f"{'input' if row else 'output'} dimension is split into slices of {per_slice}, not a "
-                    f"multiple of the {fmt} block of {block}; keep the module in another precision "
-                    f"(e.g. --first-last-layers-bf16 or a plan) or use a smaller TP size")
+                    f"multiple of the {fmt} block of {block}; give it another precision in a --precision-plan, "
+                    f"choose a recipe with smaller blocks, or use a smaller TP size")
 
 
 def _check_te(plan: PrecisionPlan, recipe: RecipeConfig, source: str) -> None:
