@@ -108,6 +108,16 @@ def _precision(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fp8-margin", type=int, default=0)
     g.add_argument("--fp4-recipe", choices=["nvfp4", "mxfp4"], default="nvfp4",
                    help="The 4-bit format that --precision fp4 and SNIP use.")
+    # Transformer Engine's NVFP4 switches (NVTE_NVFP4_DISABLE_*), honoured by every backend and by
+    # SNIP's probes, which measure each candidate format exactly as it will run.
+    g.add_argument("--fp4-disable-stochastic-rounding", action="store_true",
+                   help="Round FP4 gradients (dY) to nearest instead of stochastically (TE: "
+                        "NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING=1). Default: stochastic, as TE's recipe.")
+    g.add_argument("--nvfp4-disable-rht", action="store_true",
+                   help="No random Hadamard transform of the NVFP4 wgrad operands (TE: NVTE_NVFP4_DISABLE_RHT=1).")
+    g.add_argument("--nvfp4-disable-2d-quantization", action="store_true",
+                   help="1x16 NVFP4 weight blocks along each GEMM's reduction dim instead of 16x16 tiles "
+                        "(TE: NVTE_NVFP4_DISABLE_2D_QUANTIZATION=1).")
     g.add_argument("--first-last-layers-bf16", action="store_true",
                    help="Keep the first/last layers' linear modules in bf16 (see the next two flags).")
     g.add_argument("--num-layers-at-start-in-bf16", type=int, default=1)
@@ -144,7 +154,8 @@ def _snip(p: argparse.ArgumentParser) -> None:
     g.add_argument("--snip-switch-penalty", type=float, default=0.0,
                    help="Objective penalty per module whose precision changes from the current plan.")
     g.add_argument("--snip-probe-passes", type=int, default=3,
-                   help="Antithetic noise draws per estimator, each a +/- pair of passes (default 3: 1 + 6 + 6 passes).")
+                   help="Noise draws per estimator, each one pass differenced against the clean pass "
+                        "(default 3: 1 clean + 3 curvature + 3 perturbation passes).")
 
 
 def _data(p: argparse.ArgumentParser) -> None:

@@ -130,3 +130,21 @@ def test_cli_reports_error_and_exit_code(tiny_data):
                           capture_output=True, text=True, env={"WORLD_SIZE": "2", "PATH": ""}, cwd=ROOT)
     assert proc.returncode == 2
     assert "error: --num-layers 3 is not divisible by --pipeline-model-parallel-size 2" in proc.stderr
+
+
+def test_nvfp4_switches_reach_the_recipe_and_its_quantizers(tiny_data):
+    from megatron_snip.precision.recipes import operand_quantizer
+    from megatron_snip.training.precision import recipe_from_args
+
+    default = recipe_from_args(parse(tiny_data))
+    assert (default.fp4_stochastic_rounding, default.nvfp4_random_hadamard, default.nvfp4_2d_weights) == (
+        True, True, True)  # TE's recipe
+    off = recipe_from_args(parse(tiny_data, "--fp4-disable-stochastic-rounding", "--nvfp4-disable-rht",
+                                 "--nvfp4-disable-2d-quantization"))
+    assert operand_quantizer("nvfp4", "wgrad", "dy", default).hadamard
+    assert operand_quantizer("nvfp4", "dgrad", "dy", default).stochastic
+    assert operand_quantizer("nvfp4", "fprop", "w", default).block == (16, 16)
+    assert not operand_quantizer("nvfp4", "wgrad", "dy", off).hadamard
+    assert not operand_quantizer("nvfp4", "dgrad", "dy", off).stochastic
+    assert not operand_quantizer("mxfp4", "dgrad", "dy", off).stochastic
+    assert operand_quantizer("nvfp4", "fprop", "w", off).block == (1, 16)

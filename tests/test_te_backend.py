@@ -84,3 +84,21 @@ def test_te_flags_are_checked_before_start(tiny_data, extra, message):
     argv = train_args(tiny_data, "--transformer-impl", "transformer_engine", *extra)
     with pytest.raises(ArgumentError, match=message):
         parse_args(argv, world_size=1, cuda=True)
+
+
+def test_nvfp4_switches_become_transformer_engine_environment(monkeypatch):
+    """TE reads NVTE_NVFP4_DISABLE_* when it is imported; the te backend sets them from the flags first."""
+    from megatron_snip.model.te_precision import prepare_te_environment, te_nvfp4_environment
+
+    assert te_nvfp4_environment(RecipeConfig()) == {
+        "NVTE_NVFP4_DISABLE_RHT": "0", "NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING": "0",
+        "NVTE_NVFP4_DISABLE_2D_QUANTIZATION": "0"}
+    off = RecipeConfig(fp4_stochastic_rounding=False, nvfp4_random_hadamard=False, nvfp4_2d_weights=False)
+    assert set(te_nvfp4_environment(off).values()) == {"1"}
+    if importlib.util.find_spec("transformer_engine") is None:
+        for variable in te_nvfp4_environment(off):
+            monkeypatch.delenv(variable, raising=False)
+        prepare_te_environment(off)
+        import os
+
+        assert {v: os.environ[v] for v in te_nvfp4_environment(off)} == te_nvfp4_environment(off)

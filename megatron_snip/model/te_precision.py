@@ -22,6 +22,9 @@ builds megatron-core's own dataclasses and runs without TE installed.
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 from packaging.version import Version as PkgVersion
 
@@ -53,6 +56,7 @@ def te_quant_params(precision: Precision, recipe: RecipeConfig):
                          "support delayed scaling; use --fp8-recipe tensorwise, blockwise or mxfp8")
     if name == "nvfp4":
         _require_te_version(NVFP4_MIN_TE, "nvfp4")
+        _check_te_nvfp4_switches(recipe)
     te_recipe = TEQuantizationRecipe(
         fp8_quantization_recipe=Fp8Recipe(recipe.fp8_recipe) if name == "fp8" else None,
         fp4_quantization_recipe=Fp4Recipe.nvfp4 if name == "nvfp4" else None,
@@ -60,6 +64,44 @@ def te_quant_params(precision: Precision, recipe: RecipeConfig):
         override_nonquantized_autocast=True,  # no global autocast is open: this module opens its own
     )
     return TEQuantizationParams(training_recipe=te_recipe, evaluation_recipe=None)
+
+
+def te_nvfp4_environment(recipe: RecipeConfig) -> dict[str, str]:
+    """Transformer Engine's NVFP4 switches for ``recipe``. TE reads them from the environment
+    once, when it is imported (they are the defaults of ``NVFP4BlockScaling``'s fields, and
+    megatron-core builds that recipe with its defaults), so they must be set before."""
+    return {
+        "NVTE_NVFP4_DISABLE_RHT": "0" if recipe.nvfp4_random_hadamard else "1",
+        "NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING": "0" if recipe.fp4_stochastic_rounding else "1",
+        "NVTE_NVFP4_DISABLE_2D_QUANTIZATION": "0" if recipe.nvfp4_2d_weights else "1",
+    }
+
+
+def prepare_te_environment(recipe: RecipeConfig) -> None:
+    """Set :func:`te_nvfp4_environment` before Transformer Engine is imported (the te backend's
+    model build calls this first). If TE is already imported, its recipe must already agree."""
+    if "transformer_engine" not in sys.modules:
+        os.environ.update(te_nvfp4_environment(recipe))
+    _check_te_nvfp4_switches(recipe)
+
+
+def _check_te_nvfp4_switches(recipe: RecipeConfig) -> None:
+    """ValueError when the NVFP4 recipe TE would build differs from ``recipe`` (TE imported
+    before :func:`prepare_te_environment` with other NVTE_NVFP4_* variables)."""
+    te_recipe = sys.modules.get("transformer_engine.common.recipe")
+    if te_recipe is None or not hasattr(te_recipe, "NVFP4BlockScaling"):
+        return
+    built = te_recipe.NVFP4BlockScaling()
+    for field, (variable, wanted) in {
+        "disable_rht": ("NVTE_NVFP4_DISABLE_RHT", not recipe.nvfp4_random_hadamard),
+        "disable_stochastic_rounding": ("NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING", not recipe.fp4_stochastic_rounding),
+        "disable_2d_quantization": ("NVTE_NVFP4_DISABLE_2D_QUANTIZATION", not recipe.nvfp4_2d_weights),
+    }.items():
+        if getattr(built, field, wanted) != wanted:
+            raise ValueError(f"Transformer Engine was imported with {variable}={int(not wanted)} but the flags ask "
+                             f"for {variable}={int(wanted)}; unset {variable} in the environment and use the "
+                             "--fp4-disable-stochastic-rounding / --nvfp4-disable-rht / "
+                             "--nvfp4-disable-2d-quantization flags")
 
 
 def describe_te_backend() -> str:

@@ -20,6 +20,9 @@ def recipe_from_args(args: argparse.Namespace) -> RecipeConfig:
         fp8_amax_history_len=args.fp8_amax_history_len,
         fp8_amax_compute_algo=args.fp8_amax_compute_algo,
         fp8_margin=args.fp8_margin,
+        fp4_stochastic_rounding=not args.fp4_disable_stochastic_rounding,
+        nvfp4_random_hadamard=not args.nvfp4_disable_rht,
+        nvfp4_2d_weights=not args.nvfp4_disable_2d_quantization,
         kernels=args.quant_kernels,
         fp8_gemm=args.fp8_gemm,
     )

@@ -26,7 +26,7 @@ from megatron_snip.data.loader import micro_batches
 from megatron_snip.data.tokenizer import build_tokenizer
 from megatron_snip.model.llama import build_model, flops_per_token, num_parameters, transformer_config
 from megatron_snip.model.precision_control import PrecisionController
-from megatron_snip.model.te_precision import describe_te_backend
+from megatron_snip.model.te_precision import describe_te_backend, prepare_te_environment
 from megatron_snip.precision.flops import LlamaLinearDims, flop_fractions
 from megatron_snip.precision.linear import describe_backend
 from megatron_snip.precision.plan import PrecisionPlan
@@ -82,6 +82,8 @@ class Trainer:
         self.tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
         self.datasets = build_datasets_from_args(args, self.tokenizer)
         self.config = transformer_config(args)
+        if args.transformer_impl == "transformer_engine":
+            prepare_te_environment(recipe_from_args(args))
         model = build_model(args, self.config, self.tokenizer.vocab_size)
         self.model = [wrap_ddp(args, self.config, model)]
         self.precision = PrecisionController(self.model, recipe=recipe_from_args(args), seed=args.seed)
