@@ -13,6 +13,8 @@ import importlib.util
 import os
 
 from megatron_snip.model.presets import PRESETS
+from megatron_snip.precision.gemm_speed import SPEED_MODELS
+from megatron_snip.precision.registry import FP4_NAMES, PRECISION_NAMES
 
 
 class ArgumentError(ValueError):
@@ -94,28 +96,33 @@ def _training(p: argparse.ArgumentParser) -> None:
 
 def _precision(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("precision of the linear layers (docs/numerics.md)")
-    g.add_argument("--precision", choices=["bf16", "fp8", "fp4", "nvfp4", "mxfp4"], default=None,
-                   help="Uniform precision of every linear module's GEMMs (default bf16; fp4 means "
-                        "--fp4-recipe). Embedding, output layer, norms and attention stay high precision.")
-    g.add_argument("--fp8-recipe", choices=["tensorwise", "delayed", "blockwise", "mxfp8"], default="tensorwise",
+    g.add_argument("--precision", choices=[*PRECISION_NAMES, "fp4"], default=None,
+                   help="Uniform precision of every linear module's GEMMs (default bf16, or on resume the "
+                        "checkpoint's plan; given, it replaces the checkpoint's plan; fp4 means --fp4-recipe). "
+                        "Embedding, output layer, norms and attention stay high precision.")
+    # The recipe flags default to None: on resume the checkpoint's values are kept unless a flag is
+    # given (then it wins, and the start-up log says so); otherwise the defaults in RECIPE_DEFAULTS.
+    g.add_argument("--fp8-recipe", choices=["tensorwise", "delayed", "blockwise", "mxfp8"], default=None,
                    help="How fp8 is scaled (default tensorwise: stateless, so a module that switches to fp8 "
                         "mid-run is scaled right from its first step).")
     g.add_argument("--fp8-format", choices=["hybrid", "e4m3"], default=None,
                    help="E4M3 forward / E5M2 gradients (hybrid, default) or E4M3 everywhere. As in "
                         "Megatron, giving it without --precision selects --precision fp8.")
-    g.add_argument("--fp8-amax-history-len", type=int, default=1024)
-    g.add_argument("--fp8-amax-compute-algo", choices=["max", "most_recent"], default="max")
-    g.add_argument("--fp8-margin", type=int, default=0)
-    g.add_argument("--fp4-recipe", choices=["nvfp4", "mxfp4"], default="nvfp4",
-                   help="The 4-bit format that --precision fp4 and SNIP use.")
+    g.add_argument("--fp8-amax-history-len", type=int, default=None, help="Delayed scaling (default 1024).")
+    g.add_argument("--fp8-amax-compute-algo", choices=["max", "most_recent"], default=None,
+                   help="Delayed scaling (default max).")
+    g.add_argument("--fp8-margin", type=int, default=None, help="Delayed scaling headroom in binades (default 0).")
+    g.add_argument("--fp4-recipe", choices=list(FP4_NAMES), default=None,
+                   help="The 4-bit format that --precision fp4 and SNIP use (default nvfp4). Given on resume, the "
+                        "checkpoint plan's FP4 modules run in it.")
     # Transformer Engine's NVFP4 switches (NVTE_NVFP4_DISABLE_*), honoured by every backend and by
     # SNIP's probes, which measure each candidate format exactly as it will run.
-    g.add_argument("--fp4-disable-stochastic-rounding", action="store_true",
+    g.add_argument("--fp4-disable-stochastic-rounding", action=argparse.BooleanOptionalAction, default=None,
                    help="Round FP4 gradients (dY) to nearest instead of stochastically (TE: "
                         "NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING=1). Default: stochastic, as TE's recipe.")
-    g.add_argument("--nvfp4-disable-rht", action="store_true",
+    g.add_argument("--nvfp4-disable-rht", action=argparse.BooleanOptionalAction, default=None,
                    help="No random Hadamard transform of the NVFP4 wgrad operands (TE: NVTE_NVFP4_DISABLE_RHT=1).")
-    g.add_argument("--nvfp4-disable-2d-quantization", action="store_true",
+    g.add_argument("--nvfp4-disable-2d-quantization", action=argparse.BooleanOptionalAction, default=None,
                    help="1x16 NVFP4 weight blocks along each GEMM's reduction dim instead of 16x16 tiles "
                         "(TE: NVTE_NVFP4_DISABLE_2D_QUANTIZATION=1).")
     g.add_argument("--first-last-layers-bf16", action="store_true",
@@ -123,30 +130,48 @@ def _precision(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-layers-at-start-in-bf16", type=int, default=1)
     g.add_argument("--num-layers-at-end-in-bf16", type=int, default=1)
     g.add_argument("--precision-plan", default=None,
-                   help="JSON plan: precision per module (overrides --precision and a checkpoint's plan).")
+                   help="JSON plan: precision per module (replaces a checkpoint's plan; not with --precision).")
+    g.add_argument("--precision-schedule", nargs="+", default=None, metavar="PASSES=PRECISION@START",
+                   help="From a step on, fix some GEMMs of every module, e.g. fwd=bf16@0.82 (the NVFP4 recipe's "
+                        "last 18%% of training with bf16 forward GEMMs), all=fp8@9000, bwd=fp8@90%%. PASSES: fwd, "
+                        "bwd or all; START: a step or a fraction of --train-iters. Overrides the plan for those "
+                        "passes; SNIP plans the rest. Saved in checkpoints (given on resume, it replaces theirs).")
     g.add_argument("--quant-kernels", choices=["auto", "triton", "torch"], default="auto",
                    help="Who quantizes the GEMM operands: fused Triton kernels (bit-identical to the torch "
                         "reference) or the torch reference; auto = triton on CUDA when it imports.")
     g.add_argument("--fp8-gemm", choices=["auto", "scaled_mm", "emulated"], default="auto",
                    help="Per-tensor FP8 GEMMs on the FP8 bytes with torch._scaled_mm (tensor cores) or "
                         "emulated in fp32; auto = scaled_mm on GPUs with FP8 tensor cores (sm_89+).")
+    g.add_argument("--gemm-speed-model", choices=list(SPEED_MODELS), default="auto",
+                   help="GEMM throughput of each format relative to bf16, for the estimated GEMM time that logs "
+                        "report and --snip-time-target budgets: published dense peaks of hopper (FP8 2x, FP4 "
+                        "emulated 1x), blackwell (FP8 2x, FP4 4x), ada (FP8 2x), ampere (1x), or measured at the "
+                        "model's shapes on this device at start-up. auto: from the GPU; blackwell without one.")
 
 
 def _snip(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("SNIP adaptive precision (docs/snip.md)")
     g.add_argument("--snip", action="store_true",
                    help="Re-plan the precision of every linear module at intervals from measured divergences.")
-    g.add_argument("--snip-fp4-target", type=float, default=0.75,
-                   help="Fraction of linear-layer FLOPs to run in FP4 (the ILP's budget).")
+    g.add_argument("--snip-fp4-target", type=float, default=None,
+                   help="Fraction of linear-layer FLOPs to run in FP4 (the paper's budget; default 0.75, or 0 "
+                        "with --snip-time-target). Without --snip-time-target the plan's estimated GEMM time is "
+                        "also held to that of the baselines at this share (FP4 + FP8 remainder), so the non-FP4 "
+                        "modules run in FP8 unless BF16 pays for itself.")
+    g.add_argument("--snip-time-target", type=float, default=None,
+                   help="Budget in time: estimated linear-GEMM time / all-BF16 time <= T under "
+                        "--gemm-speed-model (per pipeline stage with --snip-budget per-stage).")
     g.add_argument("--snip-interval", type=int, default=None,
                    help="Iterations between re-plans (default: --save-interval).")
-    g.add_argument("--snip-warmup-plan", default="bf16",
-                   help="Plan before the first cycle: a precision name or a plan JSON file.")
+    g.add_argument("--snip-warmup-plan", default=None,
+                   help="Plan before the first cycle: a precision name or a plan JSON file (default bf16; on resume "
+                        "the checkpoint's plan).")
     g.add_argument("--snip-solver", choices=["auto", "gurobi", "highs"], default="auto")
     g.add_argument("--snip-formats", nargs="+", default=None,
                    help="Candidate precisions (default: bf16 fp8 and --fp4-recipe).")
     g.add_argument("--snip-budget", choices=["per-stage", "global"], default="per-stage",
-                   help="FP4 budget for each pipeline stage (no stage becomes the bottleneck) or only overall.")
+                   help="FP4 and time budgets for each pipeline stage (no stage becomes the bottleneck) or only "
+                        "overall.")
     g.add_argument("--snip-split-passes", action="store_true",
                    help="Choose the forward GEMM's and the backward GEMMs' precision separately.")
     g.add_argument("--snip-loss-weight", type=float, default=1.0, help="Weight of the loss divergence (alpha).")
@@ -296,10 +321,11 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool,
         args.start_weight_decay = args.weight_decay
     if args.end_weight_decay is None:
         args.end_weight_decay = args.weight_decay
-    _validate_precision(args, cuda)
+    resumed = _resumed_state(args) if check_files else None
+    _validate_precision(args, cuda, resumed)
     _validate_snip(args)
     if check_files:
-        _validate_files(args)
+        _validate_files(args, resumed)
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if cuda else "gloo"
     _require(args.distributed_backend == "gloo" or cuda,
@@ -307,13 +333,27 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool,
     return args
 
 
-def _validate_precision(args: argparse.Namespace, cuda: bool) -> None:
-    if args.precision is None:
-        args.precision = "fp8" if args.fp8_format is not None else "bf16"
-    if args.precision == "fp4":
-        args.precision = args.fp4_recipe
-    if args.fp8_format is None:
-        args.fp8_format = "hybrid"
+# Defaults of the flags that say how each precision is realised; on resume the checkpoint's
+# values stand in for flags that are not given.
+RECIPE_DEFAULTS = {"fp8_recipe": "tensorwise", "fp8_format": "hybrid", "fp8_amax_history_len": 1024,
+                   "fp8_amax_compute_algo": "max", "fp8_margin": 0, "fp4_recipe": "nvfp4",
+                   "fp4_disable_stochastic_rounding": False, "nvfp4_disable_rht": False,
+                   "nvfp4_disable_2d_quantization": False}
+
+
+def _validate_precision(args: argparse.Namespace, cuda: bool, resumed: dict | None) -> None:
+    """Fill the recipe flags (given > the resumed checkpoint's > defaults), noting for the start-up
+    log where a given flag replaces the checkpoint's value (``args.precision_notes``)."""
+    if args.precision is None and args.fp8_format is not None:
+        args.precision = "fp8"  # as in Megatron: --fp8-format alone turns fp8 on
+    saved = (resumed or {}).get("args", {})
+    args.precision_notes = []
+    for key, default in RECIPE_DEFAULTS.items():
+        given, kept = getattr(args, key), saved.get(key)
+        if given is None:
+            setattr(args, key, kept if kept is not None else default)
+        elif kept is not None and kept != given:
+            args.precision_notes.append(f"--{key.replace('_', '-')} {given} replaces the checkpoint's {kept}")
     for flag in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
         _require(0 <= getattr(args, flag) <= args.num_layers,
                  f"--{flag.replace('_', '-')} must lie in [0, --num-layers {args.num_layers}]")
@@ -331,24 +371,46 @@ def _validate_snip(args: argparse.Namespace) -> None:
         args.snip_formats = ["bf16", "fp8", args.fp4_recipe]
     if not args.snip:
         return
+    if args.snip_fp4_target is None:
+        args.snip_fp4_target = 0.0 if args.snip_time_target is not None else 0.75
     _require(0.0 <= args.snip_fp4_target <= 1.0, f"--snip-fp4-target {args.snip_fp4_target} must lie in [0, 1]")
+    _require(args.snip_time_target is None or args.snip_time_target > 0,
+             f"--snip-time-target {args.snip_time_target} must be > 0 (a ratio to the all-bf16 GEMM time)")
     if args.snip_interval is None:
         _require(args.save_interval is not None,
                  "--snip needs --snip-interval N or --save-interval N (SNIP re-plans at checkpoint intervals)")
         args.snip_interval = args.save_interval
     _require(args.snip_interval >= 1, "--snip-interval must be >= 1")
-    valid = {"bf16", "fp8", "nvfp4", "mxfp4"}
-    bad = [f for f in args.snip_formats if f not in valid]
-    _require(not bad, f"--snip-formats: unknown {bad}; choose from {sorted(valid)}")
-    _require(any(f in ("nvfp4", "mxfp4") for f in args.snip_formats) or args.snip_fp4_target == 0,
+    bad = [f for f in args.snip_formats if f not in PRECISION_NAMES]
+    _require(not bad, f"--snip-formats: unknown {bad}; choose from {list(PRECISION_NAMES)}")
+    _require(any(f in FP4_NAMES for f in args.snip_formats) or args.snip_fp4_target == 0,
              "--snip-formats has no FP4 format (nvfp4 or mxfp4) but --snip-fp4-target is above 0")
     _require(args.snip_probe_passes >= 1, "--snip-probe-passes must be >= 1")
+    from megatron_snip.precision.plan import PlanError
+    from megatron_snip.training.precision import check_snip_budgets
+
+    try:
+        check_snip_budgets(args)
+    except PlanError as e:
+        raise ArgumentError(str(e)) from None
     _require(args.transformer_impl == "local", "--snip needs --transformer-impl local")
     _require(not args.sequence_parallel, "--snip does not support --sequence-parallel yet (its probes read "
              "whole-sequence module inputs); drop --sequence-parallel")
 
 
-def _validate_files(args: argparse.Namespace) -> None:
+def _resumed_state(args: argparse.Namespace) -> dict | None:
+    """The replicated state of the checkpoint this run resumes (None: none, or --finetune)."""
+    if args.load is None or args.finetune:
+        return None
+    from megatron_snip.training.checkpointing import CheckpointError, read_common_state
+
+    try:
+        return read_common_state(args.load)
+    except CheckpointError as e:
+        raise ArgumentError(str(e)) from e
+
+
+def _validate_files(args: argparse.Namespace, resumed: dict | None) -> None:
     _require(not (args.sequence_parallel and args.transformer_impl == "local")
              or importlib.util.find_spec("apex") is not None,
              "--sequence-parallel with --transformer-impl local needs apex (megatron-core's torch norms do not "
@@ -367,9 +429,10 @@ def _validate_files(args: argparse.Namespace) -> None:
         check_data_prefixes(prefixes)
         check_vocab_covers_data(prefixes, build_tokenizer(args.tokenizer_type, args.tokenizer_model).vocab_size)
         latest = verify_latest(args.load) if args.load is not None else None
-        from megatron_snip.training.precision import initial_plan
+        from megatron_snip.training.precision import initial_plan, initial_schedule
 
-        initial_plan(args)  # a bad plan file fails here, before any process group
+        initial_plan(args, resumed)  # a bad plan file or a conflict fails here, before any process group
+        initial_schedule(args, resumed)
     except (FileNotFoundError, ValueError, CheckpointError) as e:
         raise ArgumentError(str(e)) from e
     if args.load is not None:

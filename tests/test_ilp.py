@@ -16,6 +16,7 @@ from megatron_snip.snip.ilp import (
     BWD,
     FWD,
     InfeasibleTargetError,
+    InfeasibleTimeTargetError,
     LinearModule,
     SnipProblem,
     build_matrix_model,
@@ -33,7 +34,11 @@ FP4 = {"nvfp4", "mxfp4"}
 
 # ---------------------------------------------------------------- instances
 
-def random_instance(rng, *, split=False, per_stage=False, pins=False, switch=False):
+SPEED_TABLES = ({"bf16": 1.0, "fp8": 2.0, "nvfp4": 4.0, "mxfp4": 4.0},   # blackwell-like
+                {"bf16": 1.0, "fp8": 2.0, "nvfp4": 1.0, "mxfp4": 1.0})   # hopper-like: FP4 emulated
+
+
+def random_instance(rng, *, split=False, per_stage=False, pins=False, switch=False, time=False):
     """Raw instance data (plain dicts) plus the SnipProblem built from it."""
     formats = [("fp8", "nvfp4"), ("bf16", "nvfp4"), ("bf16", "fp8", "nvfp4"), ("fp8", "nvfp4", "mxfp4")][
         rng.integers(4)]
@@ -65,20 +70,30 @@ def random_instance(rng, *, split=False, per_stage=False, pins=False, switch=Fal
         raw["current"] = {k: formats[rng.integers(len(formats))] for k in keys if rng.random() < 0.8}
         raw["penalty"] = float(rng.uniform(0, 0.6))
 
-    def build(target):
+    def build(target, time_target=None):
         costs = dict(fwd_cost=raw["fwd_cost"], bwd_cost=raw["bwd_cost"]) if split else dict(cost=raw["cost"])
+        timed = dict(speed=raw["speed"], time_target=time_target) if time else {}
         return SnipProblem(modules, formats, target, **costs, per_stage=per_stage, pins=raw["pins"],
-                           current=raw["current"] or None, switch_penalty=raw["penalty"])
+                           current=raw["current"] or None, switch_penalty=raw["penalty"], **timed)
 
+    if time:
+        raw["speed"] = SPEED_TABLES[rng.integers(len(SPEED_TABLES))]
     largest = largest_feasible_target(build(0.0))
     # Every fifth instance sits exactly on the largest feasible target.
     target = largest if rng.random() < 0.2 else float(rng.uniform(0, largest))
     raw["target"] = target
-    return raw, build(target)
+    if not time:
+        return raw, build(target)
+    # A time target between the least and the most time the FP4-feasible plans take (sometimes
+    # exactly the least: the binding case).
+    fastest, slowest = time_range(raw)
+    raw["time_target"] = fastest if rng.random() < 0.2 else float(rng.uniform(fastest, slowest))
+    return raw, build(target, raw["time_target"])
 
 
-def brute_force(raw):
-    """Minimum objective over all assignments meeting the budget (None if none does)."""
+def enumerate_assignments(raw):
+    """Every assignment's objective, whether it meets the FP4 budget, and its time ratio (global and
+    per stage, as arrays over the assignments; time None without a speed table)."""
     mods = {m.name: m for m in raw["modules"]}
     units = []
     for key in raw["keys"]:
@@ -98,12 +113,14 @@ def brute_force(raw):
 
     combos = np.array(list(itertools.product(*[range(len(u[0])) for u in units])))
     objective = np.zeros(len(combos))
-    fp4_flops = {}
+    fp4_flops, time = {}, {}
+    speed = raw.get("speed")
     for j, (allowed, unit_cost, flops, stage) in enumerate(units):
         objective += np.asarray(unit_cost)[combos[:, j]]
         is_fp4 = np.array([f in FP4 for f in allowed])[combos[:, j]]
-        fp4_flops.setdefault(stage, np.zeros(len(combos)))
-        fp4_flops[stage] = fp4_flops[stage] + flops * is_fp4
+        fp4_flops[stage] = fp4_flops.get(stage, 0.0) + flops * is_fp4
+        if speed is not None:
+            time[stage] = time.get(stage, 0.0) + np.array([flops / speed[f] for f in allowed])[combos[:, j]]
     stage_total = {}
     for _, _, flops, stage in units:
         stage_total[stage] = stage_total.get(stage, 0.0) + flops
@@ -112,6 +129,25 @@ def brute_force(raw):
     if raw["per_stage"]:
         for s, f in stage_total.items():
             ok &= fp4_flops[s] / f >= raw["target"] - 1e-9
+    if speed is None:
+        return objective, ok, None
+    # The binding time of an assignment: its worst stage with per-stage budgets, else the whole.
+    ratio = (np.max([time[s] / f for s, f in stage_total.items()], axis=0) if raw["per_stage"]
+             else sum(time.values()) / total)
+    return objective, ok, ratio
+
+
+def time_range(raw):
+    """(least, most) binding time ratio over the assignments that meet the FP4 budget."""
+    _, ok, ratio = enumerate_assignments(raw)
+    return float(ratio[ok].min()), float(ratio[ok].max())
+
+
+def brute_force(raw):
+    """Minimum objective over all assignments meeting the budgets (None if none does)."""
+    objective, ok, ratio = enumerate_assignments(raw)
+    if raw.get("time_target") is not None:
+        ok &= ratio <= raw["time_target"] + 1e-9
     return float(objective[ok].min()) if ok.any() else None
 
 
@@ -121,6 +157,7 @@ SCENARIOS = {
     "pins": dict(pins=True, per_stage=None),
     "switch": dict(switch=True, per_stage=None),
     "split": dict(split=True, per_stage=None, pins=None, switch=None),
+    "time": dict(time=True, per_stage=None, pins=None, split=None),
 }
 
 
@@ -407,3 +444,53 @@ def test_gurobi_error_at_solve_time_falls_back(gurobipy, monkeypatch, large_prob
         pytest.skip("the installed Gurobi license admits the model")
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings and "falling back to HiGHS because Gurobi failed (error 10010" in warnings[0].getMessage()
+
+
+# ---------------------------------------------------------------- time budgets
+
+BLACKWELL = {"bf16": 1.0, "fp8": 2.0, "nvfp4": 4.0}
+
+
+def test_time_target_is_an_upper_bound_on_estimated_gemm_time():
+    # Two modules of 1 + 1 + 1 FLOPs; bf16 costs nothing, fp8 a little, nvfp4 more.
+    mods = [LinearModule(f"m{i}", i, 1.0, 1.0, 1.0) for i in range(2)]
+    cost = {f"m{i}": {"bf16": 0.0, "fp8": 0.1, "nvfp4": 1.0 + i} for i in range(2)}
+    free = solve(SnipProblem(mods, ("bf16", "fp8", "nvfp4"), 0.0, cost=cost, speed=BLACKWELL))
+    assert free.plan == {"m0": "bf16", "m1": "bf16"} and free.time_ratio == 1.0
+    # time <= 0.5: both in fp8 (0.5) is the cheapest way; bf16 + nvfp4 would be 0.625.
+    half = solve(SnipProblem(mods, ("bf16", "fp8", "nvfp4"), 0.0, cost=cost, speed=BLACKWELL, time_target=0.5))
+    assert half.plan == {"m0": "fp8", "m1": "fp8"} and half.time_ratio == pytest.approx(0.5)
+    # time <= 0.375: one module must be in nvfp4 (0.25 + 0.5)/2; the cheaper one (m0) takes it.
+    tight = solve(SnipProblem(mods, ("bf16", "fp8", "nvfp4"), 0.0, cost=cost, speed=BLACKWELL, time_target=0.375))
+    assert tight.plan == {"m0": "nvfp4", "m1": "fp8"} and tight.meets_target
+
+
+def test_infeasible_time_target_names_the_smallest_feasible_one():
+    mods = [LinearModule(f"m{i}", i, 1.0, 1.0, 1.0, stage=i) for i in range(2)]
+    cost = {f"m{i}": {"bf16": 0.0, "fp8": 0.1} for i in range(2)}
+    message = r"0\.5 \(global\) / 0\.5 \(stage 0\).*Raise --snip-time-target"
+    with pytest.raises(InfeasibleTimeTargetError, match=message) as e:
+        SnipProblem(mods, ("bf16", "fp8"), 0.0, cost=cost, speed=BLACKWELL, time_target=0.4, per_stage=True)
+    assert e.value.smallest_feasible == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("solver", SOLVER_NAMES)
+def test_fp4_and_time_targets_that_cannot_hold_together_are_named(solver):
+    # FP4 emulated (no faster than bf16): 50% FP4 costs time, so time 0.6 is reachable (all fp8: 0.5)
+    # and 50% FP4 is reachable, but not both: the least time at 50% FP4 is (1 + 0.5) / 2 = 0.75.
+    hopper = {"fp8": 2.0, "nvfp4": 1.0}
+    mods = [LinearModule(f"m{i}", i, 1.0, 1.0, 1.0) for i in range(2)]
+    cost = {f"m{i}": {"fp8": 0.0, "nvfp4": 1.0} for i in range(2)}
+    problem = SnipProblem(mods, ("fp8", "nvfp4"), 0.5, cost=cost, speed=hopper, time_target=0.6)
+    with pytest.raises(InfeasibleTimeTargetError, match=r"cannot both be met.*0\.75") as e:
+        solve(problem, solver)
+    assert e.value.smallest_feasible == pytest.approx(0.75)
+
+
+def test_time_target_needs_every_candidate_speed():
+    mods = [LinearModule("m0", 0, 1.0, 1.0, 1.0)]
+    with pytest.raises(ValueError, match=r"no throughput for candidate format\(s\) \['nvfp4'\]"):
+        SnipProblem(mods, ("fp8", "nvfp4"), 0.0, cost={"m0": {"fp8": 0.0, "nvfp4": 0.0}}, speed={"fp8": 2.0},
+                    time_target=0.5)
+    with pytest.raises(ValueError, match="a time target needs speed"):
+        SnipProblem(mods, ("fp8",), 0.0, cost={"m0": {"fp8": 0.0}}, time_target=0.5)

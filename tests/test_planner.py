@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import replace
+
 import pytest
 
 from megatron_snip.precision.flops import LlamaLinearDims, flop_fractions
 from megatron_snip.precision.plan import PrecisionPlan, module_names
 from megatron_snip.precision.recipes import Precision
 from megatron_snip.snip.estimators import CostTables
-from megatron_snip.snip.planner import PlannerConfig, build_problem, linear_modules, solve_plan
+from megatron_snip.snip.ilp import LinearModule
+from megatron_snip.snip.planner import PlannerConfig, build_problem, implied_time_target, linear_modules, solve_plan
 
 DIMS = LlamaLinearDims(num_layers=4, hidden_size=64, ffn_hidden_size=192, kv_channels=16, num_query_groups=2)
 FORMATS = ("bf16", "fp8", "nvfp4")
@@ -76,3 +80,91 @@ def test_switch_penalty_keeps_the_current_plan():
     cfg = PlannerConfig(formats=FORMATS, fp4_target=0.5, per_stage=False, switch_penalty=10.0)
     plan, _ = solve_plan(build_problem(linear_modules(DIMS, 8, 1), div, cfg, current), cfg)
     assert all(plan[n] == Precision.uniform("nvfp4") for n in module_names(4))
+
+
+# -- budgets in time: the non-FP4 remainder ---------------------------------------------------------
+
+BLACKWELL = {"bf16": 1.0, "fp8": 2.0, "nvfp4": 4.0}
+
+
+def four_modules(flops):
+    return [LinearModule(f"decoder.layers.{i}.mlp.linear_fc1", i, f, f, f) for i, f in enumerate(flops)]
+
+
+def joint(cost):
+    return CostTables(joint=cost, forward=cost, backward=cost)
+
+
+def test_implied_time_target_is_the_baselines_time():
+    mods = four_modules([1.0] * 4)
+    cfg = PlannerConfig(formats=FORMATS, fp4_target=0.75, per_stage=False, speed=BLACKWELL)
+    assert implied_time_target(mods, cfg) == pytest.approx(0.75 / 4 + 0.25 / 2)
+    # FP4 no faster than FP8 (emulated on Hopper): one unit's overshoot of the target is allowed for.
+    hopper = replace(cfg, speed={"bf16": 1.0, "fp8": 2.0, "nvfp4": 1.0})
+    assert implied_time_target(mods, hopper) == pytest.approx(0.75 + 0.25 / 2 + (1 - 0.5) * 0.25)
+
+
+def test_remainder_goes_to_fp8_not_bf16():
+    """Four equal modules, FP4 hurts m_i by i + 1, FP8 by 0.01, BF16 not at all. At 50% FP4 the
+    divergence-only ILP leaves the other half in BF16 (0 cost); with the time the baselines take
+    (0.5 / 4 + 0.5 / 2 of BF16) it must run them in FP8: BF16 cannot be paid for here."""
+    cost = {f"decoder.layers.{i}.mlp.linear_fc1": {"bf16": 0.0, "fp8": 0.01, "nvfp4": i + 1.0} for i in range(4)}
+    names = list(cost)
+    old = PlannerConfig(formats=FORMATS, fp4_target=0.5, per_stage=False)
+    plan, _ = solve_plan(build_problem(four_modules([1.0] * 4), joint(cost), old), old)
+    assert [str(plan[n]) for n in names] == ["nvfp4", "nvfp4", "bf16", "bf16"]
+    new = replace(old, speed=BLACKWELL)
+    plan, sol = solve_plan(build_problem(four_modules([1.0] * 4), joint(cost), new), new)
+    assert [str(plan[n]) for n in names] == ["nvfp4", "nvfp4", "fp8", "fp8"]
+    assert sol.objective == pytest.approx(3.02) and sol.time_ratio == pytest.approx(0.375)
+
+
+def test_bf16_only_where_extra_fp4_pays_for_it():
+    """m3 is small (1 FLOP unit against 3) and FP8 hurts it badly (10): keeping it in BF16 costs 1 time
+    unit, which putting m2 in FP4 (beyond the 50% target) pays for. Optimum, by enumeration of all 81
+    plans: m0..m2 in nvfp4, m3 in bf16, divergence 6."""
+    flops = [3.0, 3.0, 3.0, 1.0]
+    cost = {f"decoder.layers.{i}.mlp.linear_fc1": {"bf16": 0.0, "fp8": 10.0 if i == 3 else 0.01, "nvfp4": i + 1.0}
+            for i in range(4)}
+    cfg = PlannerConfig(formats=FORMATS, fp4_target=0.5, per_stage=False, speed=BLACKWELL)
+    plan, sol = solve_plan(build_problem(four_modules(flops), joint(cost), cfg), cfg)
+    names = list(cost)
+    assert [str(plan[n]) for n in names] == ["nvfp4", "nvfp4", "nvfp4", "bf16"]
+    budget = implied_time_target(four_modules(flops), cfg)
+    best = min(
+        (sum(cost[n][f] for n, f in zip(names, combo)), combo) for combo in itertools.product(FORMATS, repeat=4)
+        if sum(w for w, f in zip(flops, combo) if f == "nvfp4") / 10 >= 0.5
+        and sum(w / BLACKWELL[f] for w, f in zip(flops, combo)) / 10 <= budget + 1e-12)
+    assert best == (6.0, ("nvfp4", "nvfp4", "nvfp4", "bf16")) and sol.objective == pytest.approx(6.0)
+
+
+def test_time_target_given_replaces_the_implied_one():
+    cost = {f"decoder.layers.{i}.mlp.linear_fc1": {"bf16": 0.0, "fp8": 0.01, "nvfp4": i + 1.0} for i in range(4)}
+    cfg = PlannerConfig(formats=FORMATS, fp4_target=0.0, per_stage=False, speed=BLACKWELL, time_target=0.4375)
+    plan, sol = solve_plan(build_problem(four_modules([1.0] * 4), joint(cost), cfg), cfg)
+    # 0.4375 = (0.25 + 0.5 + 0.5 + 0.5) / 4: one module in FP4 (the cheapest), the rest FP8.
+    assert [str(plan[n]) for n in cost] == ["nvfp4", "fp8", "fp8", "fp8"]
+    assert sol.time_ratio == pytest.approx(0.4375)
+
+
+def test_current_formats_outside_the_candidates_are_no_obstacle():
+    """--snip-formats fp8 mxfp4 with the bf16 warm-up plan in force (it crashed the first cycle)."""
+    cost = {n: {"fp8": 0.01, "mxfp4": 1.0} for n in module_names(4)}
+    cfg = PlannerConfig(formats=("fp8", "mxfp4"), fp4_target=0.75, per_stage=False, switch_penalty=1.0)
+    plan, sol = solve_plan(build_problem(linear_modules(DIMS, 8, 1), joint(cost), cfg,
+                                         current=PrecisionPlan.uniform("bf16")), cfg)
+    assert sol.fp4_fraction >= 0.75 and {p.fwd for p in plan.modules.values()} <= {"fp8", "mxfp4"}
+
+
+def test_schedule_fixed_passes_are_left_out_of_the_budgets():
+    """A schedule fixing the forward GEMMs in bf16: SNIP plans the backward GEMMs only, its budget
+    counts their FLOPs only, and the plan carries the fixed forward precision."""
+    div = divergences([1.0, 1.0, 100.0, 100.0])
+    cfg = PlannerConfig(formats=FORMATS, fp4_target=0.75, per_stage=False, speed=BLACKWELL)
+    fixed = {"fwd": "bf16", "bwd": None}
+    problem = build_problem(linear_modules(DIMS, 8, 1), div, cfg, fixed=fixed)
+    plan, sol = solve_plan(problem, cfg, fixed)
+    assert problem.split and all(u.flops == 0 for u in problem.units if u.key[1] == "fwd")
+    assert all(plan[n].fwd == "bf16" for n in module_names(4))
+    assert sol.fp4_fraction >= 0.75 - 1e-9  # of the backward FLOPs
+    assert flop_fractions(plan, DIMS).fp4 == pytest.approx(sol.fp4_fraction * 2 / 3)

@@ -9,6 +9,7 @@ from megatron_snip.snip import policies
 from megatron_snip.snip.ilp import (
     BWD,
     FWD,
+    InfeasibleBudgetError,
     InfeasibleTargetError,
     LinearModule,
     SnipProblem,
@@ -181,3 +182,36 @@ def test_format_choices_are_validated():
         policies.random_plan(p, high_format="bf16")
     with pytest.raises(ValueError, match="first and last"):
         policies.keep_ends_high(p, first=-1)
+
+
+def test_baselines_meet_time_budgets_and_never_beat_the_ilp():
+    """Blackwell-like speeds: FP4 budgets with the time they imply (planner.implied_time_target), and
+    time budgets alone. Every baseline meets both budgets; the ILP is never worse."""
+    from megatron_snip.snip.planner import PlannerConfig, implied_time_target
+
+    speed = {"bf16": 1.0, "fp8": 2.0, "nvfp4": 4.0, "mxfp4": 4.0}
+    for seed in range(20):
+        _, problem = random_problem(seed)
+        rng = np.random.default_rng(seed + 100)
+        problem = replace(problem, pins={}, speed={f: speed[f] for f in problem.formats})
+        implied = implied_time_target(problem.modules, PlannerConfig(
+            formats=problem.formats, fp4_target=problem.target, per_stage=problem.per_stage,
+            split_passes=problem.split, speed=problem.speed))
+        alone = float(rng.uniform(0.3, 1.0))
+        for timed in (replace(problem, time_target=implied), replace(problem, target=0.0, time_target=alone)):
+            sol = solve(timed, "highs", mip_gap=0)
+            for name, plan in all_baselines(timed, rng, seed).items():
+                ev = evaluate_plan(timed, plan)
+                assert ev.meets_target, f"seed {seed} {name} time {ev.time_ratio} > {timed.time_target}"
+                assert sol.objective <= ev.objective + 1e-9, f"seed {seed} {name}"
+
+
+def test_a_time_budget_fp4_cannot_reach_is_refused_by_the_baselines():
+    mods = llama_modules(2)
+    cost = {m.name: {"bf16": 0.0, "fp8": 0.0, "nvfp4": 1.0} for m in mods}
+    hopper = {"bf16": 1.0, "fp8": 2.0, "nvfp4": 1.0}  # FP4 emulated: no faster than bf16
+    p = SnipProblem(mods, ("bf16", "fp8", "nvfp4"), 0.0, cost=cost, speed=hopper, time_target=0.6)
+    assert evaluate_plan(p, solve(p, "highs").plan).meets_target  # fp8 reaches it
+    with pytest.raises(InfeasibleBudgetError, match="misses the time target 0.6"):
+        policies.uniform(p)
+    assert evaluate_plan(p, policies.random_plan(p, seed=0)).time_ratio == pytest.approx(0.5)  # fp8 fill

@@ -8,6 +8,7 @@ import shutil
 import pytest
 
 from conftest import scalars, torchrun, train_args
+from megatron_snip.precision.plan import PrecisionPlan, module_names
 
 TARGET = 0.5
 LAYOUT = ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2")
@@ -39,6 +40,27 @@ def test_replans_at_two_intervals_and_meets_the_target(snip_run):
         assert min(stage_fraction.values()) >= TARGET - 1e-9  # per-stage budget
     losses = scalars(snip_run / "tb", "train/lm loss")
     assert losses[6] < losses[1]
+    # The non-FP4 remainder runs in FP8, at the baselines' estimated GEMM time (blackwell without a GPU).
+    fp8 = scalars(snip_run / "tb", "train/fp8 flops fraction")
+    assert fp8[4] > 0
+    time = scalars(snip_run / "tb", "train/estimated gemm time vs bf16")
+    assert time[1] == 1.0 and time[4] <= TARGET / 4 + (1 - TARGET) / 2 + 1e-9
+
+
+def test_time_target_with_the_papers_candidates_at_tp2_pp2(tiny_data, tmp_path):
+    """--snip-formats fp8 mxfp4 (no bf16 candidate; the bf16 warm-up plan is in force at the first
+    cycle) under a time budget alone: every stage meets it."""
+    torchrun(4, train_args(tiny_data, *LAYOUT, "--snip", "--snip-formats", "fp8", "mxfp4", "--snip-time-target",
+                           "0.35", "--gemm-speed-model", "blackwell", "--snip-interval", "2",
+                           "--snip-probe-passes", "1", "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
+                           "--tensorboard-dir", str(tmp_path / "tb"), iters=2))
+    record = json.loads((tmp_path / "ckpt" / "snip" / "snip_iter_0000002.json").read_text())
+    cycle = record["cycle"]
+    assert cycle["time_target"] == 0.35 and max(cycle["stage_time_ratio"].values()) <= 0.35 + 1e-9
+    assert record["run"]["speed_model"]["name"] == "blackwell" and record["run"]["speeds"] == {"fp8": 2.0,
+                                                                                                 "mxfp4": 4.0}
+    plan = PrecisionPlan.from_dict(cycle["plan"])
+    assert {str(plan[n]) for n in module_names(4)} == {"fp8", "mxfp4"}
 
 
 def test_resume_restores_the_plan_and_continues_identically(tiny_data, snip_run, tmp_path):
@@ -55,10 +77,12 @@ def test_resume_restores_the_plan_and_continues_identically(tiny_data, snip_run,
 
 
 def test_probe_cycles_leave_training_unchanged(tiny_data, tmp_path):
-    """With a target of 0 the plan stays bf16, so a run with cycles must match one without, bit for bit."""
+    """With a target of 0 and bf16 the only non-FP4 candidate the plan stays bf16, so a run with cycles must
+    match one without, bit for bit."""
     common = ("--pipeline-model-parallel-size", "2", "--lr-decay-style", "constant")
     torchrun(2, train_args(tiny_data, *common, "--tensorboard-dir", str(tmp_path / "plain"), iters=5))
-    torchrun(2, train_args(tiny_data, *common, "--snip", "--snip-fp4-target", "0", "--snip-interval", "2",
+    torchrun(2, train_args(tiny_data, *common, "--snip", "--snip-fp4-target", "0", "--snip-formats", "bf16", "nvfp4",
+                           "--snip-interval", "2",
                            "--snip-probe-passes", "1", "--tensorboard-dir", str(tmp_path / "snip"), iters=5))
     assert sorted(scalars(tmp_path / "snip", "snip/objective")) == [2, 4]  # two cycles ran
     assert set(scalars(tmp_path / "snip", "train/fp4 flops fraction").values()) == {0.0}

@@ -25,34 +25,30 @@ from __future__ import annotations
 
 import torch
 
-from .fp8 import FP8_BLOCK, quantize_fp8_block, quantize_fp8_tensorwise
+from .blocks import tensor_amax
+from .fp8 import fp8_scale_from_amax
 from .formats import E4M3, E5M2
-from .mx import quantize_mxfp4, quantize_mxfp8
-from .nvfp4 import NVFP4_BLOCK, quantize_nvfp4
+from .quantize import quantize_dequantize
+from .recipes import OperandQuantizer
+from .registry import SCHEMES
 
-FORMATS = ("bf16", "fp8_e4m3", "fp8_e5m2", "fp8_block", "mxfp8", "mxfp4", "nvfp4")
+# fake_quantize's names: the registry's schemes, with the per-tensor FP8 one named by its element.
+_SCHEME_OF = {"bf16": "bf16", "fp8_e4m3": "fp8_tensorwise", "fp8_e5m2": "fp8_tensorwise", "fp8_block": "fp8_block",
+              "mxfp8": "mxfp8", "mxfp4": "mxfp4", "nvfp4": "nvfp4"}
+_ELEMENT = {"fp8_e4m3": E4M3, "fp8_e5m2": E5M2}
+FORMATS = tuple(_SCHEME_OF)
 ROLES = ("activation", "weight", "grad")
-
-_ELEMENT_BITS = {
-    "bf16": 16,
-    "fp8_e4m3": 8,
-    "fp8_e5m2": 8,
-    "fp8_block": 8,
-    "mxfp8": 8,
-    "mxfp4": 4,
-    "nvfp4": 4,
-}
 
 
 def _check_format(fmt: str) -> str:
-    if fmt not in _ELEMENT_BITS:
+    if fmt not in _SCHEME_OF:
         raise ValueError(f"unknown format {fmt!r}; valid formats: {', '.join(FORMATS)}")
     return fmt
 
 
 def element_bits(fmt: str) -> int:
     """Bits per element of ``fmt`` (16, 8 or 4), excluding scale overhead."""
-    return _ELEMENT_BITS[_check_format(fmt)]
+    return SCHEMES[_SCHEME_OF[_check_format(fmt)]].bits
 
 
 def is_fp4(fmt: str) -> bool:
@@ -92,21 +88,11 @@ def fake_quantize(
         raise ValueError(f"unknown role {role!r}; valid roles: {', '.join(ROLES)}")
     if x.numel() == 0:
         return x.clone()
-    weight = role == "weight"
-    sr = dict(stochastic=stochastic, generator=generator)
-    if fmt == "bf16":
-        out = x.float().to(torch.bfloat16)
-    elif fmt == "fp8_e4m3":
-        out = quantize_fp8_tensorwise(x, E4M3).dequantized
-    elif fmt == "fp8_e5m2":
-        out = quantize_fp8_tensorwise(x, E5M2).dequantized
-    elif fmt == "fp8_block":
-        out = quantize_fp8_block(x, block=(FP8_BLOCK, FP8_BLOCK) if weight else (1, FP8_BLOCK)).dequantized
-    elif fmt == "mxfp8":
-        out = quantize_mxfp8(x).dequantized
-    elif fmt == "mxfp4":
-        out = quantize_mxfp4(x, **sr).dequantized
-    else:  # nvfp4
-        block = (NVFP4_BLOCK, NVFP4_BLOCK) if weight else (1, NVFP4_BLOCK)
-        out = quantize_nvfp4(x, block=block, **sr).dequantized
-    return out.to(x.dtype)
+    spec = SCHEMES[_SCHEME_OF[fmt]]
+    q = OperandQuantizer(spec.name, element=_ELEMENT.get(fmt),
+                         block=spec.weight_block if role == "weight" else spec.block,
+                         stochastic=stochastic and spec.stochastic_rounding)
+    scale = None
+    if fmt in _ELEMENT:
+        scale = fp8_scale_from_amax(tensor_amax(x.float()), q.element)
+    return quantize_dequantize(x, q, scale=scale, generator=generator).to(x.dtype)

@@ -15,16 +15,17 @@ linear_fc2  f      h
 =========== ====== ===================== =========================
 
 The fraction of linear FLOPs run in FP4 is SNIP's efficiency metric; tokens
-cancel in it.
+cancel in it. What a user pays for is time: :func:`estimated_time_ratio` weighs each
+GEMM's FLOPs by its format's throughput (a ``gemm_speed.GemmSpeedModel``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from .plan import LINEAR_MODULES, PrecisionPlan, module_names, parse_module_name
-from .recipes import FP4_NAMES, PRECISION_NAMES
+from .registry import PRECISION_NAMES, family
 
 
 def gemm_flops(tokens: int, in_features: int, out_features: int) -> int:
@@ -118,5 +119,21 @@ def flop_fractions(plan: PrecisionPlan, dims: LlamaLinearDims, names: Iterable[s
     total = sum(totals.values())
     if total == 0:
         raise ValueError("no linear modules to count")
-    fp4 = sum(totals[n] for n in FP4_NAMES)
-    return FlopFractions(fp4=fp4 / total, fp8=totals["fp8"] / total, bf16=totals["bf16"] / total)
+    by_family = {f: sum(v for n, v in totals.items() if family(n) == f) / total for f in ("fp4", "fp8", "bf16")}
+    return FlopFractions(**by_family)
+
+
+def estimated_time_ratio(plan: PrecisionPlan, dims: LlamaLinearDims, speeds: Mapping[str, float],
+                         names: Iterable[str] | None = None) -> float:
+    """Estimated linear-layer GEMM time of ``plan`` / the time of the same GEMMs in BF16.
+
+    Args:
+        speeds: precision name -> GEMM throughput relative to bf16
+            (``GemmSpeedModel.precision_speeds``).
+        names: modules to count (default: all of the model).
+    """
+    totals = flops_by_format(plan, dims, names=names)
+    total = sum(totals.values())
+    if total == 0:
+        raise ValueError("no linear modules to count")
+    return sum(v / speeds[n] for n, v in totals.items() if v) / total

@@ -35,11 +35,10 @@ import torch
 import torch.nn.functional as F
 
 from .blocks import tensor_amax
-from .formats import E2M1, E4M3, FloatFormat, round_to_format
-from .fp8 import FP8DelayedScaling, _apply_tensor_scale, fp8_scale_from_amax, quantize_fp8_block
+from .formats import FloatFormat, round_to_format
+from .fp8 import FP8DelayedScaling, fp8_scale_from_amax
 from .hadamard import HADAMARD_SIZE, random_hadamard_transform, random_signs
-from .mx import quantize_mxfp4, quantize_mxfp8
-from .nvfp4 import quantize_nvfp4
+from .quantize import quantize_dequantize
 from .recipes import OperandQuantizer, Precision, RecipeConfig, operand_quantizer
 
 AmaxReduce = Callable[[torch.Tensor], torch.Tensor]
@@ -203,11 +202,8 @@ def _quantize(t: torch.Tensor, q: OperandQuantizer, operand: str, quant: LinearQ
     :class:`FP8Operand` (bytes + scale) instead of dequantized."""
     src = t.t() if q.columnwise else t
     kernels = _triton_qdq(quant.recipe, src)
-    if kernels is None:
-        src = src.float()
-    if q.scheme == "bf16":
-        out = src.to(torch.bfloat16).float()
-    elif q.scheme in ("fp8_tensorwise", "fp8_delayed"):
+    scale = generator = None
+    if q.scheme in ("fp8_tensorwise", "fp8_delayed"):
         amax = tensor_amax(src, quant.global_amax(src, operand)).float()
         if q.scheme == "fp8_tensorwise":
             scale = fp8_scale_from_amax(amax, q.element)
@@ -218,30 +214,10 @@ def _quantize(t: torch.Tensor, q: OperandQuantizer, operand: str, quant: LinearQ
         if keep_fp8:  # per-tensor quantizers are never columnwise: src is t
             elements = round_to_format(src.float() * scale, q.element)
             return FP8Operand(elements.to(q.element.torch_dtype), torch.reciprocal(scale))
-        if kernels is not None:
-            out = kernels.qdq_fp8_tensorwise(src, scale, q.element)
-        else:
-            out = _apply_tensor_scale(src, scale, q.element).dequantized
-    elif q.scheme == "fp8_block":
-        out = (kernels.qdq_fp8_block(src, block=q.block) if kernels is not None
-               else quantize_fp8_block(src, block=q.block).dequantized)
-    elif q.scheme == "mxfp8":
-        out = (kernels.qdq_mx(src, E4M3, scale_rule="ceil") if kernels is not None
-               else quantize_mxfp8(src).dequantized)
-    else:
-        generator = quant.state.generator(src.device) if q.stochastic else None
-        if q.scheme == "mxfp4":
-            out = (kernels.qdq_mx(src, E2M1, scale_rule="ocp", stochastic=q.stochastic, generator=generator)
-                   if kernels is not None else
-                   quantize_mxfp4(src, stochastic=q.stochastic, generator=generator).dequantized)
-        else:
-            amax = quant.global_amax(src, operand)
-            if kernels is not None:
-                out = kernels.qdq_nvfp4(src, block=q.block, global_amax=tensor_amax(src, amax).float(),
-                                        stochastic=q.stochastic, generator=generator)
-            else:
-                out = quantize_nvfp4(src, block=q.block, amax=amax, stochastic=q.stochastic,
-                                     generator=generator).dequantized
+    if q.stochastic:
+        generator = quant.state.generator(src.device)
+    global_amax = quant.global_amax(src, operand) if q.scheme == "nvfp4" else None  # per-tensor part of nvfp4
+    out = quantize_dequantize(src, q, scale=scale, global_amax=global_amax, generator=generator, kernels=kernels)
     return out.t() if q.columnwise else out
 
 

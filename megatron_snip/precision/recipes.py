@@ -23,12 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .formats import E4M3, E5M2, FloatFormat
-from .fp8 import FP8_BLOCK
-from .mx import MX_BLOCK
-from .nvfp4 import NVFP4_BLOCK
+from .registry import FP4_NAMES, PRECISION_NAMES, SCHEMES, precision_format, scheme_format
 
-PRECISION_NAMES = ("bf16", "fp8", "nvfp4", "mxfp4")
-FP4_NAMES = ("nvfp4", "mxfp4")
 FP8_RECIPES = ("tensorwise", "delayed", "blockwise", "mxfp8")
 FP8_FORMATS = ("hybrid", "e4m3")
 KERNELS = ("auto", "triton", "torch")
@@ -37,15 +33,12 @@ GEMMS = ("fprop", "dgrad", "wgrad")
 OPERANDS = ("x", "w", "dy")
 # The two operands of each GEMM, in the order they enter it.
 GEMM_OPERANDS = {"fprop": ("x", "w"), "dgrad": ("dy", "w"), "wgrad": ("dy", "x")}
-SCHEMES = ("bf16", "fp8_tensorwise", "fp8_delayed", "fp8_block", "mxfp8", "mxfp4", "nvfp4")
+__all__ = ["BF16", "FP4_NAMES", "PRECISION_NAMES", "SCHEMES", "OperandQuantizer", "Precision", "RecipeConfig",
+           "operand_quantizer", "reduction_block"]
 
 
 def _check_name(name: str) -> str:
-    if name not in PRECISION_NAMES:
-        raise ValueError(
-            f"unknown precision {name!r}; valid: {', '.join(PRECISION_NAMES)} "
-            "(or forward/backward, e.g. 'fp8/bf16')"
-        )
+    precision_format(name)
     return name
 
 
@@ -175,8 +168,7 @@ class OperandQuantizer:
     hadamard: bool = False
 
     def __post_init__(self):
-        if self.scheme not in SCHEMES:
-            raise ValueError(f"unknown scheme {self.scheme!r}; valid: {', '.join(SCHEMES)}")
+        scheme_format(self.scheme)
         if self.block is None or self.block[0] == self.block[1]:
             object.__setattr__(self, "columnwise", False)
 
@@ -203,24 +195,18 @@ def operand_quantizer(name: str, gemm: str, operand: str, recipe: RecipeConfig =
     weight = operand == "w"
     if name == "bf16":
         return OperandQuantizer("bf16")
-    if name == "fp8":
-        if recipe.fp8_recipe in ("tensorwise", "delayed"):
-            element = E5M2 if grad and recipe.fp8_format == "hybrid" else E4M3
-            return OperandQuantizer(f"fp8_{recipe.fp8_recipe}", element=element)
-        if recipe.fp8_recipe == "blockwise":
-            block = (FP8_BLOCK, FP8_BLOCK) if weight else (1, FP8_BLOCK)
-            return OperandQuantizer("fp8_block", block=block, columnwise=columnwise)
-        return OperandQuantizer("mxfp8", block=(1, MX_BLOCK), columnwise=columnwise)
-    stochastic = grad and recipe.fp4_stochastic_rounding
-    if name == "mxfp4":
-        return OperandQuantizer("mxfp4", block=(1, MX_BLOCK), columnwise=columnwise, stochastic=stochastic)
-    tile = weight and recipe.nvfp4_2d_weights
+    if name == "fp8" and recipe.fp8_recipe in ("tensorwise", "delayed"):
+        element = E5M2 if grad and recipe.fp8_format == "hybrid" else E4M3
+        return OperandQuantizer(f"fp8_{recipe.fp8_recipe}", element=element)
+    scheme = {"fp8": "fp8_block" if recipe.fp8_recipe == "blockwise" else "mxfp8"}.get(name, name)
+    spec = SCHEMES[scheme]
+    tile = weight and (scheme != "nvfp4" or recipe.nvfp4_2d_weights)
     return OperandQuantizer(
-        "nvfp4",
-        block=(NVFP4_BLOCK, NVFP4_BLOCK) if tile else (1, NVFP4_BLOCK),
+        scheme,
+        block=spec.weight_block if tile else spec.block,
         columnwise=columnwise,
-        stochastic=stochastic,
-        hadamard=gemm == "wgrad" and recipe.nvfp4_random_hadamard,
+        stochastic=grad and spec.stochastic_rounding and recipe.fp4_stochastic_rounding,
+        hadamard=scheme == "nvfp4" and gemm == "wgrad" and recipe.nvfp4_random_hadamard,
     )
 
 

@@ -5,7 +5,9 @@ format, how much quality would be lost (a normalised divergence, lower is
 better). This module picks one format per module (or, in *split* mode, one
 for the forward GEMM and one for the backward GEMMs) that minimises the total
 divergence while at least a ``target`` fraction of the linear-layer FLOPs run
-in an FP4 format, globally and optionally per pipeline stage.
+in an FP4 format and, with a GEMM speed table, the estimated GEMM time stays
+within ``time_target`` of the all-BF16 time, globally and optionally per
+pipeline stage.
 
 Everything here is plain data and pure functions; no torch.distributed. The
 formulation is written out in ``docs/ilp.md``.
@@ -22,10 +24,12 @@ import logging
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 import numpy as np
+
+from megatron_snip.precision.registry import FP4_NAMES
 
 from . import solvers
 
@@ -36,10 +40,11 @@ BWD = "bwd"
 PASSES = (FWD, BWD)
 
 # Format names treated as FP4 when a problem does not say which are.
-DEFAULT_FP4_FORMATS = frozenset({"fp4", "nvfp4", "mxfp4"})
+DEFAULT_FP4_FORMATS = frozenset(FP4_NAMES)
 
-# The command-line flag that sets the target, named in infeasibility errors.
+# The command-line flags that set the budgets, named in infeasibility errors.
 TARGET_FLAG = "--snip-fp4-target"
+TIME_TARGET_FLAG = "--snip-time-target"
 
 # Slack when comparing FLOP fractions with the target, so that a plan that
 # meets the target exactly is not refused over a rounding error.
@@ -50,7 +55,11 @@ CostTable = Mapping[str, Mapping[str, float]]
 Plan = Mapping[UnitKey, str]
 
 
-class InfeasibleTargetError(ValueError):
+class InfeasibleBudgetError(ValueError):
+    """No plan meets the problem's budgets (FP4 share, GEMM time, or both together)."""
+
+
+class InfeasibleTargetError(InfeasibleBudgetError):
     """The FP4 target cannot be met.
 
     Attributes (fractions of linear-layer FLOPs, in [0, 1]):
@@ -66,6 +75,22 @@ class InfeasibleTargetError(ValueError):
         self.largest_feasible = largest_feasible
         self.global_max = global_max
         self.stage_max = dict(stage_max)
+
+
+class InfeasibleTimeTargetError(InfeasibleBudgetError):
+    """The GEMM-time target cannot be met (alone, or together with the FP4 target).
+
+    Attributes (estimated GEMM time / all-BF16 time): ``target``; ``smallest_feasible``, the
+    smallest target that could be met (with per-stage constraints, the largest stage value;
+    with an FP4 target, the smallest time at that FP4 share); ``stage_min`` (stage -> smallest
+    time ratio, ignoring the FP4 target).
+    """
+
+    def __init__(self, message: str, *, target: float, smallest_feasible: float, stage_min: Mapping[int, float]):
+        super().__init__(message)
+        self.target = target
+        self.smallest_feasible = smallest_feasible
+        self.stage_min = dict(stage_min)
 
 
 @dataclass(frozen=True)
@@ -139,8 +164,13 @@ class SnipProblem:
     backward GEMMs choose formats separately). Every cost table maps every
     module name to a mapping of every candidate format to a finite cost >= 0.
 
+    ``speed`` maps every candidate format to its GEMM throughput relative to bf16 (from a
+    ``GemmSpeedModel``); a unit's estimated time in format f is ``flops / speed[f]``, in
+    BF16-FLOP units, so the all-BF16 time is the FLOP total. With ``time_target`` T the plan's
+    estimated time is at most T times the all-BF16 time (per stage with ``per_stage``).
+
     Building the problem raises ``ValueError`` for malformed inputs and
-    :class:`InfeasibleTargetError` when the target cannot be met. The cost,
+    :class:`InfeasibleBudgetError` when a budget cannot be met on its own. The cost,
     pin and current-plan mappings are copied into :attr:`units` at build
     time; changing them afterwards has no effect.
     """
@@ -156,6 +186,8 @@ class SnipProblem:
     pins: Mapping[UnitKey, str] = field(default_factory=dict)  # unit -> fixed format
     current: Mapping[UnitKey, str] | None = None  # the plan now in use
     switch_penalty: float = 0.0  # objective added per unit whose format differs from current
+    speed: Mapping[str, float] | None = None  # format -> GEMM throughput relative to bf16
+    time_target: float | None = None  # max estimated GEMM time / all-BF16 time
     units: tuple[DecisionUnit, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -172,6 +204,7 @@ class SnipProblem:
         if not (isinstance(self.target, int | float | np.floating) and 0.0 <= self.target <= 1.0):
             raise ValueError(f"FP4 target must be a fraction in [0, 1], got {self.target!r}")
         set_(self, "target", float(self.target))
+        self._check_speed()
         if not (math.isfinite(self.switch_penalty) and self.switch_penalty >= 0):
             raise ValueError(f"switch_penalty must be finite and >= 0, got {self.switch_penalty!r}")
         if (self.cost is None) == (self.fwd_cost is None and self.bwd_cost is None):
@@ -182,6 +215,28 @@ class SnipProblem:
         if sum(u.flops for u in self.units) <= 0:
             raise ValueError("the modules have no FLOPs in total; the FP4 fraction is undefined")
         _check_feasible(self)
+
+    def _check_speed(self):
+        if self.speed is None:
+            if self.time_target is not None:
+                raise ValueError("a time target needs speed: the GEMM throughput of every candidate format")
+            return
+        missing = [f for f in self.formats if f not in self.speed]
+        if missing:
+            raise ValueError(f"speed: no throughput for candidate format(s) {missing}")
+        bad = {f: self.speed[f] for f in self.formats if not (math.isfinite(self.speed[f]) and self.speed[f] > 0)}
+        if bad:
+            raise ValueError(f"speed: throughputs must be finite and > 0, got {bad}")
+        object.__setattr__(self, "speed", MappingProxyType({f: float(self.speed[f]) for f in self.formats}))
+        if self.time_target is not None:
+            if not (isinstance(self.time_target, int | float | np.floating) and math.isfinite(self.time_target)
+                    and self.time_target > 0):
+                raise ValueError(f"time target must be a ratio > 0, got {self.time_target!r}")
+            object.__setattr__(self, "time_target", float(self.time_target))
+
+    def unit_time(self, unit: DecisionUnit, fmt: str) -> float:
+        """Estimated GEMM time of ``unit`` in ``fmt``, in BF16-FLOP units (needs ``speed``)."""
+        return unit.flops / self.speed[fmt]
 
     @property
     def split(self) -> bool:
@@ -295,6 +350,8 @@ class PlanEvaluation:
     fp4_fraction: float  # FP4 FLOPs / all linear FLOPs
     stage_fp4_fraction: dict[int, float]  # stage -> FP4 FLOPs / that stage's FLOPs
     meets_target: bool  # every budget constraint of the problem holds
+    time_ratio: float | None  # estimated GEMM time / all-BF16 time (None without speed)
+    stage_time_ratio: dict[int, float] | None  # stage -> the same within the stage
 
 
 @dataclass(frozen=True)
@@ -323,6 +380,25 @@ def fp4_capacity(problem: SnipProblem) -> tuple[float, dict[int, float]]:
     return glob, {s: stage_cap[s] / f for s, f in sorted(problem.stage_flops.items()) if f > 0}
 
 
+def time_capacity(problem: SnipProblem) -> tuple[float, dict[int, float]]:
+    """Smallest achievable estimated-time ratio (time / all-BF16 time): ``(global, {stage: ratio})``.
+
+    Every unit in its fastest allowed format minimises every stage at once (the FP4 target
+    is ignored here). Needs ``problem.speed``.
+    """
+    stage_time: dict[int, float] = {}
+    for u in problem.units:
+        stage_time[u.stage] = stage_time.get(u.stage, 0.0) + min(problem.unit_time(u, f) for f in u.allowed)
+    glob = sum(stage_time.values()) / problem.total_flops
+    return glob, {s: stage_time[s] / f for s, f in sorted(problem.stage_flops.items()) if f > 0}
+
+
+def smallest_feasible_time_target(problem: SnipProblem) -> float:
+    """The smallest time target the allowed formats admit (per-stage included; FP4 target ignored)."""
+    glob, stages = time_capacity(problem)
+    return max(stages.values()) if problem.per_stage else glob
+
+
 def largest_feasible_target(problem: SnipProblem) -> float:
     """The largest target the problem's constraints admit (pins and per-stage included)."""
     glob, stages = fp4_capacity(problem)
@@ -339,6 +415,19 @@ def capacity_text(glob: float, stages: Mapping[int, float], per_stage: bool) -> 
 
 
 def _check_feasible(problem: SnipProblem) -> None:
+    if problem.time_target is not None:
+        smallest = smallest_feasible_time_target(problem)
+        if problem.time_target < smallest - FRACTION_TOL:
+            glob, stages = time_capacity(problem)
+            where = f"{glob:.6g} (global)"
+            if problem.per_stage:
+                stage = max(stages, key=stages.get)
+                where += f" / {stages[stage]:.6g} (stage {stage})"
+            raise InfeasibleTimeTargetError(
+                f"time target {problem.time_target:.6g} is infeasible: with every module in its fastest "
+                f"candidate format ({_fastest(problem)}) the estimated GEMM time is {where} of the all-BF16 time. "
+                f"Raise {TIME_TARGET_FLAG}, add a faster candidate format, or choose another --gemm-speed-model.",
+                target=problem.time_target, smallest_feasible=smallest, stage_min=stages)
     largest = largest_feasible_target(problem)
     if problem.target <= largest + FRACTION_TOL:
         return
@@ -360,6 +449,11 @@ def _check_feasible(problem: SnipProblem) -> None:
     )
 
 
+def _fastest(problem: SnipProblem) -> str:
+    best = max(problem.formats, key=problem.speed.get)
+    return f"{best}: {problem.speed[best]:g}x bf16"
+
+
 def evaluate_plan(problem: SnipProblem, plan: Plan) -> PlanEvaluation:
     """Predicted objective and FP4 share of ``plan`` (unit key or module name -> format).
 
@@ -373,21 +467,35 @@ def evaluate_plan(problem: SnipProblem, plan: Plan) -> PlanEvaluation:
     divergence = 0.0
     n_switched = 0
     fp4_flops: dict[int, float] = {}
+    time: dict[int, float] = {}
     for u in problem.units:
         f = formats[u.key]
         divergence += u.cost[f]
         n_switched += u.current is not None and f != u.current
         fp4_flops[u.stage] = fp4_flops.get(u.stage, 0.0) + (u.flops if f in problem.fp4_formats else 0.0)
+        if problem.speed is not None:
+            time[u.stage] = time.get(u.stage, 0.0) + problem.unit_time(u, f)
+    stage_flops = {s: f for s, f in sorted(problem.stage_flops.items()) if f > 0}
     glob = sum(fp4_flops.values()) / problem.total_flops
-    stages = {s: fp4_flops[s] / f for s, f in sorted(problem.stage_flops.items()) if f > 0}
+    stages = {s: fp4_flops[s] / f for s, f in stage_flops.items()}
     binding = stages.values() if problem.per_stage else [glob]
+    meets = all(v >= problem.target - FRACTION_TOL for v in binding)
+    time_ratio = stage_time = None
+    if problem.speed is not None:
+        time_ratio = sum(time.values()) / problem.total_flops
+        stage_time = {s: time[s] / f for s, f in stage_flops.items()}
+        if problem.time_target is not None:
+            binding = stage_time.values() if problem.per_stage else [time_ratio]
+            meets = meets and all(v <= problem.time_target + FRACTION_TOL for v in binding)
     return PlanEvaluation(
         objective=divergence + problem.switch_penalty * n_switched,
         divergence=divergence,
         n_switched=n_switched,
         fp4_fraction=glob,
         stage_fp4_fraction=stages,
-        meets_target=all(v >= problem.target - FRACTION_TOL for v in binding),
+        meets_target=meets,
+        time_ratio=time_ratio,
+        stage_time_ratio=stage_time,
     )
 
 
@@ -427,6 +535,16 @@ def build_matrix_model(problem: SnipProblem) -> tuple[solvers.MatrixModel, tuple
                     if f in problem.fp4_formats and (scope is None or problem.units[i].stage == scope)]
             rows.append((cols, [problem.units[columns[j][0]].flops / scope_flops for j in cols], False,
                          float(problem.target)))
+    if problem.time_target is not None:
+        # time <= T * all-BF16 time, written as -time / FLOPs >= -T (rows are == or >=).
+        scopes = sorted(problem.stage_flops) if problem.per_stage else [None]
+        for scope in scopes:
+            scope_flops = sum(u.flops for u in problem.units if scope is None or u.stage == scope)
+            if scope_flops <= 0:
+                continue
+            cols = [j for j, (i, _) in enumerate(columns) if scope is None or problem.units[i].stage == scope]
+            rows.append((cols, [-problem.unit_time(problem.units[columns[j][0]], columns[j][1]) / scope_flops
+                                for j in cols], False, -float(problem.time_target)))
 
     model = solvers.MatrixModel(
         cost=raw / scale,
@@ -437,6 +555,31 @@ def build_matrix_model(problem: SnipProblem) -> tuple[solvers.MatrixModel, tuple
         is_equality=np.array([r[2] for r in rows], dtype=bool),
     )
     return model, columns, scale
+
+
+def _joint_infeasibility(problem: SnipProblem, solver: str) -> InfeasibleBudgetError:
+    """Each budget alone is feasible (checked when the problem was built) but not both: the error
+    names the smallest time target that the FP4 target admits (an ILP minimising the time)."""
+    if problem.time_target is None:
+        return InfeasibleBudgetError("the solver found the problem infeasible although its FP4 target is")
+    fastest = replace(problem, **_cost_tables_from(problem, lambda u, f: problem.unit_time(u, f) / u.flops),
+                      time_target=None, current=None, switch_penalty=0.0)
+    least = evaluate_plan(problem, solve(fastest, solver).plan)
+    reached = max(least.stage_time_ratio.values()) if problem.per_stage else least.time_ratio
+    return InfeasibleTimeTargetError(
+        f"{TARGET_FLAG} {problem.target:.6g} and {TIME_TARGET_FLAG} {problem.time_target:.6g} cannot both be met: "
+        f"at that FP4 share the smallest estimated GEMM time is {reached:.6g} of the all-BF16 time. Raise "
+        f"{TIME_TARGET_FLAG}, lower {TARGET_FLAG}, or choose another --gemm-speed-model.",
+        target=problem.time_target, smallest_feasible=reached, stage_min=time_capacity(problem)[1])
+
+
+def _cost_tables_from(problem: SnipProblem, cost) -> dict:
+    """``cost(unit, format)`` as the problem's cost tables (``cost=`` or ``fwd_cost=``/``bwd_cost=``)."""
+    tables: dict[str, dict[str, dict[str, float]]] = {}
+    for u in problem.units:
+        table = "cost" if not problem.split else ("fwd_cost" if u.key[1] == FWD else "bwd_cost")
+        tables.setdefault(table, {})[u.module] = {f: (cost(u, f) if f in u.allowed else 0.0) for f in problem.formats}
+    return tables
 
 
 def solve(problem: SnipProblem, solver: str = "auto", time_limit: float | None = None,
@@ -454,7 +597,10 @@ def solve(problem: SnipProblem, solver: str = "auto", time_limit: float | None =
     if not 0 <= mip_gap < 1:
         raise ValueError(f"mip_gap must be in [0, 1), got {mip_gap!r}")
     model, columns, scale = build_matrix_model(problem)
-    result = solvers.solve_matrix(model, solver, time_limit=time_limit, mip_gap=mip_gap)
+    try:
+        result = solvers.solve_matrix(model, solver, time_limit=time_limit, mip_gap=mip_gap)
+    except solvers.SolverInfeasibleError:
+        raise _joint_infeasibility(problem, solver) from None
 
     plan: dict[UnitKey, str] = {}
     for j in np.flatnonzero(result.x):

@@ -7,24 +7,36 @@ Pure functions: the manager calls them on one rank with gathered statistics;
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megatron_snip.precision.flops import LlamaLinearDims
 from megatron_snip.precision.plan import LINEAR_MODULES, PrecisionPlan, module_name
 from megatron_snip.precision.recipes import Precision
+from megatron_snip.precision.registry import FP4_NAMES
 from megatron_snip.snip.estimators import CostTables
 from megatron_snip.snip.ilp import BWD, FWD, LinearModule, SnipProblem, Solution, UnitKey, solve
+from megatron_snip.snip.policies import baseline_formats
+
 
 @dataclass(frozen=True)
 class PlannerConfig:
-    """The ILP's settings (flags ``--snip-*``)."""
+    """The ILP's settings (flags ``--snip-*``).
+
+    ``speed`` (precision -> GEMM throughput relative to bf16, from the run's
+    ``GemmSpeedModel``) turns on time accounting. Without ``time_target`` the plan's
+    estimated GEMM time is then held to :func:`implied_time_target`, the time of the
+    baselines' plans at the same FP4 share, so the non-FP4 remainder runs in FP8 unless
+    BF16 pays for itself (docs/ilp.md, "Budgets").
+    """
 
     formats: tuple[str, ...]  # candidates, e.g. ("bf16", "fp8", "nvfp4")
     fp4_target: float  # required FP4 fraction of linear-layer FLOPs
-    per_stage: bool = True  # the target holds within every pipeline stage
+    per_stage: bool = True  # the budgets hold within every pipeline stage
     split_passes: bool = False  # forward and backward GEMMs choose separately
     switch_penalty: float = 0.0  # per unit whose format changes from the current plan
     solver: str = "auto"
+    speed: Mapping[str, float] | None = None  # precision -> GEMM throughput relative to bf16
+    time_target: float | None = None  # max estimated GEMM time / all-BF16 time (None: implied)
 
 
 def linear_modules(dims: LlamaLinearDims, tokens: int, pipeline_stages: int) -> list[LinearModule]:
@@ -40,21 +52,77 @@ def linear_modules(dims: LlamaLinearDims, tokens: int, pipeline_stages: int) -> 
 
 
 def build_problem(modules: Sequence[LinearModule], costs: CostTables, config: PlannerConfig,
-                  current: PrecisionPlan | None = None) -> SnipProblem:
-    """The SNIP ILP: minimise the weighted divergences (``costs``) subject to the FP4 budget.
+                  current: PrecisionPlan | None = None, fixed: Mapping[str, str | None] | None = None) -> SnipProblem:
+    """The SNIP ILP: minimise the weighted divergences (``costs``) subject to the budgets.
 
     Jointly a module pays its forward and backward costs for one format; in split
     mode the forward GEMM and the backward GEMMs each choose and pay their own.
+
+    ``fixed`` (``PrecisionSchedule.fixed``: ``{"fwd": precision or None, "bwd": ...}``) names
+    passes a precision schedule imposes on every module: the problem leaves them out (split
+    mode, their FLOPs and costs zero), so the budgets apply to the GEMMs the plan decides.
     """
+    fixed = {side: f for side, f in (fixed or {}).items() if f is not None}
+    if fixed:
+        if set(fixed) >= {"fwd", "bwd"}:
+            raise ValueError("the precision schedule fixes every GEMM: there is nothing to plan")
+        config = replace(config, split_passes=True)
+        modules = [replace(m, fprop_flops=0.0 if "fwd" in fixed else m.fprop_flops,
+                           dgrad_flops=0.0 if "bwd" in fixed else m.dgrad_flops,
+                           wgrad_flops=0.0 if "bwd" in fixed else m.wgrad_flops) for m in modules]
+        zero = {n: dict.fromkeys(row, 0.0) for n, row in costs.forward.items()}
+        costs = replace(costs, forward=zero if "fwd" in fixed else costs.forward,
+                        backward=zero if "bwd" in fixed else costs.backward)
+    time_target = config.time_target
+    if time_target is None and config.speed is not None:
+        time_target = implied_time_target(modules, config)
     common = dict(modules=modules, formats=config.formats, target=config.fp4_target, per_stage=config.per_stage,
-                  switch_penalty=config.switch_penalty)
+                  switch_penalty=config.switch_penalty, speed=config.speed, time_target=time_target)
     if config.split_passes:
         now = None if current is None else {
             **{(m.name, FWD): current[m.name].fwd for m in modules},
             **{(m.name, BWD): current[m.name].bwd for m in modules}}
+    else:
+        now = None if current is None else {m.name: _joint_format(current[m.name]) for m in modules}
+    if now is not None:
+        # A format that is not a candidate (e.g. the bf16 warm-up plan under --snip-formats fp8 mxfp4)
+        # makes every choice a switch: the same penalty for all, so no current format at all.
+        now = {k: f for k, f in now.items() if f in config.formats}
+    if config.split_passes:
         return SnipProblem(fwd_cost=costs.forward, bwd_cost=costs.backward, current=now, **common)
-    now = None if current is None else {m.name: _joint_format(current[m.name]) for m in modules}
     return SnipProblem(cost=costs.joint, current=now, **common)
+
+
+def implied_time_target(modules: Sequence[LinearModule], config: PlannerConfig) -> float:
+    """The GEMM-time budget an FP4 target implies: the estimated time of the plans the baselines
+    make at that target (``policies.baseline_formats``: FP4 units in nvfp4, the rest in fp8),
+
+        T = t / s_fp4 + (1 - t) / s_high      (a ratio to the all-BF16 time)
+
+    plus, where FP4 is slower than the high format (FP4 emulated on Hopper), the time of one
+    unit's overshoot of the target, which discrete modules cannot avoid. Under it, BF16 can
+    replace FP8 only where extra FP4 pays for its time, so SNIP and the baselines are compared
+    at equal estimated cost.
+    """
+    fp4, high = baseline_formats(config.formats, set(FP4_NAMES) & set(config.formats))
+    t = config.fp4_target if fp4 is not None else 0.0
+    inv_high = 1.0 / config.speed[high] if high is not None else 0.0
+    inv_fp4 = 1.0 / config.speed[fp4] if fp4 is not None else 0.0
+    target = t * inv_fp4 + (1.0 - t) * inv_high
+    if fp4 is not None and high is not None and inv_fp4 > inv_high:
+        target += (inv_fp4 - inv_high) * _largest_unit_share(modules, config)
+    return target
+
+
+def _largest_unit_share(modules: Sequence[LinearModule], config: PlannerConfig) -> float:
+    """The largest FLOP share of one decision unit within its budget scope (stage or model)."""
+    units = [(m.stage, f) for m in modules
+             for f in ((m.fprop_flops, m.bwd_flops) if config.split_passes else (m.flops,))]
+    scope_flops: dict[int | None, float] = {}
+    for stage, flops in units:
+        key = stage if config.per_stage else None
+        scope_flops[key] = scope_flops.get(key, 0.0) + flops
+    return max(flops / scope_flops[stage if config.per_stage else None] for stage, flops in units)
 
 
 def _joint_format(precision: Precision) -> str:
@@ -62,10 +130,17 @@ def _joint_format(precision: Precision) -> str:
     return precision.fwd
 
 
-def solve_plan(problem: SnipProblem, config: PlannerConfig) -> tuple[PrecisionPlan, Solution]:
-    """Solve and turn the solution into a plan covering every module explicitly."""
+def solve_plan(problem: SnipProblem, config: PlannerConfig,
+               fixed: Mapping[str, str | None] | None = None) -> tuple[PrecisionPlan, Solution]:
+    """Solve and turn the solution into a plan covering every module explicitly (with the
+    schedule's ``fixed`` passes, which the problem left out, in their fixed precisions)."""
     solution = solve(problem, solver=config.solver)
-    return to_precision_plan(solution.plan, problem.split), solution
+    plan = to_precision_plan(solution.plan, problem.split)
+    fixed = fixed or {}
+    if any(fixed.values()):
+        plan = PrecisionPlan({n: Precision(fixed.get("fwd") or p.fwd, fixed.get("bwd") or p.bwd)
+                              for n, p in plan.modules.items()})
+    return plan, solution
 
 
 def to_precision_plan(units: Mapping[UnitKey, str], split: bool) -> PrecisionPlan:

@@ -4,8 +4,9 @@ The SNIP paper compares its ILP plans with: uniform FP4, random layer
 choice, minimum quantization error, minimum relative quantization error,
 layer-type heuristics and keeping the first/last layers in high precision.
 Each function here builds that baseline for a :class:`SnipProblem`: it
-honours the problem's pins, meets its FP4 budget (globally and, with
-``per_stage``, in every stage) and returns a plan ``unit key -> format``
+honours the problem's pins, meets its budgets (the FP4 share and, when the
+problem has one, the estimated GEMM time; globally and, with ``per_stage``,
+in every stage) and returns a plan ``unit key -> format``
 that :func:`evaluate_plan` (re-exported here) scores under the problem's
 costs, so plans can be compared side by side (:func:`format_comparison`).
 
@@ -31,6 +32,7 @@ from .ilp import (
     TARGET_FLAG,
     CostTable,
     DecisionUnit,
+    InfeasibleBudgetError,
     InfeasibleTargetError,
     Plan,
     PlanEvaluation,
@@ -43,6 +45,7 @@ from .ilp import (
 
 __all__ = [
     "DEFAULT_TYPE_ORDER",
+    "baseline_formats",
     "evaluate_plan",
     "format_comparison",
     "keep_ends_high",
@@ -74,6 +77,9 @@ def uniform(problem: SnipProblem, fmt: str | None = None) -> dict[UnitKey, str]:
         raise ValueError(f"uniform: unknown format {fmt!r}; candidates are {list(problem.formats)}")
     plan = {u.key: u.pin or fmt for u in problem.units}
     ev = evaluate_plan(problem, plan)
+    if not ev.meets_target and problem.time_target is not None and ev.fp4_fraction >= problem.target - FRACTION_TOL:
+        raise InfeasibleBudgetError(f"a uniform {fmt} plan misses the time target {problem.time_target:.6g}: its "
+                                    f"estimated GEMM time is {ev.time_ratio:.6g} of the all-BF16 time")
     if not ev.meets_target:
         reached = min(ev.stage_fp4_fraction.values()) if problem.per_stage else ev.fp4_fraction
         raise InfeasibleTargetError(
@@ -147,15 +153,22 @@ def layer_type_heuristic(problem: SnipProblem, order: Sequence[str] = DEFAULT_TY
     return _fill(problem, by_type, fp4_format, high_format)
 
 
-def format_comparison(problem: SnipProblem, plans: Mapping[str, Plan]) -> str:
-    """A text table scoring each named plan under ``problem``, one line per plan."""
-    rows = [("plan", "objective", "divergence", "switched", "FP4 global", "FP4 min stage", "meets target")]
+def format_comparison(problem: SnipProblem, plans: Mapping[str, Plan | Exception]) -> str:
+    """A text table scoring each named plan under ``problem``, one line per plan (a policy that
+    could not make a plan at this budget is given as the exception, and its line says why)."""
+    timed = problem.speed is not None
+    head = ("plan", "objective", "divergence", "switched", "FP4 global", "FP4 min stage")
+    rows = [(*head, *(("est. time vs bf16", "time max stage") if timed else ()), "meets budget")]
     for name, plan in plans.items():
+        if isinstance(plan, Exception):
+            rows.append((name, f"n/a: {plan}", *[""] * (len(rows[0]) - 2)))
+            continue
         ev: PlanEvaluation = evaluate_plan(problem, plan)
+        time = (f"{ev.time_ratio:.4f}", f"{max(ev.stage_time_ratio.values()):.4f}") if timed else ()
         rows.append((name, f"{ev.objective:.6g}", f"{ev.divergence:.6g}", str(ev.n_switched),
-                     f"{ev.fp4_fraction:.4f}", f"{min(ev.stage_fp4_fraction.values()):.4f}",
+                     f"{ev.fp4_fraction:.4f}", f"{min(ev.stage_fp4_fraction.values()):.4f}", *time,
                      "yes" if ev.meets_target else "NO"))
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    widths = [max(len(r[c]) for r in rows if len(r[c]) < 40) for c in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows)
 
 
@@ -167,28 +180,41 @@ def _ilp_plan(problem, table, bwd_table, solver, time_limit) -> dict[UnitKey, st
     return solve(baseline, solver, time_limit).plan
 
 
+def baseline_formats(formats: Sequence[str], fp4_formats: Iterable[str]) -> tuple[str | None, str | None]:
+    """(fp4, high): the formats a baseline gives its FP4 units and the rest by default: "nvfp4" if
+    a candidate, else the first FP4 candidate; "fp8" if a candidate, else the first non-FP4 one
+    (None where the candidates have none)."""
+    fp4_formats = set(fp4_formats)
+    fp4 = [f for f in formats if f in fp4_formats]
+    high = [f for f in formats if f not in fp4_formats]
+    return (PREFERRED_FP4 if PREFERRED_FP4 in fp4 else next(iter(fp4), None),
+            PREFERRED_HIGH if PREFERRED_HIGH in high else next(iter(high), None))
+
+
 def _fp4_format(problem: SnipProblem, fmt: str | None) -> str:
     """The FP4 format a baseline assigns to the units it puts in FP4."""
-    fp4 = [f for f in problem.formats if f in problem.fp4_formats]
     if fmt is not None:
+        fp4 = [f for f in problem.formats if f in problem.fp4_formats]
         if fmt not in fp4:
             raise ValueError(f"fp4_format {fmt!r} is not one of the FP4 candidates {fp4}")
         return fmt
-    if not fp4:
+    fmt = baseline_formats(problem.formats, problem.fp4_formats)[0]
+    if fmt is None:
         raise ValueError("the problem has no FP4 candidate format, so FP4 baselines do not apply")
-    return PREFERRED_FP4 if PREFERRED_FP4 in fp4 else fp4[0]
+    return fmt
 
 
 def _high_format(problem: SnipProblem, fmt: str | None) -> str:
     """The non-FP4 format a baseline assigns to units it leaves out of FP4."""
-    high = [f for f in problem.formats if f not in problem.fp4_formats]
     if fmt is not None:
+        high = [f for f in problem.formats if f not in problem.fp4_formats]
         if fmt not in high:
             raise ValueError(f"high_format {fmt!r} is not one of the non-FP4 candidates {high}")
         return fmt
-    if not high:
+    fmt = baseline_formats(problem.formats, problem.fp4_formats)[1]
+    if fmt is None:
         raise ValueError("the problem has no non-FP4 candidate format for a baseline's high-precision units")
-    return PREFERRED_HIGH if PREFERRED_HIGH in high else high[0]
+    return fmt
 
 
 def _layer_span(problem: SnipProblem) -> tuple[int, int]:
@@ -213,9 +239,11 @@ def _fill(problem: SnipProblem, order: Sequence[DecisionUnit], fp4_format: str |
     Starts from pins, then ``start``, then ``high_format`` for every other
     unit; walks ``order`` and switches an unpinned, not-yet-FP4 unit to
     ``fp4_format`` while its budget scope (its stage with per-stage
-    constraints, else the whole model) is below target. ``order`` covering
-    every unpinned unit guarantees the budget is met, since the problem was
-    checked feasible when built.
+    constraints, else the whole model) is below the FP4 target or, where
+    switching saves time, above the time target. ``order`` covering every
+    unpinned unit guarantees the FP4 budget is met, since the problem was
+    checked feasible when built; a time target the two formats cannot reach
+    raises :class:`InfeasibleBudgetError`.
     """
     high = _high_format(problem, high_format)
     fp4 = _fp4_format(problem, fp4_format)
@@ -224,17 +252,30 @@ def _fill(problem: SnipProblem, order: Sequence[DecisionUnit], fp4_format: str |
     def scope(u: DecisionUnit) -> int | None:
         return u.stage if problem.per_stage else None
 
-    # deficit[s] = target * FLOPs(s) - FP4 FLOPs(s); met within the same
-    # relative slack as evaluate_plan uses.
+    # deficit[s] = target * FLOPs(s) - FP4 FLOPs(s) and, with a time target, excess[s] = time(s) -
+    # T * FLOPs(s) (BF16-FLOP units); met within the same relative slack as evaluate_plan uses.
+    timed = problem.time_target is not None
     deficit: dict[int | None, float] = {}
+    excess: dict[int | None, float] = {}
     slack: dict[int | None, float] = {}
     for u in problem.units:
         s = scope(u)
         deficit[s] = deficit.get(s, 0.0) + u.flops * (problem.target - (plan[u.key] in problem.fp4_formats))
+        if timed:
+            excess[s] = excess.get(s, 0.0) + problem.unit_time(u, plan[u.key]) - problem.time_target * u.flops
         slack[s] = slack.get(s, 0.0) + u.flops * FRACTION_TOL
     for u in order:
         s = scope(u)
-        if deficit[s] > slack[s] and u.pin is None and plan[u.key] not in problem.fp4_formats:
+        if u.pin is not None or plan[u.key] in problem.fp4_formats:
+            continue
+        saves = problem.unit_time(u, plan[u.key]) - problem.unit_time(u, fp4) if timed else 0.0
+        if deficit[s] > slack[s] or (timed and excess[s] > slack[s] and saves > 0):
             plan[u.key] = fp4
             deficit[s] -= u.flops
+            if timed:
+                excess[s] -= saves
+    if timed and not evaluate_plan(problem, plan).meets_target:
+        raise InfeasibleBudgetError(
+            f"this baseline cannot meet the time target {problem.time_target:.6g}: moving its {high} units to "
+            f"{fp4} does not make them fast enough under the speed table {dict(problem.speed)}")
     return plan

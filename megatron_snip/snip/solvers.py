@@ -52,6 +52,10 @@ class SolverError(RuntimeError):
     """A solver ran but produced no usable plan (e.g. no solution within the time limit)."""
 
 
+class SolverInfeasibleError(SolverError):
+    """The solver proved that no assignment satisfies the constraints."""
+
+
 class SolverUnavailableError(SolverError):
     """The explicitly requested solver cannot be used for this model."""
 
@@ -212,6 +216,8 @@ def _solve_gurobi(gp, model: MatrixModel, time_limit: float | None, mip_gap: flo
                 status = "optimal"
             elif m.Status == GRB.TIME_LIMIT and m.SolCount > 0:
                 status = "time_limit"
+            elif m.Status in (GRB.INFEASIBLE, GRB.INF_OR_UNBD):
+                raise SolverInfeasibleError("Gurobi: the constraints admit no plan")
             else:
                 raise SolverError(f"Gurobi stopped without a usable plan (status code {m.Status})")
             return x.X > 0.5, float(m.ObjBound), status
@@ -258,6 +264,8 @@ def _solve_highs(model: MatrixModel, time_limit: float | None, mip_gap: float):
         status = "optimal"
     elif model_status == highspy.HighsModelStatus.kTimeLimit and has_solution:
         status = "time_limit"
+    elif model_status == highspy.HighsModelStatus.kInfeasible:
+        raise SolverInfeasibleError("HiGHS: the constraints admit no plan")
     else:
         raise SolverError(f"HiGHS stopped without a usable plan ({h.modelStatusToString(model_status)})")
     x = np.asarray(h.getSolution().col_value) > 0.5

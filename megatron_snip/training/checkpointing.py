@@ -80,6 +80,20 @@ def verify_latest(root: str) -> int | None:
     return iteration
 
 
+def read_common_state(root: str) -> dict | None:
+    """The replicated state of the newest checkpoint under ``root`` (iteration, arguments, precision
+    plan and schedule, ...) without loading any tensor; None if ``root`` holds no checkpoint.
+    Needs no process group (argument validation reads it before start-up)."""
+    iteration = verify_latest(root)
+    if iteration is None:
+        return None
+    path = iteration_dir(root, iteration)
+    try:
+        return dist_checkpointing.load_common_state_dict(path)
+    except _READ_ERRORS as e:
+        raise _damaged(root, path, e) from e
+
+
 def _layout() -> dict:
     return {
         "tp": parallel_state.get_tensor_model_parallel_world_size(),

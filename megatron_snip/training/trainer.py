@@ -27,7 +27,7 @@ from megatron_snip.data.tokenizer import build_tokenizer
 from megatron_snip.model.llama import build_model, flops_per_token, num_parameters, transformer_config
 from megatron_snip.model.precision_control import PrecisionController
 from megatron_snip.model.te_precision import describe_te_backend, prepare_te_environment
-from megatron_snip.precision.flops import LlamaLinearDims, flop_fractions
+from megatron_snip.precision.flops import LlamaLinearDims, estimated_time_ratio, flop_fractions
 from megatron_snip.precision.linear import describe_backend
 from megatron_snip.precision.plan import PrecisionPlan
 from megatron_snip.snip.manager import PrecisionManager, log_cycle
@@ -35,7 +35,13 @@ from megatron_snip.training import checkpointing
 from megatron_snip.training.data import build_datasets_from_args
 from megatron_snip.training.logger import MetricsLogger, peak_tflops, setup_console
 from megatron_snip.training.setup import build_optimizer, build_scheduler, initialize_distributed, wrap_ddp
-from megatron_snip.training.precision import initial_plan, recipe_from_args
+from megatron_snip.training.precision import (
+    initial_plan,
+    initial_schedule,
+    planner_config_from_args,
+    recipe_from_args,
+    speed_model_from_args,
+)
 from megatron_snip.training.signals import ExitSignalHandler
 
 
@@ -88,11 +94,17 @@ class Trainer:
         self.model = [wrap_ddp(args, self.config, model)]
         self.precision = PrecisionController(self.model, recipe=recipe_from_args(args), seed=args.seed)
         self.linear_dims = LlamaLinearDims.from_config(self.config)
-        self.set_plan(initial_plan(args))
-        self.snip = PrecisionManager(self, args) if args.snip else None
+        self.speed_model = speed_model_from_args(args, self.linear_dims)
+        self.speeds = self.speed_model.precision_speeds(recipe_from_args(args))
+        self.state = TrainState()
+        resumed = checkpointing.read_common_state(args.load) if args.load and not args.finetune else None
+        self.schedule, self.schedule_source = initial_schedule(args, resumed)
+        plan, self.plan_source = initial_plan(args, resumed)
+        self.set_plan(plan)
+        self.snip = (PrecisionManager(self, args, planner_config_from_args(args, self.speed_model))
+                     if args.snip else None)
         self.optimizer = build_optimizer(args, self.model)
         self.scheduler = build_scheduler(args, self.optimizer)
-        self.state = TrainState()
         self.forward_backward = get_forward_backward_func()
         self.logger = MetricsLogger(args.tensorboard_dir)
         self.tokens_per_iteration = args.global_batch_size * args.seq_length
@@ -100,10 +112,18 @@ class Trainer:
 
     # -- precision ---------------------------------------------------------
     def set_plan(self, plan: PrecisionPlan) -> None:
-        """Apply a precision plan to every linear module; all ranks call this at the same iteration."""
-        self.precision.apply(plan)
+        """Make ``plan`` the run's plan (with the precision schedule on top) from the next step on;
+        all ranks call this at the same iteration."""
         self.plan = plan
-        self.flop_fractions = flop_fractions(plan, self.linear_dims)
+        self.apply_precision()
+
+    def apply_precision(self) -> None:
+        """Apply the plan, with the schedule's entries for the next step imposed, to every linear module."""
+        effective = self.schedule.apply(self.plan, self.state.iteration + 1, self.linear_dims.num_layers)
+        self.precision.apply(effective)
+        self.effective_plan = effective
+        self.flop_fractions = flop_fractions(effective, self.linear_dims)
+        self.time_ratio = estimated_time_ratio(effective, self.linear_dims, self.speeds)
 
     # -- checkpoints -------------------------------------------------------
     def resume(self) -> None:
@@ -116,8 +136,7 @@ class Trainer:
             return
         if not args.finetune:
             self.state = TrainState(loaded["iteration"], loaded["consumed_samples"])
-        if "precision_plan" in loaded and args.precision_plan is None and not args.finetune:
-            self.set_plan(PrecisionPlan.from_dict(loaded["precision_plan"], source=args.load))
+            self.apply_precision()  # the plan itself was chosen at start-up (initial_plan)
         self.precision.load_quant_states(loaded["quantization"])
         self.logger.text(f"resumed from {args.load} at iteration {loaded['iteration']} "
                          f"(consumed samples {loaded['consumed_samples']}); continuing at {self.state.iteration}")
@@ -126,7 +145,7 @@ class Trainer:
         path = checkpointing.save_checkpoint(
             self.args.save, self.state.iteration, self.model[0].module, self.optimizer, self.scheduler,
             extra={"consumed_samples": self.state.consumed_samples, "args": vars(self.args),
-                   "precision_plan": self.plan.to_dict()},
+                   "precision_plan": self.plan.to_dict(), "precision_schedule": self.schedule.to_list()},
             quantization=self.precision.quant_states())
         self.logger.text(f"saved checkpoint {path}")
 
@@ -184,6 +203,11 @@ class Trainer:
         window_loss, window_iters, window_seconds = 0.0, 0, 0.0
         saved_at = self.state.iteration if args.load else None
         while self.state.iteration < args.train_iters:
+            if self.state.iteration + 1 in self.schedule.starts():
+                self.apply_precision()
+                self.logger.text(f"precision schedule: from step {self.state.iteration + 1} on "
+                                 f"{', '.join(map(str, self.schedule.active(self.state.iteration + 1)))}: "
+                                 f"{self.flop_fractions.fp4:.1%} of linear FLOPs in FP4")
             start = time.perf_counter()
             loss, grad_norm = self.train_step(data)
             window_seconds += time.perf_counter() - start
@@ -216,6 +240,9 @@ class Trainer:
     def _snip_cycle(self, iteration: int) -> None:
         """Re-plan (all ranks), report, and keep the statistics next to the checkpoints."""
         report = self.snip.cycle(iteration)
+        if report is None:
+            self.logger.text(f"[snip] iteration {iteration}: the precision schedule fixes every GEMM; no cycle")
+            return
         log_cycle(self.logger, report, self.args.num_layers)
         if self.args.save:
             path = self.snip.write_statistics(os.path.join(self.args.save, "snip"), iteration)
@@ -236,6 +263,7 @@ class Trainer:
             f"TFLOPs per {device}": tflops_per_device,
             "fp4 flops fraction": self.flop_fractions.fp4,
             "fp8 flops fraction": self.flop_fractions.fp8,
+            "estimated gemm time vs bf16": self.time_ratio,
         }
         if peak is not None:
             m["MFU"] = tflops_per_device / peak
@@ -264,19 +292,25 @@ def pretrain(args: argparse.Namespace) -> TrainState:
              f"parameters; TP={args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size} "
              f"DP={args.data_parallel_size}; global batch {args.global_batch_size} x {args.seq_length} tokens; "
              f"device {'cuda' if torch.cuda.is_available() else 'cpu (megatron_snip.compat.cpu)'}")
-    fractions = trainer.flop_fractions
+    log.text(f"unigram entropy of the training data: {trainer.datasets.unigram_entropy:.4f} nats/token "
+             f"(a model without context cannot beat this)")
+    if args.load:
+        trainer.resume()
     if args.transformer_impl == "transformer_engine":
         log.text(f"precision backend {describe_te_backend()}")
     else:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         log.text(f"precision backend {describe_backend(recipe_from_args(args), device)}")
-    log.text(f"precision: plan "
-             f"{args.precision_plan or args.precision}: {fractions.fp4:.1%} of linear-layer FLOPs in FP4, "
-             f"{fractions.fp8:.1%} in FP8; fp8 recipe {args.fp8_recipe}/{args.fp8_format}, fp4 {args.fp4_recipe}")
-    log.text(f"unigram entropy of the training data: {trainer.datasets.unigram_entropy:.4f} nats/token "
-             f"(a model without context cannot beat this)")
-    if args.load:
-        trainer.resume()
+    fractions = trainer.flop_fractions
+    log.text(f"precision: plan {trainer.plan_source}: {fractions.fp4:.1%} of linear-layer FLOPs in FP4, "
+             f"{fractions.fp8:.1%} in FP8; fp8 recipe {args.fp8_recipe}/{args.fp8_format}, fp4 {args.fp4_recipe}"
+             + "".join(f"; {note}" for note in args.precision_notes))
+    if trainer.schedule:
+        log.text(f"precision schedule ({trainer.schedule_source}): {' '.join(trainer.schedule.to_list())}")
+    log.text(f"GEMM speed model {trainer.speed_model.describe()}"
+             + "".join(f"; {note}" for note in trainer.speed_model.notes)
+             + f". Estimated linear-GEMM time of the plan: {trainer.time_ratio:.3f} of all-bf16 (an estimate: "
+               "'estimated gemm time vs bf16' in the logs)")
     if args.skip_train:
         trainer._log_validation(trainer.state.iteration)
     else:
