@@ -10,14 +10,10 @@ from __future__ import annotations
 import numpy as np
 
 from megatron_snip.precision.plan import LINEAR_MODULES, PrecisionPlan, module_name
+from megatron_snip.precision.registry import PRECISIONS
 
-# Colour-blind-safe palette (Paul Tol's "bright"), RGB.
-FORMAT_COLOURS: dict[str, tuple[int, int, int]] = {
-    "bf16": (68, 119, 170),   # blue
-    "fp8": (102, 204, 238),   # cyan
-    "nvfp4": (238, 102, 119),  # red
-    "mxfp4": (204, 187, 68),   # yellow
-}
+# Colour-blind-safe palette (Paul Tol's "bright"), RGB, from the format registry.
+FORMAT_COLOURS: dict[str, tuple[int, int, int]] = {name: p.colour for name, p in PRECISIONS.items()}
 _GAP = (255, 255, 255)
 
 
