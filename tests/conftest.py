@@ -79,15 +79,9 @@ def torchrun(nproc: int, args: list[str], timeout: float = 300, check: bool = Tr
 
 def scalars(tensorboard_dir: str | Path, tag: str) -> dict[int, float]:
     """step -> value of one TensorBoard scalar tag (as the user's TensorBoard would show it)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from megatron_snip.experiments.comparison import tensorboard_scalars
 
-    values: dict[int, float] = {}
-    for run in sorted(Path(tensorboard_dir).glob("**/events.out.tfevents.*")):
-        acc = EventAccumulator(str(run), size_guidance={"scalars": 0})
-        acc.Reload()
-        if tag in acc.Tags()["scalars"]:
-            values.update({e.step: e.value for e in acc.Scalars(tag)})
-    return values
+    return tensorboard_scalars(Path(tensorboard_dir), tag)
 
 
 @pytest.fixture(scope="session")

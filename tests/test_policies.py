@@ -64,6 +64,8 @@ def all_baselines(problem, rng, seed):
         "min_relative_quant_error": policies.min_relative_quant_error(problem, **rel, solver="highs"),
         "keep_ends_high": policies.keep_ends_high(problem, first=1, last=1),
         "layer_type": policies.layer_type_heuristic(problem),
+        "keep_last_high": policies.keep_last_high(problem),
+        "error_threshold": policies.error_threshold(problem, rel["rel_error"]),
     }
 
 
@@ -215,3 +217,36 @@ def test_a_time_budget_fp4_cannot_reach_is_refused_by_the_baselines():
     with pytest.raises(InfeasibleBudgetError, match="misses the time target 0.6"):
         policies.uniform(p)
     assert evaluate_plan(p, policies.random_plan(p, seed=0)).time_ratio == pytest.approx(0.5)  # fp8 fill
+
+
+def test_keep_last_high_protects_the_last_layers():
+    """NVIDIA's recipe: FP4 from the first layer on until the budget is met; what is left high
+    is the last layers (every high unit sits in a layer at or after every FP4 unit's layer)."""
+    mods = llama_modules(8)
+    problem = SnipProblem(mods, ("bf16", "fp8", "nvfp4"), 0.85, cost=random_table(np.random.default_rng(0), mods,
+                                                                                   ("bf16", "fp8", "nvfp4")))
+    plan = policies.keep_last_high(problem)
+    ev = evaluate_plan(problem, plan)
+    assert ev.meets_target and ev.fp4_fraction < 0.85 + 0.1
+    fp4_layers = [u.layer for u in problem.units if plan[u.key] == "nvfp4"]
+    high_layers = [u.layer for u in problem.units if plan[u.key] == "fp8"]
+    assert high_layers and max(fp4_layers) <= min(high_layers) and max(high_layers) == 7
+
+
+def test_error_threshold_is_the_lowest_threshold_that_meets_the_budget():
+    """Brute force over thresholds: FP4 = units whose error is at most tau; the policy's plan is
+    the one of the smallest tau meeting the budget (errors distinct, one stage, no pins)."""
+    formats = ("bf16", "fp8", "nvfp4")
+    for seed in range(10):
+        rng = np.random.default_rng(seed)
+        mods = llama_modules(3)
+        err = random_table(rng, mods, formats)
+        problem = SnipProblem(mods, formats, float(rng.uniform(0.1, 0.95)), cost=random_table(rng, mods, formats))
+        plan = policies.error_threshold(problem, err)
+        for tau in sorted(err[m.name]["nvfp4"] for m in mods):
+            candidate = {m.name: "nvfp4" if err[m.name]["nvfp4"] <= tau else "fp8" for m in mods}
+            if evaluate_plan(problem, candidate).meets_target:
+                assert plan == candidate, f"seed {seed}"
+                break
+        else:
+            pytest.fail("no threshold met the budget")

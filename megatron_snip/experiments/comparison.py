@@ -1,0 +1,298 @@
+"""A head-to-head of precision policies: one training branch per (policy, budget, seed).
+
+Every branch is a normal ``pretrain_llama.py`` run (any TP x PP x DP layout) started from the
+same trunk checkpoint of its seed, so all branches of a seed share the weights, optimizer state
+and data order up to the branch point and train the same iterations on the same batches. The
+trunk runs BF16 with ``--snip`` until its first cycle, whose statistics give every policy its
+plan (``megatron_snip/snip/offline.py``) at exactly the same budget.
+
+Layout of ``out/``::
+
+    comparison.json                 the settings (a rerun with other settings is refused)
+    seed<S>/trunk/                  trunk checkpoint and its snip/snip_iter_*.json
+    seed<S>/plans/<policy>_<budget>.json
+    seed<S>/<arm>/ckpt/, log.txt, result.json   one branch (result.json: finished)
+    tensorboard/seed<S>/<arm>/     every branch side by side in TensorBoard
+    results.json, results.md, gap_to_bf16.png
+
+A branch without ``result.json`` is (re)started, from its own newest checkpoint if it has one,
+so an interrupted comparison picks up where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from megatron_snip.fileio import write_text_atomic
+from megatron_snip.snip.ilp import InfeasibleBudgetError, evaluate_plan
+from megatron_snip.snip.offline import POLICIES, Budget, StatisticsFile, policy_plans
+from megatron_snip.snip.planner import to_precision_plan
+
+REFERENCE = "bf16"
+REPLAN = "snip"  # SNIP re-planning at every --snip-interval from the branch point
+FIXED = {"snip-fixed": "snip"}  # arm -> offline policy whose plan it keeps fixed
+ARMS = (REPLAN, *FIXED, *(p for p in POLICIES if p != "snip"))
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+@dataclass(frozen=True)
+class ComparisonConfig:
+    """Settings of one comparison (``tools/compare_precision.py`` flags).
+
+    ``train_args`` are the ``pretrain_llama.py`` flags every run shares (model, data,
+    tokenizer, optimizer, layout, evaluation); the tool adds seed, iterations, checkpoints,
+    TensorBoard and the precision flags of each arm.
+    """
+
+    out: str
+    train_args: tuple[str, ...]
+    policies: tuple[str, ...]
+    budgets: tuple[Budget, ...]
+    seeds: tuple[int, ...]
+    trunk_iters: int  # iterations of the BF16 trunk; its first SNIP cycle is the branch point
+    train_iters: int  # total iterations of every branch (trunk included)
+    snip_interval: int  # re-planning interval of the "snip" arm (and its checkpoint interval)
+    formats: tuple[str, ...] = ("bf16", "fp8", "nvfp4")  # SNIP candidates (--snip-formats)
+    nproc: int = 1  # processes per run (torchrun --nproc-per-node)
+    window: int = 0  # mean training loss over the last `window` iterations (0: a fifth of the branch)
+    solver: str = "auto"
+
+    def __post_init__(self):
+        unknown = sorted(set(self.policies) - set(ARMS))
+        if unknown:
+            raise ValueError(f"--policies: unknown {unknown}; choose from {list(ARMS)}")
+        if not 0 < self.trunk_iters < self.train_iters:
+            raise ValueError(f"--trunk-iters {self.trunk_iters} must be > 0 and below --train-iters "
+                             f"{self.train_iters} (the branches train from the trunk to --train-iters)")
+        if not self.budgets:
+            raise ValueError("give at least one budget (--fp4-targets or --time-targets)")
+        if not self.seeds:
+            raise ValueError("give at least one --seeds value")
+        taken = {"--seed", "--train-iters", "--save", "--load", "--tensorboard-dir", "--snip", "--precision",
+                 "--precision-plan", "--save-interval", "--snip-interval", "--exit-interval", "--finetune"}
+        clash = sorted(a for a in self.train_args if a in taken or a.startswith("--snip-"))
+        if clash:
+            raise ValueError(f"training flags {clash} are set by the comparison for each arm; remove them "
+                             f"(use --seeds, --trunk-iters, --train-iters, --formats and the budget flags)")
+
+    @property
+    def branch_window(self) -> int:
+        return self.window or max(1, (self.train_iters - self.trunk_iters) // 5)
+
+
+@dataclass(frozen=True)
+class Branch:
+    """One training run: ``arm`` at ``budget`` (None for the BF16 reference) for ``seed``."""
+
+    arm: str
+    budget: Budget | None
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return self.arm if self.budget is None else f"{self.arm}_{self.budget.tag}"
+
+
+@dataclass
+class BranchResult:
+    """What one finished branch measured (from its TensorBoard scalars)."""
+
+    final_valid_loss: float
+    mean_train_loss: float  # over the last `window` iterations
+    fp4_fraction: float  # of linear FLOPs at the end of the branch
+    time_ratio: float  # estimated GEMM time vs bf16 at the end (an estimate)
+    valid_curve: dict[int, float] = field(default_factory=dict)
+    train_curve: dict[int, float] = field(default_factory=dict)
+
+
+def branches(config: ComparisonConfig) -> list[Branch]:
+    """Every branch, the BF16 reference of each seed first."""
+    out = [Branch(REFERENCE, None, s) for s in config.seeds]
+    out += [Branch(arm, b, s) for s in config.seeds for b in config.budgets for arm in config.policies]
+    return out
+
+
+class Comparison:
+    """Runs the branches of ``config`` that have not finished, then writes the report."""
+
+    def __init__(self, config: ComparisonConfig, log=print):
+        self.config = config
+        self.out = Path(config.out)
+        self.log = log
+
+    # -- settings --------------------------------------------------------
+    def check_settings(self) -> None:
+        """Record the settings; refuse to mix branches of different settings in one folder."""
+        path = self.out / "comparison.json"
+        mine = _settings(self.config)
+        if path.exists():
+            theirs = json.loads(path.read_text())
+            differ = sorted(k for k in set(mine) | set(theirs) if k not in ("policies", "budgets", "seeds")
+                            and mine.get(k) != theirs.get(k))
+            if differ:
+                raise ValueError(f"{self.out} holds a comparison with other settings ({', '.join(differ)} differ); "
+                                 f"choose another --out or the same settings")
+        self.out.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(str(path), json.dumps(mine, indent=1))
+
+    # -- running ---------------------------------------------------------
+    def run(self) -> dict:
+        self.check_settings()
+        for seed in self.config.seeds:
+            self._trunk(seed)
+            self._plans(seed)
+        for branch in branches(self.config):
+            self._branch(branch)
+        return self.report()
+
+    def _trunk(self, seed: int) -> None:
+        c = self.config
+        trunk = self.out / f"seed{seed}" / "trunk"
+        if self._stats_path(seed).exists():
+            self.log(f"seed {seed}: trunk done ({trunk})")
+            return
+        self.log(f"seed {seed}: trunk, bf16 to iteration {c.trunk_iters} then one SNIP cycle")
+        self._train(trunk, [*c.train_args, "--seed", str(seed), "--train-iters", str(c.trunk_iters),
+                            "--save", str(trunk / "ckpt"), "--load", str(trunk / "ckpt"),
+                            "--save-interval", str(c.trunk_iters), "--snip", "--snip-formats", *c.formats],
+                    log=trunk / "log.txt")
+        if not self._stats_path(seed).exists():
+            raise RuntimeError(f"the trunk of seed {seed} wrote no SNIP statistics ({self._stats_path(seed)}); "
+                               f"see {trunk / 'log.txt'}")
+
+    def _stats_path(self, seed: int) -> Path:
+        return self.out / f"seed{seed}" / "trunk" / "ckpt" / "snip" / f"snip_iter_{self.config.trunk_iters:07d}.json"
+
+    def _plans(self, seed: int) -> None:
+        """Each plan-based arm's plan at each budget, from the trunk's statistics (same budget for all)."""
+        c = self.config
+        stats = StatisticsFile.load(self._stats_path(seed))
+        directory = self.out / f"seed{seed}" / "plans"
+        directory.mkdir(parents=True, exist_ok=True)
+        wanted = sorted({FIXED.get(a, a) for a in c.policies if a != REPLAN} | ({"snip"} if REPLAN in c.policies
+                                                                                 else set()))
+        for budget in c.budgets:
+            problem = stats.problem(budget, formats=c.formats, solver=c.solver)
+            for name, plan in policy_plans(problem, stats.stats, wanted, seed=seed, solver=c.solver).items():
+                path = directory / f"{name}_{budget.tag}.json"
+                if isinstance(plan, InfeasibleBudgetError):
+                    self.log(f"seed {seed}, {budget.label}: {name} cannot meet the budget: {plan}")
+                    continue
+                ev = evaluate_plan(problem, plan)
+                to_precision_plan(plan, split=problem.split).save(path)
+                self.log(f"seed {seed}, {budget.label}: {name}: {ev.fp4_fraction:.1%} FP4, estimated time "
+                         f"{ev.time_ratio:.3f} x bf16, predicted divergence {ev.divergence:.4g}")
+
+    def _branch(self, b: Branch) -> None:
+        c = self.config
+        where = self.out / f"seed{b.seed}" / b.name
+        if (where / "result.json").exists():
+            self.log(f"seed {b.seed}: {b.name} done")
+            return
+        ckpt = where / "ckpt"
+        resumed = (ckpt / TRACKER).exists()
+        args = [*c.train_args, "--seed", str(b.seed), "--train-iters", str(c.train_iters), "--save", str(ckpt),
+                "--load", str(ckpt if resumed else self.out / f"seed{b.seed}" / "trunk" / "ckpt"),
+                "--save-interval", str(c.snip_interval),
+                "--tensorboard-dir", str(self.out / "tensorboard" / f"seed{b.seed}" / b.name)]
+        if not resumed:  # from its own checkpoint a branch keeps its (possibly re-planned) plan
+            args += self._precision_flags(b)
+        if b.arm == REPLAN:
+            args += ["--snip", "--snip-formats", *c.formats, *_budget_flags(b.budget)]
+        self.log(f"seed {b.seed}: {b.name}{' (resuming)' if resumed else ''}")
+        self._train(where, args, log=where / "log.txt")
+        result = read_result(self.out / "tensorboard" / f"seed{b.seed}" / b.name, c.train_iters,
+                             c.train_iters - c.branch_window)
+        write_text_atomic(str(where / "result.json"), json.dumps(asdict(result)))
+
+    def _precision_flags(self, b: Branch) -> list[str]:
+        if b.arm == REFERENCE:
+            return ["--precision", "bf16"]
+        plan = self.out / f"seed{b.seed}" / "plans" / f"{FIXED.get(b.arm, b.arm)}_{b.budget.tag}.json"
+        if not plan.exists():
+            raise RuntimeError(f"no plan {plan}: the {b.arm} policy cannot meet {b.budget.label} (see above)")
+        return ["--precision-plan", str(plan)]
+
+    def _train(self, where: Path, args: list[str], log: Path) -> None:
+        where.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(self.config.nproc),
+               "--master-port", str(_free_port()), str(Path(__file__).resolve().parents[2] / "pretrain_llama.py"),
+               *args]
+        with open(log, "a") as f:
+            f.write("$ " + " ".join(cmd) + "\n")
+            f.flush()
+            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env={"OMP_NUM_THREADS": "1",
+                                                                                **os.environ})
+        if proc.returncode != 0:
+            raise RuntimeError(f"training run failed (exit {proc.returncode}); see {log}")
+
+    # -- the report ------------------------------------------------------
+    def report(self) -> dict:
+        from megatron_snip.experiments.report import summarize, write_report
+
+        results = {}
+        for b in branches(self.config):
+            path = self.out / f"seed{b.seed}" / b.name / "result.json"
+            if path.exists():
+                results[(b.name, b.seed)] = BranchResult(**json.loads(path.read_text()))
+        summary = summarize(self.config, results)
+        write_report(self.config, summary, results, self.out)
+        return summary
+
+
+def _budget_flags(budget: Budget) -> list[str]:
+    if budget.time_target is None:
+        return ["--snip-fp4-target", str(budget.fp4_target)]
+    return ["--snip-time-target", str(budget.time_target), "--snip-fp4-target", "0"]
+
+
+def read_result(tensorboard_dir: Path, train_iters: int, window_start: int) -> BranchResult:
+    """A finished branch's numbers from its TensorBoard scalars (as the user's TensorBoard shows them)."""
+    valid = tensorboard_scalars(tensorboard_dir, "valid/lm loss")
+    train = tensorboard_scalars(tensorboard_dir, "train/lm loss")
+    if train_iters not in valid:
+        raise RuntimeError(f"{tensorboard_dir}: no validation loss at iteration {train_iters} (eval-iters 0?)")
+    last = [v for it, v in train.items() if it > window_start]
+    fp4 = tensorboard_scalars(tensorboard_dir, "train/fp4 flops fraction")
+    time = tensorboard_scalars(tensorboard_dir, "train/estimated gemm time vs bf16")
+    return BranchResult(final_valid_loss=valid[train_iters], mean_train_loss=sum(last) / len(last) if last else math.nan,
+                        fp4_fraction=fp4[max(fp4)] if fp4 else math.nan,
+                        time_ratio=time[max(time)] if time else math.nan,
+                        valid_curve=valid, train_curve=train)
+
+
+def tensorboard_scalars(tensorboard_dir: Path, tag: str) -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    values: dict[int, float] = {}
+    for run in sorted(Path(tensorboard_dir).glob("**/events.out.tfevents.*")):
+        acc = EventAccumulator(str(run), size_guidance={"scalars": 0})
+        acc.Reload()
+        if tag in acc.Tags()["scalars"]:
+            values.update({e.step: e.value for e in acc.Scalars(tag)})
+    return values
+
+
+def _settings(config: ComparisonConfig) -> dict:
+    d = asdict(config)
+    d["budgets"] = [b.tag for b in config.budgets]
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items() if k != "out"}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parse_budgets(fp4_targets: Sequence[float], time_targets: Sequence[float]) -> tuple[Budget, ...]:
+    return tuple([Budget(t) for t in fp4_targets] + [Budget(time_target=t) for t in time_targets])

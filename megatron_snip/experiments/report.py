@@ -1,0 +1,127 @@
+"""The comparison's table (markdown + JSON) and its gap-to-BF16 plot.
+
+Gaps are paired: for each seed, a branch's loss minus the BF16 branch's loss of the same
+seed (same trunk, same batches), then the mean and the sample standard deviation over seeds.
+The seed-to-seed noise is the standard deviation of the BF16 branches' losses.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+from megatron_snip.fileio import write_text_atomic
+
+from .comparison import REFERENCE, BranchResult, ComparisonConfig, branches
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (nan for the deviation of fewer than two values)."""
+    if not values:
+        return math.nan, math.nan
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else math.nan)
+
+
+def summarize(config: ComparisonConfig, results: dict[tuple[str, int], BranchResult]) -> dict:
+    """One row per (budget, arm) with per-seed numbers and the paired gaps to BF16."""
+    ref = {s: results[(REFERENCE, s)] for s in config.seeds if (REFERENCE, s) in results}
+    ref_valid = [r.final_valid_loss for r in ref.values()]
+    rows = []
+    names = {}
+    for b in branches(config):
+        names.setdefault(b.name, b)
+    for name, b in names.items():
+        per_seed = {s: results[(name, s)] for s in config.seeds if (name, s) in results}
+        if not per_seed:
+            continue
+        paired = [s for s in per_seed if s in ref]
+        valid = mean_std([r.final_valid_loss for r in per_seed.values()])
+        gap = mean_std([per_seed[s].final_valid_loss - ref[s].final_valid_loss for s in paired])
+        train_gap = mean_std([per_seed[s].mean_train_loss - ref[s].mean_train_loss for s in paired])
+        rows.append({
+            "arm": b.arm, "budget": None if b.budget is None else b.budget.label, "seeds": sorted(per_seed),
+            "valid_loss": valid[0], "valid_loss_std": valid[1],
+            "gap": gap[0], "gap_std": gap[1], "train_gap": train_gap[0], "train_gap_std": train_gap[1],
+            "fp4_fraction": statistics.fmean(r.fp4_fraction for r in per_seed.values()),
+            "time_ratio": statistics.fmean(r.time_ratio for r in per_seed.values()),
+            "per_seed": {s: {"valid_loss": r.final_valid_loss, "mean_train_loss": r.mean_train_loss,
+                             "fp4_fraction": r.fp4_fraction, "time_ratio": r.time_ratio}
+                         for s, r in per_seed.items()},
+        })
+    noise = mean_std(ref_valid)[1]
+    return {"rows": rows, "bf16_seed_std": noise, "train_iters": config.train_iters,
+            "trunk_iters": config.trunk_iters, "window": config.branch_window,
+            "complete": len(results) == len(branches(config))}
+
+
+def _pm(mean: float, std: float, digits: int = 4) -> str:
+    if math.isnan(mean):
+        return "-"
+    return f"{mean:+.{digits}f}" + ("" if math.isnan(std) else f" ± {std:.{digits}f}")
+
+
+def markdown(summary: dict) -> str:
+    lines = [f"Branches from iteration {summary['trunk_iters']} to {summary['train_iters']}; gap = loss - bf16 loss "
+             f"of the same seed, mean ± sample std over seeds; train gap over the last {summary['window']} "
+             f"iterations. BF16 seed-to-seed std of the validation loss: "
+             + ("n/a (one seed)" if math.isnan(summary["bf16_seed_std"]) else f"{summary['bf16_seed_std']:.4f}")
+             + ". Estimated GEMM time: under the run's speed model (an estimate).", "",
+             "| budget | policy | seeds | FP4 FLOPs | est. GEMM time | val loss | gap to bf16 | train gap |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in summary["rows"]:
+        lines.append(f"| {r['budget'] or '-'} | {r['arm']} | {len(r['seeds'])} | {r['fp4_fraction']:.1%} | "
+                     f"{r['time_ratio']:.3f} | {r['valid_loss']:.4f} | "
+                     f"{'-' if r['arm'] == REFERENCE else _pm(r['gap'], r['gap_std'])} | "
+                     f"{'-' if r['arm'] == REFERENCE else _pm(r['train_gap'], r['train_gap_std'])} |")
+    if not summary["complete"]:
+        lines += ["", "**Incomplete**: some branches have not finished; rerun the same command to finish them."]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(config: ComparisonConfig, summary: dict, results: dict[tuple[str, int], BranchResult],
+                 out: Path) -> None:
+    """results.md, results.json and gap_to_bf16.png under ``out``."""
+    write_text_atomic(str(out / "results.md"), markdown(summary))
+    write_text_atomic(str(out / "results.json"), json.dumps(summary, indent=1))
+    _plot(config, results, out / "gap_to_bf16.png")
+
+
+def _plot(config: ComparisonConfig, results: dict[tuple[str, int], BranchResult], path: Path) -> None:
+    """Training-loss gap to BF16 over the branch (mean over seeds), one panel per budget."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    budgets = list(config.budgets)
+    fig, axes = plt.subplots(1, len(budgets), figsize=(6 * len(budgets), 4), squeeze=False)
+    for ax, budget in zip(axes[0], budgets):
+        for arm in config.policies:
+            name = f"{arm}_{budget.tag}"
+            curves = []
+            for s in config.seeds:
+                mine, ref = results.get((name, s)), results.get((REFERENCE, s))
+                if mine is None or ref is None:
+                    continue
+                steps = sorted(set(mine.train_curve) & set(ref.train_curve))
+                curves.append({it: mine.train_curve[it] - ref.train_curve[it] for it in steps})
+            if not curves:
+                continue
+            steps = sorted(set.intersection(*(set(c) for c in curves)))
+            gap = [statistics.fmean(c[it] for c in curves) for it in steps]
+            ax.plot(steps, _smooth(gap), label=arm)
+        ax.axhline(0.0, color="black", linewidth=0.8)
+        ax.set_title(f"{budget.label}: training loss - bf16 (mean of {len(config.seeds)} seeds, smoothed)")
+        ax.set_xlabel("iteration")
+        ax.set_ylabel("loss gap (nats)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _smooth(values: list[float], width: int = 5) -> list[float]:
+    """Trailing moving average (the per-iteration loss gap is noisy)."""
+    return [statistics.fmean(values[max(0, i - width + 1):i + 1]) for i in range(len(values))]

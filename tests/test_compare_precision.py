@@ -1,0 +1,107 @@
+"""tools/compare_precision.py: branches at equal budgets, resumption, the report."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, TINY_MODEL
+from megatron_snip.experiments.comparison import BranchResult, ComparisonConfig
+from megatron_snip.experiments.report import markdown, summarize
+from megatron_snip.precision.plan import PrecisionPlan
+from megatron_snip.snip.offline import Budget
+
+BUDGET = Budget(0.75)
+
+
+def config(**kw) -> ComparisonConfig:
+    base = dict(out="unused", train_args=(), policies=("snip", "uniform"), budgets=(BUDGET,), seeds=(1, 2),
+                trunk_iters=4, train_iters=8, snip_interval=2)
+    return ComparisonConfig(**{**base, **kw})
+
+
+def test_paired_gaps_and_noise_by_hand():
+    """gap = loss - bf16 loss of the same seed; mean and sample std over seeds."""
+    c = config()
+    r = lambda v, t=0.0: BranchResult(final_valid_loss=v, mean_train_loss=t, fp4_fraction=0.8, time_ratio=0.3)
+    results = {("bf16", 1): r(5.0, 4.0), ("bf16", 2): r(5.2, 4.2),
+               ("snip_fp4-0.75", 1): r(5.01, 4.02), ("snip_fp4-0.75", 2): r(5.23, 4.22),
+               ("uniform_fp4-0.75", 1): r(5.1, 4.1)}
+    s = summarize(c, results)
+    rows = {row["arm"]: row for row in s["rows"]}
+    assert rows["snip"]["gap"] == pytest.approx(0.02)  # (0.01 + 0.03) / 2
+    assert rows["snip"]["gap_std"] == pytest.approx(math.sqrt(2) * 0.01)  # stdev of 0.01, 0.03
+    assert rows["snip"]["train_gap"] == pytest.approx(0.02) and rows["snip"]["train_gap_std"] == pytest.approx(0)
+    assert rows["uniform"]["gap"] == pytest.approx(0.1) and math.isnan(rows["uniform"]["gap_std"])
+    assert s["bf16_seed_std"] == pytest.approx(math.sqrt(2) * 0.1)
+    assert not s["complete"]  # uniform's seed 2 is missing
+    table = markdown(s)
+    assert "| FP4 target 0.75 | snip | 2 | 80.0% | 0.300 | 5.1200 | +0.0200 ± 0.0141 |" in table
+    assert "Incomplete" in table
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(trunk_iters=8), "--trunk-iters 8 must be > 0 and below --train-iters 8"),
+    (dict(policies=("snip", "best")), "unknown ['best']"),
+    (dict(train_args=("--lr", "1e-3", "--seed", "3")), "['--seed'] are set by the comparison"),
+    (dict(train_args=("--snip-fp4-target", "0.9")), "['--snip-fp4-target'] are set by the comparison"),
+    (dict(budgets=()), "at least one budget"),
+])
+def test_bad_settings_are_refused(bad, message):
+    with pytest.raises(ValueError, match=None) as e:
+        config(**bad)
+    assert message in str(e.value)
+
+
+def run_tool(out, *extra, train_args) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(ROOT / "tools" / "compare_precision.py"), "--out", str(out), "--seeds", "1",
+           "--trunk-iters", "4", "--snip-interval", "2", "--policies", "snip", "uniform", "threshold", *extra,
+           "--", *train_args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+
+
+def test_compare_precision_branches_resume_and_report(tiny_data, tmp_path):
+    train_args = [*TINY_MODEL, "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-2",
+                  "--lr-warmup-iters", "1", "--data-path", tiny_data.prefix, "--split", "90,10,0",
+                  "--tokenizer-model", tiny_data.tokenizer_model, "--log-interval", "1", "--eval-interval", "4",
+                  "--eval-iters", "2"]
+    out = tmp_path / "cmp"
+    proc = run_tool(out, "--train-iters", "8", train_args=train_args)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "results.json").read_text())
+    rows = {row["arm"]: row for row in summary["rows"]}
+    assert set(rows) == {"bf16", "snip", "uniform", "threshold"} and summary["complete"]
+    assert rows["bf16"]["fp4_fraction"] == 0.0 and rows["uniform"]["fp4_fraction"] == 1.0
+    # Equal budgets: every arm's plan runs at least 75% of the linear FLOPs in FP4 (the logged fraction).
+    assert all(rows[a]["fp4_fraction"] >= 0.75 - 1e-6 for a in ("snip", "uniform", "threshold"))
+    # The fixed-plan arms trained exactly their plan file.
+    plan = PrecisionPlan.load(out / "seed1" / "plans" / "threshold_fp4-0.75.json")
+    log = (out / "seed1" / "threshold_fp4-0.75" / "log.txt").read_text()
+    assert f"--precision-plan {out}/seed1/plans/threshold_fp4-0.75.json" in log and len(plan.modules) == 16
+    # The snip arm re-planned inside the branch (iterations 6 and 8), the others did not.
+    assert "[snip] iteration       6" in (out / "seed1" / "snip_fp4-0.75" / "log.txt").read_text()
+    assert "[snip] iteration" not in log
+    assert (out / "gap_to_bf16.png").stat().st_size > 0 and "| FP4 target 0.75 | threshold |" in (
+        out / "results.md").read_text()
+
+    # Interrupted: threshold's branch lost its final checkpoint and result; a rerun resumes it from
+    # iteration 6, skips everything else, and reproduces the final validation loss bit for bit.
+    branch = out / "seed1" / "threshold_fp4-0.75"
+    before = json.loads((branch / "result.json").read_text())["final_valid_loss"]
+    (branch / "result.json").unlink()
+    shutil.rmtree(branch / "ckpt" / "iter_0000008")
+    (branch / "ckpt" / "latest_checkpointed_iteration.txt").write_text("6")
+    proc = run_tool(out, "--train-iters", "8", train_args=train_args)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "seed 1: threshold_fp4-0.75 (resuming)" in proc.stdout
+    assert "seed 1: trunk done" in proc.stdout and "seed 1: uniform_fp4-0.75 done" in proc.stdout
+    assert json.loads((branch / "result.json").read_text())["final_valid_loss"] == before
+
+    # Other settings in the same folder are refused, naming what differs.
+    proc = run_tool(out, "--train-iters", "10", train_args=train_args)
+    assert proc.returncode == 1 and "train_iters differ" in proc.stderr

@@ -1,0 +1,72 @@
+#!/usr/bin/env python
+"""Head-to-head of precision policies: one training branch per (policy, budget, seed).
+
+    python tools/compare_precision.py --out runs/compare --seeds 1 2 3 --trunk-iters 100 \\
+        --train-iters 300 --snip-interval 100 --fp4-targets 0.5 0.75 0.9 \\
+        --policies snip snip-fixed uniform nvidia-recipe random min-relative-error threshold \\
+        -- --model-preset tiny --micro-batch-size 8 --global-batch-size 16 --lr 3e-3 ... \\
+           --data-path DATA --tokenizer-model TOK --eval-interval 50 --eval-iters 8
+
+For each seed a trunk trains in BF16 to --trunk-iters and runs one SNIP cycle; from that
+checkpoint every arm trains to --train-iters on the same batches: the BF16 reference, SNIP
+re-planning every --snip-interval ("snip"), SNIP's first plan fixed ("snip-fixed"), and the
+baselines, each at exactly the same budget (plans from the trunk's statistics,
+megatron_snip/snip/offline.py). Flags after "--" go to every pretrain_llama.py run (model,
+data, optimizer, layout: add --tensor-model-parallel-size etc. with --nproc-per-node).
+
+Writes OUT/results.md, OUT/results.json, OUT/gap_to_bf16.png and TensorBoard runs side by
+side under OUT/tensorboard. Rerunning the same command finishes what an interrupted one left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_snip.experiments.comparison import ARMS, Comparison, ComparisonConfig, parse_budgets  # noqa: E402
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    train_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="output folder (reused to resume)")
+    p.add_argument("--policies", nargs="+", choices=ARMS, default=list(ARMS),
+                   help="arms besides the BF16 reference (default: all)")
+    p.add_argument("--fp4-targets", type=float, nargs="*", default=None,
+                   help="FP4 budgets (share of linear FLOPs; default 0.75 when no --time-targets)")
+    p.add_argument("--time-targets", type=float, nargs="*", default=[],
+                   help="time budgets (estimated linear-GEMM time / all-bf16)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--trunk-iters", type=int, required=True, help="BF16 iterations before the branch point")
+    p.add_argument("--train-iters", type=int, required=True, help="total iterations of every branch")
+    p.add_argument("--snip-interval", type=int, default=None,
+                   help="re-planning (and checkpoint) interval of the snip arm (default: --trunk-iters)")
+    p.add_argument("--formats", nargs="+", default=["bf16", "fp8", "nvfp4"], help="SNIP candidates")
+    p.add_argument("--nproc-per-node", type=int, default=1, help="processes per run")
+    p.add_argument("--window", type=int, default=0,
+                   help="mean training loss over the last N iterations (default: a fifth of the branch)")
+    p.add_argument("--solver", choices=["auto", "gurobi", "highs"], default="auto")
+    a = p.parse_args(argv)
+    fp4_targets = a.fp4_targets if a.fp4_targets is not None else ([] if a.time_targets else [0.75])
+    try:
+        config = ComparisonConfig(
+            out=a.out, train_args=tuple(train_args), policies=tuple(a.policies),
+            budgets=parse_budgets(fp4_targets, a.time_targets), seeds=tuple(a.seeds), trunk_iters=a.trunk_iters,
+            train_iters=a.train_iters, snip_interval=a.snip_interval or a.trunk_iters, formats=tuple(a.formats),
+            nproc=a.nproc_per_node, window=a.window, solver=a.solver)
+        Comparison(config, log=lambda m: print(m, flush=True)).run()
+    except (ValueError, RuntimeError) as e:
+        print(f"compare_precision.py: error: {e}", file=sys.stderr)
+        return 1
+    print((Path(a.out) / "results.md").read_text())
+    print(f"report: {a.out}/results.md, results.json, gap_to_bf16.png; tensorboard --logdir {a.out}/tensorboard")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
