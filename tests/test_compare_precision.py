@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, TINY_MODEL
+from conftest import ROOT, TINY_MODEL, scalars, torchrun
 from megatron_snip.experiments.comparison import BranchResult, ComparisonConfig
 from megatron_snip.experiments.report import markdown, summarize
 from megatron_snip.precision.plan import PrecisionPlan
@@ -86,6 +86,11 @@ def test_compare_precision_branches_resume_and_report(tiny_data, tmp_path):
     # The snip arm re-planned inside the branch (iterations 6 and 8), the others did not.
     assert "[snip] iteration       6" in (out / "seed1" / "snip_fp4-0.75" / "log.txt").read_text()
     assert "[snip] iteration" not in log
+    # The BF16 branch is the unbranched BF16 run: the trunk's schedule, data order and RNG carry over
+    # the branch point exactly (the trunk's SNIP cycle changes nothing the training sees).
+    torchrun(1, [*train_args, "--seed", "1", "--train-iters", "8", "--tensorboard-dir", str(tmp_path / "tb")])
+    assert scalars(tmp_path / "tb", "valid/lm loss")[8] == json.loads(
+        (out / "seed1" / "bf16" / "result.json").read_text())["final_valid_loss"]
     assert (out / "gap_to_bf16.png").stat().st_size > 0 and "| FP4 target 0.75 | threshold |" in (
         out / "results.md").read_text()
 

@@ -159,10 +159,11 @@ class Comparison:
             self.log(f"seed {seed}: trunk done ({trunk})")
             return
         self.log(f"seed {seed}: trunk, bf16 to iteration {c.trunk_iters} then one SNIP cycle")
-        self._train(trunk, [*c.train_args, "--seed", str(seed), "--train-iters", str(c.trunk_iters),
-                            "--save", str(trunk / "ckpt"), "--load", str(trunk / "ckpt"),
-                            "--save-interval", str(c.trunk_iters), "--snip", "--snip-formats", *c.formats],
-                    log=trunk / "log.txt")
+        # --train-iters is the branches' so the learning-rate schedule is the one they continue.
+        self._train(trunk, [*c.train_args, "--seed", str(seed), "--train-iters", str(c.train_iters),
+                            "--exit-interval", str(c.trunk_iters), "--save", str(trunk / "ckpt"),
+                            "--load", str(trunk / "ckpt"), "--save-interval", str(c.trunk_iters),
+                            "--snip", "--snip-formats", *c.formats], log=trunk / "log.txt")
         if not self._stats_path(seed).exists():
             raise RuntimeError(f"the trunk of seed {seed} wrote no SNIP statistics ({self._stats_path(seed)}); "
                                f"see {trunk / 'log.txt'}")
