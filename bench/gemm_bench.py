@@ -62,9 +62,10 @@ def gemm_calls(tokens: int, in_f: int, out_f: int, device: torch.device) -> dict
     def fp8(t, gemm, operand):  # the layer's own quantizer for this operand of this GEMM, kept as bytes
         return _quantize(t, quant.quantizer(gemm, operand), operand, quant, keep_fp8=True)
 
-    def scaled_mm(a, b):  # a (M, K) row-major, b given as (N, K) row-major = (K, N) column-major
-        return lambda: torch._scaled_mm(a.data.contiguous(), b.data.contiguous().t(), scale_a=a.scale_inv,
-                                        scale_b=b.scale_inv, out_dtype=torch.bfloat16)
+    def scaled_mm(a, b):  # A (M, K) row-major; B given as (N, K), laid out row-major once = (K, N) column-major
+        a_data, b_data = a.data.contiguous(), b.data.contiguous().t()
+        return lambda: torch._scaled_mm(a_data, b_data, scale_a=a.scale_inv, scale_b=b.scale_inv,
+                                        out_dtype=torch.bfloat16)
 
     xq, wq, dyq = fp8(x, "fprop", "x"), fp8(w, "fprop", "w"), fp8(dy, "dgrad", "dy")
     return {
