@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
-from prepare_gpu_wheels import TOP_LEVEL  # noqa: E402
+from prepare_gpu_wheels import TOP_LEVEL, WHEELS  # noqa: E402
 
 CUDA_MARK = "pytest.mark.cuda"
 @dataclass
@@ -82,9 +82,7 @@ def plan(wheels: Path | None, out: Path) -> list[Step]:
     bench = str(ROOT / "bench")
     steps = []
     if wheels is not None:
-        steps.append(Step("install", "install the carried wheels", [
-            py, "-m", "pip", "install", "--no-index", "--find-links", str(wheels), "--disable-pip-version-check",
-            *(f"{n}=={v}" for n, v in TOP_LEVEL.items())], 90))
+        steps.append(Step("install", "install the carried wheels", [py, __file__, "--install", str(wheels)], 90))
     steps += [
         Step("environment", "GPU, driver and package versions", [py, __file__, "--environment"], 45),
         Step("tests", "pytest -m cuda: kernels, FP8 GEMMs, quantized linear, one-GPU training", [
@@ -187,6 +185,33 @@ def write_report(out: Path, header: dict, records: list[Record]) -> str:
     return summary
 
 
+def pip_install(wheels: Path, *args: str) -> int:
+    cmd = [sys.executable, "-m", "pip", "install", "--no-index", "--find-links", str(wheels),
+           "--disable-pip-version-check", *args]
+    print("$", " ".join(cmd), flush=True)
+    return subprocess.run(cmd).returncode
+
+
+def install(wheels: Path) -> int:
+    """The install step: the top-level pins, their dependencies from the machine or the folder. Should pip
+    find a dependency neither has, the pins go in without dependencies, with those pinned ones the
+    machine lacks, and what then fails to import shows in the environment step."""
+    if pip_install(wheels, *(f"{n}=={v}" for n, v in TOP_LEVEL.items())) == 0:
+        return 0
+    import importlib.metadata
+
+    def missing(name: str) -> bool:
+        try:
+            importlib.metadata.version(name)
+            return False
+        except importlib.metadata.PackageNotFoundError:
+            return True
+
+    lacking = [f"{n}=={v}" for n, v in WHEELS.items() if n in TOP_LEVEL or missing(n)]
+    print("[gpu_suite] dependency resolution failed: installing the pins without their dependencies", flush=True)
+    return pip_install(wheels, "--no-deps", *lacking)
+
+
 def print_environment() -> None:
     import importlib
     import platform
@@ -218,10 +243,13 @@ def main() -> int:
     p.add_argument("--only", nargs="+", help="run only these steps (names as listed)")
     p.add_argument("--dry-run", action="store_true", help="print the steps and exit")
     p.add_argument("--environment", action="store_true", help=argparse.SUPPRESS)  # the environment step
+    p.add_argument("--install", type=Path, help=argparse.SUPPRESS)  # the install step
     args = p.parse_args()
     if args.environment:
         print_environment()
         return 0
+    if args.install:
+        return install(args.install)
     wheels = args.wheels.resolve() if args.wheels else None
     if wheels is not None and not wheels.is_dir():
         p.error(f"--wheels {args.wheels}: no such folder; run python tools/prepare_gpu_wheels.py first")

@@ -34,8 +34,9 @@ TOP_LEVEL = {
     "psutil": "7.2.2",  # megatron-core's checkpoint saving imports it (undeclared)
     "pytest": "9.2.0",
 }
-# Dependencies of those the device may lack (torch, numpy and packaging it has).
+# Dependencies of those the device may lack or have too old (torch and numpy it has).
 DEPENDENCIES = {
+    "packaging": "26.3",  # megatron-core wants >= 24.2
     "pluggy": "1.7.0",
     "iniconfig": "2.3.1",
     "pygments": "2.21.0",
