@@ -43,6 +43,8 @@ sys.path.insert(0, str(ROOT / "tools"))
 from prepare_gpu_wheels import TOP_LEVEL, WHEELS  # noqa: E402
 
 CUDA_MARK = "pytest.mark.cuda"
+
+
 @dataclass
 class Step:
     """One thing the suite runs: a command with a time cap; ``result`` is the JSON a benchmark writes."""
