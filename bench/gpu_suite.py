@@ -88,8 +88,9 @@ def plan(wheels: Path | None, out: Path) -> list[Step]:
     steps += [
         Step("environment", "GPU, driver and package versions", [py, __file__, "--environment"], 45),
         Step("tests", "pytest -m cuda: kernels, FP8 GEMMs, quantized linear, one-GPU training", [
-            py, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "-rfE",
-            "--junitxml", str(out / "pytest.xml"), *cuda_test_files()], 240),
+            # -v: one line per case in the log, so a run cut at its cap still shows how far it got
+            py, "-m", "pytest", "-v", "-m", "cuda", "-p", "no:cacheprovider", "-rfE",
+            "--junitxml", str(out / "pytest.xml"), *cuda_test_files()], 300),
         Step("gemm", "FP8 _scaled_mm vs bf16 matmul, Llama-3-8B/70B linear shapes",
              [py, f"{bench}/gemm_bench.py", "--json", str(out / "gemm.json")], 60, "gemm.json"),
         Step("quantize", "fused quantize-dequantize kernels vs a copy of the same bytes",

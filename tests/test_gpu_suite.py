@@ -40,7 +40,7 @@ def test_without_cuda_the_suite_says_what_it_would_run_and_exits_0(tmp_path):
     for name in ("install", "environment", "tests", "gemm", "quantize", "step_time"):
         assert re.search(rf"^  {name} +\(cap \d+ s\)", proc.stdout, re.M), name
     assert f"gpu_suite.py --install {tmp_path / 'wheels'}" in proc.stdout
-    assert "-m pytest -q -m cuda" in proc.stdout and all(f in proc.stdout for f in CUDA_FILES)
+    assert "-m pytest -v -m cuda" in proc.stdout and all(f in proc.stdout for f in CUDA_FILES)
     assert "--preset tinyllama-1.1b" in proc.stdout and "--snip-cycle" in proc.stdout
     assert not (tmp_path / "out").exists(), "nothing runs, nothing is written"
     bad = suite("--wheels", str(tmp_path / "absent"))
