@@ -57,11 +57,12 @@ def training_args(opts, data_prefix: str, tokenizer_model: str, iters: int) -> l
     return args + (["--bf16"] if opts.bf16 else [])
 
 
-def phases(opts) -> list[tuple[str, str]]:
-    """(phase name, what runs) in order: plain/ours alternating, then each precision, then SNIP."""
-    run = [p for _ in range(opts.repeats) for p in (("plain", "plain"), ("ours", "ours"))]
-    run += [(name, "ours") for name in opts.compare_precision]
-    return run + ([("snip", "snip")] if opts.snip_cycle else [])
+def phases(opts) -> list[tuple[str, str, str]]:
+    """(phase name, loop, uniform precision) in order: plain/ours alternating, each precision, SNIP.
+    The SNIP phase starts from bf16 and runs its cycle first (the loop is ours)."""
+    run = [p for _ in range(opts.repeats) for p in (("plain", "plain", "bf16"), ("ours", "ours", "bf16"))]
+    run += [(name, "ours", name) for name in opts.compare_precision]
+    return run + ([("snip", "ours", "bf16")] if opts.snip_cycle else [])
 
 
 def worker(plan_file: str, argv: list[str]) -> None:
@@ -95,11 +96,10 @@ def worker(plan_file: str, argv: list[str]) -> None:
     trainer.train_step = stamped_step
     result = {"phases": {}, "flops_per_iteration": trainer.flops_per_iteration, "world_size": dist.get_world_size(),
               "peak_tflops": peak_tflops(args.peak_tflops), "fp8_recipe": args.fp8_recipe}
-    for name, kind in run["phases"]:
-        plan = PrecisionPlan.uniform("bf16" if kind != "ours" or name == "ours" else name)
-        trainer.set_plan(plan)
+    for name, loop, precision in run["phases"]:
+        trainer.set_plan(PrecisionPlan.uniform(precision))
         peak_memory_reset()
-        if kind == "snip":
+        if name == "snip":
             synchronize()
             start = time.perf_counter()
             report = trainer.snip.cycle(trainer.state.iteration)
@@ -109,7 +109,7 @@ def worker(plan_file: str, argv: list[str]) -> None:
             result["snip_plan"] = {"fp4": report.fp4_fraction, "time_ratio": report.time_ratio}
             peak_memory_reset()
         clock.stamps.clear()
-        if kind == "plain":
+        if loop == "plain":
             plain_loop(trainer, args, run["iters"], clock)
         else:
             args.train_iters = trainer.state.iteration + run["iters"]
@@ -234,7 +234,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         prefix, tok = build_data(workdir)
-        training_iters = sum(kind != "plain" for _, kind in phases(opts)) * opts.iters
+        training_iters = sum(loop == "ours" for _, loop, _ in phases(opts)) * opts.iters
         argv = training_args(opts, prefix, tok, training_iters) + rest
         if opts.snip_cycle:
             argv += ["--snip", "--snip-interval", NEVER]
