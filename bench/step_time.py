@@ -188,6 +188,9 @@ def summarise(measured: dict) -> tuple[list[str], dict]:
         extra = ({"snip cycle": measured["snip_cycle_peak_gib"]} if "snip" in measured["phases"] else {})
         lines.append("peak memory allocated, GiB: " + ", ".join(
             f"{k} {v:.2f}" for k, v in {**peaks, **extra}.items()))
+        if extra:
+            figures["snip_cycle_peak_vs_bf16_step"] = extra["snip cycle"] / peaks["ours"]
+            lines.append(f"SNIP cycle peak memory / bf16 step peak: {figures['snip_cycle_peak_vs_bf16_step']:.2f}")
     figures["goals"] = goals
     return lines, figures
 

@@ -167,6 +167,7 @@ def test_step_time_ratios_are_against_the_same_runs_baseline():
     text = "\n".join(lines)
     assert "assumed peak of 100 TFLOP/s" in text and "ratio to bf16 1.961" in text
     assert "snip cycle 9.00" in text and "nvfp4 6.00" in text
+    assert figures["snip_cycle_peak_vs_bf16_step"] == pytest.approx(9.0 / 5.1)
 
 
 def test_wheels_are_pinned_to_the_cpu_environments_versions(tmp_path):
@@ -204,3 +205,22 @@ def test_wheel_folder_check_wants_exactly_the_pins_within_the_carry_limit(tmp_pa
     wheel("highspy", wheels.WHEELS["highspy"], size=(wheels.CARRY_LIMIT_MIB + 1) * 2**20)
     with pytest.raises(SystemExit, match="exceeds"):
         wheels.check_folder(tmp_path)
+
+
+def test_quantize_bench_times_each_formats_own_kernel():
+    """Each kernel the quantize benchmark times computes its format's fake_quantize, bit for bit (on CPU in
+    Triton's interpreter, conftest.py; compiled on a GPU), stochastic rounding with the reference's draws."""
+    pytest.importorskip("triton")
+    from quantize_bench import triton_operand_quantizers
+
+    from megatron_snip.precision import fake_quantize
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(3)).to(device)
+    kernels = triton_operand_quantizers(x)
+    assert set(kernels) == {"fp8_e4m3", "fp8_e5m2", "fp8_block", "mxfp8", "nvfp4", "mxfp4", "nvfp4_sr", "mxfp4_sr"}
+    generator = torch.Generator(device=device).manual_seed(0)  # the bench's seed; its SR kernels draw in turn
+    for name, kernel in kernels.items():
+        fmt, stochastic = name.removesuffix("_sr"), name.endswith("_sr")
+        expected = fake_quantize(x, fmt, stochastic=stochastic, generator=generator if stochastic else None)
+        assert torch.equal(kernel(), expected), name
