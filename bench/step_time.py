@@ -44,8 +44,8 @@ from results import goal, write_json  # noqa: E402
 from timing import StepClock, peak_memory_gib, peak_memory_reset, synchronize  # noqa: E402
 
 OVERHEAD_GOAL, SNIP_CYCLE_GOAL = 1.03, 10.0
-NEVER = "1000000000"
-WORKER = "--phases-worker"  # first argument of the torchrun'd processes: the phases file, then the training flags  # a --snip-interval no run reaches: the bench runs its cycle itself
+NEVER = "1000000000"  # a --snip-interval no run reaches: the bench runs its cycle itself
+WORKER = "--phases-worker"  # first argument of the torchrun'd processes: the phases file, then the training flags
 
 
 def training_args(opts, data_prefix: str, tokenizer_model: str, iters: int) -> list[str]:
@@ -172,7 +172,8 @@ def summarise(measured: dict) -> tuple[list[str], dict]:
         if name in ("plain", "ours", "snip"):
             continue
         label = f"fp8 {measured['fp8_recipe']}" if name == "fp8" else f"{name} (emulated)"
-        lines.append(f"uniform {label:<17}: {best[name] * 1e3:9.1f} ms/iteration, ratio to bf16 {best[name] / bf16:.3f}")
+        lines.append(f"uniform {label:<17}: {best[name] * 1e3:9.1f} ms/iteration, "
+                     f"ratio to bf16 {best[name] / bf16:.3f}")
         if name == "fp8":
             goals.append(goal(f"fp8 {measured['fp8_recipe']} step / bf16 step", best[name] / bf16, at_most=1.0))
     if "snip" in measured["phases"]:
