@@ -18,30 +18,21 @@ that moves the same bytes.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 
-from megatron_snip.precision import FORMATS, fake_quantize
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
+from results import goal, write_json  # noqa: E402
+from timing import device_name, median_seconds  # noqa: E402
 
-def timed(fn, device: torch.device, reps: int) -> float:
-    """Median seconds per call after one warm-up call."""
+from megatron_snip.precision import FORMATS, fake_quantize  # noqa: E402
 
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    fn()
-    sync()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+KERNEL_GOAL = 0.5  # fused kernel throughput / copy throughput, on a GPU
 
 
 def main() -> None:
@@ -49,6 +40,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=4096, help="tensor is size x size")
     parser.add_argument("--reps", type=int, default=3, help="timed calls per format (median)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json", help="also write the results here (for bench/gpu_suite.py)")
     args = parser.parse_args()
 
     device = torch.device(args.device)
@@ -56,25 +48,32 @@ def main() -> None:
     x = torch.randn(args.size, args.size, device=device, dtype=dtype)
     moved = 2 * x.nbytes
 
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
-    print(f"fake_quantize on {tuple(x.shape)} {dtype} ({where}), torch {torch.__version__}")
-    copy_s = timed(lambda: torch.clone(x), device, args.reps)
+    print(f"fake_quantize on {tuple(x.shape)} {dtype} ({device_name()}), torch {torch.__version__}")
+    copy_s = median_seconds(lambda: torch.clone(x), device, args.reps)
     print(f"{'format':<10} {'ms':>9} {'GB/s':>8} {'vs copy':>8}")
     print(f"{'clone':<10} {copy_s * 1e3:9.2f} {moved / copy_s / 1e9:8.2f} {1.0:8.3f}")
+    reference = {}
     for fmt in FORMATS:
-        s = timed(lambda: fake_quantize(x, fmt), device, args.reps)
+        s = median_seconds(lambda: fake_quantize(x, fmt), device, args.reps)
+        reference[fmt] = copy_s / s
         print(f"{fmt:<10} {s * 1e3:9.2f} {moved / s / 1e9:8.2f} {copy_s / s:8.3f}")
+    result = {"benchmark": "quantize", "device": device_name(), "shape": list(x.shape), "dtype": str(dtype),
+              "reference_vs_copy": reference, "kernels_vs_copy": {}, "goals": []}
     if device.type != "cuda":
         print("fused Triton kernels: need CUDA (their bits are checked on CPU by tests/test_triton_qdq.py)")
+        write_json(args.json, result)
         return
     kernels = triton_operand_quantizers(x)
     moved = x.nbytes + 4 * x.numel()
-    cast_s = timed(lambda: x.float(), device, args.reps)
-    print(f"fused Triton kernels, {dtype} in, fp32 out")
+    cast_s = median_seconds(lambda: x.float(), device, args.reps)
+    print(f"fused Triton kernels, {dtype} in, fp32 out (goal >= {KERNEL_GOAL} of the copy)")
     print(f"{'x.float()':<10} {cast_s * 1e3:9.2f} {moved / cast_s / 1e9:8.2f} {1.0:8.3f}")
     for name, fn in kernels.items():
-        s = timed(fn, device, args.reps)
+        s = median_seconds(fn, device, args.reps)
+        result["kernels_vs_copy"][name] = cast_s / s
+        result["goals"].append(goal(f"fused {name} kernel throughput vs copy", cast_s / s, at_least=KERNEL_GOAL))
         print(f"{name:<10} {s * 1e3:9.2f} {moved / s / 1e9:8.2f} {cast_s / s:8.3f}")
+    write_json(args.json, result)
 
 
 def triton_operand_quantizers(x: torch.Tensor) -> dict:
@@ -83,6 +82,8 @@ def triton_operand_quantizers(x: torch.Tensor) -> dict:
     from megatron_snip.precision.blocks import tensor_amax
     from megatron_snip.precision.formats import E2M1, E4M3, E5M2
     from megatron_snip.precision.fp8 import fp8_scale_from_amax
+
+    generator = torch.Generator(device=x.device).manual_seed(0)
 
     def tensorwise(fmt):
         return lambda: triton_qdq.qdq_fp8_tensorwise(x, fp8_scale_from_amax(tensor_amax(x).float(), fmt), fmt)
@@ -94,6 +95,10 @@ def triton_operand_quantizers(x: torch.Tensor) -> dict:
         "mxfp8": lambda: triton_qdq.qdq_mx(x, E4M3, scale_rule="ceil"),
         "nvfp4": lambda: triton_qdq.qdq_nvfp4(x, block=(1, 16), global_amax=tensor_amax(x).float()),
         "mxfp4": lambda: triton_qdq.qdq_mx(x, E2M1, scale_rule="ocp"),
+        # Gradients: stochastic rounding (the random numbers are drawn by the kernel call too).
+        "nvfp4_sr": lambda: triton_qdq.qdq_nvfp4(x, block=(1, 16), global_amax=tensor_amax(x).float(),
+                                                 stochastic=True, generator=generator),
+        "mxfp4_sr": lambda: triton_qdq.qdq_mx(x, E2M1, scale_rule="ocp", stochastic=True, generator=generator),
     }
 
 

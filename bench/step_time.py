@@ -1,19 +1,27 @@
-"""Step time of our training loop vs a minimal plain megatron-core loop, same model and layout.
+"""Training step time, phase by phase in one run: each figure is a ratio to a baseline measured in the same processes.
 
     python bench/step_time.py                       # TP=2 PP=2 on 4 local processes (CPU here)
-    python bench/step_time.py --nproc 8 --tp 2 --pp 1 --preset tinyllama-1.1b --bf16   # a GPU node
+    python bench/step_time.py --compare-precision fp8 nvfp4 --snip-cycle   # + precisions, + a SNIP cycle
+    python bench/step_time.py --nproc 1 --tp 1 --pp 1 --preset tinyllama-1.1b --bf16 \
+        --micro-batch-size 1 --global-batch-size 8 --compare-precision fp8 nvfp4 --snip-cycle   # one GPU
 
-    python bench/step_time.py --compare-precision nvfp4 mxfp4 fp8   # + emulated precisions vs bf16
+One ``torchrun`` launch builds the model once; every rank then runs these phases of
+``--iters`` steps each (the first ``--warmup`` of a phase untimed):
 
-Prints the median seconds per iteration of each and the ratio ours / plain
-(goal: < 1.03), and for each ``--precision`` the ratio of our step time with
-every linear module in that precision to our bf16 step time. (Options this
-script does not know pass through to pretrain_llama.py, e.g. ``--num-workers 0``.) "ours" is ``Trainer.train()`` end to end (real data loader,
-loss reporting, logging, the preemption check); "plain" is the textbook
-megatron-core loop (forward_backward_func + optimizer.step) on in-memory
-random tokens. Both build the model from the same arguments. Each mode runs
-``--repeats`` times, alternating, and the best median is kept, because other
-processes on the machine add noise.
+- ``plain`` and ``ours`` (bf16), alternating ``--repeats`` times, best median kept: "ours" is
+  ``Trainer.train()`` end to end (real data loader, loss reporting, logging, the preemption
+  check), "plain" the textbook megatron-core loop (forward_backward_func + optimizer.step) on
+  in-memory random tokens, on the same model and optimizer. Goal: ours / plain <= 1.03.
+- one phase per ``--compare-precision`` name: every linear module in that precision
+  (fp8 with the run's ``--fp8-recipe``, tensorwise by default; FP4 formats emulated), as a
+  ratio to the bf16 "ours" step. Goal for fp8: faster than bf16 (< 1).
+- ``--snip-cycle``: one SNIP cycle (probe passes, statistics, solve, plan applied), then a
+  phase under the plan it chose; the cycle's time in post-plan steps. Goal: <= 10.
+
+Also printed: MFU of the bf16 step (model FLOPs per second over the peak assumed for the
+GPU, named; ``--peak-tflops`` overrides) and, on a GPU, the peak memory allocated in each
+phase. Options this script does not know pass through to pretrain_llama.py (e.g.
+``--num-workers 0``).
 """
 
 from __future__ import annotations
@@ -30,6 +38,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from results import goal, write_json  # noqa: E402
+from timing import StepClock, peak_memory_gib, peak_memory_reset, synchronize  # noqa: E402
+
+OVERHEAD_GOAL, SNIP_CYCLE_GOAL = 1.03, 10.0
+NEVER = "1000000000"  # a --snip-interval no run reaches: the bench runs its cycle itself
+WORKER = "--phases-worker"  # first argument of the torchrun'd processes: the phases file, then the training flags
 
 
 def training_args(opts, data_prefix: str, tokenizer_model: str, iters: int) -> list[str]:
@@ -41,44 +57,78 @@ def training_args(opts, data_prefix: str, tokenizer_model: str, iters: int) -> l
     return args + (["--bf16"] if opts.bf16 else [])
 
 
-def worker(mode: str, argv: list[str], warmup: int, out: str) -> None:
-    """Runs inside torchrun: per-iteration times of one loop, after ``warmup`` iterations."""
+def phases(opts) -> list[tuple[str, str, str]]:
+    """(phase name, loop, uniform precision) in order: plain/ours alternating, each precision, SNIP.
+    The SNIP phase starts from bf16 and runs its cycle first (the loop is ours)."""
+    run = [p for _ in range(opts.repeats) for p in (("plain", "plain", "bf16"), ("ours", "ours", "bf16"))]
+    run += [(name, "ours", name) for name in opts.compare_precision]
+    return run + ([("snip", "ours", "bf16")] if opts.snip_cycle else [])
+
+
+def worker(plan_file: str, argv: list[str]) -> None:
+    """Runs inside torchrun: every phase of ``plan_file`` on this rank; rank 0 writes what it measured.
+
+    ``argv`` is pretrain_llama.py's command line alone, so none of its flags is taken for one of this
+    script's (--micro-batch-size, --bf16 ... are both)."""
     from megatron_snip.compat.cpu import silence_cpu_warnings
 
     silence_cpu_warnings()
-    import torch
     import torch.distributed as dist
 
     from megatron_snip.arguments import parse_args
-    from megatron_snip.training.logger import setup_console
+    from megatron_snip.precision.plan import PrecisionPlan
+    from megatron_snip.training.logger import peak_tflops, setup_console
     from megatron_snip.training.setup import initialize_distributed
     from megatron_snip.training.trainer import Trainer
 
+    run = json.loads(Path(plan_file).read_text())
     args = parse_args(argv)
     setup_console()
     initialize_distributed(args)
     trainer = Trainer(args)
-    stamps: list[float] = []
-    if mode == "ours":
-        # Start-to-start time of consecutive steps: the whole loop body, data and checks included.
-        step = trainer.train_step
+    clock = StepClock()
+    step = trainer.train_step
 
-        def stamped_step(data):
-            stamps.append(time.perf_counter())
-            return step(data)
+    def stamped_step(data):  # start-to-start: the whole loop body, data and checks included
+        clock.stamp()
+        return step(data)
 
-        trainer.train_step = stamped_step
-        trainer.train()
-    else:
-        plain_loop(trainer, args, stamps, torch)
-    times = [b - a for a, b in zip(stamps, stamps[1:])][warmup:]
+    trainer.train_step = stamped_step
+    result = {"phases": {}, "flops_per_iteration": trainer.flops_per_iteration, "world_size": dist.get_world_size(),
+              "peak_tflops": peak_tflops(args.peak_tflops), "fp8_recipe": args.fp8_recipe}
+    for name, loop, precision in run["phases"]:
+        trainer.set_plan(PrecisionPlan.uniform(precision))
+        peak_memory_reset()
+        if name == "snip":
+            synchronize()
+            start = time.perf_counter()
+            report = trainer.snip.cycle(trainer.state.iteration)
+            synchronize()
+            result["snip_cycle_seconds"] = time.perf_counter() - start
+            result["snip_cycle_peak_gib"] = peak_memory_gib()
+            result["snip_plan"] = {"fp4": report.fp4_fraction, "time_ratio": report.time_ratio}
+            peak_memory_reset()
+        clock.stamps.clear()
+        if loop == "plain":
+            plain_loop(trainer, args, run["iters"], clock)
+        else:
+            args.train_iters = trainer.state.iteration + run["iters"]
+            trainer.train()
+            synchronize()
+            clock.stamp()
+        phase = result["phases"].setdefault(name, {"medians": [], "peak_gib": None})
+        phase["medians"].append(statistics.median(clock.intervals(run["warmup"])))
+        peak = peak_memory_gib()
+        phase["peak_gib"] = peak if phase["peak_gib"] is None else max(phase["peak_gib"], peak)
     if dist.get_rank() == 0:
-        Path(out).write_text(json.dumps(times))
+        Path(run["out"]).write_text(json.dumps(result))
     dist.destroy_process_group()
 
 
-def plain_loop(trainer, args, stamps: list[float], torch) -> None:
+def plain_loop(trainer, args, iters: int, clock: StepClock) -> None:
     """The minimal megatron-core loop on the trainer's model/optimizer, random in-memory tokens."""
+    import torch
+
     vocab = trainer.tokenizer.vocab_size
     mbs, seq = args.micro_batch_size, args.seq_length
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
@@ -89,17 +139,61 @@ def plain_loop(trainer, args, stamps: list[float], torch) -> None:
         out = model(tokens[:, :-1], position_ids, None, labels=tokens[:, 1:])
         return out, lambda o: (o.float().mean(), {})
 
-    for _ in range(args.train_iters):
-        stamps.append(time.perf_counter())
+    for _ in range(iters):
+        clock.stamp()
         for chunk in trainer.model:
             chunk.zero_grad_buffer()
         trainer.optimizer.zero_grad()
         trainer.forward_backward(forward_step_func=forward_step, data_iterator=None, model=trainer.model,
                                  num_microbatches=args.num_microbatches, seq_length=seq, micro_batch_size=mbs)
         trainer.optimizer.step()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    stamps.append(time.perf_counter())
+    synchronize()
+    clock.stamp()
+
+
+def summarise(measured: dict) -> tuple[list[str], dict]:
+    """Printed lines and the JSON figures (with the goals) of one run's measurements."""
+    best = {name: min(p["medians"]) for name, p in measured["phases"].items()}
+    peaks = {name: p["peak_gib"] for name, p in measured["phases"].items()}
+    bf16 = best["ours"]
+    lines = [f"plain megatron-core loop : {best['plain'] * 1e3:9.1f} ms/iteration",
+             f"megatron-snip trainer    : {bf16 * 1e3:9.1f} ms/iteration",
+             f"ratio ours / plain       : {bf16 / best['plain']:9.3f}   (goal <= {OVERHEAD_GOAL})"]
+    goals = [goal("trainer step / plain megatron-core step (bf16)", bf16 / best["plain"], at_most=OVERHEAD_GOAL)]
+    figures = {"seconds_per_iteration": best, "peak_memory_gib": peaks}
+    tflops = measured["flops_per_iteration"] / bf16 / measured["world_size"] / 1e12
+    peak = measured["peak_tflops"]
+    figures["bf16_tflops_per_device"] = tflops
+    figures["mfu_bf16"] = tflops / peak if peak else None
+    lines.append(f"model TFLOP/s per device in the bf16 step: {tflops:.3g}" + (
+        f", MFU {tflops / peak:.3f} against an assumed peak of {peak:g} TFLOP/s (dense BF16)" if peak else
+        " (no MFU: no peak known for this device; --peak-tflops sets one)"))
+    for name in measured["phases"]:
+        if name in ("plain", "ours", "snip"):
+            continue
+        label = f"fp8 {measured['fp8_recipe']}" if name == "fp8" else f"{name} (emulated)"
+        lines.append(f"uniform {label:<17}: {best[name] * 1e3:9.1f} ms/iteration, "
+                     f"ratio to bf16 {best[name] / bf16:.3f}")
+        if name == "fp8":
+            goals.append(goal(f"fp8 {measured['fp8_recipe']} step / bf16 step", best[name] / bf16, at_most=1.0))
+    if "snip" in measured["phases"]:
+        cycle, after = measured["snip_cycle_seconds"], best["snip"]
+        plan = measured["snip_plan"]
+        lines.append(f"SNIP cycle               : {cycle:9.2f} s = {cycle / after:.1f} iterations of the plan it chose "
+                     f"({plan['fp4']:.1%} FP4 FLOPs, {after * 1e3:.1f} ms/iteration), {cycle / bf16:.1f} bf16 "
+                     f"iterations (goal <= {SNIP_CYCLE_GOAL:g})")
+        figures.update(snip_cycle_seconds=cycle, snip_cycle_iterations=cycle / after, snip_plan=plan,
+                       snip_cycle_peak_gib=measured["snip_cycle_peak_gib"])
+        goals.append(goal("SNIP cycle in post-plan iterations", cycle / after, at_most=SNIP_CYCLE_GOAL))
+    if all(v is not None for v in peaks.values()):
+        extra = ({"snip cycle": measured["snip_cycle_peak_gib"]} if "snip" in measured["phases"] else {})
+        lines.append("peak memory allocated, GiB: " + ", ".join(
+            f"{k} {v:.2f}" for k, v in {**peaks, **extra}.items()))
+        if extra:
+            figures["snip_cycle_peak_vs_bf16_step"] = extra["snip cycle"] / peaks["ours"]
+            lines.append(f"SNIP cycle peak memory / bf16 step peak: {figures['snip_cycle_peak_vs_bf16_step']:.2f}")
+    figures["goals"] = goals
+    return lines, figures
 
 
 def build_data(workdir: Path) -> tuple[str, str]:
@@ -130,43 +224,43 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_layout_args(p)
-    p.add_argument("--iters", type=int, default=40)
-    p.add_argument("--warmup", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--iters", type=int, default=20, help="steps per phase")
+    p.add_argument("--warmup", type=int, default=4, help="untimed first steps of each phase")
+    p.add_argument("--repeats", type=int, default=2, help="alternations of the plain and ours phases")
     p.add_argument("--compare-precision", nargs="*", default=[], choices=["fp8", "nvfp4", "mxfp4"],
                    help="also time uniform precisions, as a ratio to bf16")
-    p.add_argument("--worker", choices=["ours", "plain"], help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--snip-cycle", action="store_true", help="also time one SNIP cycle and the plan it chooses")
+    p.add_argument("--json", help="also write the results here (for bench/gpu_suite.py)")
     opts, rest = p.parse_known_args()
-    if opts.worker:
-        worker(opts.worker, rest, opts.warmup, opts.out)
-        return
+    if opts.iters <= opts.warmup + 1:
+        p.error(f"--iters {opts.iters} must exceed --warmup {opts.warmup} + 1 (time at least two steps)")
 
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         prefix, tok = build_data(workdir)
-        argv = training_args(opts, prefix, tok, opts.iters) + rest
-        runs = {"plain": ("plain", []), "ours": ("ours", [])}
-        runs.update({p: ("ours", ["--precision", p]) for p in opts.compare_precision})
-        best: dict[str, float] = {}
-        for repeat in range(opts.repeats):
-            for name, (mode, extra) in runs.items():
-                out = workdir / f"{name}{repeat}.json"
-                subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(opts.nproc),
-                                __file__, "--worker", mode, "--warmup", str(opts.warmup), "--out", str(out),
-                                *argv, *extra],
-                               check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                               stdout=subprocess.DEVNULL)
-                median = statistics.median(json.loads(out.read_text()))
-                best[name] = min(best.get(name, float("inf")), median)
+        training_iters = sum(loop == "ours" for _, loop, _ in phases(opts)) * opts.iters
+        argv = training_args(opts, prefix, tok, training_iters) + rest
+        if opts.snip_cycle:
+            argv += ["--snip", "--snip-interval", NEVER]
+        out, plan = workdir / "measured.json", workdir / "phases.json"
+        plan.write_text(json.dumps({"phases": phases(opts), "iters": opts.iters, "warmup": opts.warmup,
+                                    "out": str(out)}))
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(opts.nproc),
+                        __file__, WORKER, str(plan), *argv],
+                       check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL)
+        measured = json.loads(out.read_text())
     print(f"layout TP={opts.tp} PP={opts.pp} DP={opts.nproc // (opts.tp * opts.pp)}, preset {opts.preset}, "
-          f"global batch {opts.global_batch_size}, {opts.iters - opts.warmup} timed iterations x {opts.repeats}")
-    print(f"plain megatron-core loop : {best['plain'] * 1e3:8.1f} ms/iteration")
-    print(f"megatron-snip trainer    : {best['ours'] * 1e3:8.1f} ms/iteration")
-    print(f"ratio ours / plain       : {best['ours'] / best['plain']:8.3f}")
-    for p in opts.compare_precision:
-        print(f"uniform {p:<6} (emulated): {best[p] * 1e3:8.1f} ms/iteration, ratio to bf16 {best[p] / best['ours']:.3f}")
+          f"global batch {opts.global_batch_size}, phases of {opts.iters - opts.warmup} timed iterations, "
+          f"plain/ours x {opts.repeats}")
+    lines, figures = summarise(measured)
+    print("\n".join(lines))
+    write_json(opts.json, {"benchmark": "step_time", "layout": {"tp": opts.tp, "pp": opts.pp, "nproc": opts.nproc,
+                                                                "preset": opts.preset, "bf16": opts.bf16},
+                           **figures})
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == [WORKER]:
+        worker(sys.argv[2], sys.argv[3:])
+    else:
+        main()

@@ -21,6 +21,12 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "cuda: has cases that run on a CUDA GPU when there is one (bench/gpu_suite.py runs "
+        "`pytest -m cuda` on a lent GPU); on CPU they run their CPU cases or skip")
+
+
 @dataclass(frozen=True)
 class TinyData:
     prefix: str          # --data-path

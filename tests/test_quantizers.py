@@ -603,6 +603,7 @@ def test_random_signs_and_inverse():
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("role", ["activation", "weight"])

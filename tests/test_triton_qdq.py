@@ -24,7 +24,8 @@ from megatron_snip.precision.nvfp4 import quantize_nvfp4  # noqa: E402
 from megatron_snip.precision.recipes import Precision, RecipeConfig  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy: 1/0 in padded interpreter lanes
+pytestmark = [pytest.mark.cuda,  # compiled and run on the GPU when there is one
+              pytest.mark.filterwarnings("ignore::RuntimeWarning")]  # numpy: 1/0 in padded interpreter lanes
 
 
 def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,16 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     """Megatron's padding: the embedding rows split evenly over TP ranks."""
     multiple = divisible_by * tp
     return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+# The compiled kernels behind megatron-core's fused masked softmax (apex, or a Megatron-LM build, provides them).
+FUSED_SOFTMAX_MODULES = ("scaled_upper_triang_masked_softmax_cuda", "scaled_masked_softmax_cuda", "scaled_softmax_cuda")
+
+
+def fused_softmax_available() -> bool:
+    """Whether megatron-core's fused softmax can run: with the fusion on and these kernels absent,
+    the first bf16 attention forward fails with ModuleNotFoundError instead of using torch's softmax."""
+    return all(importlib.util.find_spec(name) is not None for name in FUSED_SOFTMAX_MODULES)
 
 
 def transformer_config(args: argparse.Namespace) -> TransformerConfig:
@@ -49,9 +60,9 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         # On CPU, initialise the full weight and slice it, so every TP layout
         # starts from the same weights (TP parity); on GPU initialise in place.
         use_cpu_initialization=not cuda,
-        # Fusions that need CUDA kernels (apex / TE) stay off without a GPU.
+        # Fusions that need CUDA kernels stay off without a GPU; the softmax one also without its kernels.
         bias_dropout_fusion=cuda,
-        masked_softmax_fusion=cuda,
+        masked_softmax_fusion=cuda and fused_softmax_available(),
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         apply_rope_fusion=False,

@@ -1,0 +1,79 @@
+"""Timing shared by the benchmarks: CUDA events on a GPU, wall clock elsewhere.
+
+A GPU runs asynchronously: the host returns from a launch long before the
+kernel ends, so GPU timings bracket the calls with CUDA events and
+synchronise once at the end; on a CPU every call is synchronous and the wall
+clock is the measure. Medians, because other work on the machine adds noise
+that only ever makes a call slower.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def synchronize(device: torch.device | str | None = None) -> None:
+    """Wait for the device's queued work (nothing to wait for on CPU)."""
+    device = torch.device(device) if device is not None else None
+    if (device is None and torch.cuda.is_available()) or (device is not None and device.type == "cuda"):
+        torch.cuda.synchronize(device)
+
+
+def median_seconds(fn: Callable[[], object], device: torch.device | str, reps: int = 10, warmup: int = 2) -> float:
+    """Median seconds of one ``fn()`` call on ``device`` after ``warmup`` untimed calls."""
+    device = torch.device(device)
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    if device.type == "cuda":
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        for start, end in events:
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize(device)
+        return statistics.median(start.elapsed_time(end) / 1e3 for start, end in events)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+class StepClock:
+    """Start-to-start wall time of consecutive steps (a training step syncs itself by reading its loss).
+
+    ``stamp()`` at the start of every step and once after the last; ``intervals(skip)``
+    gives the step times without the first ``skip`` (warm-up) steps.
+    """
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def stamp(self) -> None:
+        self.stamps.append(time.perf_counter())
+
+    def intervals(self, skip: int = 0) -> list[float]:
+        return [b - a for a, b in zip(self.stamps, self.stamps[1:])][skip:]
+
+
+def peak_memory_reset() -> None:
+    """Start a new peak-memory window (CUDA only: a CPU process's peak RSS cannot be reset)."""
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_memory_gib() -> float | None:
+    """Peak GPU memory allocated by torch since the last reset, GiB (None on CPU)."""
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"cpu, {torch.get_num_threads()} threads"

@@ -1,0 +1,226 @@
+"""bench/gpu_suite.py and what it carries: its CPU mode, its step runner and report, the benchmarks'
+figures it reports, the CUDA test selection, and the pinned wheels (tools/prepare_gpu_wheels.py)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "tools"))
+
+import gpu_suite  # noqa: E402
+import prepare_gpu_wheels as wheels  # noqa: E402
+
+CUDA_FILES = {"tests/test_triton_qdq.py", "tests/test_fp8_gemm.py", "tests/test_quantizers.py",
+              "tests/test_gpu_training.py"}
+
+
+def suite(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_suite.py"), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_without_cuda_the_suite_says_what_it_would_run_and_exits_0(tmp_path):
+    (tmp_path / "wheels").mkdir()
+    dry = ["--dry-run"] if torch.cuda.is_available() else []  # on a GPU only the dry run prints the plan
+    proc = suite("--wheels", str(tmp_path / "wheels"), "--out", str(tmp_path / "out"), *dry)
+    assert proc.returncode == 0, proc.stderr
+    for name in ("install", "environment", "tests", "gemm", "quantize", "step_time"):
+        assert re.search(rf"^  {name} +\(cap \d+ s\)", proc.stdout, re.M), name
+    assert f"gpu_suite.py --install {tmp_path / 'wheels'}" in proc.stdout
+    assert "-m pytest -v -m cuda" in proc.stdout and all(f in proc.stdout for f in CUDA_FILES)
+    assert "--preset tinyllama-1.1b" in proc.stdout and "--snip-cycle" in proc.stdout
+    assert not (tmp_path / "out").exists(), "nothing runs, nothing is written"
+    bad = suite("--wheels", str(tmp_path / "absent"))
+    assert bad.returncode == 2 and "--wheels" in bad.stderr and "prepare_gpu_wheels.py" in bad.stderr
+
+
+def test_the_cuda_cases_are_selected_by_their_marker():
+    assert set(gpu_suite.cuda_test_files()) == CUDA_FILES
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "cuda", "-p",
+                           "no:cacheprovider", *sorted(CUDA_FILES)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    selected = proc.stdout
+    assert "test_quantizers.py::test_cuda_matches_cpu" in selected
+    assert "test_quantizers.py::test_rounding_matches_oracle" not in selected  # unmarked cases stay out
+    for case in ("test_triton_qdq.py::test_quantized_linear_with_kernels_equals_reference",
+                 "test_fp8_gemm.py::test_scaled_mm_matches_emulated_within_accumulation_order",
+                 "test_gpu_training.py::test_one_gpu_trains_in_each_precision[fp8]",
+                 "test_gpu_training.py::test_one_gpu_snip_replans_and_trains"):
+        assert case in selected, case
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` runs (a killed process may linger as a zombie until its new parent reaps it)."""
+    for _ in range(20):
+        try:
+            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return False
+        if state in "ZX":
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_steps_that_fail_hang_or_find_no_time_are_recorded_and_the_report_still_written(tmp_path):
+    py = sys.executable
+    child = tmp_path / "child.pid"
+    hang = ("import subprocess, sys, time; "
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+            f"open({str(child)!r}, 'w').write(str(p.pid)); time.sleep(120)")
+    steps = [gpu_suite.Step("ok", "prints", [py, "-c", "print('fine')"], 30),
+             gpu_suite.Step("broken", "fails", [py, "-c", "import sys; print('boom'); sys.exit(3)"], 30),
+             gpu_suite.Step("hangs", "sleeps with a child", [py, "-c", hang], 12)]
+    deadline = time.monotonic() + 60
+    start = time.monotonic()
+    records = [gpu_suite.run_step(s, tmp_path, deadline, dict(os.environ)) for s in steps]
+    assert time.monotonic() - start < 40
+    ok, broken, hung = records
+    assert (ok.status, ok.returncode, ok.output_tail) == ("passed", 0, ["fine"])
+    assert (broken.status, broken.returncode, broken.output_tail) == ("failed", 3, ["boom"])
+    assert hung.status == "timeout" and hung.returncode is None
+    assert not running(int(child.read_text())), "the step's whole process group is killed"
+    late = gpu_suite.run_step(steps[0], tmp_path, time.monotonic() + 8, dict(os.environ))
+    assert late.status == "skipped" and "budget" in late.note
+    summary = gpu_suite.write_report(tmp_path, {"date": "d", "device": "dev", "command": "c"}, [*records, late])
+    for line in ("| ok | passed |", "| broken | failed |", "| hangs | timeout |", "| ok | skipped |"):
+        assert line in summary
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert [s["status"] for s in report["steps"]] == ["passed", "failed", "timeout", "skipped"]
+    assert "boom" in (tmp_path / "report.md").read_text()
+    assert (tmp_path / "logs" / "broken.log").read_text() == "boom\n"
+
+
+def test_report_shows_benchmark_goals_and_test_failures(tmp_path):
+    """A real benchmark run (tiny GEMMs, here on CPU) and a real pytest run, as the suite reports them."""
+    py = sys.executable
+    (tmp_path / "test_sample.py").write_text("def test_good():\n    assert 1\n\n"
+                                             "def test_bad():\n    assert 1 == 2, 'one is not two'\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    steps = [
+        gpu_suite.Step("gemm", "gemms", [py, str(ROOT / "bench" / "gemm_bench.py"), "--models", "tiny", "--tokens",
+                                         "32", "--reps", "1", "--json", str(out / "gemm.json")], 120, "gemm.json"),
+        gpu_suite.Step("tests", "pytest", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml",
+                                           str(out / "pytest.xml"), str(tmp_path / "test_sample.py")], 120),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    records = [gpu_suite.run_step(s, out, time.monotonic() + 300, env) for s in steps]
+    gemm, tests = records
+    assert gemm.status == "passed" and tests.status == "failed"
+    assert tests.tests["passed"] == 1 and tests.tests["failures"] == 1
+    assert "test_bad" in tests.tests["failed"][0] and "one is not two" in tests.tests["failed"][0]
+    goals = gemm.result["goals"]
+    assert [g["name"] for g in goals] == [f"FP8 GEMM speed-up, tiny {k} (ours)" for k in ("fprop", "dgrad", "wgrad")]
+    summary = gpu_suite.write_report(out, {"date": "d", "device": "dev", "command": "c"}, records)
+    for g in goals:
+        met = "yes" if g["met"] else "**no**"
+        assert f"| {g['name']} | {g['value']:.3f} | >= 1.3 | {met} |" in summary
+    md = (out / "report.md").read_text()
+    assert "1 passed, 1 failed, 0 skipped" in md and "one is not two" in md
+
+
+def test_gemm_bench_times_the_same_product_on_every_path():
+    """The bf16, raw _scaled_mm and our FP8 GEMM of each kind compute one product (FP8 rounding apart),
+    so the speed-ups compare like with like."""
+    from gemm_bench import gemm_calls
+
+    for gemm, calls in gemm_calls(64, 128, 96, torch.device("cpu")).items():
+        results = {path: fn().float() for path, fn in calls.items()}
+        reference = results.pop("bf16")
+        for path, value in results.items():
+            assert value.shape == reference.shape, (gemm, path)
+            error = (value - reference).norm() / reference.norm()
+            assert error < 0.1, (gemm, path, float(error))
+
+
+def test_step_time_ratios_are_against_the_same_runs_baseline():
+    from step_time import summarise
+
+    measured = {"flops_per_iteration": 3e12, "world_size": 1, "peak_tflops": 100.0, "fp8_recipe": "tensorwise",
+                "phases": {"plain": {"medians": [0.11, 0.10], "peak_gib": 5.0},
+                           "ours": {"medians": [0.102, 0.103], "peak_gib": 5.1},
+                           "fp8": {"medians": [0.08], "peak_gib": 4.0},
+                           "nvfp4": {"medians": [0.2], "peak_gib": 6.0},
+                           "snip": {"medians": [0.15], "peak_gib": 5.5}},
+                "snip_cycle_seconds": 1.2, "snip_cycle_peak_gib": 9.0, "snip_plan": {"fp4": 0.75, "time_ratio": 0.3}}
+    lines, figures = summarise(measured)
+    goals = {g["name"]: (round(g["value"], 6), g["met"]) for g in figures["goals"]}
+    assert goals == {"trainer step / plain megatron-core step (bf16)": (1.02, True),
+                     "fp8 tensorwise step / bf16 step": (round(0.08 / 0.102, 6), True),
+                     "SNIP cycle in post-plan iterations": (8.0, True)}
+    assert figures["mfu_bf16"] == pytest.approx(3e12 / 0.102 / 1e12 / 100.0)
+    text = "\n".join(lines)
+    assert "assumed peak of 100 TFLOP/s" in text and "ratio to bf16 1.961" in text
+    assert "snip cycle 9.00" in text and "nvfp4 6.00" in text
+    assert figures["snip_cycle_peak_vs_bf16_step"] == pytest.approx(9.0 / 5.1)
+
+
+def test_wheels_are_pinned_to_the_cpu_environments_versions(tmp_path):
+    setup = (ROOT / "setup.py").read_text()
+    requirements = (ROOT / "requirements-cpu.txt").read_text()
+    assert f'"megatron-core=={wheels.WHEELS["megatron-core"]}"' in setup
+    assert f'megatron-core=={wheels.WHEELS["megatron-core"]}' in requirements
+    for name, version in wheels.WHEELS.items():
+        assert re.fullmatch(r"\d+(\.\d+)+", version), (name, version)
+        try:
+            installed = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        assert installed == version, f"{name}: CPU environment has {installed}, the GPU wheels pin {version}"
+    cmd = wheels.download_command(tmp_path)
+    assert {"--no-deps", "--only-binary=:all:"} <= set(cmd) and cmd[cmd.index("--python-version") + 1] == "3.12"
+    assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--platform"] == list(wheels.PLATFORMS)
+    assert cmd[-len(wheels.WHEELS):] == [f"{n}=={v}" for n, v in wheels.WHEELS.items()]
+
+
+def test_wheel_folder_check_wants_exactly_the_pins_within_the_carry_limit(tmp_path):
+    def wheel(name, version, size=1000):
+        (tmp_path / f"{wheels.normalise(name)}-{version}-py3-none-any.whl").write_bytes(b"x" * size)
+
+    for name, version in wheels.WHEELS.items():
+        wheel(name, version)
+    assert wheels.check_folder(tmp_path) == pytest.approx(len(wheels.WHEELS) * 1000 / 2**20)
+    wheel("pytest", "1.0")
+    with pytest.raises(SystemExit, match=r"unpinned \[\('pytest', '1.0'\)\]"):
+        wheels.check_folder(tmp_path)
+    (tmp_path / "pytest-1.0-py3-none-any.whl").unlink()
+    (tmp_path / f"highspy-{wheels.WHEELS['highspy']}-py3-none-any.whl").unlink()
+    with pytest.raises(SystemExit, match="missing.*highspy"):
+        wheels.check_folder(tmp_path)
+    wheel("highspy", wheels.WHEELS["highspy"], size=(wheels.CARRY_LIMIT_MIB + 1) * 2**20)
+    with pytest.raises(SystemExit, match="exceeds"):
+        wheels.check_folder(tmp_path)
+
+
+def test_quantize_bench_times_each_formats_own_kernel():
+    """Each kernel the quantize benchmark times computes its format's fake_quantize, bit for bit (on CPU in
+    Triton's interpreter, conftest.py; compiled on a GPU), stochastic rounding with the reference's draws."""
+    pytest.importorskip("triton")
+    from quantize_bench import triton_operand_quantizers
+
+    from megatron_snip.precision import fake_quantize
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(3)).to(device)
+    kernels = triton_operand_quantizers(x)
+    assert set(kernels) == {"fp8_e4m3", "fp8_e5m2", "fp8_block", "mxfp8", "nvfp4", "mxfp4", "nvfp4_sr", "mxfp4_sr"}
+    generator = torch.Generator(device=device).manual_seed(0)  # the bench's seed; its SR kernels draw in turn
+    for name, kernel in kernels.items():
+        fmt, stochastic = name.removesuffix("_sr"), name.endswith("_sr")
+        expected = fake_quantize(x, fmt, stochastic=stochastic, generator=generator if stochastic else None)
+        assert torch.equal(kernel(), expected), name
