@@ -220,13 +220,40 @@ def _checkpoint_and_logging(p: argparse.ArgumentParser) -> None:
                    help="Peak dense TFLOP/s per GPU for MFU (default: looked up from the GPU name).")
 
 
+def _numerical_safety(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("faults and numerical safety (README: Faults and numerical safety)")
+    g.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction, default=True,
+                   help="Before every optimizer step, all ranks check the loss and every gradient for NaN/Inf "
+                        "and act together by --non-finite-grad-policy (default on, as in Megatron-LM).")
+    g.add_argument("--non-finite-grad-policy", choices=["fail", "skip"], default="fail",
+                   help="fail: every rank raises at that iteration, naming the parameters and ranks; nothing "
+                        "is applied or saved. skip: the update is skipped (weights, optimizer state and LR "
+                        "schedule untouched, the batch consumed) and counted.")
+    g.add_argument("--max-consecutive-skips", type=int, default=10,
+                   help="With --non-finite-grad-policy skip: raise after this many skipped iterations in a row.")
+    g.add_argument("--check-for-spiky-loss", action="store_true",
+                   help="Report a loss above --spiky-loss-factor x the median of the last "
+                        "--spiky-loss-window applied losses (not fatal, as in Megatron-LM).")
+    g.add_argument("--spiky-loss-factor", type=float, default=2.0)
+    g.add_argument("--spiky-loss-window", type=int, default=10)
+
+
+def _validate_safety(args: argparse.Namespace) -> None:
+    _require(args.max_consecutive_skips >= 0, "--max-consecutive-skips must be >= 0")
+    _require(args.spiky_loss_factor > 1.0, f"--spiky-loss-factor {args.spiky_loss_factor} must be > 1")
+    _require(args.spiky_loss_window >= 3, f"--spiky-loss-window {args.spiky_loss_window} must be >= 3")
+    _require(args.check_for_nan_in_loss_and_grad or args.non_finite_grad_policy == "fail",
+             "--non-finite-grad-policy skip needs the check: drop --no-check-for-nan-in-loss-and-grad")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pretrain_llama.py",
         description="Pretrain a Llama-family model with megatron-core (TP x PP x DP).",
         allow_abbrev=False,
     )
-    for add in (_parallel, _model, _training, _precision, _snip, _data, _checkpoint_and_logging):
+    for add in (_parallel, _model, _training, _precision, _snip, _data, _checkpoint_and_logging,
+                _numerical_safety):
         add(p)
     return p
 
@@ -324,6 +351,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool,
     resumed = _resumed_state(args) if check_files else None
     _validate_precision(args, cuda, resumed)
     _validate_snip(args)
+    _validate_safety(args)
     if check_files:
         _validate_files(args, resumed)
     if args.distributed_backend is None:

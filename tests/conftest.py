@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -71,16 +72,26 @@ def train_args(data: TinyData, *extra: str, iters: int = 6) -> list[str]:
 
 
 def torchrun(nproc: int, args: list[str], timeout: float = 300, check: bool = True,
-             env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run pretrain_llama.py on ``nproc`` local processes; raise with the output on failure."""
+             env: dict | None = None, script: str = "pretrain_llama.py") -> subprocess.CompletedProcess:
+    """Run ``script`` (pretrain_llama.py or a driver in tests/drivers taking its flags) on ``nproc``
+    local processes; raise with the output on failure."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(free_port()), str(ROOT / "pretrain_llama.py"), *args]
+           "--master-port", str(free_port()), str(ROOT / script), *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env)
     if check and proc.returncode != 0:
         raise AssertionError(f"torchrun exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-6000:]}"
                              f"\n--- stderr ---\n{proc.stderr[-6000:]}")
     return proc
+
+
+def resume_from(src: Path, iteration: int, dst: Path) -> Path:
+    """A copy of checkpoint directory ``src`` whose newest checkpoint is ``iteration``."""
+    dst.mkdir()
+    name = f"iter_{iteration:07d}"
+    shutil.copytree(src / name, dst / name)
+    (dst / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    return dst
 
 
 def scalars(tensorboard_dir: str | Path, tag: str) -> dict[int, float]:

@@ -7,11 +7,9 @@ makes layouts comparable) and reads the same global batches.
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
-from conftest import scalars, torchrun, train_args
+from conftest import resume_from, scalars, torchrun, train_args
 
 LOSS = "train/lm loss"
 VALID = "valid/lm loss"
@@ -51,15 +49,6 @@ def test_layout_matches_single_process(tiny_data, init_ckpt, baseline, tmp_path,
     assert_close(losses, baseline, rel=2e-5)
 
 
-def _resume_from(src, iteration: int, dst):
-    """A copy of checkpoint directory ``src`` whose newest checkpoint is ``iteration``."""
-    dst.mkdir()
-    name = f"iter_{iteration:07d}"
-    shutil.copytree(src / name, dst / name)
-    (dst / "latest_checkpointed_iteration.txt").write_text(str(iteration))
-    return dst
-
-
 @pytest.fixture(scope="module")
 def tp2pp2_run(tiny_data, tmp_path_factory):
     """8 iterations at TP2 PP2 saving at 4 and 8."""
@@ -71,7 +60,7 @@ def tp2pp2_run(tiny_data, tmp_path_factory):
 
 
 def test_resume_is_exact_tp2pp2(tiny_data, tp2pp2_run, tmp_path):
-    ckpt = _resume_from(tp2pp2_run / "ckpt", 4, tmp_path / "ckpt")
+    ckpt = resume_from(tp2pp2_run / "ckpt", 4, tmp_path / "ckpt")
     torchrun(4, train_args(tiny_data, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                            "--load", str(ckpt), "--tensorboard-dir", str(tmp_path / "tb"), iters=8))
     full = scalars(tp2pp2_run / "tb", LOSS)
@@ -92,7 +81,7 @@ def test_distributed_optimizer_resume_is_exact(tiny_data, tmp_path):
     args = ("--use-distributed-optimizer", "--save-interval", "3")
     torchrun(2, train_args(tiny_data, *args, "--save", str(tmp_path / "full"), "--tensorboard-dir",
                            str(tmp_path / "tb_full")))
-    ckpt = _resume_from(tmp_path / "full", 3, tmp_path / "resumed")
+    ckpt = resume_from(tmp_path / "full", 3, tmp_path / "resumed")
     torchrun(2, train_args(tiny_data, *args, "--load", str(ckpt), "--save", str(ckpt),
                            "--tensorboard-dir", str(tmp_path / "tb_res")))
     full, resumed = scalars(tmp_path / "tb_full", LOSS), scalars(tmp_path / "tb_res", LOSS)

@@ -216,6 +216,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extr
     ``quantization`` is this rank's module quantization state, saved with its RNG states.
     """
     final = iteration_dir(root, iteration)
+    check_finite(model, optimizer, final)
     tmp = final + ".tmp"
     if dist.get_rank() == 0:
         os.makedirs(root, exist_ok=True)
@@ -235,6 +236,35 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extr
         write_text_atomic(os.path.join(root, TRACKER), str(iteration))
     dist.barrier()
     return final
+
+
+def _optimizer_tensors(optimizer):
+    """The optimizer's own fp32 copies of the weights (mixed precision) and its state tensors."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:
+            continue
+        for group in inner.param_groups:
+            yield from group["params"]
+        for param_state in inner.state.values():
+            yield from (v for v in param_state.values() if torch.is_tensor(v) and v.is_floating_point())
+
+
+def check_finite(model, optimizer, path: str) -> None:
+    """Collective: raise CheckpointError on every rank if any rank's weights or optimizer state hold
+    a NaN or Inf, before anything is written (a checkpoint must never persist non-finite state)."""
+    from megatron_snip.training.safety import gather_culprits, global_parameter_names
+
+    names = global_parameter_names(model)
+    bad = [names[p] for p in model.parameters() if not bool(torch.isfinite(p.detach()).all())]
+    if not bad and any(not bool(torch.isfinite(t.detach()).all()) for t in _optimizer_tensors(optimizer)):
+        bad = ["optimizer state"]
+    flag = torch.tensor([float(bool(bad))])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item():
+        raise CheckpointError(f"refusing to save {path}: non-finite values in {gather_culprits(bad)}; the previous "
+                              f"checkpoint stays the newest; non-finite values reach the weights only when "
+                              f"--no-check-for-nan-in-loss-and-grad is given: drop it")
 
 
 # torch.distributed.checkpoint reports failed reads as a BaseException subclass.

@@ -13,7 +13,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 
@@ -34,6 +34,7 @@ from megatron_snip.snip.manager import PrecisionManager, log_cycle
 from megatron_snip.training import checkpointing
 from megatron_snip.training.data import build_datasets_from_args
 from megatron_snip.training.logger import MetricsLogger, peak_tflops, setup_console
+from megatron_snip.training.safety import NonFiniteError, NumericalGuard, SafetyConfig, Verdict
 from megatron_snip.training.setup import build_optimizer, build_scheduler, initialize_distributed, wrap_ddp
 from megatron_snip.training.precision import (
     initial_plan,
@@ -107,6 +108,8 @@ class Trainer:
         self.scheduler = build_scheduler(args, self.optimizer)
         self.forward_backward = get_forward_backward_func()
         self.logger = MetricsLogger(args.tensorboard_dir)
+        self.guard = NumericalGuard(SafetyConfig.from_args(args))
+        self.last_verdict: Verdict | None = None
         self.tokens_per_iteration = args.global_batch_size * args.seq_length
         self.flops_per_iteration = flops_per_token(args, self.tokenizer.vocab_size) * self.tokens_per_iteration
 
@@ -136,6 +139,8 @@ class Trainer:
             return
         if not args.finetune:
             self.state = TrainState(loaded["iteration"], loaded["consumed_samples"])
+            if "numerical_safety" in loaded:  # absent in older checkpoints
+                self.guard.load_state_dict(loaded["numerical_safety"])
             self.apply_precision()  # the plan itself was chosen at start-up (initial_plan)
         self.precision.load_quant_states(loaded["quantization"])
         self.logger.text(f"resumed from {args.load} at iteration {loaded['iteration']} "
@@ -145,7 +150,8 @@ class Trainer:
         path = checkpointing.save_checkpoint(
             self.args.save, self.state.iteration, self.model[0].module, self.optimizer, self.scheduler,
             extra={"consumed_samples": self.state.consumed_samples, "args": vars(self.args),
-                   "precision_plan": self.plan.to_dict(), "precision_schedule": self.schedule.to_list()},
+                   "precision_plan": self.plan.to_dict(), "precision_schedule": self.schedule.to_list(),
+                   "numerical_safety": self.guard.state_dict()},
             quantization=self.precision.quant_states())
         self.logger.text(f"saved checkpoint {path}")
 
@@ -163,17 +169,34 @@ class Trainer:
             micro_batch_size=self.args.micro_batch_size, forward_only=forward_only)
 
     def train_step(self, data: Iterator[dict]) -> tuple[float | None, float]:
-        """One optimizer step over a global batch. Returns (loss or None off the last stage, grad norm)."""
+        """One optimizer step over a global batch. Returns (loss or None off the last stage, grad norm).
+
+        Between the backward pass and the optimizer, every rank agrees on whether the step is
+        finite (:class:`NumericalGuard`): a non-finite step raises on every rank (policy ``fail``)
+        or is skipped (``skip``: weights, optimizer state and LR schedule untouched, data consumed).
+        """
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         losses = self._run(data, forward_only=False)
-        updated, grad_norm, _ = self.optimizer.step()
-        if updated:
-            self.scheduler.step(increment=1)
+        loss = _mean_loss(losses)
+        verdict = self.guard.check(self.model, loss, self.state.iteration + 1)
+        self.last_verdict = verdict
+        if verdict.spike:
+            self.logger.text(f"[safety] {verdict.describe()} (--check-for-spiky-loss; the update is applied)")
+        applied = self.guard.should_apply(verdict)
+        grad_norm = math.nan
+        if applied:
+            updated, grad_norm, _ = self.optimizer.step()
+            if updated:
+                self.scheduler.step(increment=1)
+        else:
+            self.logger.text(f"[safety] {verdict.describe()}; --non-finite-grad-policy skip: update skipped "
+                             f"({self.guard.consecutive + 1} in a row, {self.guard.skipped + 1} in the run)")
+        self.guard.record(verdict, applied)
         self.state.iteration += 1
         self.state.consumed_samples += self.args.global_batch_size
-        return _mean_loss(losses), float(grad_norm or 0.0)
+        return loss, float(grad_norm or 0.0)
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -214,8 +237,6 @@ class Trainer:
             window_iters += 1
             window_loss += loss or 0.0
             it = self.state.iteration
-            if loss is not None and not math.isfinite(loss):
-                raise FloatingPointError(f"loss is {loss} at iteration {it}; lower --lr or check the data")
             if it % args.log_interval == 0:
                 self.logger.log(it, self._metrics(window_loss / window_iters, grad_norm,
                                                   window_seconds / window_iters, peak))
@@ -265,6 +286,10 @@ class Trainer:
             "fp8 flops fraction": self.flop_fractions.fp8,
             "estimated gemm time vs bf16": self.time_ratio,
         }
+        if self.guard.config.check_nan:
+            m["skipped iterations"] = self.guard.skipped
+        if self.guard.config.check_spiky_loss:
+            m["spiky losses"] = self.guard.spikes
         if peak is not None:
             m["MFU"] = tflops_per_device / peak
         if torch.cuda.is_available():
@@ -282,11 +307,16 @@ class Trainer:
                                         "unigram entropy": self.datasets.unigram_entropy}, prefix="valid")
 
 
-def pretrain(args: argparse.Namespace) -> TrainState:
-    """Build everything, resume if asked, train, and return the final state."""
+def pretrain(args: argparse.Namespace, on_build: Callable[[Trainer], None] | None = None) -> TrainState:
+    """Build everything, resume if asked, train, and return the final state.
+
+    ``on_build`` sees the built trainer before anything runs (test drivers instrument it there).
+    """
     setup_console()
     initialize_distributed(args)
     trainer = Trainer(args)
+    if on_build is not None:
+        on_build(trainer)
     log = trainer.logger
     log.text(f"model: {args.model_preset} shape, {num_parameters(args, trainer.tokenizer.vocab_size) / 1e6:.2f}M "
              f"parameters; TP={args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size} "
@@ -320,7 +350,7 @@ def pretrain(args: argparse.Namespace) -> TrainState:
     return trainer.state
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, on_build: Callable[[Trainer], None] | None = None) -> int:
     from megatron_snip.arguments import ArgumentError, parse_args
 
     try:
@@ -329,9 +359,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pretrain_llama.py: error: {e}", file=sys.stderr)
         return 2
     try:
-        pretrain(args)
-    except checkpointing.CheckpointError as e:
-        print(f"pretrain_llama.py: error: {e}", file=sys.stderr)
+        pretrain(args, on_build)
+    except (checkpointing.CheckpointError, NonFiniteError) as e:
+        print(f"pretrain_llama.py: error: {e}", file=sys.stderr, flush=True)
         return 1
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()

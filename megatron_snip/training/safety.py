@@ -1,0 +1,217 @@
+"""Numerical safety of a training step: non-finite losses and gradients caught before the optimizer step.
+
+After the forward/backward pass (gradients reduced over DP, before
+``optimizer.step()``) every rank reduces three numbers over the whole world
+in one tiny all-reduce: whether any of its gradients is non-finite, whether
+its loss is, and the loss itself (the last stage has it). Every rank thus
+reaches the same verdict at the same iteration:
+
+- ``fail`` (default): all ranks raise :class:`NonFiniteError`, naming the
+  iteration, the parameters with non-finite gradients and the ranks that hold
+  them; the update is not applied, so nothing non-finite reaches the weights
+  or a checkpoint (the save path checks again: ``checkpointing.check_finite``).
+- ``skip``: the update is not applied (weights, optimizer moments and LR
+  schedule untouched), the iteration and its data are consumed, the skip is
+  counted; after ``--max-consecutive-skips`` skips in a row, all ranks raise.
+
+megatron-core's own DDP check (``check_for_nan_in_grad``) is not used: it
+raises on the rank that sees the NaN only, before the DP collective, and the
+other ranks then wait in that collective until the timeout.
+
+A loss spike (loss above ``factor`` x the median of the recent applied
+losses) is reported the same way but, as in Megatron-LM, is not fatal.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+
+class NonFiniteError(FloatingPointError):
+    """Raised on every rank at the same iteration; the message names iteration, parameters and ranks."""
+
+
+@dataclass(frozen=True)
+class SafetyConfig:
+    """``--check-for-nan-in-loss-and-grad``, ``--non-finite-grad-policy``, ``--max-consecutive-skips``,
+    ``--check-for-spiky-loss`` / ``--spiky-loss-factor`` / ``--spiky-loss-window``."""
+
+    check_nan: bool = True
+    policy: str = "fail"
+    max_consecutive_skips: int = 10
+    check_spiky_loss: bool = False
+    spiky_loss_factor: float = 2.0
+    spiky_loss_window: int = 10
+
+    @classmethod
+    def from_args(cls, args) -> SafetyConfig:
+        return cls(args.check_for_nan_in_loss_and_grad, args.non_finite_grad_policy, args.max_consecutive_skips,
+                   args.check_for_spiky_loss, args.spiky_loss_factor, args.spiky_loss_window)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the world agreed on for one step (identical on every rank)."""
+
+    iteration: int
+    nonfinite_grad: bool
+    nonfinite_loss: bool
+    loss: float | None            # the loss of the step (every rank), None if non-finite or unknown
+    spike_reference: float | None  # the median it was compared with, when it is a spike
+    culprits: str = ""            # "rank 1 (tp 1, pp 0, dp 0): name.weight (2 non-finite); ..." if non-finite
+
+    @property
+    def nonfinite(self) -> bool:
+        return self.nonfinite_grad or self.nonfinite_loss
+
+    @property
+    def spike(self) -> bool:
+        return self.spike_reference is not None
+
+    def describe(self) -> str:
+        if self.nonfinite:
+            what = " and ".join(x for x, bad in (("loss", self.nonfinite_loss), ("gradients", self.nonfinite_grad))
+                                if bad)
+            return f"non-finite {what} at iteration {self.iteration}" + (f": {self.culprits}" if self.culprits else "")
+        return (f"spiky loss at iteration {self.iteration}: {self.loss:.4f} > {self.loss / self.spike_reference:.2f} "
+                f"x the median {self.spike_reference:.4f} of the last applied losses")
+
+
+def is_spike(loss: float, recent: Sequence[float], factor: float) -> float | None:
+    """The median of ``recent`` if ``loss`` exceeds ``factor`` times it (needs 3 values), else None."""
+    if len(recent) < 3:
+        return None
+    reference = statistics.median(recent)
+    return reference if reference > 0 and loss > factor * reference else None
+
+
+def global_parameter_names(chunk: torch.nn.Module) -> dict[torch.nn.Parameter, str]:
+    """Parameter -> name with the global layer index (``decoder.layers.{i}`` is stage-local)."""
+    prefixes = {}
+    for name, module in chunk.named_modules():
+        if isinstance(module, TransformerLayer):
+            head, _, _ = name.rpartition(".")
+            prefixes[name + "."] = f"{head}.{module.layer_number - 1}."
+    names = {}
+    for name, param in chunk.named_parameters():
+        local = next((p for p in prefixes if name.startswith(p)), None)
+        names[param] = name if local is None else prefixes[local] + name[len(local):]
+    return names
+
+
+def _grad(param: torch.nn.Parameter) -> torch.Tensor | None:
+    return getattr(param, "main_grad", None) if getattr(param, "main_grad", None) is not None else param.grad
+
+
+def _local_grads_finite(chunks: Sequence[torch.nn.Module]) -> bool:
+    """Whether every gradient of this rank is finite: one max-abs reduction per DDP buffer (NaN propagates
+    through max; max cannot overflow), read back with the loss."""
+    tensors = [b.grad_data for c in chunks for b in getattr(c, "buffers", []) + getattr(c, "expert_parallel_buffers", [])]
+    if not tensors:  # not wrapped in megatron-core DDP
+        tensors = [g for c in chunks for p in c.parameters() if (g := _grad(p)) is not None]
+    if not tensors:
+        return True
+    amax = torch.stack([torch.linalg.vector_norm(t, ord=math.inf) for t in tensors])
+    return bool(torch.isfinite(amax).all())
+
+
+def _local_culprits(chunks: Sequence[torch.nn.Module]) -> list[str]:
+    """``name (n non-finite)`` for every parameter of this rank whose gradient is non-finite (slow path)."""
+    found = []
+    for chunk in chunks:
+        module = getattr(chunk, "module", chunk)
+        for param, name in global_parameter_names(module).items():
+            g = _grad(param)
+            if g is not None:
+                bad = int((~torch.isfinite(g)).sum())
+                if bad:
+                    found.append(f"{name} ({bad} non-finite of {g.numel()})")
+    return found
+
+
+def _rank_label() -> str:
+    return (f"rank {dist.get_rank()} (tp {parallel_state.get_tensor_model_parallel_rank()}, "
+            f"pp {parallel_state.get_pipeline_model_parallel_rank()}, dp {parallel_state.get_data_parallel_rank()})")
+
+
+def gather_culprits(local: list[str]) -> str:
+    """Collective: every rank's ``local`` list joined, ranks with nothing left out."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (_rank_label(), local))
+    parts = [f"{label}: {', '.join(names)}" for label, names in everyone if names]
+    return "; ".join(parts) if parts else "no rank holds a non-finite gradient (the loss is non-finite)"
+
+
+@dataclass
+class NumericalGuard:
+    """Checks every step before the optimizer runs; keeps the skip counts and the loss window.
+
+    Its :meth:`state_dict` goes into checkpoints, so a resumed run counts and detects as the
+    uninterrupted one would.
+    """
+
+    config: SafetyConfig
+    skipped: int = 0              # iterations skipped in the whole run
+    consecutive: int = 0          # skipped in a row up to now
+    spikes: int = 0
+    recent: deque = field(default_factory=deque)  # recent applied losses (the spike reference)
+
+    def check(self, chunks: Sequence[torch.nn.Module], loss: float | None, iteration: int) -> Verdict:
+        """Collective over all ranks; ``loss`` is this rank's (None off the last stage)."""
+        cfg = self.config
+        grad_bad = cfg.check_nan and not _local_grads_finite(chunks)
+        loss_bad = cfg.check_nan and loss is not None and not math.isfinite(loss)
+        known = loss is not None and math.isfinite(loss)
+        flags = torch.tensor([float(grad_bad), float(loss_bad), loss if known else -math.inf], dtype=torch.float64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        grad_bad, loss_bad = bool(flags[0]), bool(flags[1])
+        world_loss = float(flags[2]) if math.isfinite(flags[2]) else None
+        culprits = gather_culprits(_local_culprits(chunks)) if grad_bad or loss_bad else ""
+        reference = None
+        if cfg.check_spiky_loss and world_loss is not None and not (grad_bad or loss_bad):
+            reference = is_spike(world_loss, self.recent, cfg.spiky_loss_factor)
+        return Verdict(iteration, grad_bad, loss_bad, world_loss, reference, culprits)
+
+    def record(self, verdict: Verdict, applied: bool) -> None:
+        """Count the step's outcome; raise on every rank when the policy says to stop."""
+        if verdict.spike:
+            self.spikes += 1
+        if not applied:
+            self.skipped += 1
+            self.consecutive += 1
+            if self.consecutive > self.config.max_consecutive_skips:
+                raise NonFiniteError(f"{_rank_label()}: {verdict.describe()}; {self.consecutive} consecutive "
+                                     f"iterations skipped (--max-consecutive-skips "
+                                     f"{self.config.max_consecutive_skips}): giving up")
+            return
+        self.consecutive = 0
+        if verdict.loss is not None and not verdict.spike:
+            self.recent.append(verdict.loss)
+            while len(self.recent) > self.config.spiky_loss_window:
+                self.recent.popleft()
+
+    def should_apply(self, verdict: Verdict) -> bool:
+        """Whether the update runs; under ``fail`` a non-finite step raises on every rank."""
+        if not verdict.nonfinite:
+            return True
+        if self.config.policy == "fail":
+            raise NonFiniteError(f"{_rank_label()}: {verdict.describe()}; --non-finite-grad-policy fail: "
+                                 f"the update was not applied and nothing was saved")
+        return False
+
+    def state_dict(self) -> dict:
+        return {"skipped": self.skipped, "consecutive": self.consecutive, "spikes": self.spikes,
+                "recent": list(self.recent)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.skipped, self.consecutive, self.spikes = state["skipped"], state["consecutive"], state["spikes"]
+        self.recent = deque(state["recent"])

@@ -1,0 +1,62 @@
+"""pretrain_llama.py with a non-finite gradient injected: a test-only fault, not a production flag.
+
+Run under torchrun with pretrain_llama.py's flags; used by tests/test_numerical_safety.py.
+Environment:
+    INJECT_AT        the iteration (1-based, as logged) whose backward pass is corrupted
+    INJECT_PARAM     global parameter name, e.g. decoder.layers.3.mlp.linear_fc2.weight
+    INJECT_TP_RANK   only this tensor-parallel rank's shard is corrupted (default: every shard)
+    INJECT_VALUE     nan (default) or inf, written into one element of that parameter's gradient
+    PARAM_DIGESTS    optional directory: rank{R}.json maps each iteration to a SHA-256 of this rank's
+                     weights entering it
+"""
+
+import hashlib
+import json
+import os
+import sys
+
+
+def instrument(trainer) -> None:
+    import torch
+    from megatron.core import parallel_state
+
+    from megatron_snip.training.safety import global_parameter_names
+
+    at, target = int(os.environ["INJECT_AT"]), os.environ["INJECT_PARAM"]
+    tp_rank = os.environ.get("INJECT_TP_RANK")
+    value = float(os.environ.get("INJECT_VALUE", "nan"))
+    params = {name: p for p, name in global_parameter_names(trainer.model[0].module).items()}
+    if target in params and (tp_rank is None or int(tp_rank) == parallel_state.get_tensor_model_parallel_rank()):
+        def corrupt(grad):
+            if trainer.state.iteration + 1 != at:
+                return grad
+            grad = grad.clone()
+            grad.view(-1)[0] = value
+            return grad
+
+        params[target].register_hook(corrupt)
+
+    out = os.environ.get("PARAM_DIGESTS")
+    if out:
+        digests, step = {}, trainer.train_step
+        path = os.path.join(out, f"rank{torch.distributed.get_rank()}.json")
+
+        def digested_step(data):
+            h = hashlib.sha256()
+            for p in trainer.model[0].module.parameters():
+                h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            digests[trainer.state.iteration + 1] = h.hexdigest()
+            with open(path, "w") as f:
+                json.dump(digests, f)
+            return step(data)
+
+        trainer.train_step = digested_step
+
+
+if __name__ == "__main__":
+    from megatron_snip.compat.cpu import silence_cpu_warnings
+
+    silence_cpu_warnings()
+    from megatron_snip.training.trainer import main
+
+    sys.exit(main(on_build=instrument))
