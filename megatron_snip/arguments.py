@@ -26,7 +26,7 @@ def _parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true",
-                   help="Shard LayerNorm/dropout activations over TP ranks (GPU only).")
+                   help="Shard the norm/dropout activations along the sequence over TP ranks (needs TP > 1).")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true")
@@ -290,8 +290,6 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool,
     _require(args.train_iters >= 0, "--train-iters must be >= 0")
     _require(args.sequence_parallel is False or tp > 1,
              "--sequence-parallel needs --tensor-model-parallel-size > 1")
-    _require(not args.sequence_parallel or cuda,
-             "--sequence-parallel needs CUDA (megatron-core's sequence-parallel norms do not run on CPU)")
     _require(args.transformer_impl == "local" or cuda,
              "--transformer-impl transformer_engine needs a GPU with Transformer Engine; use --transformer-impl local")
     if args.recompute_granularity == "full":
@@ -411,11 +409,6 @@ def _resumed_state(args: argparse.Namespace) -> dict | None:
 
 
 def _validate_files(args: argparse.Namespace, resumed: dict | None) -> None:
-    _require(not (args.sequence_parallel and args.transformer_impl == "local")
-             or importlib.util.find_spec("apex") is not None,
-             "--sequence-parallel with --transformer-impl local needs apex (megatron-core's torch norms do not "
-             "support sequence parallelism; NGC PyTorch containers include apex): install apex, or use "
-             "--transformer-impl transformer_engine, or drop --sequence-parallel")
     _require(args.data_path is not None,
              "--data-path is required: the prefix of a preprocessed dataset (tools/preprocess_data.py)")
     _require(args.tokenizer_model is not None,

@@ -65,10 +65,11 @@ def train_args(data: TinyData, *extra: str, iters: int = 6) -> list[str]:
 
 
 def torchrun(nproc: int, args: list[str], timeout: float = 300, check: bool = True,
-             env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run pretrain_llama.py on ``nproc`` local processes; raise with the output on failure."""
+             env: dict | None = None, script: Path = ROOT / "pretrain_llama.py") -> subprocess.CompletedProcess:
+    """Run pretrain_llama.py (or a driver ``script`` taking its flags) on ``nproc`` local processes;
+    raise with the output on failure."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(free_port()), str(ROOT / "pretrain_llama.py"), *args]
+           "--master-port", str(free_port()), str(script), *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env)
     if check and proc.returncode != 0:

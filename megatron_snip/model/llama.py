@@ -11,6 +11,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_snip.model.norms import block_spec, with_torch_norms
 from megatron_snip.model.quantized_layers import precision_layer_spec
 
 
@@ -76,15 +77,17 @@ def layer_spec(args: argparse.Namespace) -> ModuleSpec:
                 "pip install 'megatron-snip[te]' on a CUDA machine, or use --transformer-impl local"
             ) from e
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    # megatron-core's local layer with our quantized linears: per-module precision, bf16 = the parent's path.
-    return precision_layer_spec(gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm"))
+    # megatron-core's local layer with our quantized linears (per-module precision, bf16 = the parent's
+    # path) and torch norms that also run under sequence parallelism.
+    return precision_layer_spec(with_torch_norms(gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")))
 
 
 def build_model(args: argparse.Namespace, config: TransformerConfig, vocab_size: int) -> GPTModel:
     """This pipeline stage's part of the model (embedding on the first, head on the last)."""
+    spec = layer_spec(args)
     return GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(args),
+        transformer_layer_spec=spec if args.transformer_impl == "transformer_engine" else block_spec(spec, config),
         vocab_size=padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by,
                                      args.tensor_model_parallel_size),
         max_sequence_length=args.max_position_embeddings,
