@@ -392,8 +392,6 @@ def _validate_snip(args: argparse.Namespace) -> None:
     except PlanError as e:
         raise ArgumentError(str(e)) from None
     _require(args.transformer_impl == "local", "--snip needs --transformer-impl local")
-    _require(not args.sequence_parallel, "--snip does not support --sequence-parallel yet (its probes read "
-             "whole-sequence module inputs); drop --sequence-parallel")
 
 
 def _resumed_state(args: argparse.Namespace) -> dict | None:

@@ -68,11 +68,10 @@ def test_plan_blocks_must_fit_the_tensor_parallel_split(tiny_data):
         parse(tiny_data, "--precision", precision, "--tensor-model-parallel-size", "2", world_size=2)
 
 
-def test_snip_with_sequence_parallel_is_refused_at_start(tiny_data):
+def test_snip_runs_with_sequence_parallel(tiny_data):
     argv = train_args(tiny_data, "--snip", "--save-interval", "3", "--save", "/tmp/unused", "--sequence-parallel",
                       "--tensor-model-parallel-size", "2")
-    with pytest.raises(ArgumentError, match="--snip does not support --sequence-parallel"):
-        parse_args(argv, world_size=2, cuda=True)
+    assert parse_args(argv, world_size=2, cuda=False).snip
 
 
 def test_sequence_parallel_runs_with_the_local_layers_on_cpu(tiny_data):

@@ -92,9 +92,6 @@ class PassRunner:
             raise ValueError(f"SNIP probes run one model chunk per rank; got {len(chunks)} "
                              "(virtual pipeline stages are not supported)")
         config = get_model_config(chunks[0])
-        if config.sequence_parallel:
-            raise ValueError("SNIP probes do not support sequence parallelism (they read whole-sequence module "
-                             "inputs); run --snip without --sequence-parallel")
         if config.calculate_per_token_loss:
             raise ValueError("SNIP probes need the loss averaged per micro-batch; calculate_per_token_loss is set")
         if parallel_state.get_context_parallel_world_size() > 1:
