@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     formats = tuple(a.formats or run["formats"])
     per_stage = (a.budget or run["budget"]) == "per-stage"
     dims = LlamaLinearDims(**run["dims"])
-    modules = linear_modules(dims, run["tokens"], run["pipeline_stages"])
+    modules = linear_modules(dims, run["tokens"], run["pipeline_stages"], run.get("virtual_stages", 1))
     costs = cost_tables(stats, a.loss_weight, a.update_weight, formats=formats)
     if a.gemm_speed_model is not None or "speeds" not in run:
         model = peak_speed_model(a.gemm_speed_model or "auto")
