@@ -26,7 +26,13 @@ def _parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true",
-                   help="Shard LayerNorm/dropout activations over TP ranks (GPU only).")
+                   help="Shard the norm/dropout activations along the sequence over TP ranks (needs TP > 1).")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="Interleaved pipeline schedule: layers per virtual stage (model chunk); each pipeline "
+                        "rank holds num-layers / (PP x this) chunks.")
+    g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
+                   help="Interleaved pipeline schedule: model chunks per pipeline rank (instead of "
+                        "--num-layers-per-virtual-pipeline-stage).")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true")
@@ -314,11 +320,10 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool,
              f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
              f"{args.micro_batch_size} x data-parallel size {dp} = {per_step}; use a multiple of {per_step}")
     args.num_microbatches = args.global_batch_size // per_step
+    _validate_virtual_pipeline(args)
     _require(args.train_iters >= 0, "--train-iters must be >= 0")
     _require(args.sequence_parallel is False or tp > 1,
              "--sequence-parallel needs --tensor-model-parallel-size > 1")
-    _require(not args.sequence_parallel or cuda,
-             "--sequence-parallel needs CUDA (megatron-core's sequence-parallel norms do not run on CPU)")
     _require(args.transformer_impl == "local" or cuda,
              "--transformer-impl transformer_engine needs a GPU with Transformer Engine; use --transformer-impl local")
     if args.recompute_granularity == "full":
@@ -359,6 +364,30 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool,
     _require(args.distributed_backend == "gloo" or cuda,
              "--distributed-backend nccl needs CUDA; use --distributed-backend gloo on CPU")
     return args
+
+
+def _validate_virtual_pipeline(args: argparse.Namespace) -> None:
+    """Set ``virtual_pipeline_model_parallel_size`` (None: no interleaving) from either flag."""
+    layers, vpp = args.num_layers_per_virtual_pipeline_stage, args.virtual_pipeline_model_parallel_size
+    if layers is None and vpp is None:
+        return
+    pp = args.pipeline_model_parallel_size
+    _require(layers is None or vpp is None, "give --num-layers-per-virtual-pipeline-stage or "
+             "--virtual-pipeline-model-parallel-size, not both")
+    _require(pp > 1, "virtual pipeline stages need --pipeline-model-parallel-size > 1")
+    if layers is not None:
+        _require(layers >= 1 and args.num_layers % (pp * layers) == 0,
+                 f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
+                 f"--num-layers-per-virtual-pipeline-stage {layers}")
+        vpp = args.num_layers // (pp * layers)
+    _require(vpp >= 1 and args.num_layers % (pp * vpp) == 0,
+             f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
+             f"--virtual-pipeline-model-parallel-size {vpp}")
+    _require(args.num_microbatches % pp == 0,
+             f"the interleaved schedule runs micro-batches in groups of --pipeline-model-parallel-size {pp}, "
+             f"but there are {args.num_microbatches} per step; make --global-batch-size / (--micro-batch-size x "
+             f"data-parallel size) a multiple of {pp}")
+    args.virtual_pipeline_model_parallel_size = vpp if vpp > 1 else None
 
 
 # Defaults of the flags that say how each precision is realised; on resume the checkpoint's
@@ -422,8 +451,6 @@ def _validate_snip(args: argparse.Namespace) -> None:
     except PlanError as e:
         raise ArgumentError(str(e)) from None
     _require(args.transformer_impl == "local", "--snip needs --transformer-impl local")
-    _require(not args.sequence_parallel, "--snip does not support --sequence-parallel yet (its probes read "
-             "whole-sequence module inputs); drop --sequence-parallel")
 
 
 def _resumed_state(args: argparse.Namespace) -> dict | None:
@@ -439,11 +466,6 @@ def _resumed_state(args: argparse.Namespace) -> dict | None:
 
 
 def _validate_files(args: argparse.Namespace, resumed: dict | None) -> None:
-    _require(not (args.sequence_parallel and args.transformer_impl == "local")
-             or importlib.util.find_spec("apex") is not None,
-             "--sequence-parallel with --transformer-impl local needs apex (megatron-core's torch norms do not "
-             "support sequence parallelism; NGC PyTorch containers include apex): install apex, or use "
-             "--transformer-impl transformer_engine, or drop --sequence-parallel")
     _require(args.data_path is not None,
              "--data-path is required: the prefix of a preprocessed dataset (tools/preprocess_data.py)")
     _require(args.tokenizer_model is not None,

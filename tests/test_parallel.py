@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import resume_from, scalars, torchrun, train_args
+import torch
+
+from conftest import ROOT, resume_from, scalars, torchrun, train_args
 
 LOSS = "train/lm loss"
 VALID = "valid/lm loss"
@@ -47,6 +49,38 @@ def test_layout_matches_single_process(tiny_data, init_ckpt, baseline, tmp_path,
     losses = run_from_init(tiny_data, init_ckpt, tmp_path, nproc, *layout)
     # Only the order of floating-point reductions differs between layouts.
     assert_close(losses, baseline, rel=2e-5)
+
+
+def losses_and_grads(tiny_data, init_ckpt, tmp_path, nproc, *layout, iters=4):
+    """Losses of ``iters`` steps from the initial weights, and the unsharded gradients of the next
+    batch (tests/drivers/dump_grads.py)."""
+    tb, out = tmp_path / "tb", tmp_path / "grads.pt"
+    torchrun(nproc, train_args(tiny_data, *layout, "--load", str(init_ckpt), "--no-load-optim", "--no-load-rng",
+                               "--tensorboard-dir", str(tb), iters=iters),
+             env={"GRADS_OUT": str(out)}, script=ROOT / "tests" / "drivers" / "dump_grads.py")
+    return scalars(tb, LOSS), torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def baseline_grads(tiny_data, init_ckpt, tmp_path_factory):
+    return losses_and_grads(tiny_data, init_ckpt, tmp_path_factory.mktemp("base_grads"), 1)
+
+
+def test_sequence_parallel_matches_tp1_in_losses_and_gradients(tiny_data, init_ckpt, baseline_grads, tmp_path):
+    """TP2 with --sequence-parallel and the local layers (torch norms whose gradients megatron-core
+    all-reduces over TP) trains as TP1 does: losses of 4 steps, then every gradient of a 5th batch."""
+    losses, grads = losses_and_grads(tiny_data, init_ckpt, tmp_path, 2, "--tensor-model-parallel-size", "2",
+                                     "--sequence-parallel")
+    want_losses, want_grads = baseline_grads
+    assert_close(losses, want_losses, rel=2e-5)
+    assert sorted(grads) == sorted(want_grads)
+    assert any("layernorm" in name for name in grads)  # the norms' gradients are compared too
+    worst = {name: ((grads[name] - g).abs().max() / g.abs().max()).item() for name, g in want_grads.items()}
+    print(f"\nTP2+SP vs TP1: max |loss diff| {max(abs(losses[k] - want_losses[k]) for k in losses):.2e}; "
+          f"max |grad diff| {max((grads[n] - g).abs().max().item() for n, g in want_grads.items()):.2e}, "
+          f"relative to the tensor's largest {max(worst.values()):.2e} ({max(worst, key=worst.get)})")
+    for name, rel in worst.items():
+        assert rel < 1e-4, (name, rel)
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,9 @@ megatron_snip.compat.cpu, enabled only inside the workers.
   ground truth rank correlations.
 * two processes: a TP=1 reference (DP=2, both ranks fed the same batches, so
   DP averages are exact) trains and is probed; then the same weights and Adam
-  state are loaded into a TP=2 model, a PP=2 model and a DP=2 model with the
-  distributed optimizer, and each is probed: the statistics must agree.
+  state are loaded into a TP=2 model, a TP=2 model with sequence parallelism,
+  a PP=2 model and a DP=2 model with the distributed optimizer, and each is
+  probed: the statistics must agree.
 
 Tolerances of the layout comparison: the layouts compute the same
 quantities with fp32 partial sums added in another order (TP all-reduces,
@@ -67,7 +68,7 @@ def _start(rank, world, port):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 
 
-def _build(distributed_optimizer=False, stochastic_rounding=True):
+def _build(distributed_optimizer=False, stochastic_rounding=True, sequence_parallel=False):
     """A 4-layer hidden-64 Llama (precision_layer_spec), megatron DDP and Adam, as the trainer wires them."""
     import torch.nn.functional as F
     from megatron.core import parallel_state, tensor_parallel
@@ -77,6 +78,7 @@ def _build(distributed_optimizer=False, stochastic_rounding=True):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from megatron_snip.model.norms import block_spec, with_torch_norms
     from megatron_snip.model.precision_control import PrecisionController
     from megatron_snip.model.quantized_layers import precision_layer_spec
     from megatron_snip.precision.recipes import RecipeConfig
@@ -91,9 +93,11 @@ def _build(distributed_optimizer=False, stochastic_rounding=True):
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         pipeline_dtype=torch.float32, use_cpu_initialization=True, bias_dropout_fusion=False,
         masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        apply_rope_fusion=False, cuda_graph_scope=[], deallocate_pipeline_outputs=True)
-    model = GPTModel(config=config, transformer_layer_spec=precision_layer_spec(get_gpt_layer_local_spec(
-        normalization="RMSNorm")), vocab_size=VOCAB, max_sequence_length=SEQ,
+        apply_rope_fusion=False, cuda_graph_scope=[], deallocate_pipeline_outputs=True,
+        sequence_parallel=sequence_parallel)
+    layer = precision_layer_spec(with_torch_norms(get_gpt_layer_local_spec(normalization="RMSNorm")))
+    model = GPTModel(config=config, transformer_layer_spec=block_spec(layer, config), vocab_size=VOCAB,
+        max_sequence_length=SEQ,
         pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=False, position_embedding_type="rope")
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
@@ -321,10 +325,13 @@ def parallel_worker(rank, world, port, out_dir):
     reference = {s.name: {"param": s.param.detach().clone(), "exp_avg": s.state["exp_avg"].clone(),
                           "exp_avg_sq": s.state["exp_avg_sq"].clone(), "step": s.step}
                  for s in AdamView(optimizer, chunks).slices.values()}
-    for name, layout, distributed in (("tp2", dict(tp=2), False), ("pp2", dict(pp=2), False),
-                                      ("distributed_optimizer", {}, True)):
+    for name, layout, distributed, sequence_parallel in (
+            ("tp2", dict(tp=2), False, False), ("tp2sp", dict(tp=2), False, True), ("pp2", dict(pp=2), False, False),
+            ("distributed_optimizer", {}, True, False)):
         _layout(**layout)
-        chunks, optimizer, controller = _build(distributed_optimizer=distributed, stochastic_rounding=False)
+        chunks, optimizer, controller = _build(distributed_optimizer=distributed, stochastic_rounding=False,
+                                               sequence_parallel=sequence_parallel)
+        results[f"{name}.sequence_parallel"] = {m.sequence_parallel for m in controller.modules().values()}
         _load(chunks, optimizer, reference)
         results[name] = _probe(chunks, optimizer, controller, batches[0], hutchinson_probes=1,
                                perturbation_probes=1).to_dict()
@@ -381,12 +388,14 @@ TOLERANCE = {"curvature": 3e-4, "gain": 2e-3, "errors.output_sq": 2e-3, "errors.
              "errors.input_grad_sq": 2e-3, "errors.update_sq": 2e-3}
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "distributed_optimizer"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2sp", "pp2", "distributed_optimizer"])
 def test_statistics_do_not_depend_on_the_parallel_layout(parallel, layout):
     diff = _differences(parallel[layout], parallel["tp1"], skip_gain=layout == "distributed_optimizer")
     print(f"\n{layout}: largest relative differences " + ", ".join(f"{k} {v:.1e}" for k, v in diff.items()))
     for key, value in diff.items():
         assert value <= TOLERANCE.get(key, 1e-5), (key, value)
+    # tp2sp: the linears' inputs (column-parallel) and outputs (row-parallel) are sequence slices
+    assert parallel[f"{layout}.sequence_parallel"] == {layout == "tp2sp"}
     if layout == "distributed_optimizer":
         gains = {n: (parallel[layout]["modules"][n]["gain"], m["gain"]) for n, m in parallel["tp1"]["modules"].items()}
         print("gain (one draw, shard-wise perturbation) vs TP=1: largest relative difference "

@@ -12,6 +12,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_snip.model.norms import block_spec, with_torch_norms
 from megatron_snip.model.quantized_layers import precision_layer_spec
 
 
@@ -53,6 +54,11 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         hidden_dropout=args.hidden_dropout,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        # Interleaved schedule: unbatched p2p. Batched p2p mis-pairs messages at PP=2 over gloo (the
+        # previous and the next rank are the same peer; an activation and a gradient sent to it in
+        # one batch arrive in the other order from the one the receiver posted; same shape, no error).
+        batch_p2p_comm=args.virtual_pipeline_model_parallel_size is None,
         sequence_parallel=args.sequence_parallel,
         pipeline_dtype=dtype,
         params_dtype=dtype,
@@ -87,24 +93,31 @@ def layer_spec(args: argparse.Namespace) -> ModuleSpec:
                 "pip install 'megatron-snip[te]' on a CUDA machine, or use --transformer-impl local"
             ) from e
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    # megatron-core's local layer with our quantized linears: per-module precision, bf16 = the parent's path.
-    return precision_layer_spec(gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm"))
+    # megatron-core's local layer with our quantized linears (per-module precision, bf16 = the parent's
+    # path) and torch norms that also run under sequence parallelism.
+    return precision_layer_spec(with_torch_norms(gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")))
 
 
-def build_model(args: argparse.Namespace, config: TransformerConfig, vocab_size: int) -> GPTModel:
-    """This pipeline stage's part of the model (embedding on the first, head on the last)."""
-    return GPTModel(
+def build_model(args: argparse.Namespace, config: TransformerConfig, vocab_size: int) -> list[GPTModel]:
+    """This pipeline rank's model chunks: one, or one per virtual pipeline stage (interleaved
+    schedule); the embedding sits in the first stage's first chunk, the head in the last's last."""
+    spec = layer_spec(args)
+    vpp = args.virtual_pipeline_model_parallel_size
+    stages = [None] if vpp is None else list(range(vpp))
+    return [GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(args),
+        transformer_layer_spec=spec if args.transformer_impl == "transformer_engine"
+        else block_spec(spec, config, vp_stage),
         vocab_size=padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by,
                                      args.tensor_model_parallel_size),
         max_sequence_length=args.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vpp is None, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=vpp is None, vp_stage=vp_stage),
         share_embeddings_and_output_weights=False,
         position_embedding_type="rope",
         rotary_base=args.rotary_base,
-    )
+        vp_stage=vp_stage,
+    ) for vp_stage in stages]
 
 
 def num_parameters(args: argparse.Namespace, vocab_size: int) -> int:

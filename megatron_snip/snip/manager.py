@@ -58,7 +58,8 @@ class PrecisionManager:
                                  perturbation_probes=args.snip_probe_passes, seed=args.seed)
         self.planner = planner
         self.modules = linear_modules(trainer.linear_dims, args.global_batch_size * args.seq_length,
-                                      args.pipeline_model_parallel_size)
+                                      args.pipeline_model_parallel_size,
+                                      args.virtual_pipeline_model_parallel_size or 1)
         self.statistics: ProbeStatistics | None = None
         self.reports: list[CycleReport] = []
 
@@ -130,7 +131,8 @@ class PrecisionManager:
         report = asdict(self.reports[-1]) if self.reports else None
         speed = self.trainer.speed_model
         run = {"dims": asdict(self.trainer.linear_dims), "tokens": self.args.global_batch_size * self.args.seq_length,
-               "pipeline_stages": self.args.pipeline_model_parallel_size, "formats": list(self.planner.formats),
+               "pipeline_stages": self.args.pipeline_model_parallel_size,
+               "virtual_stages": self.args.virtual_pipeline_model_parallel_size or 1, "formats": list(self.planner.formats),
                "budget": self.args.snip_budget, "fp4_target": self.args.snip_fp4_target,
                "time_target": self.args.snip_time_target, "split_passes": self.args.snip_split_passes,
                "speed_model": {"name": speed.name, "throughput": dict(speed.throughput), "source": speed.source},

@@ -69,7 +69,8 @@ class StatisticsFile:
         run = self.run
         formats = tuple(formats or run["formats"])
         per_stage = run["budget"] == "per-stage" if per_stage is None else per_stage
-        modules = linear_modules(LlamaLinearDims(**run["dims"]), run["tokens"], run["pipeline_stages"])
+        modules = linear_modules(LlamaLinearDims(**run["dims"]), run["tokens"], run["pipeline_stages"],
+                                 run.get("virtual_stages", 1))
         costs = cost_tables(self.stats, loss_weight, update_weight, formats=formats)
         config = PlannerConfig(formats=formats, fp4_target=budget.fp4_target, per_stage=per_stage, solver=solver,
                                speed=self.speeds(formats, speed_model), time_target=budget.time_target)

@@ -8,6 +8,7 @@ states and gradient buffers back afterwards.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -88,13 +89,7 @@ class PassRunner:
 
     def __init__(self, chunks: Sequence[torch.nn.Module], data_iterator: Iterator | None, *, num_microbatches: int,
                  seq_length: int, micro_batch_size: int, forward_step_func: ForwardStep, loss_key: str):
-        if len(chunks) != 1:
-            raise ValueError(f"SNIP probes run one model chunk per rank; got {len(chunks)} "
-                             "(virtual pipeline stages are not supported)")
         config = get_model_config(chunks[0])
-        if config.sequence_parallel:
-            raise ValueError("SNIP probes do not support sequence parallelism (they read whole-sequence module "
-                             "inputs); run --snip without --sequence-parallel")
         if config.calculate_per_token_loss:
             raise ValueError("SNIP probes need the loss averaged per micro-batch; calculate_per_token_loss is set")
         if parallel_state.get_context_parallel_world_size() > 1:
@@ -114,13 +109,18 @@ class PassRunner:
         device = next(self.chunks[0].parameters()).device
         return 1.0 if f is None else float(f(torch.ones(1, device=device)).item())
 
-    def _data(self) -> Iterator | None:
+    def _data(self) -> Iterator | list | None:
         if self._source is None:
-            return None
-        if self._batches is None:
+            data = None
+        elif self._batches is None:
             self._batches = []
-            return self._record()
-        return iter(self._batches)
+            data = self._record()
+        else:
+            data = iter(self._batches)
+        if len(self.chunks) == 1:
+            return data
+        # The interleaved schedule reads one iterator per chunk (virtual stage), each the same micro-batches.
+        return [None] * len(self.chunks) if data is None else list(itertools.tee(data, len(self.chunks)))
 
     def _record(self) -> Iterator:
         for i in range(self.num_microbatches):

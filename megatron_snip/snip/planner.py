@@ -39,15 +39,24 @@ class PlannerConfig:
     time_target: float | None = None  # max estimated GEMM time / all-BF16 time (None: implied)
 
 
-def linear_modules(dims: LlamaLinearDims, tokens: int, pipeline_stages: int) -> list[LinearModule]:
-    """Every linear module with its GEMM FLOPs for ``tokens`` tokens and its pipeline stage."""
-    per_stage = dims.num_layers // pipeline_stages
+def pipeline_stage(layer: int, num_layers: int, pipeline_stages: int, virtual_stages: int = 1) -> int:
+    """The pipeline rank (physical stage) that runs ``layer``: with virtual stages the layers are cut
+    into ``pipeline_stages x virtual_stages`` chunks dealt out round-robin (chunk c on rank
+    c mod PP), as megatron-core's interleaved schedule places them."""
+    return (layer // (num_layers // (pipeline_stages * virtual_stages))) % pipeline_stages
+
+
+def linear_modules(dims: LlamaLinearDims, tokens: int, pipeline_stages: int,
+                   virtual_stages: int = 1) -> list[LinearModule]:
+    """Every linear module with its GEMM FLOPs for ``tokens`` tokens and its pipeline stage (the
+    physical one: a stage's budget counts all its chunks)."""
     out = []
     for layer in range(dims.num_layers):
         for module in LINEAR_MODULES:
             fan_in, fan_out = dims.in_out(module)
             out.append(LinearModule.from_shape(module_name(layer, module), layer, tokens, fan_in, fan_out,
-                                               stage=layer // per_stage))
+                                               stage=pipeline_stage(layer, dims.num_layers, pipeline_stages,
+                                                                    virtual_stages)))
     return out
 
 

@@ -112,25 +112,51 @@ class ModuleLayout:
         tp, tp_rank: size of the module's TP group and this rank's place in it.
         row: row-parallel (X and W split along in; Y all-reduced, replicated) rather than
             column-parallel (W split along out; X replicated, Y split).
-        x_weight, y_weight: 1 where this rank's X- / Y-shaped values are a distinct shard of
-            the module's (so they add over TP ranks), 0 on TP ranks > 0 where they are a
-            replica (row-parallel Y and its all-reduced errors; column-parallel X and its
-            all-reduced dgrad error): one SUM over the TP group then completes every sum.
+        sequence_input, sequence_output: with sequence parallelism, the module's input
+            (column-parallel) or output (row-parallel) is this rank's slice of the sequence, where
+            the GEMM sees the whole sequence (the layer all-gathers X / reduce-scatters Y).
+        x_weight, y_weight: for values of the module's input and output (and its gradient) as
+            this rank holds them: 1 where they are a distinct shard (so they add over TP ranks), 0
+            on TP ranks > 0 where they are a replica (column-parallel X, row-parallel Y without
+            sequence parallelism): one SUM over the TP group then completes every sum.
+        gemm_x_weight, gemm_y_weight: the same for values shaped like the GEMM's whole-sequence
+            operands (the quantization errors, measured on the all-gathered X and dY): replicas
+            on TP ranks > 0 (column-parallel X and its all-reduced dgrad error; row-parallel Y and
+            its all-reduced error) weigh 0, with or without sequence parallelism.
     """
 
     tp: int
     tp_rank: int
     row: bool
+    sequence_input: bool
+    sequence_output: bool
     x_weight: float
     y_weight: float
+    gemm_x_weight: float
+    gemm_y_weight: float
 
     @classmethod
     def of(cls, module: QuantizedLinearMixin) -> ModuleLayout:
         tp = get_pg_size(module.tp_group)
         tp_rank = module.tp_group.rank() if tp > 1 else 0
         row = "x" in module.sharded_operands
-        return cls(tp, tp_rank, row, x_weight=1.0 if row or tp_rank == 0 else 0.0,
-                   y_weight=1.0 if not row or tp_rank == 0 else 0.0)
+        sequence = tp > 1 and bool(module.sequence_parallel)  # megatron turns the flag off at TP=1
+        gemm_x, gemm_y = (1.0 if row or tp_rank == 0 else 0.0), (1.0 if not row or tp_rank == 0 else 0.0)
+        return cls(tp, tp_rank, row, sequence_input=sequence and not row, sequence_output=sequence and row,
+                   x_weight=1.0 if sequence and not row else gemm_x, y_weight=1.0 if sequence and row else gemm_y,
+                   gemm_x_weight=gemm_x, gemm_y_weight=gemm_y)
+
+    def output_partition_dim(self) -> int | None:
+        """The dim of the module's output split over TP on this rank: features (column-parallel),
+        the sequence (row-parallel under sequence parallelism), or none (replicated)."""
+        return 0 if self.sequence_output else None if self.row else -1
+
+
+def _gather_sequence(t: torch.Tensor, group) -> torch.Tensor:
+    """The whole sequence of a sequence-parallel tensor [s / tp, ...] (dim 0, rank order)."""
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=0)
 
 
 class MicrobatchCounter:
@@ -176,8 +202,9 @@ class _Probe:
     def output_noise(self, y: torch.Tensor, key: int) -> torch.Tensor:
         """Layout-invariant Rademacher noise shaped like this rank's output (column-parallel
         outputs are split along features like the weight's rows)."""
-        index = global_flat_index(y.shape, partition_dim=None if self.layout.row else -1,
-                                  stride=getattr(self.module.weight, "partition_stride", 1),
+        dim = self.layout.output_partition_dim()
+        index = global_flat_index(y.shape, partition_dim=dim,
+                                  stride=getattr(self.module.weight, "partition_stride", 1) if dim == -1 else 1,
                                   rank=self.layout.tp_rank, size=self.layout.tp,
                                   device=y.device)
         return rademacher(index, key).view(y.shape)
@@ -196,11 +223,16 @@ class _Probe:
         return y.detach(), dx, dw
 
     def measure_errors(self, x: torch.Tensor, dy: torch.Tensor, loss_scale: float) -> None:
-        """Clean-pass backward: ``||dY||^2`` and every format's exact GEMM errors."""
+        """Clean-pass backward: ``||dY||^2`` and every format's exact GEMM errors, measured on the
+        operands the GEMM quantizes (under sequence parallelism the all-gathered X / dY)."""
         w = self.module.weight.detach().float()
+        self.add("output_grad_sq", self.layout.y_weight * squared_norm(dy.detach().float() / loss_scale))
+        if self.layout.sequence_input:
+            x = _gather_sequence(x.detach(), self.module.tp_group)
+        if self.layout.sequence_output:
+            dy = _gather_sequence(dy.detach(), self.module.tp_group)
         x = x.detach().reshape(-1, x.shape[-1]).float()
         dy = dy.detach().reshape(-1, dy.shape[-1]).float() / loss_scale
-        self.add("output_grad_sq", self.layout.y_weight * squared_norm(dy))
         y_ref, dx_ref, dw_ref = x @ w.t(), dy @ w, dy.t() @ x
         sensitivity = None if self.adam is None else self.adam.sensitivity()
         for fmt in self.formats:
@@ -211,9 +243,9 @@ class _Probe:
                 dist.all_reduce(e_out, group=self.module.tp_group)
             if self.layout.tp > 1 and not self.layout.row:
                 dist.all_reduce(e_in, group=self.module.tp_group)
-            self.add(f"{fmt}.output_sq", self.layout.y_weight * squared_norm(e_out))
-            self.add(f"{fmt}.first_order", self.layout.y_weight * (e_out * dy).sum(dtype=torch.float64))
-            self.add(f"{fmt}.input_grad_sq", self.layout.x_weight * squared_norm(e_in))
+            self.add(f"{fmt}.output_sq", self.layout.gemm_y_weight * squared_norm(e_out))
+            self.add(f"{fmt}.first_order", self.layout.gemm_y_weight * (e_out * dy).sum(dtype=torch.float64))
+            self.add(f"{fmt}.input_grad_sq", self.layout.gemm_x_weight * squared_norm(e_in))
             if sensitivity is not None:
                 self.add(f"{fmt}.update_sq", squared_norm(sensitivity * self.adam.flat(dw - dw_ref)))
 

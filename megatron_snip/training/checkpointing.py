@@ -95,11 +95,27 @@ def read_common_state(root: str) -> dict | None:
 
 
 def _layout() -> dict:
-    return {
+    layout = {
         "tp": parallel_state.get_tensor_model_parallel_world_size(),
         "pp": parallel_state.get_pipeline_model_parallel_world_size(),
         "dp": parallel_state.get_data_parallel_world_size(),
     }
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if vpp is not None:  # absent without interleaving, as in checkpoints written before it existed
+        layout["vpp"] = vpp
+    return layout
+
+
+def _chunks(model) -> list:
+    """A model given as one module or as its list of chunks (virtual pipeline stages)."""
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def _model_keys(chunks: list) -> list[str]:
+    """State keys of the chunks' weights: "model", or Megatron-LM's "model0", "model1", ... with
+    virtual stages. Only the structure differs: the tensors' global keys make a checkpoint load
+    into any TP / PP / virtual-stage layout."""
+    return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
 
 
 def _rng_state(quantization: dict | None = None) -> ShardedObject:
@@ -196,8 +212,9 @@ def _fill_missing_steps(state) -> None:
 
 def _sharded_state(model, optimizer, scheduler, *, is_loading: bool, with_optim: bool, with_rng: bool,
                    quantization: dict | None = None) -> dict:
-    model_sd = model.sharded_state_dict()
-    state = {"model": model_sd}
+    chunks = _chunks(model)
+    model_sd = {key: chunk.sharded_state_dict() for key, chunk in zip(_model_keys(chunks), chunks)}
+    state = dict(model_sd)
     if with_optim:
         _materialize_optimizer_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=DIST_OPT_FORMAT)
@@ -211,7 +228,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extr
                     quantization: dict | None = None) -> str:
     """Write a complete checkpoint of ``iteration`` under ``root``; collective over all ranks.
 
-    ``model`` is the unwrapped megatron-core module of this rank; ``extra`` is
+    ``model`` is this rank's unwrapped megatron-core module, or its list of chunks; ``extra`` is
     replicated, JSON-like state (iteration bookkeeping, args, plans);
     ``quantization`` is this rank's module quantization state, saved with its RNG states.
     """
@@ -312,7 +329,9 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, load_optim: bool 
             loaded = dist_checkpointing.load(state, path)
     except _READ_ERRORS as e:
         raise _damaged(root, path, e) from e
-    model.load_state_dict(loaded["model"])
+    chunks = _chunks(model)
+    for key, chunk in zip(_model_keys(chunks), chunks):
+        chunk.load_state_dict(loaded[key])
     if load_optim:
         _fill_missing_steps(loaded["optimizer"])
         with torch.no_grad():
@@ -324,7 +343,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, load_optim: bool 
         _set_rng_state(loaded["rng_state"])
         quantization = loaded["rng_state"].get("quantization", {})  # absent in older checkpoints
     log.info("loaded checkpoint %s (optimizer: %s, rng and quantization state: %s)", path, load_optim, load_rng)
-    rest = {k: v for k, v in loaded.items() if k not in ("model", "optimizer", "rng_state")}
+    rest = {k: v for k, v in loaded.items() if k not in (*_model_keys(chunks), "optimizer", "rng_state")}
     return {**rest, "quantization": quantization}
 
 
@@ -332,8 +351,10 @@ def _check_optimizer_layout(common: dict, optimizer, path: str) -> None:
     """The distributed optimizer's state reshards over DP only; other changes need --no-load-optim."""
     saved, now = common.get("layout", {}), _layout()
     is_distributed = hasattr(optimizer, "data_parallel_group_idx")
-    if is_distributed and (saved.get("tp") != now["tp"] or saved.get("pp") != now["pp"]):
+    if is_distributed and any(saved.get(k) != now.get(k) for k in ("tp", "pp", "vpp")):
+        def name(layout: dict) -> str:
+            vpp = f" VPP={layout['vpp']}" if layout.get("vpp") else ""
+            return f"TP={layout.get('tp')} PP={layout.get('pp')}{vpp}"
         raise CheckpointError(
-            f"{path} was saved at TP={saved.get('tp')} PP={saved.get('pp')} with the distributed optimizer, whose "
-            f"state reshards only over data parallelism; to load the model weights at TP={now['tp']} "
-            f"PP={now['pp']} pass --no-load-optim")
+            f"{path} was saved at {name(saved)} with the distributed optimizer, whose state reshards only over "
+            f"data parallelism; to load the model weights at {name(now)} pass --no-load-optim")

@@ -198,7 +198,7 @@ def check_snip_budgets(args: argparse.Namespace) -> None:
         return  # measured at start-up; the first cycle's solve checks the budgets
     dims = LlamaLinearDims.from_config(transformer_config(args))
     config = planner_config_from_args(args, peak_speed_model(args.gemm_speed_model))
-    modules = linear_modules(dims, 1, args.pipeline_model_parallel_size)
+    modules = linear_modules(dims, 1, args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size or 1)
     zero = {m.name: dict.fromkeys(config.formats, 0.0) for m in modules}
     try:
         solve_plan(build_problem(modules, CostTables(zero, zero, zero), config), config)

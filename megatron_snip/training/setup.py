@@ -30,6 +30,7 @@ def initialize_distributed(args: argparse.Namespace) -> None:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
     )
     set_seeds(args.seed)
 
@@ -43,27 +44,34 @@ def set_seeds(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def wrap_ddp(args: argparse.Namespace, config: TransformerConfig, model: torch.nn.Module) -> DistributedDataParallel:
-    """Wrap one model chunk in megatron-core DDP and hook its grad sync into the schedules."""
-    ddp = DistributedDataParallel(
-        config,
-        DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
-            overlap_grad_reduce=args.overlap_grad_reduce,
-            overlap_param_gather=args.overlap_param_gather,
-            use_distributed_optimizer=args.use_distributed_optimizer,
-        ),
-        model,
+def wrap_ddp(args: argparse.Namespace, config: TransformerConfig,
+             chunks: list[torch.nn.Module]) -> list[DistributedDataParallel]:
+    """Wrap this rank's model chunks (one, or one per virtual pipeline stage) in megatron-core DDP
+    and hook their gradient and parameter syncs into the schedules."""
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer,
     )
+    # As megatron.training: only the first chunk's gradients are bucketed (the interleaved schedule
+    # reduces the other chunks' gradients as their last backward finishes).
+    ddps = [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
+            for i, chunk in enumerate(chunks)]
+
+    def per_chunk(attr: str):
+        funcs = [getattr(d, attr) for d in ddps]
+        return funcs[0] if len(funcs) == 1 else funcs
+
     # What megatron.training wires up: without finalize_model_grads the
     # schedules never reduce gradients across DP ranks or tied stages.
     config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = ddp.no_sync
+    config.no_sync_func = per_chunk("no_sync")
     if args.overlap_grad_reduce:
-        config.grad_sync_func = ddp.start_grad_sync
+        config.grad_sync_func = per_chunk("start_grad_sync")
     if args.overlap_param_gather and args.use_distributed_optimizer:
-        config.param_sync_func = ddp.start_param_sync
-    return ddp
+        config.param_sync_func = per_chunk("start_param_sync")
+    return ddps
 
 
 def build_optimizer(args: argparse.Namespace, chunks: list[DistributedDataParallel]):

@@ -8,6 +8,7 @@ the pipeline schedule from ``get_forward_backward_func``, DDP, the optimizer,
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import math
 import os
@@ -91,8 +92,7 @@ class Trainer:
         self.config = transformer_config(args)
         if args.transformer_impl == "transformer_engine":
             prepare_te_environment(recipe_from_args(args))
-        model = build_model(args, self.config, self.tokenizer.vocab_size)
-        self.model = [wrap_ddp(args, self.config, model)]
+        self.model = wrap_ddp(args, self.config, build_model(args, self.config, self.tokenizer.vocab_size))
         self.precision = PrecisionController(self.model, recipe=recipe_from_args(args), seed=args.seed)
         self.linear_dims = LlamaLinearDims.from_config(self.config)
         self.speed_model = speed_model_from_args(args, self.linear_dims)
@@ -132,7 +132,7 @@ class Trainer:
     def resume(self) -> None:
         args = self.args
         loaded = checkpointing.load_checkpoint(
-            args.load, self.model[0].module, self.optimizer, self.scheduler,
+            args.load, [chunk.module for chunk in self.model], self.optimizer, self.scheduler,
             load_optim=not (args.no_load_optim or args.finetune), load_rng=not (args.no_load_rng or args.finetune))
         if loaded is None:
             self.logger.text(f"no checkpoint in {args.load}: starting from scratch")
@@ -148,7 +148,8 @@ class Trainer:
 
     def save(self) -> None:
         path = checkpointing.save_checkpoint(
-            self.args.save, self.state.iteration, self.model[0].module, self.optimizer, self.scheduler,
+            self.args.save, self.state.iteration, [chunk.module for chunk in self.model], self.optimizer,
+            self.scheduler,
             extra={"consumed_samples": self.state.consumed_samples, "args": vars(self.args),
                    "precision_plan": self.plan.to_dict(), "precision_schedule": self.schedule.to_list(),
                    "numerical_safety": self.guard.state_dict()},
@@ -163,6 +164,10 @@ class Trainer:
                              parallel_state.get_data_parallel_world_size(), consumed, self.args.num_workers)
 
     def _run(self, data: Iterator[dict], forward_only: bool) -> list[dict]:
+        if len(self.model) > 1:
+            # The interleaved schedule reads one iterator per chunk, each the same micro-batches:
+            # tee'd for this step, so ``data`` moves on by exactly one global batch.
+            data = list(itertools.tee(data, len(self.model)))
         return self.forward_backward(
             forward_step_func=forward_step, data_iterator=data, model=self.model,
             num_microbatches=self.args.num_microbatches, seq_length=self.args.seq_length,

@@ -1,0 +1,53 @@
+"""The norms of the local layer spec: torch's RMSNorm / LayerNorm that also run under sequence parallelism.
+
+megatron-core's local spec builds its norms with ``WrappedTorchNorm``, which refuses
+``sequence_parallel`` (and 0.16's local spec picks it for RMSNorm even where apex is
+installed). Under sequence parallelism a norm sees this rank's slice of the sequence,
+which is all a per-token norm needs; only its parameters' gradients are partial sums over
+the slices. megatron-core completes them itself for every parameter that carries
+``sequence_parallel = True`` (``finalize_model_grads`` all-reduces them over the TP group,
+as for its fused norms), so marking the parameters is the whole change. The modules are
+plain ``torch.nn.RMSNorm`` / ``LayerNorm`` (same state-dict keys as ``WrappedTorchNorm``'s:
+checkpoints are interchangeable), on CPU and GPU alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+_NORMS = {"RMSNorm": torch.nn.RMSNorm, "LayerNorm": torch.nn.LayerNorm}
+
+
+class TorchNorm:
+    """Builds ``config.normalization`` (RMSNorm or LayerNorm) as a torch module whose parameters
+    carry ``sequence_parallel`` (megatron's norm constructor signature; ``__new__`` returns the
+    torch module itself, as ``WrappedTorchNorm`` does)."""
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused):
+        if config.normalization not in _NORMS:
+            raise ValueError(f"TorchNorm: normalization {config.normalization!r} is not one of {sorted(_NORMS)}")
+        if config.layernorm_zero_centered_gamma or config.memory_efficient_layer_norm:
+            raise ValueError("TorchNorm: zero-centered gamma and the memory-efficient layer norm need "
+                             "Transformer Engine or apex norms")
+        norm = _NORMS[config.normalization](hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def with_torch_norms(layer: ModuleSpec) -> ModuleSpec:
+    """A copy of a local transformer-layer spec whose two norms are :class:`TorchNorm`."""
+    return dataclasses.replace(layer, submodules=dataclasses.replace(
+        layer.submodules, input_layernorm=TorchNorm, pre_mlp_layernorm=TorchNorm))
+
+
+def block_spec(layer: ModuleSpec, config: TransformerConfig, vp_stage: int | None = None) -> TransformerBlockSubmodules:
+    """This (virtual) pipeline stage's decoder: its layers and, on the last stage, the final norm
+    as :class:`TorchNorm` (megatron-core would pick its own norm class for a bare layer spec)."""
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage),
+                                      layer_norm=TorchNorm)
