@@ -82,17 +82,22 @@ def layer_spec(args: argparse.Namespace) -> ModuleSpec:
 
 def build_model(args: argparse.Namespace, config: TransformerConfig, vocab_size: int) -> GPTModel:
     """This pipeline stage's part of the model (embedding on the first, head on the last)."""
+    # A loaded checkpoint fixes the padded vocabulary (checkpoint_shape) so it loads at any TP.
+    rows = args.padded_vocab_size or padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by,
+                                                       args.tensor_model_parallel_size)
     return GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(args),
-        vocab_size=padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by,
-                                     args.tensor_model_parallel_size),
+        vocab_size=rows,
         max_sequence_length=args.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=False,
+        # Tied only for checkpoints imported from tied models (Llama 3.2 1B/3B).
+        share_embeddings_and_output_weights=bool(args.share_embeddings_and_output_weights),
         position_embedding_type="rope",
         rotary_base=args.rotary_base,
+        rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
     )
 
 
