@@ -62,9 +62,11 @@ def sample_tokens(vocab: int, seq: int = 64) -> torch.Tensor:
     return torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(3))
 
 
-def assert_logits_match(ours: torch.Tensor, theirs: torch.Tensor, vocab: int, label: str) -> float:
+def assert_logits_match(ours: torch.Tensor, theirs: torch.Tensor, vocab: int, label: str,
+                        imported: bool = True) -> float:
     assert ours.shape[:2] == theirs.shape[:2] and ours.shape[2] >= vocab
-    assert torch.all(ours[..., vocab:] == 0), "padding rows of the output layer must give zero logits"
+    # An import's padding rows are zero; training then pushes the padded ids' logits down.
+    assert not imported or torch.all(ours[..., vocab:] == 0), "padding rows of an import must give zero logits"
     diff = (ours[..., :vocab] - theirs).abs().max().item()
     print(f"max |logit difference| {label}: {diff:.3g} (logits up to {theirs.abs().max().item():.3g})")
     assert diff < LOGIT_TOL
@@ -160,7 +162,7 @@ def test_train_with_snip_then_export_matches_ours(hf_tokenizer_data, tmp_path):
     # --precision bf16: our forward without the plan's quantization, as transformers computes it.
     ours = our_logits(hf_tokenizer_data, str(tmp_path / "trained"), tokens, tmp_path, 2,
                       "--pipeline-model-parallel-size", "2", "--precision", "bf16")
-    assert_logits_match(ours, hf_logits(str(tmp_path / "out"), tokens), vocab, "trained, TP1 PP2")
+    assert_logits_match(ours, hf_logits(str(tmp_path / "out"), tokens), vocab, "trained, TP1 PP2", imported=False)
 
 
 def test_tokenizer_matches_transformers(hf_tokenizer_data, tiny_data):
