@@ -12,6 +12,7 @@ import argparse
 import importlib.util
 import os
 
+from megatron_snip.model import checkpoint_shape
 from megatron_snip.model.presets import PRESETS
 from megatron_snip.precision.gemm_speed import SPEED_MODELS
 from megatron_snip.precision.registry import FP4_NAMES, PRECISION_NAMES
@@ -43,8 +44,9 @@ def _parallel(p: argparse.ArgumentParser) -> None:
 
 def _model(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model (defaults come from --model-preset)")
-    g.add_argument("--model-preset", choices=sorted(PRESETS), default="tiny",
-                   help="Named Llama shape; explicit shape flags override its fields.")
+    g.add_argument("--model-preset", choices=sorted(PRESETS), default=None,
+                   help="Named Llama shape (default tiny, or with --load the checkpoint's shape); explicit shape "
+                        "flags override its fields.")
     for name in ("num-layers", "hidden-size", "ffn-hidden-size", "num-attention-heads",
                  "num-query-groups", "seq-length", "max-position-embeddings", "rotary-base"):
         g.add_argument(f"--{name}", type=int, default=None)
@@ -194,8 +196,12 @@ def _data(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data-path", nargs="+", default=None,
                    help="Prefix of a .bin/.idx pair, or a blend 'W1 PREFIX1 W2 PREFIX2 ...'.")
     g.add_argument("--split", default="969,30,1", help="Train,valid,test proportions.")
-    g.add_argument("--tokenizer-type", default="SentencePieceTokenizer")
-    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--tokenizer-type", choices=["SentencePieceTokenizer", "HuggingFaceTokenizer"],
+                   default="SentencePieceTokenizer",
+                   help="SentencePieceTokenizer (a .model file: TinyLlama, Llama 2) or HuggingFaceTokenizer (a "
+                        "tokenizer.json, or the model directory holding it: Llama 3).")
+    g.add_argument("--tokenizer-model", default=None,
+                   help="The tokenizer file (or, for HuggingFaceTokenizer, a model directory).")
     g.add_argument("--data-cache-path", default=None)
     g.add_argument("--num-workers", type=int, default=None,
                    help="Data-loader worker processes per rank (0: load in the training process). Default: 2 "
@@ -258,17 +264,39 @@ def build_parser() -> argparse.ArgumentParser:
         description="Pretrain a Llama-family model with megatron-core (TP x PP x DP).",
         allow_abbrev=False,
     )
-    for add in (_parallel, _model, _training, _precision, _snip, _data, _checkpoint_and_logging,
-                _numerical_safety):
+    for add in (_parallel, _model, checkpoint_shape.add_arguments, _training, _precision, _snip, _data,
+                _checkpoint_and_logging, _numerical_safety):
         add(p)
     return p
 
 
 def apply_preset(args: argparse.Namespace) -> argparse.Namespace:
-    """Fill unset model-shape fields from ``--model-preset``."""
-    for key, value in PRESETS[args.model_preset].as_args().items():
+    """Fill unset model-shape fields from ``--model-preset`` (default tiny; a loaded checkpoint's
+    label, e.g. hf-import, names no preset: its shape is complete)."""
+    args.model_preset = args.model_preset or "tiny"
+    for key, value in (PRESETS[args.model_preset].as_args() if args.model_preset in PRESETS else {}).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.use_rope_scaling is None:
+        args.use_rope_scaling = False
+    if args.rope_scaling_factor is None:
+        args.rope_scaling_factor = 8.0
+    return args
+
+
+def apply_checkpoint_shape(args: argparse.Namespace) -> argparse.Namespace:
+    """With ``--load`` of a checkpoint (not an empty resume-or-start directory), its model shape
+    fills the shape flags; flags or a ``--model-preset`` that disagree are refused."""
+    if args.load is None:
+        return args
+    from megatron_snip.training.checkpointing import CheckpointError, read_common_state
+
+    try:
+        common = read_common_state(args.load)
+        if common is not None:
+            checkpoint_shape.apply_checkpoint_shape(args, common.get("args", {}), args.load)
+    except (CheckpointError, ValueError) as e:
+        raise ArgumentError(str(e)) from e
     return args
 
 
@@ -305,6 +333,10 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool,
     _require(args.num_query_groups % tp == 0,
              f"--num-query-groups {args.num_query_groups} is not divisible by "
              f"--tensor-model-parallel-size {tp}; choose a TP size that divides the query-group count")
+    _require(args.padded_vocab_size is None or args.padded_vocab_size % tp == 0,
+             f"the checkpoint's vocabulary of {args.padded_vocab_size} rows (padded) is not divisible by "
+             f"--tensor-model-parallel-size {tp}; re-import it with --make-vocab-size-divisible-by a multiple "
+             f"of {tp}, or choose a TP size that divides {args.padded_vocab_size}")
     _require(args.num_layers % pp == 0,
              f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}; "
              f"choose a PP size that divides the layer count")
@@ -469,7 +501,8 @@ def _validate_files(args: argparse.Namespace, resumed: dict | None) -> None:
     _require(args.data_path is not None,
              "--data-path is required: the prefix of a preprocessed dataset (tools/preprocess_data.py)")
     _require(args.tokenizer_model is not None,
-             "--tokenizer-model is required: a sentencepiece .model file (tools/train_tokenizer.py)")
+             "--tokenizer-model is required: a sentencepiece .model file (tools/train_tokenizer.py) or, with "
+             "--tokenizer-type HuggingFaceTokenizer, a tokenizer.json or the model directory holding it")
     from megatron_snip.data.datasets import check_data_prefixes, check_vocab_covers_data, parse_data_path
     from megatron_snip.data.tokenizer import build_tokenizer
     from megatron_snip.training.checkpointing import CheckpointError, verify_latest
@@ -477,7 +510,11 @@ def _validate_files(args: argparse.Namespace, resumed: dict | None) -> None:
     try:
         prefixes = parse_data_path(args.data_path)[0]
         check_data_prefixes(prefixes)
-        check_vocab_covers_data(prefixes, build_tokenizer(args.tokenizer_type, args.tokenizer_model).vocab_size)
+        tokens = build_tokenizer(args.tokenizer_type, args.tokenizer_model).vocab_size
+        check_vocab_covers_data(prefixes, tokens)
+        _require(args.vocab_size is None or tokens <= args.vocab_size,
+                 f"--tokenizer-model {args.tokenizer_model} has {tokens} ids but the model in --load {args.load} "
+                 f"has a vocabulary of {args.vocab_size}; use the model's own tokenizer")
         latest = verify_latest(args.load) if args.load is not None else None
         from megatron_snip.training.precision import initial_plan, initial_schedule
 
@@ -497,7 +534,7 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None,
     """Parse, fill presets and validate. ``world_size`` defaults to ``$WORLD_SIZE``."""
     import torch
 
-    args = apply_preset(build_parser().parse_args(argv))
+    args = apply_preset(apply_checkpoint_shape(build_parser().parse_args(argv)))
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if cuda is None:

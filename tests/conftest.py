@@ -107,3 +107,78 @@ def init_ckpt(tiny_data, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("init") / "ckpt"
     torchrun(1, train_args(tiny_data, "--save", str(path), iters=0))
     return path
+
+
+# Llama 3's pre-tokenizer split (tokenizer.json of Meta-Llama-3) and special tokens.
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>"]
+
+
+@dataclass(frozen=True)
+class HFTokenizerData:
+    tokenizer_dir: str   # tokenizer.json + tokenizer_config.json
+    prefix: str          # the tiny corpus preprocessed with it (--data-path)
+    vocab_size: int
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer_data(tiny_data, tmp_path_factory) -> HFTokenizerData:
+    """A Llama-3-style byte-level BPE tokenizer.json (its regex split, <|begin_of_text|> added by the
+    post-processor) trained with the `tokenizers` library on the tiny corpus, and that corpus
+    preprocessed with it through --tokenizer-type HuggingFaceTokenizer."""
+    import json
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    from megatron_snip.data.corpus import iter_documents
+    from megatron_snip.data.datasets import PreprocessConfig, preprocess
+
+    d = tmp_path_factory.mktemp("hf_tok")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    texts = [text for doc in iter_documents(tiny_data.corpus, ("text",)) for text in doc.values()]
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=700, special_tokens=LLAMA3_SPECIAL,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                       show_progress=False))
+    bos = tok.token_to_id("<|begin_of_text|>")
+    tok.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|> $B",
+                                      special_tokens=[("<|begin_of_text|>", bos)])])
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|end_of_text|>", "model_max_length": 2048, "clean_up_tokenization_spaces": False}))
+    summary = preprocess(PreprocessConfig(input=tiny_data.corpus, output_prefix=str(d / "data"),
+                                          tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(d),
+                                          append_eod=True, progress=False))
+    return HFTokenizerData(str(d), summary.prefixes["text"], tok.get_vocab_size())
+
+
+def tiny_hf_llama(path, vocab_size: int, *, tied: bool, layers: int = 4, rope_scaling: bool = False,
+                  seed: int = 0) -> str:
+    """A randomly initialised transformers LlamaForCausalLM (GQA: 4 heads, 2 kv heads) saved with
+    save_pretrained (fp32 safetensors) into ``path``; its weights are drawn with a std large enough
+    that every layer changes the logits visibly."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    rope = ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+             "original_max_position_embeddings": 8192, "rope_theta": 500000.0} if rope_scaling
+            else {"rope_type": "default", "rope_theta": 10000.0})
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=160, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         rms_norm_eps=1e-6, tie_word_embeddings=tied, rope_parameters=rope,
+                         bos_token_id=0, eos_token_id=1, initializer_range=0.2)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # norms away from 1, so a swapped norm would show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(str(path))
+    return str(path)

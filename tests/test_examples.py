@@ -35,7 +35,9 @@ def recorded_launches(script: Path, tmp_path: Path) -> list[list[str]]:
     (out / "data" / "stdlib_text_document.idx").touch()  # the quickstart then skips building its data
     env = {**os.environ, "RECORD_DIR": str(tmp_path), "OUT": str(out), "CKPT_DIR": str(tmp_path / "ckpt"),
            "DATA_PATH": "/data/corpus_text_document", "TOKENIZER_MODEL": "/data/tok.model",
-           "SLURM_JOB_NODELIST": "node[001-002]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "42"}
+           "SLURM_JOB_NODELIST": "node[001-002]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "42",
+           # Scripts that run tools (conversion, preprocessing) call them through $PYTHON: a no-op here.
+           "HF_DIR": "/models/TinyLlama", "CORPUS": "/data/corpus.jsonl", "PYTHON": "true"}
     proc = subprocess.run(["bash", "-c", f'{stand_ins} bash "$0"', str(script)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -29,7 +29,9 @@ def get_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     group = parser.add_argument_group(title="tokenizer")
     group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
-    group.add_argument("--tokenizer-model", required=True, help="SentencePiece .model file")
+    group.add_argument("--tokenizer-model", required=True,
+                       help="SentencePiece .model file, or for HuggingFaceTokenizer a tokenizer.json or the model "
+                            "directory holding it")
     group = parser.add_argument_group(title="input data")
     group.add_argument("--input", required=True, help="JSONL (*.jsonl, *.json) or text file")
     group.add_argument(

@@ -34,9 +34,10 @@ from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
 
 from megatron_snip.data.corpus import iter_documents
 
-# Megatron-LM's --tokenizer-type value this module implements.
+# Megatron-LM's --tokenizer-type values: this module's, and data/hf_tokenizer.py's.
 SENTENCEPIECE_TOKENIZER = "SentencePieceTokenizer"
-TOKENIZER_TYPES = (SENTENCEPIECE_TOKENIZER,)
+HUGGINGFACE_TOKENIZER = "HuggingFaceTokenizer"
+TOKENIZER_TYPES = (SENTENCEPIECE_TOKENIZER, HUGGINGFACE_TOKENIZER)
 
 # --------------------------------------------------------------------------------------------
 # Using a model
@@ -141,14 +142,14 @@ class SentencePieceTokenizer(MegatronLegacyTokenizer):
         return self._sp.get_score(token_id)
 
 
-def build_tokenizer(
-    tokenizer_type: str, tokenizer_model: Optional[str]
-) -> SentencePieceTokenizer:
-    """The tokenizer named by Megatron's ``--tokenizer-type`` / ``--tokenizer-model`` flags.
+def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str]) -> MegatronLegacyTokenizer:
+    """The tokenizer named by Megatron's ``--tokenizer-type`` / ``--tokenizer-model`` flags:
+    a SentencePiece ``.model`` file, or for ``HuggingFaceTokenizer`` a Hugging Face model
+    directory or ``tokenizer.json`` (data/hf_tokenizer.py).
 
     Raises:
         ValueError: unknown ``tokenizer_type``, no ``tokenizer_model`` given, or the file is not
-            a SentencePiece model.
+            a tokenizer of that type.
         FileNotFoundError: ``tokenizer_model`` does not exist.
     """
     if tokenizer_type not in TOKENIZER_TYPES:
@@ -158,6 +159,8 @@ def build_tokenizer(
         )
     if not tokenizer_model:
         raise ValueError(f"--tokenizer-model is required with --tokenizer-type {tokenizer_type}")
+    if tokenizer_type == HUGGINGFACE_TOKENIZER:
+        return _build_hf_tokenizer(tokenizer_model)
     if not os.path.isfile(tokenizer_model):
         raise FileNotFoundError(
             f"--tokenizer-model {tokenizer_model}: no such file; "
@@ -169,6 +172,21 @@ def build_tokenizer(
         raise ValueError(
             f"--tokenizer-model {tokenizer_model}: not a SentencePiece model ({e})"
         ) from None
+
+
+def _build_hf_tokenizer(path: str) -> MegatronLegacyTokenizer:
+    from megatron_snip.data.hf_tokenizer import TOKENIZER_JSON, HuggingFaceTokenizer
+
+    json_file = os.path.join(path, TOKENIZER_JSON) if os.path.isdir(path) else path
+    if not os.path.isfile(json_file):
+        raise FileNotFoundError(f"--tokenizer-model {path}: no {json_file}; give a Hugging Face model directory "
+                                f"with a {TOKENIZER_JSON} or the file itself")
+    try:
+        return HuggingFaceTokenizer(path)
+    except Exception as e:  # tokenizers raises its own exception type for a malformed file
+        if isinstance(e, ValueError) and str(e).startswith("--tokenizer-model"):
+            raise
+        raise ValueError(f"--tokenizer-model {path}: not a Hugging Face tokenizer.json ({e})") from None
 
 
 # --------------------------------------------------------------------------------------------

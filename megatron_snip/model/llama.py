@@ -104,18 +104,23 @@ def build_model(args: argparse.Namespace, config: TransformerConfig, vocab_size:
     spec = layer_spec(args)
     vpp = args.virtual_pipeline_model_parallel_size
     stages = [None] if vpp is None else list(range(vpp))
+    # A loaded checkpoint fixes the padded vocabulary (checkpoint_shape) so it loads at any TP.
+    rows = args.padded_vocab_size or padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by,
+                                                       args.tensor_model_parallel_size)
     return [GPTModel(
         config=config,
         transformer_layer_spec=spec if args.transformer_impl == "transformer_engine"
         else block_spec(spec, config, vp_stage),
-        vocab_size=padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by,
-                                     args.tensor_model_parallel_size),
+        vocab_size=rows,
         max_sequence_length=args.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vpp is None, vp_stage=vp_stage),
         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=vpp is None, vp_stage=vp_stage),
-        share_embeddings_and_output_weights=False,
+        # Tied only for checkpoints imported from tied models (Llama 3.2 1B/3B).
+        share_embeddings_and_output_weights=bool(args.share_embeddings_and_output_weights),
         position_embedding_type="rope",
         rotary_base=args.rotary_base,
+        rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
         vp_stage=vp_stage,
     ) for vp_stage in stages]
 

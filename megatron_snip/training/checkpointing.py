@@ -232,6 +232,23 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extr
     replicated, JSON-like state (iteration bookkeeping, args, plans);
     ``quantization`` is this rank's module quantization state, saved with its RNG states.
     """
+    state = _sharded_state(model, optimizer, scheduler, is_loading=False, with_optim=True, with_rng=True,
+                           quantization=quantization)
+    return _write(root, iteration, state, extra)
+
+
+def save_model_checkpoint(root: str, iteration: int, model, extra: dict) -> str:
+    """Write a checkpoint of the model weights only (an imported model): loading it skips the
+    optimizer and RNG states, as ``--finetune`` does, whatever the flags say."""
+    return _write(root, iteration, {"model": model.sharded_state_dict()}, {**extra, MODEL_ONLY: True})
+
+
+# Marks a checkpoint that holds no optimizer, scheduler or RNG state.
+MODEL_ONLY = "model_only"
+
+
+def _write(root: str, iteration: int, state: dict, extra: dict) -> str:
+    """Save ``state`` + ``extra`` as ``root/iter_XXXXXXX`` atomically (see the module docstring)."""
     final = iteration_dir(root, iteration)
     check_finite(model, optimizer, final)
     tmp = final + ".tmp"
@@ -240,8 +257,6 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extr
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
         os.makedirs(tmp)
     dist.barrier()
-    state = _sharded_state(model, optimizer, scheduler, is_loading=False, with_optim=True, with_rng=True,
-                           quantization=quantization)
     state.update(extra)
     state["iteration"] = iteration
     state["layout"] = _layout()
@@ -318,6 +333,8 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, load_optim: bool 
         common = dist_checkpointing.load_common_state_dict(path)
     except _READ_ERRORS as e:
         raise _damaged(root, path, e) from e
+    if common.get(MODEL_ONLY):
+        load_optim = load_rng = False
     if load_optim:
         _check_optimizer_layout(common, optimizer, path)
     load_rng = load_rng and common.get("layout") == _layout()

@@ -1,0 +1,285 @@
+"""Hugging Face Llama directory <-> megatron-snip checkpoint (tools/convert_hf_llama.py).
+
+Both directions build the project's own model (``model.llama.build_model``) in one CPU process
+at TP=1, PP=1 and go through the project's checkpoint code (megatron-core ``dist_checkpointing``),
+so an imported checkpoint loads in any TP x PP x DP layout and any checkpoint exports.
+
+Import streams the Hugging Face tensors one at a time into the model's parameters: memory is
+the model once (in the checkpoint's dtype) plus one tensor. Export loads the checkpoint into
+the model and writes the Hugging Face tensors shard by shard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import socket
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from megatron_snip.fileio import write_text_atomic
+from megatron_snip.interop import hf_files
+from megatron_snip.interop.convert import (
+    LlamaLayout, export_part, hf_names, import_part, megatron_target, zero_padding_rows,
+)
+from megatron_snip.interop.hf_files import HFFormatError, HFLlamaConfig
+
+# Files of a Hugging Face directory kept with an imported checkpoint (SAVE/hf_files/) and
+# written back on export: the tokenizer and the generation settings.
+KEPT_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+              "generation_config.json")
+HF_FILES_DIR = "hf_files"
+SNIP_SIDE_FILE = "megatron_snip.json"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def checkpoint_args(config: HFLlamaConfig, divisible_by: int, dtype: torch.dtype) -> dict:
+    """The shape arguments an imported checkpoint saves (``model.checkpoint_shape`` reads them)."""
+    from megatron_snip.model.llama import padded_vocab_size
+
+    rotary = config.rope_theta
+    return {
+        "num_layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
+        "ffn_hidden_size": config.intermediate_size, "num_attention_heads": config.num_attention_heads,
+        "num_query_groups": config.num_key_value_heads,
+        "max_position_embeddings": config.max_position_embeddings,
+        "seq_length": min(config.max_position_embeddings, 4096),
+        "rotary_base": int(rotary) if float(rotary).is_integer() else rotary,
+        "norm_epsilon": config.rms_norm_eps,
+        "use_rope_scaling": config.rope_scaling_factor is not None,
+        "rope_scaling_factor": config.rope_scaling_factor or 8.0,
+        "vocab_size": config.vocab_size,
+        "padded_vocab_size": padded_vocab_size(config.vocab_size, divisible_by, 1),
+        "make_vocab_size_divisible_by": divisible_by,
+        "share_embeddings_and_output_weights": config.tie_word_embeddings,
+        "bf16": dtype == torch.bfloat16,
+        "model_preset": "hf-import",
+        "hf_bos_token_id": config.bos_token_id, "hf_eos_token_id": config.eos_token_id,
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def single_process(saved: dict):
+    """A one-process gloo group and the argument namespace of a TP=1 PP=1 model of shape ``saved``."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_snip.arguments import apply_preset, build_parser, validate_args
+    from megatron_snip.model.checkpoint_shape import apply_checkpoint_shape
+    from megatron_snip.training.setup import initialize_distributed
+
+    args = build_parser().parse_args(["--train-iters", "0"])
+    apply_checkpoint_shape(args, saved, "the conversion")
+    args.bf16 = bool(saved.get("bf16"))
+    args = validate_args(apply_preset(args), world_size=1, cuda=False, check_files=False)
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
+                       "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+        os.environ.setdefault(key, value)
+    initialize_distributed(args)
+    try:
+        yield args
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def _build(args: argparse.Namespace):
+    from megatron_snip.model.llama import build_model, transformer_config
+
+    (model,) = build_model(args, transformer_config(args), args.vocab_size)  # no virtual stages here
+    model.eval()
+    return model
+
+
+def _layout(args: argparse.Namespace) -> LlamaLayout:
+    return LlamaLayout(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+        vocab_size=args.vocab_size, padded_vocab_size=args.padded_vocab_size,
+        tied=bool(args.share_embeddings_and_output_weights))
+
+
+@dataclass(frozen=True)
+class ConversionSummary:
+    source: str
+    destination: str
+    parameters: int
+    seconds: float
+
+
+def import_hf(load_dir: str, save_dir: str, divisible_by: int = 128, dtype: str = "fp32",
+              progress: bool = True) -> ConversionSummary:
+    """Convert Hugging Face Llama ``load_dir`` into a checkpoint (iteration 0) in ``save_dir``.
+
+    Raises HFFormatError (a ValueError) naming the file and the fix for a directory that is not
+    a Llama, lacks a shard or a tensor, or holds a tensor of the wrong shape.
+    """
+    from megatron_snip.training.checkpointing import save_model_checkpoint
+
+    start = time.perf_counter()
+    config = hf_files.read_config(load_dir)
+    files = hf_files.weight_files(load_dir)  # before any work: a missing shard fails here
+    saved = checkpoint_args(config, divisible_by, DTYPES[dtype])
+    with single_process(saved) as args:
+        model = _build(args)
+        layout = _layout(args)
+        params = dict(model.named_parameters())
+        expected = hf_names(layout)
+        for name, tensor in tqdm(hf_files.iter_tensors(files), total=len(files), desc="import",
+                                 disable=not progress, unit="tensor"):
+            try:
+                target = megatron_target(name, layout)
+            except KeyError:
+                raise HFFormatError(f"{files[name]}: tensor {name} is not part of a {layout.num_layers}-layer "
+                                    f"Llama; check that config.json belongs to these weights") from None
+            if target is None:
+                continue
+            try:
+                import_part(params[target[0]], target[1], tensor, layout, name)
+            except ValueError as e:
+                raise HFFormatError(f"{files[name]}: {e}; check that config.json belongs to these weights") from None
+            expected.pop(name)
+        if expected:
+            raise HFFormatError(f"{load_dir}: {len(expected)} tensors of the model are in no weight file, e.g. "
+                                f"{next(iter(expected))}; the download is incomplete or config.json is for "
+                                f"another model")
+        zero_padding_rows(params["embedding.word_embeddings.weight"], layout)
+        if not layout.tied:
+            zero_padding_rows(params["output_layer.weight"], layout)
+        kept = _keep_files(load_dir, save_dir)
+        saved["hf_files"] = kept
+        save_model_checkpoint(save_dir, 0, model, {
+            "consumed_samples": 0, "args": saved,
+            "hf_import": {"source": os.path.abspath(load_dir), "config": json.load(open(os.path.join(
+                load_dir, hf_files.CONFIG)))}})
+        n = sum(p.numel() for p in model.parameters())
+    return ConversionSummary(load_dir, save_dir, n, time.perf_counter() - start)
+
+
+def _keep_files(load_dir: str, save_dir: str) -> str | None:
+    """Copy the tokenizer and generation files next to the checkpoint; their directory or None."""
+    present = [f for f in KEPT_FILES if os.path.isfile(os.path.join(load_dir, f))]
+    if not present:
+        return None
+    dest = os.path.abspath(os.path.join(save_dir, HF_FILES_DIR))
+    os.makedirs(dest, exist_ok=True)
+    for f in present:
+        shutil.copyfile(os.path.join(load_dir, f), os.path.join(dest, f))
+    return dest
+
+
+def _saved_args(load_dir: str) -> tuple[dict, dict]:
+    """(arguments, replicated state) of the newest checkpoint in ``load_dir``, with the vocabulary
+    sizes derived for checkpoints trained from scratch (they record the tokenizer, not the size)."""
+    from megatron_snip.model.llama import padded_vocab_size
+    from megatron_snip.training.checkpointing import read_common_state
+
+    common = read_common_state(load_dir)
+    if common is None:
+        raise FileNotFoundError(f"--load-dir {load_dir} holds no checkpoint (no latest_checkpointed_iteration.txt)")
+    saved = dict(common.get("args", {}))
+    if saved.get("vocab_size") is None:
+        from megatron_snip.data.tokenizer import build_tokenizer
+
+        saved["vocab_size"] = build_tokenizer(saved["tokenizer_type"], saved["tokenizer_model"]).vocab_size
+    if saved.get("padded_vocab_size") is None:
+        saved["padded_vocab_size"] = padded_vocab_size(saved["vocab_size"], saved["make_vocab_size_divisible_by"],
+                                                       saved["tensor_model_parallel_size"])
+    return saved, common
+
+
+def _hf_config(args: argparse.Namespace, saved: dict, dtype: torch.dtype) -> HFLlamaConfig:
+    return HFLlamaConfig(
+        vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=args.ffn_hidden_size,
+        num_hidden_layers=args.num_layers, num_attention_heads=args.num_attention_heads,
+        num_key_value_heads=args.num_query_groups, max_position_embeddings=args.max_position_embeddings,
+        rope_theta=float(args.rotary_base), rms_norm_eps=args.norm_epsilon,
+        tie_word_embeddings=bool(args.share_embeddings_and_output_weights),
+        rope_scaling_factor=args.rope_scaling_factor if args.use_rope_scaling else None,
+        bos_token_id=saved.get("hf_bos_token_id"), eos_token_id=saved.get("hf_eos_token_id"),
+        torch_dtype=_DTYPE_NAMES[dtype])
+
+
+def _tokenizer_files(args: argparse.Namespace) -> dict[str, str]:
+    """Destination name -> source path of the tokenizer and generation files this model uses:
+    the training run's tokenizer if it is a Hugging Face one, else the files an import kept."""
+    files = {}
+    if args.hf_files and os.path.isdir(args.hf_files):
+        files.update({f: os.path.join(args.hf_files, f) for f in os.listdir(args.hf_files) if f in KEPT_FILES})
+    if args.tokenizer_type == "HuggingFaceTokenizer" and args.tokenizer_model:
+        from megatron_snip.data.hf_tokenizer import tokenizer_files
+
+        files.update(tokenizer_files(args.tokenizer_model))
+    return files
+
+
+def export_hf(load_dir: str, save_dir: str, dtype: str = "auto", max_shard_bytes: int = 5 * 2**30,
+              progress: bool = True) -> ConversionSummary:
+    """Write the newest checkpoint in ``load_dir`` as a Hugging Face Llama directory ``save_dir``
+    (which must not exist yet; written as ``save_dir.tmp`` and renamed when complete)."""
+    from megatron_snip.training.checkpointing import load_checkpoint
+
+    start = time.perf_counter()
+    if os.path.exists(save_dir) and os.listdir(save_dir):
+        raise FileExistsError(f"--save-dir {save_dir} exists and is not empty; choose a new directory")
+    saved, common = _saved_args(load_dir)
+    tmp = save_dir.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    with single_process(saved) as args:
+        # The saved run's tokenizer (for its files), not the defaults of the conversion's namespace.
+        args.tokenizer_type, args.tokenizer_model = saved.get("tokenizer_type"), saved.get("tokenizer_model")
+        model = _build(args)
+        load_checkpoint(load_dir, model, None, None, load_optim=False, load_rng=False)
+        layout = _layout(args)
+        params = dict(model.named_parameters())
+        out_dtype = next(model.parameters()).dtype if dtype == "auto" else DTYPES[dtype]
+        names = hf_names(layout)
+        tensors = ((n, export_part(params[m], part, layout).to(out_dtype)) for n, (m, part) in names.items())
+        hf_files.write_shards(tqdm(tensors, total=len(names), desc="export", disable=not progress, unit="tensor"),
+                              tmp, max_shard_bytes)
+        config = _hf_config(args, saved, out_dtype)
+        copied = _tokenizer_files(args)
+        n = sum(p.numel() for p in model.parameters())
+    for name, src in copied.items():
+        shutil.copyfile(src, os.path.join(tmp, name))
+    write_text_atomic(os.path.join(tmp, hf_files.CONFIG), json.dumps(hf_files.config_json(config, config.torch_dtype),
+                                                                     indent=2) + "\n")
+    if "generation_config.json" not in copied:
+        generation = {k: v for k, v in (("bos_token_id", config.bos_token_id), ("eos_token_id", config.eos_token_id))
+                      if v is not None}
+        write_text_atomic(os.path.join(tmp, "generation_config.json"), json.dumps(generation, indent=2) + "\n")
+    write_text_atomic(os.path.join(tmp, SNIP_SIDE_FILE), json.dumps(_snip_side_file(load_dir, common, out_dtype),
+                                                                    indent=2) + "\n")
+    if os.path.isdir(save_dir):
+        os.rmdir(save_dir)  # empty (checked above)
+    os.replace(tmp, save_dir)
+    return ConversionSummary(load_dir, save_dir, n, time.perf_counter() - start)
+
+
+def _snip_side_file(load_dir: str, common: dict, dtype: torch.dtype) -> dict:
+    """What the Hugging Face format cannot hold: the precision plan and where SNIP's statistics are."""
+    stats_dir = os.path.join(os.path.abspath(load_dir), "snip")
+    stats = sorted(f for f in os.listdir(stats_dir) if f.endswith(".json")) if os.path.isdir(stats_dir) else []
+    return {
+        "source_checkpoint": os.path.abspath(load_dir),
+        "iteration": common.get("iteration"),
+        "weights": f"the checkpoint's model parameters in {_DTYPE_NAMES[dtype]} (in an fp32 run these are the "
+                   "master weights; FP8/FP4 are compute formats of the GEMMs, never stored)",
+        "precision_plan": common.get("precision_plan"),
+        "precision_schedule": common.get("precision_schedule"),
+        "snip_statistics": [os.path.join(stats_dir, f) for f in stats],
+    }

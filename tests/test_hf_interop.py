@@ -1,0 +1,232 @@
+"""Hugging Face Llama import/export and the HuggingFaceTokenizer, against real `transformers`.
+
+A tiny randomly initialised LlamaForCausalLM (GQA, tied or untied, optionally with Llama 3.1 rope
+scaling) is saved with save_pretrained, imported with tools/convert_hf_llama.py, and its logits
+in our model (TP1, TP2 x PP2) are compared with transformers' own forward pass; exports are
+compared tensor by tensor with the original files.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, free_port, tiny_hf_llama
+
+# fp32 end to end; only the order of floating-point operations differs from transformers.
+LOGIT_TOL = 1e-4
+
+
+def convert(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "convert_hf_llama.py"), *args, "--no-progress"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if check and proc.returncode != 0:
+        raise AssertionError(f"convert_hf_llama.py exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def hf_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def our_logits(data, ckpt: str, tokens: torch.Tensor, tmp_path: Path, nproc: int, *flags: str) -> torch.Tensor:
+    """Logits of checkpoint ``ckpt`` through pretrain_llama.py's model (tests/drivers/hf_logits.py)."""
+    torch.save(tokens, tmp_path / "tokens.pt")
+    out = tmp_path / "logits.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+           str(free_port()), str(ROOT / "tests" / "drivers" / "hf_logits.py"),
+           "--load", ckpt, "--data-path", data.prefix, "--tokenizer-type", "HuggingFaceTokenizer",
+           "--tokenizer-model", data.tokenizer_dir, "--split", "90,10,0", "--train-iters", "0",
+           "--micro-batch-size", str(tokens.shape[0]), "--eval-iters", "0", *flags]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "LOGITS_TOKENS": str(tmp_path / "tokens.pt"),
+                               "LOGITS_OUT": str(out)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return torch.load(out)
+
+
+def sample_tokens(vocab: int, seq: int = 64) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(3))
+
+
+def assert_logits_match(ours: torch.Tensor, theirs: torch.Tensor, vocab: int, label: str,
+                        imported: bool = True) -> float:
+    assert ours.shape[:2] == theirs.shape[:2] and ours.shape[2] >= vocab
+    # An import's padding rows are zero; training then pushes the padded ids' logits down.
+    assert not imported or torch.all(ours[..., vocab:] == 0), "padding rows of an import must give zero logits"
+    diff = (ours[..., :vocab] - theirs).abs().max().item()
+    print(f"max |logit difference| {label}: {diff:.3g} (logits up to {theirs.abs().max().item():.3g})")
+    assert diff < LOGIT_TOL
+    return diff
+
+
+@pytest.mark.parametrize("tied,rope_scaling,layout", [
+    (False, False, ()),
+    (True, False, ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2")),
+    (False, True, ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2")),
+], ids=["untied-tp1", "tied-tp2pp2", "rope-scaling-tp2pp2"])
+def test_imported_logits_equal_transformers(hf_tokenizer_data, tmp_path, tied, rope_scaling, layout):
+    vocab = hf_tokenizer_data.vocab_size
+    hf_dir = tiny_hf_llama(tmp_path / "hf", vocab, tied=tied, rope_scaling=rope_scaling)
+    convert("import", "--load-dir", hf_dir, "--save-dir", str(tmp_path / "ckpt"))
+    tokens = sample_tokens(vocab)
+    nproc = 4 if layout else 1
+    ours = our_logits(hf_tokenizer_data, str(tmp_path / "ckpt"), tokens, tmp_path, nproc, *layout)
+    assert_logits_match(ours, hf_logits(hf_dir, tokens), vocab, f"{'tied' if tied else 'untied'} {layout or 'TP1'}")
+
+
+def _tensors(hf_dir: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(Path(hf_dir).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def _load_quietly(hf_dir: str):
+    """transformers' LlamaForCausalLM.from_pretrained, failing on any warning it logs or raises."""
+    from transformers import LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = hf_logging.get_logger("transformers")
+    logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = LlamaForCausalLM.from_pretrained(hf_dir)
+    finally:
+        logger.removeHandler(handler)
+    problems = [r.getMessage() for r in records if r.levelno >= logging.WARNING] + [str(w.message) for w in caught]
+    assert not problems, problems
+    return model
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_export_is_bit_exact_and_loads_without_warnings(hf_tokenizer_data, tmp_path, tied):
+    vocab = hf_tokenizer_data.vocab_size
+    hf_dir = tiny_hf_llama(tmp_path / "hf", vocab, tied=tied, layers=2)
+    convert("import", "--load-dir", hf_dir, "--save-dir", str(tmp_path / "ckpt"))
+    convert("export", "--load-dir", str(tmp_path / "ckpt"), "--save-dir", str(tmp_path / "out"))
+    original, exported = _tensors(hf_dir), _tensors(str(tmp_path / "out"))
+    assert sorted(exported) == sorted(original)
+    for name, tensor in original.items():
+        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
+    model = _load_quietly(str(tmp_path / "out"))
+    assert model.config.tie_word_embeddings == tied
+    assert json.loads((tmp_path / "out" / "generation_config.json").read_text())["eos_token_id"] == 1
+    side = json.loads((tmp_path / "out" / "megatron_snip.json").read_text())
+    assert side["iteration"] == 0 and "master weights" in side["weights"]
+    # --dtype bf16 halves the files and rounds each tensor once.
+    convert("export", "--load-dir", str(tmp_path / "ckpt"), "--save-dir", str(tmp_path / "bf16"), "--dtype", "bf16")
+    halved = _tensors(str(tmp_path / "bf16"))
+    assert all(torch.equal(halved[n], t.to(torch.bfloat16)) for n, t in original.items())
+
+
+def test_train_with_snip_then_export_matches_ours(hf_tokenizer_data, tmp_path):
+    """import -> 4 iterations at TP2 with SNIP (FP4 plan from iteration 2) -> export: transformers'
+    logits of the export equal ours from the trained checkpoint, and training moved the weights."""
+    from conftest import torchrun
+
+    vocab = hf_tokenizer_data.vocab_size
+    hf_dir = tiny_hf_llama(tmp_path / "hf", vocab, tied=False)
+    convert("import", "--load-dir", hf_dir, "--save-dir", str(tmp_path / "ckpt"))
+    data = ["--data-path", hf_tokenizer_data.prefix, "--tokenizer-type", "HuggingFaceTokenizer",
+            "--tokenizer-model", hf_tokenizer_data.tokenizer_dir, "--split", "90,10,0"]
+    torchrun(2, ["--load", str(tmp_path / "ckpt"), "--finetune", "--save", str(tmp_path / "trained"),
+                 "--tensor-model-parallel-size", "2", "--micro-batch-size", "2", "--global-batch-size", "4",
+                 "--train-iters", "4", "--save-interval", "2", "--lr", "1e-3", "--eval-iters", "0",
+                 "--snip", "--snip-fp4-target", "0.75", *data])
+    convert("export", "--load-dir", str(tmp_path / "trained"), "--save-dir", str(tmp_path / "out"))
+    side = json.loads((tmp_path / "out" / "megatron_snip.json").read_text())
+    assert side["iteration"] == 4 and "nvfp4" in json.dumps(side["precision_plan"])
+    before, after = _tensors(hf_dir), _tensors(str(tmp_path / "out"))
+    assert not torch.equal(before["model.layers.0.mlp.up_proj.weight"], after["model.layers.0.mlp.up_proj.weight"])
+    tokens = sample_tokens(vocab)
+    # --precision bf16: our forward without the plan's quantization, as transformers computes it.
+    ours = our_logits(hf_tokenizer_data, str(tmp_path / "trained"), tokens, tmp_path, 2,
+                      "--pipeline-model-parallel-size", "2", "--precision", "bf16")
+    assert_logits_match(ours, hf_logits(str(tmp_path / "out"), tokens), vocab, "trained, TP1 PP2", imported=False)
+
+
+def test_tokenizer_matches_transformers(hf_tokenizer_data, tiny_data):
+    from transformers import AutoTokenizer
+
+    from megatron_snip.data.corpus import iter_documents
+    from megatron_snip.data.datasets import load_tokens
+    from megatron_snip.data.tokenizer import build_tokenizer
+
+    ours = build_tokenizer("HuggingFaceTokenizer", hf_tokenizer_data.tokenizer_dir)
+    theirs = AutoTokenizer.from_pretrained(hf_tokenizer_data.tokenizer_dir)
+    texts = [t for doc in iter_documents(tiny_data.corpus, ("text",)) for t in doc.values()]
+    assert ours.vocab_size == len(theirs) == hf_tokenizer_data.vocab_size
+    assert (ours.bos, ours.eod) == (theirs.bos_token_id, theirs.eos_token_id) == (0, 1)
+    for text in texts[:20] + ["héllo wörld 123\n\tx = 1  # ünïcode ✓"]:
+        ids = ours.tokenize(text)
+        assert ids == theirs(text).input_ids and ids[0] == ours.bos
+        assert ours.detokenize(ids) == theirs.decode(ids, skip_special_tokens=True) == text
+    # preprocess_data wrote each document as BOS ... EOD, like Megatron-LM with --append-eod.
+    stream = load_tokens(hf_tokenizer_data.prefix).tolist()
+    first = ours.tokenize(texts[0]) + [ours.eod]
+    assert stream[:len(first)] == first
+
+
+def test_bad_directories_are_refused(hf_tokenizer_data, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megatron_snip.interop.hf_files import HFFormatError, read_config, weight_files
+
+    hf_dir = Path(tiny_hf_llama(tmp_path / "hf", hf_tokenizer_data.vocab_size, tied=False, layers=2))
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**config, "architectures": ["MistralForCausalLM"]}))
+    with pytest.raises(HFFormatError, match=r"config.json: architecture \['MistralForCausalLM'\] is not supported"):
+        read_config(str(hf_dir))
+    # A sharded model with one shard missing.
+    sharded = tmp_path / "sharded"
+    LlamaForCausalLM(LlamaConfig(**{k: config[k] for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                                           "num_attention_heads", "num_key_value_heads")},
+                                 num_hidden_layers=2)).save_pretrained(str(sharded), max_shard_size="100KB")
+    shards = sorted(sharded.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    shards[1].unlink()
+    with pytest.raises(HFFormatError, match=rf"names shard .*{shards[1].name}.* which is missing"):
+        weight_files(str(sharded))
+    # config.json that does not belong to the weights: named file, tensor, both shapes.
+    (hf_dir / "config.json").write_text(json.dumps({**config, "intermediate_size": 128}))
+    proc = convert("import", "--load-dir", str(hf_dir), "--save-dir", str(tmp_path / "ckpt"), check=False)
+    assert proc.returncode == 2
+    assert "model.safetensors: model.layers.0.mlp.gate_proj.weight has shape (160, 64) but config.json implies " \
+           "(128, 64)" in proc.stderr, proc.stderr
+    assert not (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").exists()
+
+
+def test_flags_that_disagree_with_the_checkpoint_are_refused(hf_tokenizer_data, tmp_path):
+    from megatron_snip.arguments import ArgumentError, parse_args
+
+    hf_dir = tiny_hf_llama(tmp_path / "hf", hf_tokenizer_data.vocab_size, tied=False, layers=2)
+    convert("import", "--load-dir", hf_dir, "--save-dir", str(tmp_path / "ckpt"))
+    base = ["--load", str(tmp_path / "ckpt"), "--train-iters", "1", "--data-path", hf_tokenizer_data.prefix,
+            "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", hf_tokenizer_data.tokenizer_dir]
+    args = parse_args(base, world_size=1, cuda=False)
+    assert (args.num_layers, args.hidden_size, args.num_query_groups, args.norm_epsilon) == (2, 64, 2, 1e-6)
+    assert args.padded_vocab_size == 768 and args.vocab_size == hf_tokenizer_data.vocab_size
+    with pytest.raises(ArgumentError, match="--hidden-size 128 disagrees with the checkpoint in .* which has 64"):
+        parse_args([*base, "--hidden-size", "128"], world_size=1, cuda=False)
+    with pytest.raises(ArgumentError, match="--model-preset tiny sets --num-layers 4 but the checkpoint in .* has 2"):
+        parse_args([*base, "--model-preset", "tiny"], world_size=1, cuda=False)
