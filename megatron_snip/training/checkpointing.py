@@ -232,6 +232,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extr
     replicated, JSON-like state (iteration bookkeeping, args, plans);
     ``quantization`` is this rank's module quantization state, saved with its RNG states.
     """
+    check_finite(model, optimizer, iteration_dir(root, iteration))
     state = _sharded_state(model, optimizer, scheduler, is_loading=False, with_optim=True, with_rng=True,
                            quantization=quantization)
     return _write(root, iteration, state, extra)
@@ -240,6 +241,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extr
 def save_model_checkpoint(root: str, iteration: int, model, extra: dict) -> str:
     """Write a checkpoint of the model weights only (an imported model): loading it skips the
     optimizer and RNG states, as ``--finetune`` does, whatever the flags say."""
+    check_finite(model, None, iteration_dir(root, iteration))
     return _write(root, iteration, {"model": model.sharded_state_dict()}, {**extra, MODEL_ONLY: True})
 
 
@@ -250,7 +252,6 @@ MODEL_ONLY = "model_only"
 def _write(root: str, iteration: int, state: dict, extra: dict) -> str:
     """Save ``state`` + ``extra`` as ``root/iter_XXXXXXX`` atomically (see the module docstring)."""
     final = iteration_dir(root, iteration)
-    check_finite(model, optimizer, final)
     tmp = final + ".tmp"
     if dist.get_rank() == 0:
         os.makedirs(root, exist_ok=True)
@@ -283,13 +284,14 @@ def _optimizer_tensors(optimizer):
 
 
 def check_finite(model, optimizer, path: str) -> None:
-    """Collective: raise CheckpointError on every rank if any rank's weights or optimizer state hold
+    """Collective: raise CheckpointError on every rank if any rank's weights (``model``: a module or
+    its list of chunks) or optimizer state (None: none) hold
     a NaN or Inf, before anything is written (a checkpoint must never persist non-finite state)."""
     from megatron_snip.training.safety import gather_culprits, global_parameter_names
 
-    names = global_parameter_names(model)
-    bad = [names[p] for p in model.parameters() if not bool(torch.isfinite(p.detach()).all())]
-    if not bad and any(not bool(torch.isfinite(t.detach()).all()) for t in _optimizer_tensors(optimizer)):
+    bad = [name for chunk in _chunks(model) for p, name in global_parameter_names(chunk).items()
+           if not bool(torch.isfinite(p.detach()).all())]
+    if not bad and optimizer is not None and any(not bool(torch.isfinite(t.detach()).all()) for t in _optimizer_tensors(optimizer)):
         bad = ["optimizer state"]
     flag = torch.tensor([float(bool(bad))])
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
