@@ -110,3 +110,31 @@ def test_compare_precision_branches_resume_and_report(tiny_data, tmp_path):
     # Other settings in the same folder are refused, naming what differs.
     proc = run_tool(out, "--train-iters", "10", train_args=train_args)
     assert proc.returncode == 1 and "train_iters differ" in proc.stderr
+
+
+def test_ablation_plans_put_exactly_one_group_in_fp4():
+    from megatron_snip.experiments.ablation import ablation_plans
+    from megatron_snip.snip.ilp import LinearModule, SnipProblem
+
+    types = ("self_attention.linear_qkv", "mlp.linear_fc2")
+    mods = [LinearModule.from_shape(f"decoder.layers.{i}.{t}", i, 64, 32, 32) for i in range(3) for t in types]
+    problem = SnipProblem(mods, ("bf16", "fp8", "nvfp4"), 0.0, cost={m.name: {"bf16": 0, "fp8": 0, "nvfp4": 1}
+                                                                     for m in mods})
+    plans = ablation_plans(problem, ("layers", "types"))
+    assert sorted(plans) == ["ablate-layer0", "ablate-layer1", "ablate-layer2", "ablate-linear_fc2",
+                             "ablate-linear_qkv"]
+    assert {n for n, f in plans["ablate-layer1"].items() if f == "nvfp4"} == {
+        "decoder.layers.1.self_attention.linear_qkv", "decoder.layers.1.mlp.linear_fc2"}
+    assert {n for n, f in plans["ablate-linear_fc2"].items() if f == "nvfp4"} == {
+        f"decoder.layers.{i}.mlp.linear_fc2" for i in range(3)}
+    assert all(f in ("nvfp4", "fp8") for plan in plans.values() for f in plan.values())
+
+
+def test_spearman_by_hand():
+    from megatron_snip.experiments.ablation import spearman
+
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    # ranks x: 0,1,2,3; y (tie at 5): 0, 1.5, 1.5, 3 -> Pearson of the ranks
+    assert spearman([1, 2, 3, 4], [1, 5, 5, 9]) == pytest.approx(0.9486833, abs=1e-6)
+    assert math.isnan(spearman([1, 2], [2, 1]))

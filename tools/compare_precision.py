@@ -14,6 +14,10 @@ baselines, each at exactly the same budget (plans from the trunk's statistics,
 megatron_snip/snip/offline.py). Flags after "--" go to every pretrain_llama.py run (model,
 data, optimizer, layout: add --tensor-model-parallel-size etc. with --nproc-per-node).
 
+--ablations layers types adds the per-module ground truth: one arm per layer / module type
+with only that group in FP4, and the rank correlation of SNIP's predicted divergence (and of
+the relative quantization error) with the loss gap training measured.
+
 Writes OUT/results.md, OUT/results.json, OUT/gap_to_bf16.png and TensorBoard runs side by
 side under OUT/tensorboard. Rerunning the same command finishes what an interrupted one left.
 """
@@ -26,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron_snip.experiments.ablation import KINDS  # noqa: E402
 from megatron_snip.experiments.comparison import ARMS, Comparison, ComparisonConfig, parse_budgets  # noqa: E402
 
 
@@ -35,7 +40,7 @@ def main(argv=None) -> int:
     argv = argv[:argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="output folder (reused to resume)")
-    p.add_argument("--policies", nargs="+", choices=ARMS, default=list(ARMS),
+    p.add_argument("--policies", nargs="*", choices=ARMS, default=list(ARMS),
                    help="arms besides the BF16 reference (default: all)")
     p.add_argument("--fp4-targets", type=float, nargs="*", default=None,
                    help="FP4 budgets (share of linear FLOPs; default 0.75 when no --time-targets)")
@@ -51,14 +56,17 @@ def main(argv=None) -> int:
     p.add_argument("--window", type=int, default=0,
                    help="mean training loss over the last N iterations (default: a fifth of the branch)")
     p.add_argument("--solver", choices=["auto", "gurobi", "highs"], default="auto")
+    p.add_argument("--ablations", nargs="+", choices=KINDS, default=[],
+                   help="also train one arm per layer ('layers') / module type ('types') with only that group "
+                        "in FP4 (no budget), and rank-correlate the estimators' predictions with the gaps")
     a = p.parse_args(argv)
-    fp4_targets = a.fp4_targets if a.fp4_targets is not None else ([] if a.time_targets else [0.75])
+    fp4_targets = a.fp4_targets if a.fp4_targets is not None else ([] if a.time_targets or a.ablations else [0.75])
     try:
         config = ComparisonConfig(
             out=a.out, train_args=tuple(train_args), policies=tuple(a.policies),
             budgets=parse_budgets(fp4_targets, a.time_targets), seeds=tuple(a.seeds), trunk_iters=a.trunk_iters,
             train_iters=a.train_iters, snip_interval=a.snip_interval or a.trunk_iters, formats=tuple(a.formats),
-            nproc=a.nproc_per_node, window=a.window, solver=a.solver)
+            nproc=a.nproc_per_node, window=a.window, solver=a.solver, ablations=tuple(a.ablations))
         Comparison(config, log=lambda m: print(m, flush=True)).run()
     except (ValueError, RuntimeError) as e:
         print(f"compare_precision.py: error: {e}", file=sys.stderr)

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from megatron_snip.experiments.ablation import KINDS, ablation_plans, predictions
 from megatron_snip.fileio import write_text_atomic
 from megatron_snip.snip.ilp import InfeasibleBudgetError, evaluate_plan
 from megatron_snip.snip.offline import POLICIES, Budget, StatisticsFile, policy_plans
@@ -63,6 +64,7 @@ class ComparisonConfig:
     nproc: int = 1  # processes per run (torchrun --nproc-per-node)
     window: int = 0  # mean training loss over the last `window` iterations (0: a fifth of the branch)
     solver: str = "auto"
+    ablations: tuple[str, ...] = ()  # per-module ablation arms: "layers" and/or "types" (ablation.py)
 
     def __post_init__(self):
         unknown = sorted(set(self.policies) - set(ARMS))
@@ -71,8 +73,10 @@ class ComparisonConfig:
         if not 0 < self.trunk_iters < self.train_iters:
             raise ValueError(f"--trunk-iters {self.trunk_iters} must be > 0 and below --train-iters "
                              f"{self.train_iters} (the branches train from the trunk to --train-iters)")
-        if not self.budgets:
-            raise ValueError("give at least one budget (--fp4-targets or --time-targets)")
+        if not self.budgets and not self.ablations:
+            raise ValueError("give at least one budget (--fp4-targets or --time-targets) or --ablations")
+        if set(self.ablations) - set(KINDS):
+            raise ValueError(f"--ablations: unknown {sorted(set(self.ablations) - set(KINDS))}; choose from {KINDS}")
         if not self.seeds:
             raise ValueError("give at least one --seeds value")
         taken = {"--seed", "--train-iters", "--save", "--load", "--tensorboard-dir", "--snip", "--precision",
@@ -112,10 +116,11 @@ class BranchResult:
     train_curve: dict[int, float] = field(default_factory=dict)
 
 
-def branches(config: ComparisonConfig) -> list[Branch]:
-    """Every branch, the BF16 reference of each seed first."""
+def branches(config: ComparisonConfig, ablation_arms: Sequence[str] = ()) -> list[Branch]:
+    """Every branch, the BF16 reference of each seed first, the ablation arms (budget-free) last."""
     out = [Branch(REFERENCE, None, s) for s in config.seeds]
     out += [Branch(arm, b, s) for s in config.seeds for b in config.budgets for arm in config.policies]
+    out += [Branch(arm, None, s) for s in config.seeds for arm in ablation_arms]
     return out
 
 
@@ -126,6 +131,7 @@ class Comparison:
         self.config = config
         self.out = Path(config.out)
         self.log = log
+        self.ablation_arms: list[str] = []  # known once a trunk's statistics give the modules
 
     # -- settings --------------------------------------------------------
     def check_settings(self) -> None:
@@ -148,7 +154,7 @@ class Comparison:
         for seed in self.config.seeds:
             self._trunk(seed)
             self._plans(seed)
-        for branch in branches(self.config):
+        for branch in branches(self.config, self.ablation_arms):
             self._branch(branch)
         return self.report()
 
@@ -190,6 +196,15 @@ class Comparison:
                 to_precision_plan(plan, split=problem.split).save(path)
                 self.log(f"seed {seed}, {budget.label}: {name}: {ev.fp4_fraction:.1%} FP4, estimated time "
                          f"{ev.time_ratio:.3f} x bf16, predicted divergence {ev.divergence:.4g}")
+        if c.ablations:
+            problem = stats.problem(Budget(0.0), formats=c.formats, solver=c.solver)
+            plans = ablation_plans(problem, c.ablations)
+            predicted = {}
+            for arm, plan in plans.items():
+                to_precision_plan(plan, split=problem.split).save(directory / f"{arm}.json")
+                predicted[arm] = predictions(problem, stats.stats, plan)
+            write_text_atomic(str(directory / "predictions.json"), json.dumps(predicted, indent=1))
+            self.ablation_arms = list(plans)
 
     def _branch(self, b: Branch) -> None:
         c = self.config
@@ -216,6 +231,8 @@ class Comparison:
     def _precision_flags(self, b: Branch) -> list[str]:
         if b.arm == REFERENCE:
             return ["--precision", "bf16"]
+        if b.budget is None:  # an ablation arm
+            return ["--precision-plan", str(self.out / f"seed{b.seed}" / "plans" / f"{b.arm}.json")]
         plan = self.out / f"seed{b.seed}" / "plans" / f"{FIXED.get(b.arm, b.arm)}_{b.budget.tag}.json"
         if not plan.exists():
             raise RuntimeError(f"no plan {plan}: the {b.arm} policy cannot meet {b.budget.label} (see above)")
@@ -239,11 +256,14 @@ class Comparison:
         from megatron_snip.experiments.report import summarize, write_report
 
         results = {}
-        for b in branches(self.config):
+        every = branches(self.config, self.ablation_arms)
+        for b in every:
             path = self.out / f"seed{b.seed}" / b.name / "result.json"
             if path.exists():
                 results[(b.name, b.seed)] = BranchResult(**json.loads(path.read_text()))
-        summary = summarize(self.config, results)
+        predicted = {s: json.loads((self.out / f"seed{s}" / "plans" / "predictions.json").read_text())
+                     for s in self.config.seeds if self.ablation_arms}
+        summary = summarize(self.config, results, every, predicted)
         write_report(self.config, summary, results, self.out)
         return summary
 

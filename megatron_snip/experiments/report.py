@@ -14,7 +14,8 @@ from pathlib import Path
 
 from megatron_snip.fileio import write_text_atomic
 
-from .comparison import REFERENCE, BranchResult, ComparisonConfig, branches
+from .ablation import spearman
+from .comparison import REFERENCE, Branch, BranchResult, ComparisonConfig, branches
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
@@ -24,13 +25,17 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else math.nan)
 
 
-def summarize(config: ComparisonConfig, results: dict[tuple[str, int], BranchResult]) -> dict:
-    """One row per (budget, arm) with per-seed numbers and the paired gaps to BF16."""
+def summarize(config: ComparisonConfig, results: dict[tuple[str, int], BranchResult],
+              every: list[Branch] | None = None, predicted: dict[int, dict] | None = None) -> dict:
+    """One row per (budget, arm) with per-seed numbers and the paired gaps to BF16; with
+    ablation arms (``predicted``: seed -> arm -> ablation.predictions), their table and the rank
+    correlations of each estimator with the measured gaps."""
+    every = branches(config) if every is None else every
     ref = {s: results[(REFERENCE, s)] for s in config.seeds if (REFERENCE, s) in results}
     ref_valid = [r.final_valid_loss for r in ref.values()]
     rows = []
     names = {}
-    for b in branches(config):
+    for b in every:
         names.setdefault(b.name, b)
     for name, b in names.items():
         per_seed = {s: results[(name, s)] for s in config.seeds if (name, s) in results}
@@ -53,7 +58,21 @@ def summarize(config: ComparisonConfig, results: dict[tuple[str, int], BranchRes
     noise = mean_std(ref_valid)[1]
     return {"rows": rows, "bf16_seed_std": noise, "train_iters": config.train_iters,
             "trunk_iters": config.trunk_iters, "window": config.branch_window,
-            "complete": len(results) == len(branches(config))}
+            "ablation": _ablation(rows, predicted or {}), "complete": len(results) == len(every)}
+
+
+def _ablation(rows: list[dict], predicted: dict[int, dict]) -> dict | None:
+    """Ablation rows with each estimator's prediction (mean over seeds' trunks) next to the
+    measured gaps, and the Spearman correlation of each estimator with each measured gap."""
+    rows = [r for r in rows if r["arm"].startswith("ablate-") and not math.isnan(r["gap"])]
+    if not rows or not predicted:
+        return None
+    for r in rows:
+        for key in ("snip_divergence", "relative_error"):
+            r[key] = statistics.fmean(p[r["arm"]][key] for p in predicted.values() if r["arm"] in p)
+    correlation = {f"{est} vs {gap}": spearman([r[est] for r in rows], [r[gap] for r in rows])
+                   for est in ("snip_divergence", "relative_error") for gap in ("gap", "train_gap")}
+    return {"arms": [r["arm"] for r in rows], "spearman": correlation}
 
 
 def _pm(mean: float, std: float, digits: int = 4) -> str:
@@ -75,6 +94,18 @@ def markdown(summary: dict) -> str:
                      f"{r['time_ratio']:.3f} | {r['valid_loss']:.4f} | "
                      f"{'-' if r['arm'] == REFERENCE else _pm(r['gap'], r['gap_std'])} | "
                      f"{'-' if r['arm'] == REFERENCE else _pm(r['train_gap'], r['train_gap_std'])} |")
+    if summary.get("ablation"):
+        lines += ["", "Per-module ablations (one group in FP4, the rest in the high format, no budget): what "
+                  "each estimator predicts of the plan at the branch point, and what training measured.", "",
+                  "| arm | FP4 FLOPs | SNIP predicted divergence | relative quant. error | val gap | train gap |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for r in summary["rows"]:
+            if r["arm"] in summary["ablation"]["arms"]:
+                lines.append(f"| {r['arm']} | {r['fp4_fraction']:.1%} | {r['snip_divergence']:.4g} | "
+                             f"{r['relative_error']:.4g} | {_pm(r['gap'], r['gap_std'])} | "
+                             f"{_pm(r['train_gap'], r['train_gap_std'])} |")
+        lines += ["", "Spearman rank correlation with the measured gap: " + "; ".join(
+            f"{k} {v:+.2f}" for k, v in summary["ablation"]["spearman"].items()) + "."]
     if not summary["complete"]:
         lines += ["", "**Incomplete**: some branches have not finished; rerun the same command to finish them."]
     return "\n".join(lines) + "\n"
@@ -89,17 +120,23 @@ def write_report(config: ComparisonConfig, summary: dict, results: dict[tuple[st
 
 
 def _plot(config: ComparisonConfig, results: dict[tuple[str, int], BranchResult], path: Path) -> None:
-    """Training-loss gap to BF16 over the branch (mean over seeds), one panel per budget."""
+    """Training-loss gap to BF16 over the branch (mean over seeds): a panel per budget, and one
+    for the ablation arms."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    budgets = list(config.budgets)
-    fig, axes = plt.subplots(1, len(budgets), figsize=(6 * len(budgets), 4), squeeze=False)
-    for ax, budget in zip(axes[0], budgets):
-        for arm in config.policies:
-            name = f"{arm}_{budget.tag}"
+    panels = [(f"{b.label}: training loss - bf16", [(arm, f"{arm}_{b.tag}") for arm in config.policies])
+              for b in config.budgets]
+    ablations = sorted({name for name, _ in results if name.startswith("ablate-")})
+    if ablations:
+        panels.append(("ablations: training loss - bf16", [(name, name) for name in ablations]))
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+    for ax, (title, arms) in zip(axes[0], panels):
+        for label, name in arms:
             curves = []
             for s in config.seeds:
                 mine, ref = results.get((name, s)), results.get((REFERENCE, s))
@@ -111,9 +148,9 @@ def _plot(config: ComparisonConfig, results: dict[tuple[str, int], BranchResult]
                 continue
             steps = sorted(set.intersection(*(set(c) for c in curves)))
             gap = [statistics.fmean(c[it] for c in curves) for it in steps]
-            ax.plot(steps, _smooth(gap), label=arm)
+            ax.plot(steps, _smooth(gap), label=label)
         ax.axhline(0.0, color="black", linewidth=0.8)
-        ax.set_title(f"{budget.label}: training loss - bf16 (mean of {len(config.seeds)} seeds, smoothed)")
+        ax.set_title(f"{title} (mean of {len(config.seeds)} seeds, smoothed)", fontsize=9)
         ax.set_xlabel("iteration")
         ax.set_ylabel("loss gap (nats)")
         ax.legend(fontsize=7)

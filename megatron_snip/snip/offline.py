@@ -92,7 +92,7 @@ class StatisticsFile:
 PolicyMaker = Callable[[SnipProblem, ProbeStatistics, int, str], Plan]
 
 
-def _with_reference(table: dict, formats: Sequence[str]) -> dict:
+def with_reference(table: dict, formats: Sequence[str]) -> dict:
     """A module -> format table with bf16, the reference, at zero error."""
     return {n: {f: (0.0 if f == "bf16" else per[f]) for f in formats} for n, per in table.items()}
 
@@ -100,7 +100,7 @@ def _with_reference(table: dict, formats: Sequence[str]) -> dict:
 def _min_error(relative: bool) -> PolicyMaker:
     def make(problem, stats, seed, solver):
         table = local_error_baselines(stats)[1 if relative else 0]
-        return policies.min_quant_error(problem, _with_reference(table, problem.formats), solver=solver)
+        return policies.min_quant_error(problem, with_reference(table, problem.formats), solver=solver)
     return make
 
 
