@@ -117,10 +117,11 @@ class BranchResult:
 
 
 def branches(config: ComparisonConfig, ablation_arms: Sequence[str] = ()) -> list[Branch]:
-    """Every branch, the BF16 reference of each seed first, the ablation arms (budget-free) last."""
+    """Every branch, the BF16 reference of each seed first, the ablation arms (budget-free) last;
+    an arm's seeds one after the other, so a comparison cut short has whole arms."""
     out = [Branch(REFERENCE, None, s) for s in config.seeds]
-    out += [Branch(arm, b, s) for s in config.seeds for b in config.budgets for arm in config.policies]
-    out += [Branch(arm, None, s) for s in config.seeds for arm in ablation_arms]
+    out += [Branch(arm, b, s) for b in config.budgets for arm in config.policies for s in config.seeds]
+    out += [Branch(arm, None, s) for arm in ablation_arms for s in config.seeds]
     return out
 
 
