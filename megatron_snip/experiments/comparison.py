@@ -141,7 +141,7 @@ class Comparison:
         mine = _settings(self.config)
         if path.exists():
             theirs = json.loads(path.read_text())
-            differ = sorted(k for k in set(mine) | set(theirs) if k not in ("policies", "budgets", "seeds")
+            differ = sorted(k for k in set(mine) | set(theirs) if k not in ("policies", "budgets", "seeds", "ablations")
                             and mine.get(k) != theirs.get(k))
             if differ:
                 raise ValueError(f"{self.out} holds a comparison with other settings ({', '.join(differ)} differ); "
