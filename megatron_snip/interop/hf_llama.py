@@ -127,9 +127,11 @@ def import_hf(load_dir: str, save_dir: str, divisible_by: int = 128, dtype: str 
     Raises HFFormatError (a ValueError) naming the file and the fix for a directory that is not
     a Llama, lacks a shard or a tensor, or holds a tensor of the wrong shape.
     """
-    from megatron_snip.training.checkpointing import save_model_checkpoint
+    from megatron_snip.training.checkpointing import TRACKER, save_model_checkpoint
 
     start = time.perf_counter()
+    if os.path.exists(os.path.join(save_dir, TRACKER)):
+        raise FileExistsError(f"--save-dir {save_dir} already holds a checkpoint; import into a new directory")
     config = hf_files.read_config(load_dir)
     files = hf_files.weight_files(load_dir)  # before any work: a missing shard fails here
     saved = checkpoint_args(config, divisible_by, DTYPES[dtype])
