@@ -272,6 +272,11 @@ def export_hf(load_dir: str, save_dir: str, dtype: str = "auto", max_shard_bytes
     write_text_atomic(os.path.join(tmp, SNIP_SIDE_FILE), json.dumps(_snip_side_file(load_dir, common, saved,
                                                                                     masters, out_dtype),
                                                                     indent=2) + "\n")
+    # Temporary files are created owner-only; the published directory gets the usual modes.
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in os.listdir(tmp):
+        os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
     if os.path.isdir(save_dir):
         os.rmdir(save_dir)  # empty (checked above)
     os.replace(tmp, save_dir)
