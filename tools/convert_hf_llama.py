@@ -30,8 +30,8 @@ def get_args(argv=None) -> argparse.Namespace:
                      help="pad the vocabulary to a multiple of this (Megatron's flag; the checkpoint then loads "
                           "at every TP size dividing the padded size)")
     imp.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
-                     help="dtype of the checkpoint's weights (fp32: master weights for training; bf16 loads only "
-                          "into --bf16 runs)")
+                     help="dtype of the checkpoint's weights (fp32, default: exact for any dtype the Hugging Face "
+                          "files hold; bf16: half the size, the weights rounded to bf16 once)")
     exp = sub.add_parser("export", help="checkpoint -> Hugging Face directory")
     exp.add_argument("--load-dir", required=True, help="checkpoint directory (its newest iteration is exported)")
     exp.add_argument("--save-dir", required=True, help="Hugging Face directory to write")
