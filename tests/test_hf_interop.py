@@ -259,3 +259,32 @@ def test_bf16_run_exports_its_fp32_master_weights(hf_tokenizer_data, tmp_path):
     assert "fp32 master weights of the checkpoint's optimizer" in \
         json.loads((tmp_path / "out" / "megatron_snip.json").read_text())["weights"]
     _load_quietly(str(tmp_path / "out"))
+
+
+def test_qkv_and_fc1_layouts_are_megatrons():
+    """The pure mapping: linear_qkv is [q heads of group g; k_g; v_g] per query group, linear_fc1 is
+    [gate; up], the vocabulary part is the first rows; export inverts import exactly."""
+    from megatron_snip.interop.convert import LlamaLayout, export_part, hf_names, import_part, part_view
+
+    lay = LlamaLayout(num_layers=1, hidden_size=8, ffn_hidden_size=6, num_attention_heads=4, num_query_groups=2,
+                      vocab_size=5, tied=False)
+    d, h = lay.head_dim, lay.hidden_size
+    q, k, v = torch.randn(4 * d, h), torch.randn(2 * d, h), torch.randn(2 * d, h)
+    qkv = torch.zeros((4 + 2 * 2) * d, h)
+    for part, t in (("q", q), ("k", k), ("v", v)):
+        import_part(qkv, part, t, lay, part)
+    want = torch.cat([torch.cat([q[2 * g * d:(2 * g + 2) * d], k[g * d:(g + 1) * d], v[g * d:(g + 1) * d]])
+                      for g in range(2)])
+    assert torch.equal(qkv, want)
+    assert all(torch.equal(export_part(qkv, p, lay), t) for p, t in (("q", q), ("k", k), ("v", v)))
+    fc1 = torch.randn(12, h)
+    assert torch.equal(part_view(fc1, "gate", lay), fc1[:6]) and torch.equal(part_view(fc1, "up", lay), fc1[6:])
+    assert torch.equal(part_view(torch.arange(8.0).view(8, 1), "vocab", lay).flatten(), torch.arange(5.0))
+    names = hf_names(lay)
+    assert names["model.layers.0.self_attn.k_proj.weight"] == ("decoder.layers.0.self_attention.linear_qkv.weight", "k")
+    assert "lm_head.weight" in names and "lm_head.weight" not in hf_names(
+        LlamaLayout(**{**lay.__dict__, "tied": True}))
+    for wrong in ((6, 8), (8, 4)):  # too many rows; the right size transposed
+        with pytest.raises(ValueError, match=rf"k_proj has shape \({wrong[0]}, {wrong[1]}\) but config.json implies "
+                                             r"\(4, 8\)"):
+            import_part(qkv, "k", torch.randn(*wrong), lay, "k_proj")

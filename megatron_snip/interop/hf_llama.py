@@ -108,7 +108,7 @@ def _layout(args: argparse.Namespace) -> LlamaLayout:
     return LlamaLayout(
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
-        vocab_size=args.vocab_size, padded_vocab_size=args.padded_vocab_size,
+        vocab_size=args.vocab_size,
         tied=bool(args.share_embeddings_and_output_weights))
 
 
