@@ -99,7 +99,11 @@ def single_process(saved: dict):
 def _build(args: argparse.Namespace):
     from megatron_snip.model.llama import build_model, transformer_config
 
-    model = build_model(args, transformer_config(args), args.vocab_size)
+    config = transformer_config(args)
+    # Every parameter is then overwritten (an import fills every part or fails; an export loads
+    # them all), so the random initialisation would only cost time (a minute at 1.1B on a CPU).
+    config.perform_initialization = False
+    model = build_model(args, config, args.vocab_size)
     model.eval()
     return model
 
