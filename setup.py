@@ -16,10 +16,12 @@ setup(
         "tqdm",
         "matplotlib",
         "highspy",
+        "tokenizers>=0.21",   # --tokenizer-type HuggingFaceTokenizer
+        "safetensors>=0.4",   # tools/convert_hf_llama.py
     ],
     extras_require={
         "gurobi": ["gurobipy"],
         "te": ["transformer_engine[pytorch]"],
-        "test": ["pytest", "hypothesis", "gurobipy", "triton; platform_system == 'Linux'"],
+        "test": ["pytest", "hypothesis", "gurobipy", "transformers==5.23.0", "triton; platform_system == 'Linux'"],
     },
 )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -211,8 +212,9 @@ def test_bad_directories_are_refused(hf_tokenizer_data, tmp_path):
     (hf_dir / "config.json").write_text(json.dumps({**config, "intermediate_size": 128}))
     proc = convert("import", "--load-dir", str(hf_dir), "--save-dir", str(tmp_path / "ckpt"), check=False)
     assert proc.returncode == 2
-    assert "model.safetensors: model.layers.0.mlp.gate_proj.weight has shape (160, 64) but config.json implies " \
-           "(128, 64)" in proc.stderr, proc.stderr
+    # (whichever MLP tensor the file lists first)
+    assert re.search(r"model\.safetensors: model\.layers\.\d+\.mlp\.(gate|up|down)_proj\.weight has shape "
+                     r"\((160, 64|64, 160)\) but config\.json implies \((128, 64|64, 128)\)", proc.stderr), proc.stderr
     assert not (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").exists()
 
 
@@ -230,3 +232,59 @@ def test_flags_that_disagree_with_the_checkpoint_are_refused(hf_tokenizer_data, 
         parse_args([*base, "--hidden-size", "128"], world_size=1, cuda=False)
     with pytest.raises(ArgumentError, match="--model-preset tiny sets --num-layers 4 but the checkpoint in .* has 2"):
         parse_args([*base, "--model-preset", "tiny"], world_size=1, cuda=False)
+
+
+@pytest.mark.xfail(strict=True, reason="pre-existing: a --bf16 run cannot save with the non-distributed optimizer "
+                   "(megatron-core's local RMSNorm keeps fp32 weights that Float16OptimizerWithFloat16Params' "
+                   "sharded_state_dict does not map: 'Param id N does not match any model sharded param'); "
+                   "Megatron-LM casts the model with Float16Module")
+def test_bf16_run_exports_its_fp32_master_weights(hf_tokenizer_data, tmp_path):
+    """A --bf16 run keeps fp32 masters in its optimizer state: export writes those (fp32, not
+    bf16-representable after training), not the bf16 copies; --dtype bf16 rounds them."""
+    from conftest import torchrun
+
+    hf_dir = tiny_hf_llama(tmp_path / "hf", hf_tokenizer_data.vocab_size, tied=True, layers=2)
+    convert("import", "--load-dir", hf_dir, "--save-dir", str(tmp_path / "ckpt"))
+    torchrun(2, ["--load", str(tmp_path / "ckpt"), "--finetune", "--save", str(tmp_path / "trained"), "--bf16",
+                 "--pipeline-model-parallel-size", "2", "--micro-batch-size", "2", "--train-iters", "2",
+                 "--lr", "1e-3", "--eval-iters", "0", "--data-path", hf_tokenizer_data.prefix,
+                 "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", hf_tokenizer_data.tokenizer_dir,
+                 "--split", "90,10,0"])
+    convert("export", "--load-dir", str(tmp_path / "trained"), "--save-dir", str(tmp_path / "out"))
+    exported, original = _tensors(str(tmp_path / "out")), _tensors(hf_dir)
+    assert sorted(exported) == sorted(original)
+    w = exported["model.layers.1.mlp.down_proj.weight"]
+    assert w.dtype == torch.float32 and not torch.equal(w, w.to(torch.bfloat16).float())
+    assert not torch.equal(w, original["model.layers.1.mlp.down_proj.weight"])
+    assert "fp32 master weights of the checkpoint's optimizer" in \
+        json.loads((tmp_path / "out" / "megatron_snip.json").read_text())["weights"]
+    _load_quietly(str(tmp_path / "out"))
+
+
+def test_qkv_and_fc1_layouts_are_megatrons():
+    """The pure mapping: linear_qkv is [q heads of group g; k_g; v_g] per query group, linear_fc1 is
+    [gate; up], the vocabulary part is the first rows; export inverts import exactly."""
+    from megatron_snip.interop.convert import LlamaLayout, export_part, hf_names, import_part, part_view
+
+    lay = LlamaLayout(num_layers=1, hidden_size=8, ffn_hidden_size=6, num_attention_heads=4, num_query_groups=2,
+                      vocab_size=5, tied=False)
+    d, h = lay.head_dim, lay.hidden_size
+    q, k, v = torch.randn(4 * d, h), torch.randn(2 * d, h), torch.randn(2 * d, h)
+    qkv = torch.zeros((4 + 2 * 2) * d, h)
+    for part, t in (("q", q), ("k", k), ("v", v)):
+        import_part(qkv, part, t, lay, part)
+    want = torch.cat([torch.cat([q[2 * g * d:(2 * g + 2) * d], k[g * d:(g + 1) * d], v[g * d:(g + 1) * d]])
+                      for g in range(2)])
+    assert torch.equal(qkv, want)
+    assert all(torch.equal(export_part(qkv, p, lay), t) for p, t in (("q", q), ("k", k), ("v", v)))
+    fc1 = torch.randn(12, h)
+    assert torch.equal(part_view(fc1, "gate", lay), fc1[:6]) and torch.equal(part_view(fc1, "up", lay), fc1[6:])
+    assert torch.equal(part_view(torch.arange(8.0).view(8, 1), "vocab", lay).flatten(), torch.arange(5.0))
+    names = hf_names(lay)
+    assert names["model.layers.0.self_attn.k_proj.weight"] == ("decoder.layers.0.self_attention.linear_qkv.weight", "k")
+    assert "lm_head.weight" in names and "lm_head.weight" not in hf_names(
+        LlamaLayout(**{**lay.__dict__, "tied": True}))
+    for wrong in ((6, 8), (8, 4)):  # too many rows; the right size transposed
+        with pytest.raises(ValueError, match=rf"k_proj has shape \({wrong[0]}, {wrong[1]}\) but config.json implies "
+                                             r"\(4, 8\)"):
+            import_part(qkv, "k", torch.randn(*wrong), lay, "k_proj")

@@ -30,14 +30,15 @@ def get_args(argv=None) -> argparse.Namespace:
                      help="pad the vocabulary to a multiple of this (Megatron's flag; the checkpoint then loads "
                           "at every TP size dividing the padded size)")
     imp.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
-                     help="dtype of the checkpoint's weights (fp32: master weights for training; bf16 loads only "
-                          "into --bf16 runs)")
+                     help="dtype of the checkpoint's weights (fp32, default: exact for any dtype the Hugging Face "
+                          "files hold; bf16: half the size, the weights rounded to bf16 once)")
     exp = sub.add_parser("export", help="checkpoint -> Hugging Face directory")
     exp.add_argument("--load-dir", required=True, help="checkpoint directory (its newest iteration is exported)")
     exp.add_argument("--save-dir", required=True, help="Hugging Face directory to write")
     exp.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
                      help="dtype of the written weights (auto: the checkpoint's)")
-    exp.add_argument("--max-shard-size-gb", type=float, default=5.0, help="largest safetensors shard")
+    exp.add_argument("--max-shard-size-gb", type=float, default=2.0,
+                     help="largest safetensors shard (export holds the model and one shard in memory)")
     for p in (imp, exp):
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser.parse_args(argv)
@@ -62,7 +63,7 @@ def main(argv=None) -> int:
                                    progress=not args.no_progress)
             print(f"exported {s.parameters / 1e6:.1f}M parameters from {s.source} into {s.destination} in "
                   f"{s.seconds:.1f} s")
-    except (ValueError, FileNotFoundError, CheckpointError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, CheckpointError) as e:
         print(f"convert_hf_llama.py: error: {e}", file=sys.stderr)
         return 2
     return 0

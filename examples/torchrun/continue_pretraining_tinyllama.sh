@@ -8,7 +8,7 @@
 #   1. tools/convert_hf_llama.py import: HF_DIR -> $OUT/imported (iteration 0, fp32 master weights)
 #   2. tools/preprocess_data.py with the model's own tokenizer (BOS + document + EOS, as HF tokenizes)
 #   3. torchrun pretrain_llama.py --load $OUT/imported --finetune --snip --snip-fp4-target 0.75
-#      (the model shape comes from the checkpoint; one 8-GPU node, DP=8, BF16)
+#      (the model shape and --seq-length 2048 come from the checkpoint; one 8-GPU node, DP=8, BF16)
 #   4. tools/convert_hf_llama.py export: the newest checkpoint -> $OUT/hf (config, safetensors,
 #      tokenizer, megatron_snip.json with the SNIP plan), then for example
 #      lm_eval --model hf --model_args pretrained=$OUT/hf --tasks hellaswag,arc_easy,piqa
@@ -29,10 +29,14 @@ if [ ! -f "$OUT/data/corpus_text_document.idx" ]; then
     --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$HF_DIR" --append-eod --workers 8
 fi
 
-# --load the import and --save elsewhere; on a requeue, pass --load "$OUT/checkpoints" without
-# --finetune to resume the continued run itself.
-torchrun --nproc-per-node "$GPUS" pretrain_llama.py \
-  --load "$OUT/imported" --finetune --seq-length 2048 \
+# Start from the import (weights only, iteration 0); once the continued run has a checkpoint,
+# rerunning this script (a requeue) resumes that run instead.
+if [ -f "$OUT/checkpoints/latest_checkpointed_iteration.txt" ]; then
+  START=(--load "$OUT/checkpoints")
+else
+  START=(--load "$OUT/imported" --finetune)
+fi
+torchrun --nproc-per-node "$GPUS" pretrain_llama.py "${START[@]}" \
   --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --use-distributed-optimizer \
   --micro-batch-size 8 --global-batch-size 512 --bf16 \
   --train-iters 5000 --lr 4e-5 --min-lr 4e-6 --lr-decay-style cosine --lr-warmup-iters 100 \

@@ -32,8 +32,7 @@ class LlamaLayout:
     ffn_hidden_size: int
     num_attention_heads: int
     num_query_groups: int
-    vocab_size: int          # real rows (the tokenizer's ids)
-    padded_vocab_size: int   # rows of megatron's embedding / output layer
+    vocab_size: int          # real rows (the rest of megatron's padded embedding is padding)
     tied: bool               # output layer shares the embedding
 
     @property
@@ -109,9 +108,9 @@ def part_view(param: torch.Tensor, part: str, layout: LlamaLayout) -> torch.Tens
 def import_part(param: torch.Tensor, part: str, hf_tensor: torch.Tensor, layout: LlamaLayout, hf_name: str) -> None:
     """Copy ``hf_tensor`` into its part of ``param``; a shape that does not fit is an error naming both."""
     view = part_view(param, part, layout)
-    if view.numel() != hf_tensor.numel() or (part in ("all", "vocab") and view.shape != hf_tensor.shape):
-        raise ValueError(f"{hf_name} has shape {tuple(hf_tensor.shape)} but config.json implies "
-                         f"{_expected_shape(part, view, layout)}")
+    expected = _expected_shape(part, view, layout)
+    if tuple(hf_tensor.shape) != expected:
+        raise ValueError(f"{hf_name} has shape {tuple(hf_tensor.shape)} but config.json implies {expected}")
     with torch.no_grad():
         view.copy_(hf_tensor.reshape(view.shape))
 

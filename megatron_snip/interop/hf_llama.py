@@ -99,7 +99,11 @@ def single_process(saved: dict):
 def _build(args: argparse.Namespace):
     from megatron_snip.model.llama import build_model, transformer_config
 
-    (model,) = build_model(args, transformer_config(args), args.vocab_size)  # no virtual stages here
+    config = transformer_config(args)
+    # Every parameter is then overwritten (an import fills every part or fails; an export loads
+    # them all), so the random initialisation would only cost time (a minute at 1.1B on a CPU).
+    config.perform_initialization = False
+    (model,) = build_model(args, config, args.vocab_size)  # no virtual stages here
     model.eval()
     return model
 
@@ -108,7 +112,7 @@ def _layout(args: argparse.Namespace) -> LlamaLayout:
     return LlamaLayout(
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
-        vocab_size=args.vocab_size, padded_vocab_size=args.padded_vocab_size,
+        vocab_size=args.vocab_size,
         tied=bool(args.share_embeddings_and_output_weights))
 
 
@@ -127,9 +131,11 @@ def import_hf(load_dir: str, save_dir: str, divisible_by: int = 128, dtype: str 
     Raises HFFormatError (a ValueError) naming the file and the fix for a directory that is not
     a Llama, lacks a shard or a tensor, or holds a tensor of the wrong shape.
     """
-    from megatron_snip.training.checkpointing import save_model_checkpoint
+    from megatron_snip.training.checkpointing import TRACKER, save_model_checkpoint
 
     start = time.perf_counter()
+    if os.path.exists(os.path.join(save_dir, TRACKER)):
+        raise FileExistsError(f"--save-dir {save_dir} already holds a checkpoint; import into a new directory")
     config = hf_files.read_config(load_dir)
     files = hf_files.weight_files(load_dir)  # before any work: a missing shard fails here
     saved = checkpoint_args(config, divisible_by, DTYPES[dtype])
@@ -236,14 +242,19 @@ def export_hf(load_dir: str, save_dir: str, dtype: str = "auto", max_shard_bytes
     if os.path.exists(save_dir) and os.listdir(save_dir):
         raise FileExistsError(f"--save-dir {save_dir} exists and is not empty; choose a new directory")
     saved, common = _saved_args(load_dir)
+    masters = _has_fp32_masters(saved, common)
     tmp = save_dir.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    with single_process(saved) as args:
+    # With fp32 masters in the checkpoint, the model is built in fp32 to receive them.
+    with single_process({**saved, "bf16": saved.get("bf16") and not masters}) as args:
         # The saved run's tokenizer (for its files), not the defaults of the conversion's namespace.
         args.tokenizer_type, args.tokenizer_model = saved.get("tokenizer_type"), saved.get("tokenizer_model")
         model = _build(args)
-        load_checkpoint(load_dir, model, None, None, load_optim=False, load_rng=False)
+        if masters:
+            _load_fp32_masters(load_dir, model)
+        else:
+            load_checkpoint(load_dir, model, None, None, load_optim=False, load_rng=False)
         layout = _layout(args)
         params = dict(model.named_parameters())
         out_dtype = next(model.parameters()).dtype if dtype == "auto" else DTYPES[dtype]
@@ -262,23 +273,67 @@ def export_hf(load_dir: str, save_dir: str, dtype: str = "auto", max_shard_bytes
         generation = {k: v for k, v in (("bos_token_id", config.bos_token_id), ("eos_token_id", config.eos_token_id))
                       if v is not None}
         write_text_atomic(os.path.join(tmp, "generation_config.json"), json.dumps(generation, indent=2) + "\n")
-    write_text_atomic(os.path.join(tmp, SNIP_SIDE_FILE), json.dumps(_snip_side_file(load_dir, common, out_dtype),
+    write_text_atomic(os.path.join(tmp, SNIP_SIDE_FILE), json.dumps(_snip_side_file(load_dir, common, saved,
+                                                                                    masters, out_dtype),
                                                                     indent=2) + "\n")
+    # Temporary files are created owner-only; the published directory gets the usual modes.
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in os.listdir(tmp):
+        os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
     if os.path.isdir(save_dir):
         os.rmdir(save_dir)  # empty (checked above)
     os.replace(tmp, save_dir)
     return ConversionSummary(load_dir, save_dir, n, time.perf_counter() - start)
 
 
-def _snip_side_file(load_dir: str, common: dict, dtype: torch.dtype) -> dict:
+def _has_fp32_masters(saved: dict, common: dict) -> bool:
+    """A --bf16 run's checkpoint with megatron-core's (non-distributed) mixed-precision optimizer
+    holds fp32 master weights next to the bf16 model; the distributed optimizer's flattened
+    DP-sharded state is not read here (its bf16 model weights are exported, and said so)."""
+    from megatron_snip.training.checkpointing import MODEL_ONLY
+
+    return bool(saved.get("bf16")) and not saved.get("use_distributed_optimizer") and not common.get(MODEL_ONLY)
+
+
+# Where megatron-core's mixed-precision optimizer saves each parameter's fp32 master
+# (Float16OptimizerWithFloat16Params.sharded_state_dict): the model's key under this prefix.
+_MASTER_PREFIX = "optimizer.state.fp32_param"
+
+
+def _load_fp32_masters(load_dir: str, model) -> None:
+    """Load the newest checkpoint's fp32 master weights into fp32 ``model``."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+
+    from megatron_snip.training.checkpointing import find_latest, iteration_dir
+
+    params = dict(model.named_parameters())
+    state = {name: make_sharded_optimizer_tensor(sh, params[name], _MASTER_PREFIX)
+             for name, sh in model.sharded_state_dict().items()
+             if isinstance(sh, (ShardedTensor, ShardedTensorFactory)) and name in params}
+    loaded = dist_checkpointing.load(state, iteration_dir(load_dir, find_latest(load_dir)))
+    with torch.no_grad():
+        for name, tensor in loaded.items():
+            params[name].copy_(tensor)
+
+
+def _snip_side_file(load_dir: str, common: dict, saved: dict, masters: bool, dtype: torch.dtype) -> dict:
     """What the Hugging Face format cannot hold: the precision plan and where SNIP's statistics are."""
     stats_dir = os.path.join(os.path.abspath(load_dir), "snip")
     stats = sorted(f for f in os.listdir(stats_dir) if f.endswith(".json")) if os.path.isdir(stats_dir) else []
+    if masters:
+        what = "the fp32 master weights of the checkpoint's optimizer"
+    elif saved.get("bf16"):
+        what = ("the checkpoint's bf16 model parameters (a bf16 import has no fp32 masters; the distributed "
+                "optimizer's are not read)")
+    else:
+        what = "the checkpoint's model parameters, the fp32 master weights"
     return {
         "source_checkpoint": os.path.abspath(load_dir),
         "iteration": common.get("iteration"),
-        "weights": f"the checkpoint's model parameters in {_DTYPE_NAMES[dtype]} (in an fp32 run these are the "
-                   "master weights; FP8/FP4 are compute formats of the GEMMs, never stored)",
+        "weights": f"{what}, in {_DTYPE_NAMES[dtype]}; FP8 and FP4 are compute formats of the GEMMs, never stored",
         "precision_plan": common.get("precision_plan"),
         "precision_schedule": common.get("precision_schedule"),
         "snip_statistics": [os.path.join(stats_dir, f) for f in stats],
