@@ -234,10 +234,6 @@ def test_flags_that_disagree_with_the_checkpoint_are_refused(hf_tokenizer_data, 
         parse_args([*base, "--model-preset", "tiny"], world_size=1, cuda=False)
 
 
-@pytest.mark.xfail(strict=True, reason="pre-existing: a --bf16 run cannot save with the non-distributed optimizer "
-                   "(megatron-core's local RMSNorm keeps fp32 weights that Float16OptimizerWithFloat16Params' "
-                   "sharded_state_dict does not map: 'Param id N does not match any model sharded param'); "
-                   "Megatron-LM casts the model with Float16Module")
 def test_bf16_run_exports_its_fp32_master_weights(hf_tokenizer_data, tmp_path):
     """A --bf16 run keeps fp32 masters in its optimizer state: export writes those (fp32, not
     bf16-representable after training), not the bf16 copies; --dtype bf16 rounds them."""

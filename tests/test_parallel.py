@@ -121,3 +121,16 @@ def test_distributed_optimizer_resume_is_exact(tiny_data, tmp_path):
     full, resumed = scalars(tmp_path / "tb_full", LOSS), scalars(tmp_path / "tb_res", LOSS)
     assert sorted(resumed) == [4, 5, 6]
     assert {k: full[k] for k in resumed} == resumed
+
+
+def test_bf16_run_saves_and_resumes_exactly(tiny_data, tmp_path):
+    """--bf16 (bf16 parameters, fp32 masters in the optimizer) checkpoints and resumes bit for bit:
+    every parameter, the norms' included, is bf16, as the mixed-precision optimizer requires."""
+    full, tb_full, tb_resumed = tmp_path / "full", tmp_path / "tb_full", tmp_path / "tb_resumed"
+    torchrun(1, train_args(tiny_data, "--bf16", "--save", str(full), "--save-interval", "2",
+                           "--tensorboard-dir", str(tb_full), iters=4))
+    ckpt = resume_from(full, 2, tmp_path / "resumed")
+    torchrun(1, train_args(tiny_data, "--bf16", "--load", str(ckpt), "--save", str(ckpt),
+                           "--tensorboard-dir", str(tb_resumed), iters=4))
+    want = scalars(tb_full, LOSS)
+    assert scalars(tb_resumed, LOSS) == {3: want[3], 4: want[4]}

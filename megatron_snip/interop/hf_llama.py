@@ -315,8 +315,8 @@ def _load_fp32_masters(load_dir: str, model) -> None:
              if isinstance(sh, (ShardedTensor, ShardedTensorFactory)) and name in params}
     loaded = dist_checkpointing.load(state, iteration_dir(load_dir, find_latest(load_dir)))
     with torch.no_grad():
-        for name, tensor in loaded.items():
-            params[name].copy_(tensor)
+        for name in state:  # `loaded` also holds the checkpoint's common (non-tensor) state
+            params[name].copy_(loaded[name])
 
 
 def _snip_side_file(load_dir: str, common: dict, saved: dict, masters: bool, dtype: torch.dtype) -> dict:

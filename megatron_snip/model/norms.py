@@ -34,7 +34,9 @@ class TorchNorm:
         if config.layernorm_zero_centered_gamma or config.memory_efficient_layer_norm:
             raise ValueError("TorchNorm: zero-centered gamma and the memory-efficient layer norm need "
                              "Transformer Engine or apex norms")
-        norm = _NORMS[config.normalization](hidden_size, eps=eps)
+        # In the parameters' dtype (bf16 with --bf16), as megatron's Float16Module casts every
+        # parameter: the mixed-precision optimizer maps only bf16 parameters to its fp32 masters.
+        norm = _NORMS[config.normalization](hidden_size, eps=eps, dtype=config.params_dtype)
         for param in norm.parameters():
             param.sequence_parallel = config.sequence_parallel
         return norm
