@@ -64,9 +64,18 @@ def preserved_training_state(chunks: Sequence[torch.nn.Module], modules: dict[st
     grad_refs = [p.grad for p in params]
     for p in params:
         p.grad = None
+    # With the distributed optimizer's overlapped param gather, DDP all-gathers the parameters at the
+    # first forward after each gradient sync; within a probe that would copy one rank's perturbed
+    # shard into the others' models (and leave it there after the rank restored its own). Gather
+    # once now, and keep those hooks off until the probe ends.
+    gathering = [chunk for chunk in chunks if getattr(chunk, "use_forward_hook", False)]
+    for chunk in gathering:
+        chunk.disable_forward_pre_hook(param_sync=True)
     try:
         yield rng
     finally:
+        for chunk in gathering:
+            chunk.enable_forward_pre_hook()
         for name, module in modules.items():
             module.quant_state = states[name]
             module.precision = precisions[name]
