@@ -296,6 +296,9 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool,
              f"{args.micro_batch_size} x data-parallel size {dp} = {per_step}; use a multiple of {per_step}")
     args.num_microbatches = args.global_batch_size // per_step
     _validate_virtual_pipeline(args)
+    _require(not args.overlap_param_gather or args.use_distributed_optimizer,
+             "--overlap-param-gather needs --use-distributed-optimizer (it overlaps the all-gather of the "
+             "optimizer's parameter shards); add it, or drop --overlap-param-gather")
     _require(args.context_parallel_size == 1,
              f"--context-parallel-size {args.context_parallel_size}: context parallelism is not supported (the local "
              "layers' attention has no ring attention, and SNIP's probes measure whole sequences per rank); "
