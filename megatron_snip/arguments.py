@@ -34,6 +34,8 @@ def _parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
                    help="Interleaved pipeline schedule: model chunks per pipeline rank (instead of "
                         "--num-layers-per-virtual-pipeline-stage).")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="Accepted for Megatron scripts; only 1 (no context parallelism) is supported.")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true")
@@ -353,6 +355,13 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool,
              f"{args.micro_batch_size} x data-parallel size {dp} = {per_step}; use a multiple of {per_step}")
     args.num_microbatches = args.global_batch_size // per_step
     _validate_virtual_pipeline(args)
+    _require(not args.overlap_param_gather or args.use_distributed_optimizer,
+             "--overlap-param-gather needs --use-distributed-optimizer (it overlaps the all-gather of the "
+             "optimizer's parameter shards); add it, or drop --overlap-param-gather")
+    _require(args.context_parallel_size == 1,
+             f"--context-parallel-size {args.context_parallel_size}: context parallelism is not supported (the local "
+             "layers' attention has no ring attention, and SNIP's probes measure whole sequences per rank); "
+             "use --sequence-parallel to split activations over TP, or --context-parallel-size 1")
     _require(args.train_iters >= 0, "--train-iters must be >= 0")
     _require(args.sequence_parallel is False or tp > 1,
              "--sequence-parallel needs --tensor-model-parallel-size > 1")

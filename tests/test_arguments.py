@@ -43,6 +43,12 @@ def test_preset_fills_shape_and_flags_override(tiny_data):
     (("--lr-warmup-iters", "6"), 1, "--lr-warmup-iters 6 must be smaller than --lr-decay-iters 6"),
     (("--save-interval", "2"), 1, "--save-interval needs --save"),
     (("--recompute-granularity", "full"), 1, "--recompute-method"),
+    (("--overlap-param-gather",), 1, "--overlap-param-gather needs --use-distributed-optimizer"),
+    (("--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2", "--global-batch-size", "2"),
+     2, "the interleaved schedule runs micro-batches in groups of --pipeline-model-parallel-size 2"),
+    (("--virtual-pipeline-model-parallel-size", "2"), 1, "virtual pipeline stages need --pipeline-model-parallel-size > 1"),
+    (("--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"), 2,
+     "--num-layers 4 is not divisible by --pipeline-model-parallel-size 2 x --num-layers-per-virtual-pipeline-stage 3"),
 ])
 def test_inconsistent_flags(tiny_data, extra, world, flag):
     with pytest.raises(ArgumentError, match=flag.replace("-", r"\-")):

@@ -66,17 +66,21 @@ def baseline_grads(tiny_data, init_ckpt, tmp_path_factory):
     return losses_and_grads(tiny_data, init_ckpt, tmp_path_factory.mktemp("base_grads"), 1)
 
 
-def test_sequence_parallel_matches_tp1_in_losses_and_gradients(tiny_data, init_ckpt, baseline_grads, tmp_path):
-    """TP2 with --sequence-parallel and the local layers (torch norms whose gradients megatron-core
-    all-reduces over TP) trains as TP1 does: losses of 4 steps, then every gradient of a 5th batch."""
-    losses, grads = losses_and_grads(tiny_data, init_ckpt, tmp_path, 2, "--tensor-model-parallel-size", "2",
-                                     "--sequence-parallel")
+@pytest.mark.parametrize("layout", [
+    # the local layers' torch norms, whose gradients megatron-core all-reduces over TP
+    ("--tensor-model-parallel-size", "2", "--sequence-parallel"),
+    # the interleaved schedule: 2 chunks of 1 layer per pipeline rank
+    ("--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"),
+], ids=["tp2-sp", "pp2-vpp2"])
+def test_layout_matches_tp1_in_losses_and_gradients(tiny_data, init_ckpt, baseline_grads, tmp_path, layout):
+    """Trains as TP1 does: losses of 4 steps, then every gradient of a 5th batch."""
+    losses, grads = losses_and_grads(tiny_data, init_ckpt, tmp_path, 2, *layout)
     want_losses, want_grads = baseline_grads
     assert_close(losses, want_losses, rel=2e-5)
     assert sorted(grads) == sorted(want_grads)
     assert any("layernorm" in name for name in grads)  # the norms' gradients are compared too
     worst = {name: ((grads[name] - g).abs().max() / g.abs().max()).item() for name, g in want_grads.items()}
-    print(f"\nTP2+SP vs TP1: max |loss diff| {max(abs(losses[k] - want_losses[k]) for k in losses):.2e}; "
+    print(f"\n{' '.join(layout)} vs TP1: max |loss diff| {max(abs(losses[k] - want_losses[k]) for k in losses):.2e}; "
           f"max |grad diff| {max((grads[n] - g).abs().max().item() for n, g in want_grads.items()):.2e}, "
           f"relative to the tensor's largest {max(worst.values()):.2e} ({max(worst, key=worst.get)})")
     for name, rel in worst.items():
@@ -109,6 +113,24 @@ def test_tp2pp2_checkpoint_loads_into_tp1pp1(tiny_data, tp2pp2_run, tmp_path):
                            "--tensorboard-dir", str(tmp_path / "tb"), iters=8))
     want = scalars(tp2pp2_run / "tb", VALID)[8]
     assert scalars(tmp_path / "tb", VALID)[8] == pytest.approx(want, rel=1e-5)
+
+
+VPP = ("--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2")
+
+
+def test_interleaved_pipeline_resume_is_exact_and_loads_into_tp1(tiny_data, tmp_path):
+    """PP2 x VPP2: a checkpoint of both chunks per rank resumes bit for bit and loads into TP1 PP1."""
+    torchrun(2, train_args(tiny_data, *VPP, "--save", str(tmp_path / "full"), "--save-interval", "2",
+                           "--tensorboard-dir", str(tmp_path / "tb_full"), iters=4))
+    ckpt = _resume_from(tmp_path / "full", 2, tmp_path / "resumed")
+    torchrun(2, train_args(tiny_data, *VPP, "--load", str(ckpt), "--tensorboard-dir", str(tmp_path / "tb_res"),
+                           iters=4))
+    full, resumed = scalars(tmp_path / "tb_full", LOSS), scalars(tmp_path / "tb_res", LOSS)
+    assert sorted(resumed) == [3, 4]
+    assert {k: full[k] for k in resumed} == resumed
+    torchrun(1, train_args(tiny_data, "--load", str(tmp_path / "full"), "--skip-train",
+                           "--tensorboard-dir", str(tmp_path / "tb_tp1"), iters=4))
+    assert scalars(tmp_path / "tb_tp1", VALID)[4] == pytest.approx(scalars(tmp_path / "tb_full", VALID)[4], rel=1e-5)
 
 
 def test_distributed_optimizer_resume_is_exact(tiny_data, tmp_path):

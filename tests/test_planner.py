@@ -37,6 +37,18 @@ def test_modules_carry_flops_and_stages():
     assert (fc1.stage, fc1.fprop_flops) == (1, 2 * 10 * 64 * 384)
 
 
+def test_virtual_stages_budget_each_physical_stage_over_its_chunks():
+    """PP2 x VPP2 over 4 layers: chunks of one layer dealt round-robin, rank 0 runs layers 0 and 2."""
+    mods = linear_modules(DIMS, tokens=10, pipeline_stages=2, virtual_stages=2)
+    assert {int(m.name.split(".")[2]): m.stage for m in mods} == {0: 0, 1: 1, 2: 0, 3: 1}
+    cfg = PlannerConfig(formats=FORMATS, fp4_target=0.5, per_stage=True)
+    # Layers 0 and 2 (rank 0) are the sensitive ones: a per-stage budget still puts half of rank 0's
+    # FLOPs in FP4, where a stage mapping without interleaving (layers 0, 1 on rank 0) would not.
+    plan, sol = solve_plan(build_problem(mods, divergences([100.0, 1.0, 100.0, 1.0]), cfg), cfg)
+    assert all(v >= 0.5 - 1e-9 for v in sol.stage_fp4_fraction.values()) and set(sol.stage_fp4_fraction) == {0, 1}
+    assert any(plan[f"decoder.layers.{layer}.mlp.linear_fc1"].fwd == "nvfp4" for layer in (0, 2))
+
+
 def test_sensitive_layers_stay_high_and_target_is_met():
     cfg = PlannerConfig(formats=FORMATS, fp4_target=0.5, per_stage=False)
     div = divergences([100.0, 1.0, 1.0, 100.0])

@@ -12,8 +12,10 @@ megatron_snip.compat.cpu, enabled only inside the workers.
 * two processes: a TP=1 reference (DP=2, both ranks fed the same batches, so
   DP averages are exact) trains and is probed; then the same weights and Adam
   state are loaded into a TP=2 model, a TP=2 model with sequence parallelism,
-  a PP=2 model and a DP=2 model with the distributed optimizer, and each is
-  probed: the statistics must agree.
+  the same with full activation recompute, a PP=2 model, a PP=2 x VPP=2 model
+  (interleaved schedule, two chunks per rank) and a DP=2 model with the
+  distributed optimizer (also with overlapped grad reduce and param gather),
+  and each is probed: the statistics must agree.
 
 Tolerances of the layout comparison: the layouts compute the same
 quantities with fp32 partial sums added in another order (TP all-reduces,
@@ -51,11 +53,12 @@ MIXED = {"decoder.layers.1.self_attention.linear_qkv": "fp8", "decoder.layers.1.
 # Shared worker helpers (run inside spawned processes)
 
 
-def _layout(tp=1, pp=1):
+def _layout(tp=1, pp=1, vpp=None):
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             virtual_pipeline_model_parallel_size=vpp)
 
 
 def _start(rank, world, port):
@@ -68,8 +71,10 @@ def _start(rank, world, port):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 
 
-def _build(distributed_optimizer=False, stochastic_rounding=True, sequence_parallel=False):
-    """A 4-layer hidden-64 Llama (precision_layer_spec), megatron DDP and Adam, as the trainer wires them."""
+def _build(distributed_optimizer=False, stochastic_rounding=True, sequence_parallel=False, vpp=None,
+           recompute=False, overlap=False):
+    """A 4-layer hidden-64 Llama (precision_layer_spec), megatron DDP and Adam, as the trainer wires them
+    (with ``vpp``, one chunk per virtual pipeline stage)."""
     import torch.nn.functional as F
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -94,23 +99,30 @@ def _build(distributed_optimizer=False, stochastic_rounding=True, sequence_paral
         pipeline_dtype=torch.float32, use_cpu_initialization=True, bias_dropout_fusion=False,
         masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         apply_rope_fusion=False, cuda_graph_scope=[], deallocate_pipeline_outputs=True,
-        sequence_parallel=sequence_parallel)
+        sequence_parallel=sequence_parallel, virtual_pipeline_model_parallel_size=vpp, batch_p2p_comm=vpp is None,
+        **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}))
     layer = precision_layer_spec(with_torch_norms(get_gpt_layer_local_spec(normalization="RMSNorm")))
-    model = GPTModel(config=config, transformer_layer_spec=block_spec(layer, config), vocab_size=VOCAB,
-        max_sequence_length=SEQ,
-        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=False, position_embedding_type="rope")
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=distributed_optimizer), model)
+    chunks = []
+    for vp_stage in [None] if vpp is None else range(vpp):
+        model = GPTModel(config=config, transformer_layer_spec=block_spec(layer, config, vp_stage), vocab_size=VOCAB,
+            max_sequence_length=SEQ, vp_stage=vp_stage,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vpp is None, vp_stage=vp_stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=vpp is None, vp_stage=vp_stage),
+            share_embeddings_and_output_weights=False, position_embedding_type="rope")
+        chunks.append(DistributedDataParallel(config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=distributed_optimizer, overlap_grad_reduce=overlap,
+            overlap_param_gather=overlap), model, disable_bucketing=len(chunks) > 0))
     config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = ddp.no_sync
+    config.no_sync_func = chunks[0].no_sync if vpp is None else [c.no_sync for c in chunks]
+    if overlap:
+        config.grad_sync_func, config.param_sync_func = chunks[0].start_grad_sync, chunks[0].start_param_sync
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=3e-3, weight_decay=0.01, clip_grad=1.0, bf16=False, params_dtype=torch.float32,
-        use_distributed_optimizer=distributed_optimizer), [ddp])
-    controller = PrecisionController(ddp, seed=1)
+        use_distributed_optimizer=distributed_optimizer), chunks)
+    controller = PrecisionController(chunks, seed=1)
     # Stochastic rounding draws per rank: equal in law across layouts, not in bits.
     controller.set_recipe(RecipeConfig(fp4_stochastic_rounding=stochastic_rounding))
-    return [ddp], optimizer, controller
+    return chunks, optimizer, controller
 
 
 def _batches(n, seed):
@@ -310,6 +322,18 @@ def test_estimators_rank_like_the_ground_truth(single):
 # Two processes: TP=2, PP=2 and the distributed optimizer against TP=1, from the same state
 
 
+# name -> (parallel sizes, _build options): every layout and feature the probes must not notice.
+LAYOUTS = {
+    "tp2": (dict(tp=2), {}),
+    "tp2sp": (dict(tp=2), dict(sequence_parallel=True)),
+    "tp2sp_full_recompute": (dict(tp=2), dict(sequence_parallel=True, recompute=True)),
+    "pp2": (dict(pp=2), {}),
+    "pp2vpp2": (dict(pp=2, vpp=2), {}),
+    "distributed_optimizer": ({}, dict(distributed_optimizer=True)),
+    "distributed_optimizer_overlap": ({}, dict(distributed_optimizer=True, overlap=True)),
+}
+
+
 def parallel_worker(rank, world, port, out_dir):
     from megatron_snip.snip.adam_view import AdamView
 
@@ -325,12 +349,9 @@ def parallel_worker(rank, world, port, out_dir):
     reference = {s.name: {"param": s.param.detach().clone(), "exp_avg": s.state["exp_avg"].clone(),
                           "exp_avg_sq": s.state["exp_avg_sq"].clone(), "step": s.step}
                  for s in AdamView(optimizer, chunks).slices.values()}
-    for name, layout, distributed, sequence_parallel in (
-            ("tp2", dict(tp=2), False, False), ("tp2sp", dict(tp=2), False, True), ("pp2", dict(pp=2), False, False),
-            ("distributed_optimizer", {}, True, False)):
+    for name, (layout, build) in LAYOUTS.items():
         _layout(**layout)
-        chunks, optimizer, controller = _build(distributed_optimizer=distributed, stochastic_rounding=False,
-                                               sequence_parallel=sequence_parallel)
+        chunks, optimizer, controller = _build(stochastic_rounding=False, vpp=layout.get("vpp"), **build)
         results[f"{name}.sequence_parallel"] = {m.sequence_parallel for m in controller.modules().values()}
         _load(chunks, optimizer, reference)
         results[name] = _probe(chunks, optimizer, controller, batches[0], hutchinson_probes=1,
@@ -388,15 +409,16 @@ TOLERANCE = {"curvature": 3e-4, "gain": 2e-3, "errors.output_sq": 2e-3, "errors.
              "errors.input_grad_sq": 2e-3, "errors.update_sq": 2e-3}
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp2sp", "pp2", "distributed_optimizer"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_statistics_do_not_depend_on_the_parallel_layout(parallel, layout):
-    diff = _differences(parallel[layout], parallel["tp1"], skip_gain=layout == "distributed_optimizer")
+    sharded = LAYOUTS[layout][1].get("distributed_optimizer", False)
+    diff = _differences(parallel[layout], parallel["tp1"], skip_gain=sharded)
     print(f"\n{layout}: largest relative differences " + ", ".join(f"{k} {v:.1e}" for k, v in diff.items()))
     for key, value in diff.items():
         assert value <= TOLERANCE.get(key, 1e-5), (key, value)
     # tp2sp: the linears' inputs (column-parallel) and outputs (row-parallel) are sequence slices
-    assert parallel[f"{layout}.sequence_parallel"] == {layout == "tp2sp"}
-    if layout == "distributed_optimizer":
+    assert parallel[f"{layout}.sequence_parallel"] == {LAYOUTS[layout][1].get("sequence_parallel", False)}
+    if sharded:
         gains = {n: (parallel[layout]["modules"][n]["gain"], m["gain"]) for n, m in parallel["tp1"]["modules"].items()}
         print("gain (one draw, shard-wise perturbation) vs TP=1: largest relative difference "
               f"{max(abs(a - b) / b for a, b in gains.values()):.2f}")
@@ -413,6 +435,9 @@ def test_tensor_parallel_split_off_block_boundaries_is_recorded(parallel):
             assert set(m["errors"]) == {"fp8", "nvfp4"} and "cannot run mxfp4" in m["unsupported"]["mxfp4"]
         assert set(tp2[f"decoder.layers.{layer}.self_attention.linear_qkv"]["errors"]) == set(FORMATS)
     assert parallel["pp2"]["stages"] == [0, 1] and parallel["pp2"]["loss"] == pytest.approx(parallel["tp1"]["loss"])
+    # PP2 x VPP2: each rank probes its two chunks; modules carry their physical stage (chunk c on rank c mod 2)
+    assert parallel["pp2vpp2"]["stages"] == [0, 1]
+    assert {m["layer"]: m["stage"] for m in parallel["pp2vpp2"]["modules"].values()} == {0: 0, 1: 1, 2: 0, 3: 1}
 
 
 def test_noise_is_layout_invariant():

@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Llama-3-8B shape on one 8-GPU node: TP=4, PP=1, DP=2, BF16, sequence parallel,
-# selective recompute. Set DATA_PATH, TOKENIZER_MODEL and CKPT_DIR. Sequence parallelism with
-# the local layers needs apex (NGC PyTorch containers have it), or pass --transformer-impl
-# transformer_engine; --snip needs it off.
+# selective recompute. Set DATA_PATH, TOKENIZER_MODEL and CKPT_DIR. Sequence parallelism runs
+# with the local layers (no apex needed) and with --snip.
 set -euo pipefail
 DATA_PATH=${DATA_PATH:?set DATA_PATH to the dataset prefix}
 TOKENIZER_MODEL=${TOKENIZER_MODEL:?set TOKENIZER_MODEL to a sentencepiece .model}

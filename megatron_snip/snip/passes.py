@@ -64,9 +64,24 @@ def preserved_training_state(chunks: Sequence[torch.nn.Module], modules: dict[st
     grad_refs = [p.grad for p in params]
     for p in params:
         p.grad = None
+    # With the distributed optimizer's overlapped param gather, DDP all-gathers the parameters at the
+    # first forward after each gradient sync (and the interleaved schedule dispatches gathers through
+    # config.param_sync_func); within a probe that would copy one rank's perturbed shard into the
+    # others' models (and leave it there after the rank restored its own). Gather once now, and keep
+    # both off until the probe ends.
+    gathering = [chunk for chunk in chunks if getattr(chunk, "use_forward_hook", False)]
+    config = get_model_config(chunks[0])
+    param_sync_func = config.param_sync_func
+    for chunk in gathering:
+        chunk.disable_forward_pre_hook(param_sync=True)
+    if gathering:
+        config.param_sync_func = None
     try:
         yield rng
     finally:
+        config.param_sync_func = param_sync_func
+        for chunk in gathering:
+            chunk.enable_forward_pre_hook()
         for name, module in modules.items():
             module.quant_state = states[name]
             module.precision = precisions[name]

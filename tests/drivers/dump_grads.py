@@ -25,6 +25,8 @@ if __name__ == "__main__":
     setup_console()
     initialize_distributed(args)
     trainer = Trainer(args)
+    if args.load:
+        trainer.resume()
     trainer.train()
     for chunk in trainer.model:
         chunk.zero_grad_buffer()
