@@ -10,9 +10,15 @@ import json
 import re
 
 import pytest
+import torch
+from megatron.core import dist_checkpointing
 
 from conftest import resume_from, scalars, torchrun, train_args
 from megatron_snip.arguments import ArgumentError, parse_args
+from megatron_snip.precision.fp8 import fp8_scale_from_amax
+from megatron_snip.precision.health import FIELDS, combine, operand_health, summarize
+from megatron_snip.precision.quantize import quantize_dequantize
+from megatron_snip.precision.recipes import RecipeConfig, operand_quantizer
 from megatron_snip.training.safety import is_spike
 
 DRIVER = "tests/drivers/inject_nonfinite.py"
@@ -82,8 +88,8 @@ def test_a_checkpoint_never_holds_nonfinite_weights(tiny_data, tmp_path):
                                   "--save-interval", "2", iters=4),
                     check=False, env=inject(3, "decoder.layers.2.mlp.linear_fc2.weight"), script=DRIVER)
     assert proc.returncode == 1
-    assert f"refusing to save {ckpt / 'iter_0000004'}: non-finite values in rank 0" in proc.stderr
-    assert "decoder.layers.2.mlp.linear_fc2.weight" in proc.stderr
+    # (gradient clipping by a NaN norm spreads the NaN to every weight)
+    assert f"refusing to save {ckpt / 'iter_0000004'}: non-finite values in rank 0 (tp 0, pp 0, dp 0): " in proc.stderr
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
     assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
 
@@ -102,3 +108,49 @@ def test_spike_is_relative_to_the_median_of_recent_losses():
 def test_bad_safety_flags_are_named(tiny_data, flags, message):
     with pytest.raises(ArgumentError, match=re.escape(message)):
         parse_args(train_args(tiny_data, *flags), world_size=1, cuda=False)
+
+
+def test_promote_on_fault_names_the_module_skips_and_recovers(tiny_data, tmp_path):
+    """A NaN in one NVFP4 module's input: the health numbers name it, it is promoted to FP8 and the run goes on."""
+    module = "decoder.layers.1.mlp.linear_fc2"
+    ckpt, tb = tmp_path / "ckpt", tmp_path / "tb"
+    proc = torchrun(2, train_args(tiny_data, "--pipeline-model-parallel-size", "2", "--precision", "nvfp4",
+                                  "--promote-on-fault", "--save", str(ckpt), "--tensorboard-dir", str(tb), iters=5),
+                    env={"INJECT_AT": "3", "INJECT_INPUT": module}, script=DRIVER)
+    assert f"quantized modules with non-finite operands: {module} (fprop.x, " in proc.stdout  # listed first
+    assert f"first in forward order: {module}; --promote-on-fault: update skipped" in proc.stdout
+    assert f"promoted {module} nvfp4 -> fp8 until the end of the run" in proc.stdout
+    assert scalars(tb, SKIPPED)[5] == 1
+    assert [k for k, v in scalars(tb, LOSS).items() if v != v] == [3]  # NaN at the fault only
+    fp8 = scalars(tb, "train/fp8 flops fraction")
+    assert fp8[2] == 0 and fp8[3] > 0 and fp8[5] == fp8[3]  # logged after the step, promotion included
+    saved = dist_checkpointing.load_common_state_dict(str(ckpt / "iter_0000005"))
+    assert saved["precision_plan"]["modules"] == {module: "fp8"}
+    (event,) = saved["precision_history"]
+    assert event["iteration"] == 3 and event["modules"] == {module: "nvfp4 -> fp8"}
+    mse = scalars(tb, "quant health/relative mse/mlp.linear_fc1.fprop.x")
+    assert sorted(mse) == [1, 2, 3, 4, 5] and all(0 < v < 0.1 for v in mse.values())
+    assert scalars(tb, "quant health/nonfinite/mlp.linear_fc2.fprop.x")[3] > 0
+
+
+def test_operand_health_counts_clipping_flushing_and_error():
+    x = torch.tensor([[0.0, 1e-9, 0.5, 1.0, 2.0, 100.0, float("nan"), -3.0]])
+    q = operand_quantizer("fp8", "fprop", "x", RecipeConfig(fp8_recipe="delayed"))
+    scale = fp8_scale_from_amax(torch.tensor(4.0), q.element)  # a stale amax of 4: 100 clips to 4
+    out = quantize_dequantize(x, q, scale=scale)
+    h = summarize(operand_health(x, out, q).tolist())
+    valid = torch.isfinite(x)
+    assert h["nonfinite"] == 1 and h["amax"] == 100.0
+    assert h["saturated"] == 1 / 8 and h["underflow"] == 1 / 8  # 100 -> 4 clipped; 1e-9 -> 0 flushed
+    want = ((out - x)[valid] ** 2).sum() / (x[valid] ** 2).sum()
+    assert h["relative mse"] == pytest.approx(want.item(), rel=1e-6)
+
+
+def test_operand_health_of_tensor_parallel_shards_combines_to_the_whole():
+    torch.manual_seed(0)
+    x = torch.randn(32, 64) * torch.logspace(-12, 2, 64)  # flushes some columns
+    q = operand_quantizer("mxfp4", "fprop", "x", RecipeConfig())
+    whole = operand_health(x, quantize_dequantize(x, q), q)
+    shards = [operand_health(s, quantize_dequantize(s, q), q) for s in x.split(16)]
+    assert torch.allclose(combine(*shards), whole, rtol=1e-5)
+    assert whole[FIELDS.index("underflow")] > 0 and whole[FIELDS.index("saturated")] > 0

@@ -138,6 +138,9 @@ def _local_culprits(chunks: Sequence[torch.nn.Module]) -> list[str]:
     return found
 
 
+_LISTED = 4  # parameters named per rank in a message
+
+
 def _rank_label() -> str:
     return (f"rank {dist.get_rank()} (tp {parallel_state.get_tensor_model_parallel_rank()}, "
             f"pp {parallel_state.get_pipeline_model_parallel_rank()}, dp {parallel_state.get_data_parallel_rank()})")
@@ -147,7 +150,8 @@ def gather_culprits(local: list[str]) -> str:
     """Collective: every rank's ``local`` list joined, ranks with nothing left out."""
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (_rank_label(), local))
-    parts = [f"{label}: {', '.join(names)}" for label, names in everyone if names]
+    parts = [f"{label}: {', '.join(names[:_LISTED])}" + (f" and {len(names) - _LISTED} more" if len(names) > _LISTED
+                                                          else "") for label, names in everyone if names]
     return "; ".join(parts) if parts else "no rank holds a non-finite gradient (the loss is non-finite)"
 
 
@@ -199,12 +203,13 @@ class NumericalGuard:
             while len(self.recent) > self.config.spiky_loss_window:
                 self.recent.popleft()
 
-    def should_apply(self, verdict: Verdict) -> bool:
-        """Whether the update runs; under ``fail`` a non-finite step raises on every rank."""
+    def should_apply(self, verdict: Verdict, detail: str = "") -> bool:
+        """Whether the update runs; under ``fail`` a non-finite step raises on every rank
+        (``detail``: more to say, e.g. which quantized modules)."""
         if not verdict.nonfinite:
             return True
         if self.config.policy == "fail":
-            raise NonFiniteError(f"{_rank_label()}: {verdict.describe()}; --non-finite-grad-policy fail: "
+            raise NonFiniteError(f"{_rank_label()}: {verdict.describe()}{detail}; --non-finite-grad-policy fail: "
                                  f"the update was not applied and nothing was saved")
         return False
 
