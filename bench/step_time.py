@@ -4,6 +4,7 @@
     python bench/step_time.py --nproc 8 --tp 2 --pp 1 --preset tinyllama-1.1b --bf16   # a GPU node
 
     python bench/step_time.py --compare-precision nvfp4 mxfp4 fp8   # + emulated precisions vs bf16
+    python bench/step_time.py --quant-health-overhead nvfp4          # + --quant-health on vs off
 
 Prints the median seconds per iteration of each and the ratio ours / plain
 (goal: < 1.03), and for each ``--precision`` the ratio of our step time with
@@ -29,6 +30,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+HEALTH_LOG_INTERVAL = 10
 sys.path.insert(0, str(ROOT))
 
 
@@ -135,6 +137,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--compare-precision", nargs="*", default=[], choices=["fp8", "nvfp4", "mxfp4"],
                    help="also time uniform precisions, as a ratio to bf16")
+    p.add_argument("--quant-health-overhead", metavar="PRECISION", choices=["fp8", "nvfp4", "mxfp4"], default=None,
+                   help="also time uniform PRECISION with --quant-health and --no-quant-health at --log-interval "
+                        f"{HEALTH_LOG_INTERVAL} (health is measured in full on logged steps, so these two runs "
+                        "compare the mean, not the median, step time)")
     p.add_argument("--worker", choices=["ours", "plain"], help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     opts, rest = p.parse_known_args()
@@ -148,6 +154,10 @@ def main() -> None:
         argv = training_args(opts, prefix, tok, opts.iters) + rest
         runs = {"plain": ("plain", []), "ours": ("ours", [])}
         runs.update({p: ("ours", ["--precision", p]) for p in opts.compare_precision})
+        health = opts.quant_health_overhead
+        if health:
+            for on in ("quant-health", "no-quant-health"):
+                runs[on] = ("ours", ["--precision", health, f"--{on}", "--log-interval", str(HEALTH_LOG_INTERVAL)])
         best: dict[str, float] = {}
         for repeat in range(opts.repeats):
             for name, (mode, extra) in runs.items():
@@ -157,8 +167,9 @@ def main() -> None:
                                 *argv, *extra],
                                check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                                stdout=subprocess.DEVNULL)
-                median = statistics.median(json.loads(out.read_text()))
-                best[name] = min(best.get(name, float("inf")), median)
+                typical = statistics.fmean if name.endswith("quant-health") else statistics.median
+                seconds = typical(json.loads(out.read_text()))
+                best[name] = min(best.get(name, float("inf")), seconds)
     print(f"layout TP={opts.tp} PP={opts.pp} DP={opts.nproc // (opts.tp * opts.pp)}, preset {opts.preset}, "
           f"global batch {opts.global_batch_size}, {opts.iters - opts.warmup} timed iterations x {opts.repeats}")
     print(f"plain megatron-core loop : {best['plain'] * 1e3:8.1f} ms/iteration")
@@ -166,6 +177,10 @@ def main() -> None:
     print(f"ratio ours / plain       : {best['ours'] / best['plain']:8.3f}")
     for p in opts.compare_precision:
         print(f"uniform {p:<6} (emulated): {best[p] * 1e3:8.1f} ms/iteration, ratio to bf16 {best[p] / best['ours']:.3f}")
+    if health:
+        on, off = best["quant-health"], best["no-quant-health"]
+        print(f"{health} --quant-health (mean, log every {HEALTH_LOG_INTERVAL}): {on * 1e3:.1f} vs {off * 1e3:.1f} "
+              f"ms/iteration off, ratio {on / off:.3f}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
 import pytest
 import torch
 from megatron.core import dist_checkpointing
@@ -16,9 +17,11 @@ from megatron.core import dist_checkpointing
 from conftest import resume_from, scalars, torchrun, train_args
 from megatron_snip.arguments import ArgumentError, parse_args
 from megatron_snip.precision.fp8 import fp8_scale_from_amax
-from megatron_snip.precision.health import FIELDS, combine, operand_health, summarize
+from megatron_snip.precision.health import FIELDS, OPERANDS, combine, operand_health, summarize
+from megatron_snip.precision.plan import PrecisionPlan, module_names
 from megatron_snip.precision.quantize import quantize_dequantize
-from megatron_snip.precision.recipes import RecipeConfig, operand_quantizer
+from megatron_snip.precision.recipes import Precision, RecipeConfig, operand_quantizer
+from megatron_snip.training.quant_health import HealthTable, promote
 from megatron_snip.training.safety import is_spike
 
 DRIVER = "tests/drivers/inject_nonfinite.py"
@@ -154,3 +157,32 @@ def test_operand_health_of_tensor_parallel_shards_combines_to_the_whole():
     shards = [operand_health(s, quantize_dequantize(s, q), q) for s in x.split(16)]
     assert torch.allclose(combine(*shards), whole, rtol=1e-5)
     assert whole[FIELDS.index("underflow")] > 0 and whole[FIELDS.index("saturated")] > 0
+
+
+def test_health_table_blames_where_nonfinite_values_entered():
+    names = module_names(2)
+    table = np.zeros((len(names), len(OPERANDS), len(FIELDS)))
+    col = {op: i for i, op in enumerate(OPERANDS)}
+    bad = FIELDS.index("nonfinite")
+    # A NaN entering layer 1's linear_proj forward reaches every later forward and every backward.
+    for m in range(5, 8):
+        table[m, col["fprop.x"], bad] = 1
+    for m in range(8):
+        table[m, col["dgrad.dy"], bad] = 1
+    blamed, detail = HealthTable(names, table).fault_modules(nonfinite=True)
+    assert blamed == [names[5]] and detail.startswith(f"quantized modules with non-finite operands: {names[5]} (")
+    # Backward-only: the backward runs in reverse, so the last module in forward order came first.
+    table[:, col["fprop.x"], bad] = 0
+    table[[0, 3], col["wgrad.dy"], bad] = 1
+    table[:, col["dgrad.dy"], bad] = 0
+    assert HealthTable(names, table).origin() == names[3]
+
+
+def test_promotion_steps_each_pass_up_once():
+    name = module_names(1)[2]
+    plan = PrecisionPlan.uniform("nvfp4")
+    plan, changes = promote(plan, [name])
+    assert plan[name] == Precision.uniform("fp8") and changes == {name: (Precision.uniform("nvfp4"), plan[name])}
+    assert promote(PrecisionPlan({name: Precision("mxfp4", "fp8")}), [name])[0][name] == Precision("fp8", "bf16")
+    plan, _ = promote(plan, [name])
+    assert promote(plan, [name]) == (plan, {})  # bf16 is the top

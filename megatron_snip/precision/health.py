@@ -72,7 +72,7 @@ def operand_health(x: torch.Tensor, q: torch.Tensor, quantizer: OperandQuantizer
         bx, _ = to_blocks(ax, quantizer.block)
         bq, _ = to_blocks(aq, quantizer.block)
         clipped = (bx > bq.amax(dim=(2, 4), keepdim=True) * tolerance).sum()
-    err = torch.where(valid, q - x, zero).view(-1)
+    err = torch.where(valid, q - x, zero).reshape(-1)
     return torch.stack([
         torch.tensor(float(x.numel()), device=x.device),
         (~finite).sum().float(),
@@ -80,7 +80,7 @@ def operand_health(x: torch.Tensor, q: torch.Tensor, quantizer: OperandQuantizer
         clipped.float(),
         ((aq == 0) & (ax != 0)).sum().float(),
         torch.dot(err, err),
-        torch.dot(ax.view(-1), ax.view(-1)),
+        torch.dot(ax.reshape(-1), ax.reshape(-1)),
     ])
 
 

@@ -34,7 +34,7 @@ def instrument(trainer) -> None:
         if trainer.state.iteration + 1 != at:
             return t
         t = t.clone()
-        t.view(-1)[0] = value
+        t[(0,) * t.dim()] = value
         return t
 
     params = {name: p for p, name in global_parameter_names(trainer.model[0].module).items()}
