@@ -4,7 +4,7 @@
     python bench/step_time.py --nproc 8 --tp 2 --pp 1 --preset tinyllama-1.1b --bf16   # a GPU node
 
     python bench/step_time.py --compare-precision nvfp4 mxfp4 fp8   # + emulated precisions vs bf16
-    python bench/step_time.py --quant-health-overhead nvfp4          # + --quant-health on vs off
+    python bench/step_time.py --health-overhead nvfp4          # + --quant-health on vs off
 
 Prints the median seconds per iteration of each and the ratio ours / plain
 (goal: < 1.03), and for each ``--precision`` the ratio of our step time with
@@ -137,7 +137,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--compare-precision", nargs="*", default=[], choices=["fp8", "nvfp4", "mxfp4"],
                    help="also time uniform precisions, as a ratio to bf16")
-    p.add_argument("--quant-health-overhead", metavar="PRECISION", choices=["fp8", "nvfp4", "mxfp4"], default=None,
+    p.add_argument("--health-overhead", metavar="PRECISION", choices=["fp8", "nvfp4", "mxfp4"], default=None,
                    help="also time uniform PRECISION with --quant-health and --no-quant-health at --log-interval "
                         f"{HEALTH_LOG_INTERVAL} (health is measured in full on logged steps, so these two runs "
                         "compare the mean, not the median, step time)")
@@ -154,7 +154,7 @@ def main() -> None:
         argv = training_args(opts, prefix, tok, opts.iters) + rest
         runs = {"plain": ("plain", []), "ours": ("ours", [])}
         runs.update({p: ("ours", ["--precision", p]) for p in opts.compare_precision})
-        health = opts.quant_health_overhead
+        health = opts.health_overhead
         if health:
             for on in ("quant-health", "no-quant-health"):
                 runs[on] = ("ours", ["--precision", health, f"--{on}", "--log-interval", str(HEALTH_LOG_INTERVAL)])

@@ -17,7 +17,7 @@ from megatron.core import dist_checkpointing
 from conftest import resume_from, scalars, torchrun, train_args
 from megatron_snip.arguments import ArgumentError, parse_args
 from megatron_snip.precision.fp8 import fp8_scale_from_amax
-from megatron_snip.precision.health import FIELDS, OPERANDS, combine, operand_health, summarize
+from megatron_snip.precision.health import FIELDS, OPERANDS, HealthStats, combine, operand_health, summarize
 from megatron_snip.precision.plan import PrecisionPlan, module_names
 from megatron_snip.precision.quantize import quantize_dequantize
 from megatron_snip.precision.recipes import Precision, RecipeConfig, operand_quantizer
@@ -118,22 +118,24 @@ def test_promote_on_fault_names_the_module_skips_and_recovers(tiny_data, tmp_pat
     module = "decoder.layers.1.mlp.linear_fc2"
     ckpt, tb = tmp_path / "ckpt", tmp_path / "tb"
     proc = torchrun(2, train_args(tiny_data, "--pipeline-model-parallel-size", "2", "--precision", "nvfp4",
-                                  "--promote-on-fault", "--save", str(ckpt), "--tensorboard-dir", str(tb), iters=5),
+                                  "--promote-on-fault", "--save", str(ckpt), "--tensorboard-dir", str(tb),
+                                  "--log-interval", "2", iters=6),  # step 3 is not measured in full: flags only
                     env={"INJECT_AT": "3", "INJECT_INPUT": module}, script=DRIVER)
     assert f"quantized modules with non-finite operands: {module} (fprop.x, " in proc.stdout  # listed first
     assert f"first in forward order: {module}; --promote-on-fault: update skipped" in proc.stdout
     assert f"promoted {module} nvfp4 -> fp8 until the end of the run" in proc.stdout
-    assert scalars(tb, SKIPPED)[5] == 1
-    assert [k for k, v in scalars(tb, LOSS).items() if v != v] == [3]  # NaN at the fault only
+    assert scalars(tb, SKIPPED) == {2: 0, 4: 1, 6: 1}
+    loss = scalars(tb, LOSS)  # (the loss logged at 4 averages steps 3 and 4: NaN)
+    assert loss[2] == loss[2] and loss[6] == loss[6] and loss[6] < loss[2]  # finite, and learning, after the fault
     fp8 = scalars(tb, "train/fp8 flops fraction")
-    assert fp8[2] == 0 and fp8[3] > 0 and fp8[5] == fp8[3]  # logged after the step, promotion included
-    saved = dist_checkpointing.load_common_state_dict(str(ckpt / "iter_0000005"))
+    assert fp8[2] == 0 and fp8[4] > 0 and fp8[6] == fp8[4]
+    saved = dist_checkpointing.load_common_state_dict(str(ckpt / "iter_0000006"))
     assert saved["precision_plan"]["modules"] == {module: "fp8"}
     (event,) = saved["precision_history"]
     assert event["iteration"] == 3 and event["modules"] == {module: "nvfp4 -> fp8"}
     mse = scalars(tb, "quant health/relative mse/mlp.linear_fc1.fprop.x")
-    assert sorted(mse) == [1, 2, 3, 4, 5] and all(0 < v < 0.1 for v in mse.values())
-    assert scalars(tb, "quant health/nonfinite/mlp.linear_fc2.fprop.x")[3] > 0
+    assert sorted(mse) == [2, 4, 6] and all(0 < v < 0.1 for v in mse.values())
+    assert set(scalars(tb, "quant health per layer/underflow/003.dgrad.dy")) == {2, 4, 6}
 
 
 def test_operand_health_counts_clipping_flushing_and_error():
@@ -186,3 +188,22 @@ def test_promotion_steps_each_pass_up_once():
     assert promote(PrecisionPlan({name: Precision("mxfp4", "fp8")}), [name])[0][name] == Precision("fp8", "bf16")
     plan, _ = promote(plan, [name])
     assert promote(plan, [name]) == (plan, {})  # bf16 is the top
+
+
+def test_unmeasured_steps_keep_only_nonfinite_flags():
+    """Between logged steps a module keeps one max-abs per operand: enough to see where a NaN entered."""
+    q = operand_quantizer("nvfp4", "fprop", "x", RecipeConfig())
+    x, w = torch.randn(4, 32), torch.randn(8, 32)
+    stats = HealthStats()
+    stats.reset(full=False)
+    bad = x.clone()
+    bad[1, 3] = float("nan")
+    for t in (x, bad):  # two micro-batches, the second with a NaN
+        stats.record("fprop.x", t, quantize_dequantize(t, q), q)
+        stats.record("fprop.w", w, quantize_dequantize(w, q), q)
+    stats.record("wgrad.x", x, x, q)  # X was checked in fprop: not again
+    rows = {k: summarize(r.tolist()) for k, r in stats.rows.items()}
+    assert sorted(rows) == ["fprop.w", "fprop.x"]
+    assert rows["fprop.x"]["nonfinite"] == 1 and rows["fprop.w"]["nonfinite"] == 0
+    assert rows["fprop.w"]["amax"] == w.abs().max().item()
+    assert all(r[FIELDS.index("numel")] == 0 for r in stats.rows.values())  # partial rows: no fractions logged

@@ -162,10 +162,11 @@ class PrecisionController:
         rows = {}
         for name, module in self._modules.items():
             health = getattr(getattr(module, "quant_state", None), "health", None)
-            if health is None or not health.rows:
+            measured = health.rows if health is not None else {}
+            if not measured:
                 continue
             split = get_pg_size(module.tp_group) > 1
-            rows[name] = {key: row for key, row in health.rows.items()
+            rows[name] = {key: row for key, row in measured.items()
                           if tp_rank == 0 or (split and key.split(".")[1] in module.sharded_operands)}
         return rows
 

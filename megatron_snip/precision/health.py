@@ -18,7 +18,7 @@ the device (no host sync):
 All but ``nonfinite`` count only elements whose value and quantized value are finite.
 
 That full measurement costs about as much as the quantization itself, so the trainer asks for
-it only on the steps it logs; every other step records the cheap :func:`nonfinite_row`.
+it only on the steps it logs; every other step keeps only a max-abs per operand (:class:`HealthStats`).
 
 They are computed only when a module's :class:`HealthStats` exists (``--quant-health``).
 Rows from tensor-parallel shards of one operand combine with :func:`combine` (sums, and
@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from .blocks import tensor_amax, to_blocks
+from .blocks import to_blocks
 from .formats import E2M1, E4M3, FloatFormat
 from .recipes import OperandQuantizer
 from .registry import scheme_format
@@ -84,13 +84,12 @@ def operand_health(x: torch.Tensor, q: torch.Tensor, quantizer: OperandQuantizer
     ])
 
 
-def nonfinite_row(x: torch.Tensor) -> torch.Tensor:
-    """The cheap row of a step that is not measured in full: one max-abs pass (NaN propagates through it);
-    ``nonfinite`` is 1 if any element is NaN/Inf (a flag, not a count), ``numel`` 0 marks the row as partial."""
-    amax = tensor_amax(x).float() if x.numel() else torch.zeros((), device=x.device)
+def nonfinite_row(amax: torch.Tensor) -> torch.Tensor:
+    """The row of an operand on a step not measured in full, from its NaN-propagating max-abs: ``nonfinite``
+    is 1 if any element was NaN/Inf (a flag, not a count), ``numel`` 0 marks the row as partial."""
     bad = ~torch.isfinite(amax)
-    zero = torch.zeros((), device=x.device)
-    return torch.stack([zero, bad.float(), torch.where(bad, zero, amax), zero, zero, zero, zero])
+    zero = torch.zeros((), device=amax.device)
+    return torch.stack([zero, bad.float(), torch.where(bad, zero, amax.float()), zero, zero, zero, zero])
 
 
 def combine(rows: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
@@ -100,23 +99,42 @@ def combine(rows: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     return out
 
 
-class HealthStats:
-    """Per-operand rows of one module, accumulated on the device since the last :meth:`reset`.
+# On steps not measured in full these are not checked again: W was checked by fprop (weights do not
+# change within a step), X by fprop (wgrad's X is the same tensor, or its Hadamard transform), and dY by
+# dgrad where it ran.
+_SEEN_ELSEWHERE = {"dgrad.w": "fprop.w", "wgrad.x": "fprop.x", "wgrad.dy": "dgrad.dy"}
 
-    ``full``: measure everything (:func:`operand_health`); otherwise only whether each operand
-    was finite (:func:`nonfinite_row`, one cheap pass), which is enough to name where a NaN entered.
+
+class HealthStats:
+    """Per-operand health of one module, accumulated on the device since the last :meth:`reset`.
+
+    ``full``: measure everything (:func:`operand_health`, about as costly as quantizing).
+    Otherwise keep only each operand's running max-abs (two cheap ops per operand, the
+    weight once per step), which is enough to name where a NaN entered.
     """
 
     def __init__(self):
-        self.rows: dict[str, torch.Tensor] = {}
         self.full = True
+        self._rows: dict[str, torch.Tensor] = {}
+        self._amax: dict[str, torch.Tensor] = {}
 
     def record(self, key: str, x: torch.Tensor, q: torch.Tensor, quantizer: OperandQuantizer) -> None:
-        row = operand_health(x.detach(), q.detach(), quantizer) if self.full else nonfinite_row(x.detach())
-        self.rows[key] = combine(self.rows[key], row) if key in self.rows else row
+        if self.full:
+            row = operand_health(x.detach(), q.detach(), quantizer)
+            self._rows[key] = combine(self._rows[key], row) if key in self._rows else row
+            return
+        if _SEEN_ELSEWHERE.get(key) in self._amax or (key == "fprop.w" and key in self._amax):
+            return
+        amax = torch.linalg.vector_norm(x.detach(), ord=math.inf)  # NaN propagates through max
+        self._amax[key] = torch.maximum(self._amax[key], amax) if key in self._amax else amax
+
+    @property
+    def rows(self) -> dict[str, torch.Tensor]:
+        """Operand -> :data:`FIELDS` row (partial rows on steps not measured in full)."""
+        return self._rows if self.full else {k: nonfinite_row(a) for k, a in self._amax.items()}
 
     def reset(self, full: bool = True) -> None:
-        self.rows = {}
+        self._rows, self._amax = {}, {}
         self.full = full
 
 

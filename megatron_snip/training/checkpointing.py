@@ -255,8 +255,9 @@ def check_finite(model, optimizer, path: str) -> None:
     a NaN or Inf, before anything is written (a checkpoint must never persist non-finite state)."""
     from megatron_snip.training.safety import gather_culprits, global_parameter_names
 
-    names = global_parameter_names(model)
-    bad = [names[p] for p in model.parameters() if not bool(torch.isfinite(p.detach()).all())]
+    names = {p: n for chunk in (model if isinstance(model, (list, tuple)) else [model])  # one module or chunks
+             for p, n in global_parameter_names(chunk).items()}
+    bad = [name for p, name in names.items() if not bool(torch.isfinite(p.detach()).all())]
     if not bad and any(not bool(torch.isfinite(t.detach()).all()) for t in _optimizer_tensors(optimizer)):
         bad = ["optimizer state"]
     flag = torch.tensor([float(bool(bad))])

@@ -193,23 +193,24 @@ class Trainer:
         verdict = self.guard.check(self.model, loss, self.state.iteration + 1)
         self.last_verdict = verdict
         blamed, detail = self._blame(verdict)
-        promote = self.args.promote_on_fault and bool(blamed)
+        # The blamed modules one step up, if --promote-on-fault and any of them can go up.
+        promoted, changes = promote(self.plan, blamed) if self.args.promote_on_fault else (self.plan, {})
         if verdict.spike:
             self.logger.text(f"[safety] {verdict.describe()}{detail} (--check-for-spiky-loss; the update is applied)")
         # A non-finite step whose quantized culprit can be promoted is skipped, whatever the policy.
-        applied = not verdict.nonfinite if promote else self.guard.should_apply(verdict, detail)
+        applied = not verdict.nonfinite if changes else self.guard.should_apply(verdict, detail)
         grad_norm = math.nan
         if applied:
             updated, grad_norm, _ = self.optimizer.step()
             if updated:
                 self.scheduler.step(increment=1)
         else:
-            why = "--promote-on-fault" if promote else "--non-finite-grad-policy skip"
+            why = "--promote-on-fault" if changes else "--non-finite-grad-policy skip"
             self.logger.text(f"[safety] {verdict.describe()}{detail}; {why}: update skipped "
                              f"({self.guard.consecutive + 1} in a row, {self.guard.skipped + 1} in the run)")
         self.guard.record(verdict, applied)
-        if promote:
-            self._promote(blamed, verdict)
+        if changes:
+            self._promote(promoted, changes, verdict)
         self.state.iteration += 1
         self.state.consumed_samples += self.args.global_batch_size
         return loss, float(grad_norm or 0.0)
@@ -226,11 +227,8 @@ class Trainer:
         blamed, detail = table.fault_modules(verdict.nonfinite)
         return blamed, f"; {detail}{note}" if detail else ""
 
-    def _promote(self, names: list[str], verdict: Verdict) -> None:
-        """Raise the precision of ``names`` (all ranks, same names) and record why in the plan history."""
-        plan, changes = promote(self.plan, names)
-        if not changes:
-            return
+    def _promote(self, plan: PrecisionPlan, changes: dict, verdict: Verdict) -> None:
+        """Switch to the promoted ``plan`` (all ranks, the same) and record why in the plan history."""
         self.set_plan(plan)
         until = "the next SNIP cycle" if self.snip is not None else "the end of the run"
         self.plan_history.append({"iteration": verdict.iteration, "event": "promotion", "reason": verdict.describe(),
