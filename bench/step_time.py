@@ -2,6 +2,7 @@
 
     python bench/step_time.py                       # TP=2 PP=2 on 4 local processes (CPU here)
     python bench/step_time.py --compare-precision fp8 nvfp4 --snip-cycle   # + precisions, + a SNIP cycle
+    python bench/step_time.py --health-overhead nvfp4          # + --quant-health on vs off
     python bench/step_time.py --nproc 1 --tp 1 --pp 1 --preset tinyllama-1.1b --bf16 \
         --micro-batch-size 1 --global-batch-size 8 --compare-precision fp8 nvfp4 --snip-cycle   # one GPU
 
@@ -15,6 +16,9 @@ One ``torchrun`` launch builds the model once; every rank then runs these phases
 - one phase per ``--compare-precision`` name: every linear module in that precision
   (fp8 with the run's ``--fp8-recipe``, tensorwise by default; FP4 formats emulated), as a
   ratio to the bf16 "ours" step. Goal for fp8: faster than bf16 (< 1).
+- ``--health-overhead P``: uniform P with ``--quant-health`` on and off, alternating ``--repeats``
+  times, logging every 10 steps (health is measured in full on logged steps, so these phases
+  compare the mean step time, not the median). Goal: on / off <= 1.02.
 - ``--snip-cycle``: one SNIP cycle (probe passes, statistics, solve, plan applied), then a
   phase under the plan it chose; the cycle's time in post-plan steps. Goal: <= 10.
 
@@ -43,7 +47,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from results import goal, write_json  # noqa: E402
 from timing import StepClock, peak_memory_gib, peak_memory_reset, synchronize  # noqa: E402
 
-OVERHEAD_GOAL, SNIP_CYCLE_GOAL = 1.03, 10.0
+OVERHEAD_GOAL, SNIP_CYCLE_GOAL, HEALTH_GOAL = 1.03, 10.0, 1.02
+HEALTH_LOG_INTERVAL = 10
 NEVER = "1000000000"  # a --snip-interval no run reaches: the bench runs its cycle itself
 WORKER = "--phases-worker"  # first argument of the torchrun'd processes: the phases file, then the training flags
 
@@ -62,6 +67,9 @@ def phases(opts) -> list[tuple[str, str, str]]:
     The SNIP phase starts from bf16 and runs its cycle first (the loop is ours)."""
     run = [p for _ in range(opts.repeats) for p in (("plain", "plain", "bf16"), ("ours", "ours", "bf16"))]
     run += [(name, "ours", name) for name in opts.compare_precision]
+    if opts.health_overhead:
+        run += [p for _ in range(opts.repeats)
+                for p in (("health-off", "ours", opts.health_overhead), ("health-on", "ours", opts.health_overhead))]
     return run + ([("snip", "ours", "bf16")] if opts.snip_cycle else [])
 
 
@@ -96,8 +104,14 @@ def worker(plan_file: str, argv: list[str]) -> None:
     trainer.train_step = stamped_step
     result = {"phases": {}, "flops_per_iteration": trainer.flops_per_iteration, "world_size": dist.get_world_size(),
               "peak_tflops": peak_tflops(args.peak_tflops), "fp8_recipe": args.fp8_recipe}
+    base_log_interval = args.log_interval
     for name, loop, precision in run["phases"]:
         trainer.set_plan(PrecisionPlan.uniform(precision))
+        health = name.startswith("health-")
+        args.log_interval = HEALTH_LOG_INTERVAL if health else base_log_interval
+        if health:
+            args.quant_health = name == "health-on"
+            trainer.precision.enable_health() if args.quant_health else trainer.precision.disable_health()
         peak_memory_reset()
         if name == "snip":
             synchronize()
@@ -116,8 +130,9 @@ def worker(plan_file: str, argv: list[str]) -> None:
             trainer.train()
             synchronize()
             clock.stamp()
-        phase = result["phases"].setdefault(name, {"medians": [], "peak_gib": None})
+        phase = result["phases"].setdefault(name, {"medians": [], "means": [], "peak_gib": None})
         phase["medians"].append(statistics.median(clock.intervals(run["warmup"])))
+        phase["means"].append(statistics.fmean(clock.intervals(run["warmup"])))
         peak = peak_memory_gib()
         phase["peak_gib"] = peak if phase["peak_gib"] is None else max(phase["peak_gib"], peak)
     if dist.get_rank() == 0:
@@ -168,8 +183,14 @@ def summarise(measured: dict) -> tuple[list[str], dict]:
     lines.append(f"model TFLOP/s per device in the bf16 step: {tflops:.3g}" + (
         f", MFU {tflops / peak:.3f} against an assumed peak of {peak:g} TFLOP/s (dense BF16)" if peak else
         " (no MFU: no peak known for this device; --peak-tflops sets one)"))
+    if "health-on" in measured["phases"]:
+        on, off = (min(measured["phases"][n]["means"]) for n in ("health-on", "health-off"))
+        lines.append(f"--quant-health on / off (mean step, log every {HEALTH_LOG_INTERVAL}): {on * 1e3:.1f} / "
+                     f"{off * 1e3:.1f} ms/iteration = {on / off:.3f} (goal <= {HEALTH_GOAL})")
+        figures["quant_health_overhead"] = on / off
+        goals.append(goal("step with --quant-health / without", on / off, at_most=HEALTH_GOAL))
     for name in measured["phases"]:
-        if name in ("plain", "ours", "snip"):
+        if name in ("plain", "ours", "snip", "health-on", "health-off"):
             continue
         label = f"fp8 {measured['fp8_recipe']}" if name == "fp8" else f"{name} (emulated)"
         lines.append(f"uniform {label:<17}: {best[name] * 1e3:9.1f} ms/iteration, "
@@ -230,6 +251,9 @@ def main() -> None:
     p.add_argument("--compare-precision", nargs="*", default=[], choices=["fp8", "nvfp4", "mxfp4"],
                    help="also time uniform precisions, as a ratio to bf16")
     p.add_argument("--snip-cycle", action="store_true", help="also time one SNIP cycle and the plan it chooses")
+    p.add_argument("--health-overhead", metavar="PRECISION", choices=["fp8", "nvfp4", "mxfp4"], default=None,
+                   help="also time uniform PRECISION with --quant-health on and off (mean step time, logging "
+                        f"every {HEALTH_LOG_INTERVAL} steps)")
     p.add_argument("--json", help="also write the results here (for bench/gpu_suite.py)")
     opts, rest = p.parse_known_args()
     if opts.iters <= opts.warmup + 1:

@@ -250,6 +250,16 @@ def _numerical_safety(p: argparse.ArgumentParser) -> None:
                         "--spiky-loss-window applied losses (not fatal, as in Megatron-LM).")
     g.add_argument("--spiky-loss-factor", type=float, default=2.0)
     g.add_argument("--spiky-loss-window", type=int, default=10)
+    g.add_argument("--quant-health", action=argparse.BooleanOptionalAction, default=True,
+                   help="Quantized linears keep per-operand health scalars on the device (non-finite count, amax, "
+                        "saturated and flushed-to-zero fractions, relative quantization MSE), logged to TensorBoard "
+                        "every --log-interval and used to name the modules behind a non-finite step or a spike "
+                        "(--transformer-impl local only).")
+    g.add_argument("--promote-on-fault", action=argparse.BooleanOptionalAction, default=None,
+                   help="On a non-finite step or a loss spike, raise the precision of the quantized module the "
+                        "health numbers name (FP4 -> FP8 -> BF16) until the next SNIP cycle (for the rest of the "
+                        "run without --snip); a non-finite step is then skipped instead of failing. Default: on "
+                        "with --snip. Needs --quant-health.")
 
 
 def _validate_safety(args: argparse.Namespace) -> None:
@@ -258,6 +268,12 @@ def _validate_safety(args: argparse.Namespace) -> None:
     _require(args.spiky_loss_window >= 3, f"--spiky-loss-window {args.spiky_loss_window} must be >= 3")
     _require(args.check_for_nan_in_loss_and_grad or args.non_finite_grad_policy == "fail",
              "--non-finite-grad-policy skip needs the check: drop --no-check-for-nan-in-loss-and-grad")
+    if args.transformer_impl != "local":
+        args.quant_health = False  # Transformer Engine's GEMMs keep no health numbers of ours
+    if args.promote_on_fault is None:
+        args.promote_on_fault = args.snip and args.quant_health
+    _require(not args.promote_on_fault or args.quant_health,
+             "--promote-on-fault needs --quant-health (with --transformer-impl local) to know which module to promote")
 
 
 def build_parser() -> argparse.ArgumentParser:

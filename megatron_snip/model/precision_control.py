@@ -16,8 +16,11 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.utils import get_pg_size
 
+from megatron_snip.precision.health import HealthStats
 from megatron_snip.precision.plan import LINEAR_MODULES, PrecisionPlan, module_name, parse_module_name
 from megatron_snip.precision.recipes import BF16, Precision, RecipeConfig
 
@@ -137,6 +140,41 @@ class PrecisionController:
         for name, module in self._modules.items():
             if name in states:
                 module.quant_state.load_state_dict(states[name])
+
+    def enable_health(self) -> None:
+        """Keep quantization health statistics in every quantized linear of ours (``--quant-health``;
+        Transformer Engine modules keep none)."""
+        for module in self._modules.values():
+            if isinstance(module, QuantizedLinearMixin):
+                module.quant_state.health = HealthStats()
+
+    def disable_health(self) -> None:
+        """Stop keeping health statistics (``--no-quant-health``)."""
+        for module in self._modules.values():
+            if isinstance(module, QuantizedLinearMixin):
+                module.quant_state.health = None
+
+    def reset_health(self, full: bool) -> None:
+        """Start a step's health numbers: all of them (``full``) or only the non-finite flags."""
+        for module in self._modules.values():
+            if getattr(module, "quant_state", None) is not None and module.quant_state.health is not None:
+                module.quant_state.health.reset(full)
+
+    def health_rows(self) -> dict[str, dict[str, torch.Tensor]]:
+        """This rank's health rows since the last reset: module -> operand -> row, each operand of a
+        module counted once over its tensor-parallel ranks (replicated operands on TP rank 0 only),
+        so that summing over all ranks gives whole-tensor, whole-batch numbers."""
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        rows = {}
+        for name, module in self._modules.items():
+            health = getattr(getattr(module, "quant_state", None), "health", None)
+            measured = health.rows if health is not None else {}
+            if not measured:
+                continue
+            split = get_pg_size(module.tp_group) > 1
+            rows[name] = {key: row for key, row in measured.items()
+                          if tp_rank == 0 or (split and key.split(".")[1] in module.sharded_operands)}
+        return rows
 
     def set_recipe(self, recipe: RecipeConfig) -> None:
         """Use ``recipe`` in every module from the next forward (checked for all modules first)."""

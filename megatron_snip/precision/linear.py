@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from .blocks import tensor_amax
 from .formats import FloatFormat, round_to_format
 from .fp8 import FP8DelayedScaling, fp8_scale_from_amax
+from .health import HealthStats
 from .hadamard import HADAMARD_SIZE, random_hadamard_transform, random_signs
 from .quantize import quantize_dequantize
 from .recipes import OperandQuantizer, Precision, RecipeConfig, operand_quantizer
@@ -56,10 +57,13 @@ class QuantState:
             different shards (or data) draw different random numbers.
         delayed: FP8 delayed-scaling quantizers by operand ("x", "w", "dy"), created
             at first use; a recipe with other settings replaces them (fresh history).
+        health: per-operand quantization health accumulated by the GEMMs (``health.py``),
+            or None: not computed (``--quant-health`` off). Not part of the saved state.
     """
 
     def __init__(self, seed: int = 0, stream: int = 0):
         self.delayed: dict[str, FP8DelayedScaling] = {}
+        self.health: HealthStats | None = None
         self.reseed(seed, stream)
 
     def reseed(self, seed: int, stream: int = 0) -> None:
@@ -197,10 +201,20 @@ def describe_backend(recipe: RecipeConfig, device: torch.device) -> str:
 
 
 def _quantize(t: torch.Tensor, q: OperandQuantizer, operand: str, quant: LinearQuantization,
-              keep_fp8: bool = False) -> Operand:
+              keep_fp8: bool = False, gemm: str | None = None) -> Operand:
     """:func:`quantize_operand`; with ``keep_fp8`` a per-tensor FP8 operand comes back as an
     :class:`FP8Operand` (bytes + scale) instead of dequantized."""
     src = t.t() if q.columnwise else t
+    out = _quantize_src(src, q, operand, quant, keep_fp8)
+    health = quant.state.health
+    if health is not None and gemm is not None:  # kept per GEMM operand, on the device (--quant-health)
+        health.record(f"{gemm}.{operand}", src, out.dequantized() if isinstance(out, FP8Operand) else out, q)
+    return out.t() if q.columnwise else out
+
+
+def _quantize_src(src: torch.Tensor, q: OperandQuantizer, operand: str, quant: LinearQuantization,
+                  keep_fp8: bool) -> Operand:
+    """The quantized ``src`` (already transposed for a columnwise quantizer)."""
     kernels = _triton_qdq(quant.recipe, src)
     scale = generator = None
     if q.scheme in ("fp8_tensorwise", "fp8_delayed"):
@@ -217,11 +231,11 @@ def _quantize(t: torch.Tensor, q: OperandQuantizer, operand: str, quant: LinearQ
     if q.stochastic:
         generator = quant.state.generator(src.device)
     global_amax = quant.global_amax(src, operand) if q.scheme == "nvfp4" else None  # per-tensor part of nvfp4
-    out = quantize_dequantize(src, q, scale=scale, global_amax=global_amax, generator=generator, kernels=kernels)
-    return out.t() if q.columnwise else out
+    return quantize_dequantize(src, q, scale=scale, global_amax=global_amax, generator=generator, kernels=kernels)
 
 
-def quantize_operand(t: torch.Tensor, q: OperandQuantizer, operand: str, quant: LinearQuantization) -> torch.Tensor:
+def quantize_operand(t: torch.Tensor, q: OperandQuantizer, operand: str, quant: LinearQuantization,
+                     gemm: str | None = None) -> torch.Tensor:
     """Quantize-dequantize a 2-D operand for one GEMM.
 
     Args:
@@ -230,10 +244,11 @@ def quantize_operand(t: torch.Tensor, q: OperandQuantizer, operand: str, quant: 
             ``q.hadamard`` is not applied here (see :func:`hadamard_wgrad_operands`).
         operand: "x", "w" or "dy" (selects the delayed-scaling history and the amax reduction).
         quant: precision, recipe (incl. which kernels quantize), state, TP amax reduction.
+        gemm: "fprop", "dgrad" or "wgrad": where the module's health statistics (if kept) go.
     Returns:
         fp32 tensor of ``t``'s shape and layout.
     """
-    return _quantize(t, q, operand, quant)
+    return _quantize(t, q, operand, quant, gemm=gemm)
 
 
 def _scaled_mm_shapes_ok(a: FP8Operand, b: FP8Operand) -> bool:
@@ -297,8 +312,8 @@ class _QuantizedLinearFn(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         fp8_bytes = scaled_mm_enabled(quant.recipe, x2)
         q_x, q_w = quant.quantizer("fprop", "x"), quant.quantizer("fprop", "w")
-        x_q = _quantize(x2, q_x, "x", quant, fp8_bytes)
-        w_q = _quantize(weight, q_w, "w", quant, fp8_bytes)
+        x_q = _quantize(x2, q_x, "x", quant, fp8_bytes, "fprop")
+        w_q = _quantize(weight, q_w, "w", quant, fp8_bytes, "fprop")
         y = _matmul(x_q, w_q.t())
         # Where the backward GEMM quantizes an operand exactly as fprop did, it may keep the
         # fprop copy. It does so for FP8 bytes (1 byte/element, less than the operand itself)
@@ -323,19 +338,20 @@ class _QuantizedLinearFn(torch.autograd.Function):
         q_dy_d, q_dy_w = quant.quantizer("dgrad", "dy"), quant.quantizer("wgrad", "dy")
         dx = dw = dy_q = None
         if ctx.needs_input_grad[0]:
-            dy_q = _quantize(dy2, q_dy_d, "dy", quant, fp8_bytes)
-            w_q = w_saved if ctx.w_ready else _quantize(w_saved, quant.quantizer("dgrad", "w"), "w", quant, fp8_bytes)
+            dy_q = _quantize(dy2, q_dy_d, "dy", quant, fp8_bytes, "dgrad")
+            w_q = w_saved if ctx.w_ready else _quantize(w_saved, quant.quantizer("dgrad", "w"), "w", quant,
+                                                        fp8_bytes, "dgrad")
             dx = _matmul(dy_q, w_q).reshape(ctx.x_shape).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             q_x = quant.quantizer("wgrad", "x")
             if q_dy_w.hadamard:
                 dy_w, x_w = hadamard_wgrad_operands(dy2, x_saved, quant.state.hadamard_signs(dy2.device))
-                dy_wq = quantize_operand(dy_w, q_dy_w, "dy", quant)
-                x_wq = quantize_operand(x_w, q_x, "x", quant)
+                dy_wq = quantize_operand(dy_w, q_dy_w, "dy", quant, "wgrad")
+                x_wq = quantize_operand(x_w, q_x, "x", quant, "wgrad")
             else:
                 reuse_dy = dy_q is not None and q_dy_w == q_dy_d
-                dy_wq = dy_q if reuse_dy else _quantize(dy2, q_dy_w, "dy", quant, fp8_bytes)
-                x_wq = x_saved if ctx.x_ready else _quantize(x_saved, q_x, "x", quant, fp8_bytes)
+                dy_wq = dy_q if reuse_dy else _quantize(dy2, q_dy_w, "dy", quant, fp8_bytes, "wgrad")
+                x_wq = x_saved if ctx.x_ready else _quantize(x_saved, q_x, "x", quant, fp8_bytes, "wgrad")
             dw = _matmul(dy_wq.t(), x_wq).to(ctx.w_dtype)
         return dx, dw, None
 

@@ -291,7 +291,8 @@ def check_finite(model, optimizer, path: str) -> None:
 
     bad = [name for chunk in _chunks(model) for p, name in global_parameter_names(chunk).items()
            if not bool(torch.isfinite(p.detach()).all())]
-    if not bad and optimizer is not None and any(not bool(torch.isfinite(t.detach()).all()) for t in _optimizer_tensors(optimizer)):
+    if not bad and optimizer is not None and any(not bool(torch.isfinite(t.detach()).all())
+                                                 for t in _optimizer_tensors(optimizer)):
         bad = ["optimizer state"]
     flag = torch.tensor([float(bool(bad))])
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)

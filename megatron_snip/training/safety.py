@@ -20,6 +20,9 @@ other ranks then wait in that collective until the timeout.
 
 A loss spike (loss above ``factor`` x the median of the recent applied
 losses) is reported the same way but, as in Megatron-LM, is not fatal.
+
+Which quantized module is to blame, and promoting it, is the trainer's
+business (``quant_health.py``); this module only judges the step.
 """
 
 from __future__ import annotations
@@ -109,12 +112,14 @@ def global_parameter_names(chunk: torch.nn.Module) -> dict[torch.nn.Parameter, s
 
 
 def _grad(param: torch.nn.Parameter) -> torch.Tensor | None:
-    return getattr(param, "main_grad", None) if getattr(param, "main_grad", None) is not None else param.grad
+    """The gradient the optimizer will use: megatron-core DDP's ``main_grad``, else ``grad``."""
+    main = getattr(param, "main_grad", None)
+    return main if main is not None else param.grad
 
 
 def _local_grads_finite(chunks: Sequence[torch.nn.Module]) -> bool:
     """Whether every gradient of this rank is finite: one max-abs reduction per DDP buffer (NaN propagates
-    through max; max cannot overflow), read back with the loss."""
+    through max, which cannot overflow) and one host sync."""
     tensors = [b.grad_data for c in chunks for b in getattr(c, "buffers", []) + getattr(c, "expert_parallel_buffers", [])]
     if not tensors:  # not wrapped in megatron-core DDP
         tensors = [g for c in chunks for p in c.parameters() if (g := _grad(p)) is not None]
@@ -138,6 +143,9 @@ def _local_culprits(chunks: Sequence[torch.nn.Module]) -> list[str]:
     return found
 
 
+_LISTED = 4  # parameters named per rank in a message
+
+
 def _rank_label() -> str:
     return (f"rank {dist.get_rank()} (tp {parallel_state.get_tensor_model_parallel_rank()}, "
             f"pp {parallel_state.get_pipeline_model_parallel_rank()}, dp {parallel_state.get_data_parallel_rank()})")
@@ -147,7 +155,8 @@ def gather_culprits(local: list[str]) -> str:
     """Collective: every rank's ``local`` list joined, ranks with nothing left out."""
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (_rank_label(), local))
-    parts = [f"{label}: {', '.join(names)}" for label, names in everyone if names]
+    parts = [f"{label}: {', '.join(names[:_LISTED])}" + (f" and {len(names) - _LISTED} more" if len(names) > _LISTED
+                                                          else "") for label, names in everyone if names]
     return "; ".join(parts) if parts else "no rank holds a non-finite gradient (the loss is non-finite)"
 
 
@@ -168,6 +177,8 @@ class NumericalGuard:
     def check(self, chunks: Sequence[torch.nn.Module], loss: float | None, iteration: int) -> Verdict:
         """Collective over all ranks; ``loss`` is this rank's (None off the last stage)."""
         cfg = self.config
+        if not (cfg.check_nan or cfg.check_spiky_loss):
+            return Verdict(iteration, False, False, loss, None)
         grad_bad = cfg.check_nan and not _local_grads_finite(chunks)
         loss_bad = cfg.check_nan and loss is not None and not math.isfinite(loss)
         known = loss is not None and math.isfinite(loss)
@@ -199,12 +210,13 @@ class NumericalGuard:
             while len(self.recent) > self.config.spiky_loss_window:
                 self.recent.popleft()
 
-    def should_apply(self, verdict: Verdict) -> bool:
-        """Whether the update runs; under ``fail`` a non-finite step raises on every rank."""
+    def should_apply(self, verdict: Verdict, detail: str = "") -> bool:
+        """Whether the update runs; under ``fail`` a non-finite step raises on every rank
+        (``detail``: more to say, e.g. which quantized modules)."""
         if not verdict.nonfinite:
             return True
         if self.config.policy == "fail":
-            raise NonFiniteError(f"{_rank_label()}: {verdict.describe()}; --non-finite-grad-policy fail: "
+            raise NonFiniteError(f"{_rank_label()}: {verdict.describe()}{detail}; --non-finite-grad-policy fail: "
                                  f"the update was not applied and nothing was saved")
         return False
 

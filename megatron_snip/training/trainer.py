@@ -32,9 +32,11 @@ from megatron_snip.precision.flops import LlamaLinearDims, estimated_time_ratio,
 from megatron_snip.precision.linear import describe_backend
 from megatron_snip.precision.plan import PrecisionPlan
 from megatron_snip.snip.manager import PrecisionManager, log_cycle
+from megatron_snip.snip.plan_image import plan_image
 from megatron_snip.training import checkpointing
 from megatron_snip.training.data import build_datasets_from_args
 from megatron_snip.training.logger import MetricsLogger, peak_tflops, setup_console
+from megatron_snip.training.quant_health import HealthTable, gather_health, promote
 from megatron_snip.training.safety import NonFiniteError, NumericalGuard, SafetyConfig, Verdict
 from megatron_snip.training.setup import build_optimizer, build_scheduler, initialize_distributed, wrap_ddp
 from megatron_snip.training.precision import (
@@ -110,6 +112,12 @@ class Trainer:
         self.logger = MetricsLogger(args.tensorboard_dir)
         self.guard = NumericalGuard(SafetyConfig.from_args(args))
         self.last_verdict: Verdict | None = None
+        if args.quant_health:
+            self.precision.enable_health()
+        # Plan changes with their reasons (SNIP cycles, promotions), saved in checkpoints.
+        self.plan_history: list[dict] = list((resumed or {}).get("precision_history", []))
+        self._logged_plan: PrecisionPlan | None = None
+        self._measured: tuple[int, HealthTable] | None = None  # the last fully measured health, and when
         self.tokens_per_iteration = args.global_batch_size * args.seq_length
         self.flops_per_iteration = flops_per_token(args, self.tokenizer.vocab_size) * self.tokens_per_iteration
 
@@ -152,7 +160,7 @@ class Trainer:
             self.scheduler,
             extra={"consumed_samples": self.state.consumed_samples, "args": vars(self.args),
                    "precision_plan": self.plan.to_dict(), "precision_schedule": self.schedule.to_list(),
-                   "numerical_safety": self.guard.state_dict()},
+                   "numerical_safety": self.guard.state_dict(), "precision_history": self.plan_history},
             quantization=self.precision.quant_states())
         self.logger.text(f"saved checkpoint {path}")
 
@@ -183,25 +191,55 @@ class Trainer:
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.args.quant_health:  # everything on logged steps, else only the non-finite flags
+            self.precision.reset_health(full=(self.state.iteration + 1) % self.args.log_interval == 0)
         losses = self._run(data, forward_only=False)
         loss = _mean_loss(losses)
         verdict = self.guard.check(self.model, loss, self.state.iteration + 1)
         self.last_verdict = verdict
+        blamed, detail = self._blame(verdict)
+        # The blamed modules one step up, if --promote-on-fault and any of them can go up.
+        promoted, changes = promote(self.plan, blamed) if self.args.promote_on_fault else (self.plan, {})
         if verdict.spike:
-            self.logger.text(f"[safety] {verdict.describe()} (--check-for-spiky-loss; the update is applied)")
-        applied = self.guard.should_apply(verdict)
+            self.logger.text(f"[safety] {verdict.describe()}{detail} (--check-for-spiky-loss; the update is applied)")
+        # A non-finite step whose quantized culprit can be promoted is skipped, whatever the policy.
+        applied = not verdict.nonfinite if changes else self.guard.should_apply(verdict, detail)
         grad_norm = math.nan
         if applied:
             updated, grad_norm, _ = self.optimizer.step()
             if updated:
                 self.scheduler.step(increment=1)
         else:
-            self.logger.text(f"[safety] {verdict.describe()}; --non-finite-grad-policy skip: update skipped "
+            why = "--promote-on-fault" if changes else "--non-finite-grad-policy skip"
+            self.logger.text(f"[safety] {verdict.describe()}{detail}; {why}: update skipped "
                              f"({self.guard.consecutive + 1} in a row, {self.guard.skipped + 1} in the run)")
         self.guard.record(verdict, applied)
+        if changes:
+            self._promote(promoted, changes, verdict)
         self.state.iteration += 1
         self.state.consumed_samples += self.args.global_batch_size
         return loss, float(grad_norm or 0.0)
+
+    def _blame(self, verdict: Verdict) -> tuple[list[str], str]:
+        """On a non-finite step or a spike (all ranks): the quantized modules the health numbers blame, and
+        "; " + what they show (nothing without --quant-health)."""
+        if not self.args.quant_health or not (verdict.nonfinite or verdict.spike):
+            return [], ""
+        table = gather_health(self.precision, self.linear_dims.num_layers)
+        note = ""
+        if verdict.spike and not table.full and self._measured is not None:  # errors are measured on logged steps
+            table, note = self._measured[1], f" (measured at iteration {self._measured[0]})"
+        blamed, detail = table.fault_modules(verdict.nonfinite)
+        return blamed, f"; {detail}{note}" if detail else ""
+
+    def _promote(self, plan: PrecisionPlan, changes: dict, verdict: Verdict) -> None:
+        """Switch to the promoted ``plan`` (all ranks, the same) and record why in the plan history."""
+        self.set_plan(plan)
+        until = "the next SNIP cycle" if self.snip is not None else "the end of the run"
+        self.plan_history.append({"iteration": verdict.iteration, "event": "promotion", "reason": verdict.describe(),
+                                  "modules": {n: f"{old} -> {new}" for n, (old, new) in changes.items()}})
+        self.logger.text(f"[safety] promoted {', '.join(f'{n} {old} -> {new}' for n, (old, new) in changes.items())} "
+                         f"until {until} (--promote-on-fault)")
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -246,6 +284,7 @@ class Trainer:
                 self.logger.log(it, self._metrics(window_loss / window_iters, grad_norm,
                                                   window_seconds / window_iters, peak))
                 window_loss, window_iters, window_seconds = 0.0, 0, 0.0
+                self._log_precision(it)
             if it % args.eval_interval == 0 or it == args.train_iters:
                 self._log_validation(it)
             if self.snip is not None and self.snip.due(it):
@@ -263,12 +302,26 @@ class Trainer:
         if args.save and saved_at != self.state.iteration:
             self.save()
 
+    def _log_precision(self, iteration: int) -> None:
+        """TensorBoard: the last step's quantization health (collective) and the plan image when it changed."""
+        if self.args.quant_health:
+            table = gather_health(self.precision, self.linear_dims.num_layers)
+            self._measured = (iteration, table)
+            self.logger.scalars(table.scalars(), iteration)
+        if self.effective_plan != self._logged_plan:
+            self.logger.image("precision/plan (rows: layers; qkv, proj, fc1, fc2 x fwd|bwd)",
+                              plan_image(self.effective_plan, self.linear_dims.num_layers), iteration)
+            self._logged_plan = self.effective_plan
+
     def _snip_cycle(self, iteration: int) -> None:
         """Re-plan (all ranks), report, and keep the statistics next to the checkpoints."""
+        before = self.plan
         report = self.snip.cycle(iteration)
         if report is None:
             self.logger.text(f"[snip] iteration {iteration}: the precision schedule fixes every GEMM; no cycle")
             return
+        self.plan_history.append({"iteration": iteration, "event": "snip cycle", "modules": {
+            n: f"{old} -> {new}" for n, (old, new) in before.diff(self.plan, self.linear_dims.num_layers).items()}})
         log_cycle(self.logger, report, self.args.num_layers)
         if self.args.save:
             path = self.snip.write_statistics(os.path.join(self.args.save, "snip"), iteration)

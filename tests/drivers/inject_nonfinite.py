@@ -3,9 +3,12 @@
 Run under torchrun with pretrain_llama.py's flags; used by tests/test_numerical_safety.py.
 Environment:
     INJECT_AT        the iteration (1-based, as logged) whose backward pass is corrupted
-    INJECT_PARAM     global parameter name, e.g. decoder.layers.3.mlp.linear_fc2.weight
+    INJECT_PARAM     global parameter name, e.g. decoder.layers.3.mlp.linear_fc2.weight: one element of its
+                     gradient is corrupted; or
+    INJECT_INPUT     global linear module name, e.g. decoder.layers.1.mlp.linear_fc2: one element of its input
+                     is corrupted in the forward pass
     INJECT_TP_RANK   only this tensor-parallel rank's shard is corrupted (default: every shard)
-    INJECT_VALUE     nan (default) or inf, written into one element of that parameter's gradient
+    INJECT_VALUE     nan (default) or inf, the value written
     PARAM_DIGESTS    optional directory: rank{R}.json maps each iteration to a SHA-256 of this rank's
                      weights entering it
 """
@@ -22,19 +25,24 @@ def instrument(trainer) -> None:
 
     from megatron_snip.training.safety import global_parameter_names
 
-    at, target = int(os.environ["INJECT_AT"]), os.environ["INJECT_PARAM"]
+    at = int(os.environ["INJECT_AT"])
     tp_rank = os.environ.get("INJECT_TP_RANK")
     value = float(os.environ.get("INJECT_VALUE", "nan"))
-    params = {name: p for p, name in global_parameter_names(trainer.model[0].module).items()}
-    if target in params and (tp_rank is None or int(tp_rank) == parallel_state.get_tensor_model_parallel_rank()):
-        def corrupt(grad):
-            if trainer.state.iteration + 1 != at:
-                return grad
-            grad = grad.clone()
-            grad.view(-1)[0] = value
-            return grad
+    here = tp_rank is None or int(tp_rank) == parallel_state.get_tensor_model_parallel_rank()
 
-        params[target].register_hook(corrupt)
+    def corrupt(t):
+        if trainer.state.iteration + 1 != at:
+            return t
+        t = t.clone()
+        t[(0,) * t.dim()] = value
+        return t
+
+    params = {name: p for p, name in global_parameter_names(trainer.model[0].module).items()}
+    if os.environ.get("INJECT_PARAM") in params and here:
+        params[os.environ["INJECT_PARAM"]].register_hook(corrupt)
+    modules = trainer.precision.modules()
+    if os.environ.get("INJECT_INPUT") in modules and here:
+        modules[os.environ["INJECT_INPUT"]].register_forward_pre_hook(lambda m, args: (corrupt(args[0]), *args[1:]))
 
     out = os.environ.get("PARAM_DIGESTS")
     if out:

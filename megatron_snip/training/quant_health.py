@@ -1,0 +1,158 @@
+"""Quantization health of the whole model: gathered from every rank, logged, and used to name
+(and with ``--promote-on-fault`` promote) the modules behind a non-finite step or a loss spike.
+
+Each rank's quantized linears keep per-operand rows (``precision/health.py``). One table
+``[module, operand, field]`` over all layers is summed (amax: MAX) over all ranks: TP shards
+make whole tensors, DP ranks the whole global batch, PP stages the whole model. Every rank
+holds the same table afterwards, so decisions taken from it agree everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_snip.precision.health import AMAX, FIELDS, OPERANDS, summarize
+from megatron_snip.precision.plan import LINEAR_MODULES, PrecisionPlan, module_names, parse_module_name
+from megatron_snip.precision.recipes import Precision
+from megatron_snip.precision.registry import family
+
+NONFINITE, NUMEL = FIELDS.index("nonfinite"), FIELDS.index("numel")
+LOGGED = ("saturated", "underflow", "relative mse")
+_LISTED = 6  # modules named in one message before "and N more"
+
+
+@dataclass(frozen=True)
+class HealthTable:
+    """Whole-model health since the last reset: ``table[m, o]`` is module ``names[m]``'s row of operand
+    ``OPERANDS[o]`` (all zeros where the module did not quantize that operand)."""
+
+    names: list[str]
+    table: np.ndarray
+
+    def _summary(self, rows: np.ndarray) -> dict[str, float]:
+        return summarize(rows.tolist())
+
+    @property
+    def full(self) -> bool:
+        """Whether this step was measured in full (else only non-finite flags: see ``HealthStats``)."""
+        return bool((self.table[..., NUMEL] > 0).any())
+
+    def nonfinite(self) -> dict[str, dict[str, int]]:
+        """Module -> operand -> count of non-finite elements (on steps not measured in full: of ranks and
+        micro-batches where the operand had any), for modules that had any."""
+        out = {}
+        for m, name in enumerate(self.names):
+            bad = {op: int(self.table[m, o, NONFINITE]) for o, op in enumerate(OPERANDS)
+                   if self.table[m, o, NONFINITE] > 0}
+            if bad:
+                out[name] = bad
+        return out
+
+    def origin(self) -> str | None:
+        """Where non-finite values entered: the first module in forward order whose forward operands
+        were non-finite, else (a backward-only fault) the last one with non-finite backward operands,
+        since the backward pass runs in reverse."""
+        bad = self.nonfinite()
+        forward = [n for n in self.names if any(op.startswith("fprop") for op in bad.get(n, {}))]
+        if forward:
+            return forward[0]
+        backward = [n for n in self.names if n in bad]
+        return backward[-1] if backward else None
+
+    def worst(self) -> tuple[str, str, float] | None:
+        """(module, operand, relative MSE) of the largest relative quantization MSE, if any was measured."""
+        best = None
+        for m, name in enumerate(self.names):
+            for o, op in enumerate(OPERANDS):
+                if self.table[m, o, NUMEL] > 0:
+                    mse = self._summary(self.table[m, o])["relative mse"]
+                    if np.isfinite(mse) and (best is None or mse > best[2]):
+                        best = (name, op, mse)
+        return best
+
+    def fault_modules(self, nonfinite: bool) -> tuple[list[str], str]:
+        """The modules to blame for a non-finite step (its origin) or a spike (the worst relative MSE),
+        and one sentence saying what the numbers show (empty when no GEMM was quantized)."""
+        if not self.table.any():
+            return [], ""
+        if nonfinite:
+            bad = self.nonfinite()
+            if not bad:
+                return [], "no quantized operand was non-finite (the fault lies outside the quantized GEMMs)"
+            origin = self.origin()
+            listed = [f"{n} ({', '.join(bad[n])})"
+                      for n in sorted(bad, key=lambda n: n != origin)]  # the origin first, then forward order
+            return [origin], (f"quantized modules with non-finite operands: {_truncated(listed, '; ')}; "
+                              f"first in forward order: {origin}")
+        worst = self.worst()
+        if worst is None:
+            return [], ""
+        return [worst[0]], f"largest relative quantization MSE: {worst[0]} {worst[1]} {worst[2]:.3g}"
+
+    def scalars(self, prefix: str = "quant health") -> dict[str, float]:
+        """TensorBoard scalars: per module type and per layer, each GEMM operand's saturated and
+        underflow fractions and relative MSE (and per module type its non-finite count and amax)."""
+        layers = [parse_module_name(n)[0] for n in self.names]
+        kinds = [parse_module_name(n)[1] for n in self.names]
+        out = {}
+        for o, op in enumerate(OPERANDS):
+            for kind in LINEAR_MODULES:
+                s = self._combined([m for m, k in enumerate(kinds) if k == kind], o)
+                if s is not None:
+                    out.update({f"{prefix}/{stat}/{kind}.{op}": s[stat] for stat in (*LOGGED, "nonfinite", "amax")})
+            for layer in sorted(set(layers)):
+                s = self._combined([m for m, i in enumerate(layers) if i == layer], o)
+                if s is not None:
+                    out.update({f"{prefix} per layer/{stat}/{layer:03d}.{op}": s[stat] for stat in LOGGED})
+        return out
+
+    def _combined(self, modules: list[int], o: int) -> dict[str, float] | None:
+        rows = self.table[modules, o]
+        if not (rows[:, NUMEL] > 0).any():
+            return None
+        combined = rows.sum(axis=0)
+        combined[AMAX] = rows[:, AMAX].max()
+        return self._summary(combined)
+
+
+def _truncated(items: list[str], sep: str) -> str:
+    more = f" and {len(items) - _LISTED} more" if len(items) > _LISTED else ""
+    return sep.join(items[:_LISTED]) + more
+
+
+def gather_health(controller, num_layers: int) -> HealthTable:
+    """Collective over all ranks: the whole model's :class:`HealthTable` (same on every rank)."""
+    names = module_names(num_layers)
+    index = {n: i for i, n in enumerate(names)}
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    table = torch.zeros(len(names), len(OPERANDS), len(FIELDS), device=device)
+    for name, rows in controller.health_rows().items():
+        for key, row in rows.items():
+            table[index[name], OPERANDS.index(key)] = row.to(device)
+    amax = table[..., AMAX].clone()
+    table[..., AMAX] = 0.0
+    dist.all_reduce(table)
+    dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+    table[..., AMAX] = amax
+    return HealthTable(names, table.double().cpu().numpy())
+
+
+_PROMOTED = {"fp4": "fp8", "fp8": "bf16"}
+
+
+def promote(plan: PrecisionPlan, names: list[str]) -> tuple[PrecisionPlan, dict[str, tuple[Precision, Precision]]]:
+    """``plan`` with each of ``names`` one step up in precision per pass (FP4 -> FP8 -> BF16), and the changes."""
+    def up(name: str) -> str:
+        return _PROMOTED.get(family(name), name)
+
+    changes = {}
+    for name in names:
+        old = plan[name]
+        new = Precision(up(old.fwd), up(old.bwd))
+        if new != old:
+            changes[name] = (old, new)
+    return PrecisionPlan({**plan.modules, **{n: new for n, (_, new) in changes.items()}}, plan.default), changes
