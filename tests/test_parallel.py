@@ -122,7 +122,7 @@ def test_interleaved_pipeline_resume_is_exact_and_loads_into_tp1(tiny_data, tmp_
     """PP2 x VPP2: a checkpoint of both chunks per rank resumes bit for bit and loads into TP1 PP1."""
     torchrun(2, train_args(tiny_data, *VPP, "--save", str(tmp_path / "full"), "--save-interval", "2",
                            "--tensorboard-dir", str(tmp_path / "tb_full"), iters=4))
-    ckpt = _resume_from(tmp_path / "full", 2, tmp_path / "resumed")
+    ckpt = resume_from(tmp_path / "full", 2, tmp_path / "resumed")
     torchrun(2, train_args(tiny_data, *VPP, "--load", str(ckpt), "--tensorboard-dir", str(tmp_path / "tb_res"),
                            iters=4))
     full, resumed = scalars(tmp_path / "tb_full", LOSS), scalars(tmp_path / "tb_res", LOSS)
