@@ -192,7 +192,7 @@ def check_snip_budgets(args: argparse.Namespace) -> None:
     from megatron_snip.model.llama import transformer_config
     from megatron_snip.snip.estimators import CostTables
     from megatron_snip.snip.ilp import InfeasibleBudgetError
-    from megatron_snip.snip.planner import PlannerConfig, build_problem, linear_modules, solve_plan
+    from megatron_snip.snip.planner import build_problem, linear_modules, solve_plan
 
     if args.gemm_speed_model == "measured":
         return  # measured at start-up; the first cycle's solve checks the budgets
