@@ -250,7 +250,7 @@ MODEL_ONLY = "model_only"
 
 
 def _write(root: str, iteration: int, state: dict, extra: dict) -> str:
-    """Save ``state`` + ``extra`` as ``root/iter_XXXXXXX`` atomically (see the module docstring)."""
+    """Save ``state`` + ``extra`` as ``root/iter_<iteration, 7 digits>`` atomically (see the module docstring)."""
     final = iteration_dir(root, iteration)
     tmp = final + ".tmp"
     if dist.get_rank() == 0:
