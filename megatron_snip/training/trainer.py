@@ -408,18 +408,29 @@ def pretrain(args: argparse.Namespace, on_build: Callable[[Trainer], None] | Non
     return trainer.state
 
 
+def _error(e: Exception) -> None:
+    # One write call: with unbuffered stderr, print() issues the message and its newline as two writes, and
+    # ranks sharing torchrun's stderr interleave their lines (seen in CI).
+    sys.stderr.write(f"pretrain_llama.py: error: {e}\n")
+    sys.stderr.flush()
+
+
 def main(argv: list[str] | None = None, on_build: Callable[[Trainer], None] | None = None) -> int:
     from megatron_snip.arguments import ArgumentError, parse_args
 
     try:
         args = parse_args(argv)
     except ArgumentError as e:
-        print(f"pretrain_llama.py: error: {e}", file=sys.stderr)
+        _error(e)
         return 2
     try:
         pretrain(args, on_build)
-    except (checkpointing.CheckpointError, NonFiniteError) as e:
-        print(f"pretrain_llama.py: error: {e}", file=sys.stderr, flush=True)
+    except checkpointing.CheckpointError as e:
+        _error(e)
+        return 1
+    except NonFiniteError as e:
+        _error(e)
+        dist.barrier()  # every rank raised at this iteration: let each print before the first exit ends the job
         return 1
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
