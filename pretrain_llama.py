@@ -15,6 +15,6 @@ if __name__ == "__main__":
     from megatron_snip.compat.cpu import silence_cpu_warnings
 
     silence_cpu_warnings()  # before megatron-core's imports print them
-    from megatron_snip.training.trainer import main
+    from megatron_snip.cli import main
 
     sys.exit(main())

@@ -83,17 +83,15 @@ def worker(plan_file: str, argv: list[str]) -> None:
     silence_cpu_warnings()
     import torch.distributed as dist
 
-    from megatron_snip.arguments import parse_args
+    from dataclasses import replace
+
+    from megatron_snip.cli import trainer_from_command_line
     from megatron_snip.precision.plan import PrecisionPlan
-    from megatron_snip.training.logger import peak_tflops, setup_console
-    from megatron_snip.training.setup import initialize_distributed
-    from megatron_snip.training.trainer import Trainer
+    from megatron_snip.training.logger import peak_tflops
 
     run = json.loads(Path(plan_file).read_text())
-    args = parse_args(argv)
-    setup_console()
-    initialize_distributed(args)
-    trainer = Trainer(args)
+    trainer = trainer_from_command_line(argv)
+    config = trainer.config
     clock = StepClock()
     step = trainer.train_step
 
@@ -103,20 +101,21 @@ def worker(plan_file: str, argv: list[str]) -> None:
 
     trainer.train_step = stamped_step
     result = {"phases": {}, "flops_per_iteration": trainer.flops_per_iteration, "world_size": dist.get_world_size(),
-              "peak_tflops": peak_tflops(args.peak_tflops), "fp8_recipe": args.fp8_recipe}
-    base_log_interval = args.log_interval
+              "peak_tflops": peak_tflops(config.logging.peak_tflops), "fp8_recipe": config.precision.fp8_recipe}
     for name, loop, precision in run["phases"]:
         trainer.set_plan(PrecisionPlan.uniform(precision))
         health = name.startswith("health-")
-        args.log_interval = HEALTH_LOG_INTERVAL if health else base_log_interval
+        # The health phases log (and so fully measure) every HEALTH_LOG_INTERVAL steps, with and without.
+        logging = replace(config.logging, log_interval=HEALTH_LOG_INTERVAL) if health else config.logging
+        safety = replace(config.safety, quant_health=name == "health-on") if health else config.safety
+        trainer.config = replace(config, logging=logging, safety=safety)
         if health:
-            args.quant_health = name == "health-on"
-            trainer.precision.enable_health() if args.quant_health else trainer.precision.disable_health()
+            trainer.precision.enable_health() if safety.quant_health else trainer.precision.disable_health()
         peak_memory_reset()
         if name == "snip":
             synchronize()
             start = time.perf_counter()
-            report = trainer.snip.cycle(trainer.state.iteration)
+            report = trainer.replan(trainer.state.iteration)
             synchronize()
             result["snip_cycle_seconds"] = time.perf_counter() - start
             result["snip_cycle_peak_gib"] = peak_memory_gib()
@@ -124,10 +123,9 @@ def worker(plan_file: str, argv: list[str]) -> None:
             peak_memory_reset()
         clock.stamps.clear()
         if loop == "plain":
-            plain_loop(trainer, args, run["iters"], clock)
+            plain_loop(trainer, run["iters"], clock)
         else:
-            args.train_iters = trainer.state.iteration + run["iters"]
-            trainer.train()
+            trainer.train(until=trainer.state.iteration + run["iters"])
             synchronize()
             clock.stamp()
         phase = result["phases"].setdefault(name, {"medians": [], "means": [], "peak_gib": None})
@@ -140,13 +138,15 @@ def worker(plan_file: str, argv: list[str]) -> None:
     dist.destroy_process_group()
 
 
-def plain_loop(trainer, args, iters: int, clock: StepClock) -> None:
+def plain_loop(trainer, iters: int, clock: StepClock) -> None:
     """The minimal megatron-core loop on the trainer's model/optimizer, random in-memory tokens."""
     import torch
 
+    from megatron_snip.compat.device import current_device
+
     vocab = trainer.tokenizer.vocab_size
-    mbs, seq = args.micro_batch_size, args.seq_length
-    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    mbs, seq = trainer.config.training.micro_batch_size, trainer.config.model.seq_length
+    device = current_device()
     tokens = torch.randint(0, vocab, (mbs, seq + 1), device=device)
     position_ids = torch.arange(seq, device=device).unsqueeze(0).expand(mbs, -1)
 
@@ -160,7 +160,8 @@ def plain_loop(trainer, args, iters: int, clock: StepClock) -> None:
             chunk.zero_grad_buffer()
         trainer.optimizer.zero_grad()
         trainer.forward_backward(forward_step_func=forward_step, data_iterator=None, model=trainer.model,
-                                 num_microbatches=args.num_microbatches, seq_length=seq, micro_batch_size=mbs)
+                                 num_microbatches=trainer.config.training.num_microbatches, seq_length=seq,
+                                 micro_batch_size=mbs)
         trainer.optimizer.step()
     synchronize()
     clock.stamp()

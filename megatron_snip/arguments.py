@@ -1,9 +1,11 @@
-"""Command line of ``pretrain_llama.py``: Megatron-LM's flag names, validated once.
+"""Command line of ``pretrain_llama.py``: Megatron-LM's flag names, validated once into a typed configuration.
 
 Flags that exist in Megatron-LM keep its names and meanings. Model-shape flags
-default to ``None`` so a ``--model-preset`` can fill them and explicit flags
-win. :func:`validate_args` checks everything that can be checked before any
-process-group work and raises :class:`ArgumentError` naming the flag and the fix.
+default to ``None`` so a ``--model-preset`` (or a loaded checkpoint) can fill them
+and explicit flags win. :func:`resolve` checks everything that can be checked
+before any process-group work, raising :class:`ArgumentError` naming the flag and
+the fix, and returns the frozen :class:`~megatron_snip.training.config.RunConfig`.
+This module is the edge: nothing below it reads an argparse ``Namespace``.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ import argparse
 import importlib.util
 import os
 
+from megatron_snip.compat.device import has_cuda
 from megatron_snip.model import checkpoint_shape
 from megatron_snip.model.presets import PRESETS
 from megatron_snip.precision.gemm_speed import SPEED_MODELS
 from megatron_snip.precision.registry import FP4_NAMES, PRECISION_NAMES
+from megatron_snip.training.config import RunConfig
 
 
 class ArgumentError(ValueError):
@@ -288,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def apply_preset(args: argparse.Namespace) -> argparse.Namespace:
+def _apply_preset(args: argparse.Namespace) -> None:
     """Fill unset model-shape fields from ``--model-preset`` (default tiny; a loaded checkpoint's
     label, e.g. hf-import, names no preset: its shape is complete)."""
     args.model_preset = args.model_preset or "tiny"
@@ -299,23 +303,58 @@ def apply_preset(args: argparse.Namespace) -> argparse.Namespace:
         args.use_rope_scaling = False
     if args.rope_scaling_factor is None:
         args.rope_scaling_factor = 8.0
-    return args
 
 
-def apply_checkpoint_shape(args: argparse.Namespace) -> argparse.Namespace:
+def _apply_checkpoint_shape(args: argparse.Namespace) -> None:
     """With ``--load`` of a checkpoint (not an empty resume-or-start directory), its model shape
     fills the shape flags; flags or a ``--model-preset`` that disagree are refused."""
     if args.load is None:
-        return args
+        return
     from megatron_snip.training.checkpointing import CheckpointError, read_common_state
 
     try:
         common = read_common_state(args.load)
         if common is not None:
-            checkpoint_shape.apply_checkpoint_shape(args, common.get("args", {}), args.load)
+            _fill_from_checkpoint(args, common.get("args", {}), args.load)
     except (CheckpointError, ValueError) as e:
         raise ArgumentError(str(e)) from e
-    return args
+
+
+def _fill_from_checkpoint(args: argparse.Namespace, saved: dict, where: str) -> None:
+    """Fill the shape flags from ``saved`` (a checkpoint's arguments, :mod:`checkpoint_shape`);
+    ValueError on a disagreement, naming both values."""
+    preset = PRESETS[args.model_preset].as_args() if args.model_preset else {}
+    for key in checkpoint_shape.FIXED:
+        if saved.get(key) is None:
+            continue
+        flag = "--" + key.replace("_", "-")
+        given = getattr(args, key)
+        if given is not None and given != saved[key]:
+            raise ValueError(f"{flag} {given} disagrees with the checkpoint in {where}, which has {saved[key]}; "
+                             f"drop {flag} (the checkpoint defines the model's shape)")
+        if given is None and key in preset and preset[key] != saved[key]:
+            raise ValueError(f"--model-preset {args.model_preset} sets {flag} {preset[key]} but the checkpoint in "
+                             f"{where} has {saved[key]}; drop --model-preset (the checkpoint defines the shape)")
+        setattr(args, key, saved[key])
+    for key in checkpoint_shape.DEFAULTS:
+        if getattr(args, key) is None and saved.get(key) is not None:
+            setattr(args, key, saved[key])
+    for key in checkpoint_shape.CARRIED:
+        if saved.get(key) is not None:
+            setattr(args, key, saved[key])
+    if args.model_preset is None:
+        args.model_preset = saved.get("model_preset") or "checkpoint"
+
+
+def checkpoint_config(saved: dict, *, bf16: bool, tokenizer: tuple[str | None, str | None] = (None, None)) -> RunConfig:
+    """A one-process configuration of the model a checkpoint's saved arguments describe (no data, no
+    training: for the Hugging Face converters). ``tokenizer``: (type, model) to record, if known."""
+    args = build_parser().parse_args(["--train-iters", "0"])
+    _fill_from_checkpoint(args, saved, "the conversion")
+    args.bf16 = bf16
+    args.tokenizer_type = tokenizer[0] or args.tokenizer_type
+    args.tokenizer_model = tokenizer[1]
+    return resolve(args, world_size=1, cuda=False, check_files=False)
 
 
 def _require(cond: bool, message: str) -> None:
@@ -323,18 +362,29 @@ def _require(cond: bool, message: str) -> None:
         raise ArgumentError(message)
 
 
-def validate_args(args: argparse.Namespace, world_size: int, cuda: bool,
-                  check_files: bool = True) -> argparse.Namespace:
-    """Check the arguments against each other and the launch; derive dependent values.
+def resolve(parsed: argparse.Namespace, world_size: int | None = None, cuda: bool | None = None,
+            check_files: bool = True) -> RunConfig:
+    """Check the parsed flags against each other and the launch, derive the dependent values and
+    build the run's configuration; ``parsed`` is left as it is.
 
+    ``world_size`` defaults to ``$WORLD_SIZE``, ``cuda`` to whether torch sees a GPU.
     ``check_files=False`` skips the data/tokenizer/checkpoint paths and the optional
     packages the flags need (for checking launch scripts on a machine without their
     data or GPU software).
 
-    Sets ``data_parallel_size``, ``global_batch_size`` (if unset),
-    ``num_microbatches``, ``lr_decay_iters``, ``lr_warmup_iters`` and the
-    distributed backend.
+    Derived: the data-parallel size, ``global_batch_size`` (if unset), the number of
+    micro-batches, ``lr_decay_iters``, ``lr_warmup_iters``, the virtual pipeline size, the
+    recipe values a resumed checkpoint keeps, SNIP's defaults and the distributed backend.
     """
+
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if cuda is None:
+        cuda = has_cuda()
+    args = argparse.Namespace(**vars(parsed))  # the working copy the checks fill in
+    if check_files:
+        _apply_checkpoint_shape(args)
+    _apply_preset(args)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     _require(tp >= 1 and pp >= 1, "--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
     _require(world_size % (tp * pp) == 0,
@@ -420,7 +470,26 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool,
         args.distributed_backend = "nccl" if cuda else "gloo"
     _require(args.distributed_backend == "gloo" or cuda,
              "--distributed-backend nccl needs CUDA; use --distributed-backend gloo on CPU")
-    return args
+    args.precision_notes = tuple(args.precision_notes)
+    config = RunConfig.from_flags(vars(args))
+    _check_plans(config, resumed, check_files)
+    return config
+
+
+def _check_plans(config: RunConfig, resumed: dict | None, check_files: bool) -> None:
+    """Budgets no plan can meet, a bad plan file or schedule, or conflicting plan flags fail here,
+    before any process group."""
+    from megatron_snip.precision.plan import PlanError
+    from megatron_snip.training.precision import check_snip_budgets, initial_plan, initial_schedule
+
+    try:
+        if config.snip.enabled:
+            check_snip_budgets(config)
+        if check_files:
+            initial_plan(config, resumed)
+            initial_schedule(config, resumed)
+    except (FileNotFoundError, PlanError) as e:
+        raise ArgumentError(str(e)) from e
 
 
 def _validate_virtual_pipeline(args: argparse.Namespace) -> None:
@@ -500,13 +569,6 @@ def _validate_snip(args: argparse.Namespace) -> None:
     _require(any(f in FP4_NAMES for f in args.snip_formats) or args.snip_fp4_target == 0,
              "--snip-formats has no FP4 format (nvfp4 or mxfp4) but --snip-fp4-target is above 0")
     _require(args.snip_probe_passes >= 1, "--snip-probe-passes must be >= 1")
-    from megatron_snip.precision.plan import PlanError
-    from megatron_snip.training.precision import check_snip_budgets
-
-    try:
-        check_snip_budgets(args)
-    except PlanError as e:
-        raise ArgumentError(str(e)) from None
     _require(args.transformer_impl == "local", "--snip needs --transformer-impl local")
 
 
@@ -541,10 +603,6 @@ def _validate_files(args: argparse.Namespace, resumed: dict | None) -> None:
                  f"--tokenizer-model {args.tokenizer_model} has {tokens} ids but the model in --load {args.load} "
                  f"has a vocabulary of {args.vocab_size}; use the model's own tokenizer")
         latest = verify_latest(args.load) if args.load is not None else None
-        from megatron_snip.training.precision import initial_plan, initial_schedule
-
-        initial_plan(args, resumed)  # a bad plan file or a conflict fails here, before any process group
-        initial_schedule(args, resumed)
     except (FileNotFoundError, ValueError, CheckpointError) as e:
         raise ArgumentError(str(e)) from e
     if args.load is not None:
@@ -554,14 +612,7 @@ def _validate_files(args: argparse.Namespace, resumed: dict | None) -> None:
                 f"fix the path, or pass the same directory to --save and --load to resume-or-start")
 
 
-def parse_args(argv: list[str] | None = None, world_size: int | None = None,
-               cuda: bool | None = None) -> argparse.Namespace:
-    """Parse, fill presets and validate. ``world_size`` defaults to ``$WORLD_SIZE``."""
-    import torch
-
-    args = apply_preset(apply_checkpoint_shape(build_parser().parse_args(argv)))
-    if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if cuda is None:
-        cuda = torch.cuda.is_available()
-    return validate_args(args, world_size, cuda)
+def parse_config(argv: list[str] | None = None, world_size: int | None = None,
+                 cuda: bool | None = None) -> RunConfig:
+    """Parse ``argv`` (default: the command line), fill presets and checkpoint shapes, validate."""
+    return resolve(build_parser().parse_args(argv), world_size, cuda)

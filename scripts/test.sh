@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
 # Set up the environment if needed, then run the test suite (what CI runs).
+#   bash scripts/test.sh           everything (unit and multi-process integration tests)
+#   bash scripts/test.sh --fast    the unit tier only (tests not marked `integration`: no process launched)
+# Other arguments go to pytest (e.g. a test file, -k EXPR).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-exec python -m pytest -q "$@"
+args=()
+for a in "$@"; do
+  if [ "$a" = "--fast" ]; then args+=(-m "not integration"); else args+=("$a"); fi
+done
+exec python -m pytest -q "${args[@]}"

@@ -26,6 +26,25 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "cuda: has cases that run on a CUDA GPU when there is one (bench/gpu_suite.py runs "
         "`pytest -m cuda` on a lent GPU); on CPU they run their CPU cases or skip")
+    config.addinivalue_line(
+        "markers", "integration: launches processes (torchrun, spawned gloo workers, a CLI in a subprocess); "
+        "`bash scripts/test.sh --fast` runs only the tests without it")
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_launch_no_process(request, monkeypatch):
+    """Keeps the tiers honest: a test not marked ``integration`` that starts a process fails, naming the fix."""
+    if request.node.get_closest_marker("integration"):
+        return
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{request.node.nodeid} launches a process: mark it @pytest.mark.integration")
+
+    import torch.multiprocessing
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    monkeypatch.setattr(torch.multiprocessing, "spawn", refuse)
+    monkeypatch.setattr(torch.multiprocessing, "start_processes", refuse)
 
 
 @dataclass(frozen=True)

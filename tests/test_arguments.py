@@ -8,26 +8,26 @@ import sys
 import pytest
 
 from conftest import ROOT, train_args
-from megatron_snip.arguments import ArgumentError, parse_args
+from megatron_snip.arguments import ArgumentError, parse_config
 
 
 def parse(data, *extra, world_size=1):
-    return parse_args(train_args(data, *extra), world_size=world_size, cuda=False)
+    return parse_config(train_args(data, *extra), world_size=world_size, cuda=False)
 
 
 def test_valid_arguments_derive_layout(tiny_data):
-    args = parse(tiny_data, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", world_size=8)
-    assert args.data_parallel_size == 2
-    assert args.num_microbatches == 8 // (2 * 2)
-    assert args.lr_decay_iters == args.train_iters
+    config = parse(tiny_data, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", world_size=8)
+    assert config.parallel.data_parallel_size == 2
+    assert config.training.num_microbatches == 8 // (2 * 2)
+    assert config.training.lr_decay_iters == config.training.train_iters
 
 
 def test_preset_fills_shape_and_flags_override(tiny_data):
-    args = parse_args(["--model-preset", "llama3-8b", "--num-layers", "2", "--train-iters", "1",
-                       "--data-path", tiny_data.prefix, "--tokenizer-model", tiny_data.tokenizer_model],
-                      world_size=1, cuda=False)
-    assert (args.hidden_size, args.num_query_groups, args.rotary_base) == (4096, 8, 500000)
-    assert args.num_layers == 2
+    model = parse_config(["--model-preset", "llama3-8b", "--num-layers", "2", "--train-iters", "1",
+                          "--data-path", tiny_data.prefix, "--tokenizer-model", tiny_data.tokenizer_model],
+                         world_size=1, cuda=False).model
+    assert (model.hidden_size, model.num_query_groups, model.rotary_base) == (4096, 8, 500000)
+    assert model.num_layers == 2
 
 
 @pytest.mark.parametrize("extra,world,flag", [
@@ -59,7 +59,7 @@ def test_triton_kernels_need_cuda(tiny_data, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ArgumentError, match=r"--quant-kernels triton needs (CUDA|the triton package)"):
         parse(tiny_data, "--quant-kernels", "triton")
-    assert parse(tiny_data, "--quant-kernels", "torch", "--fp8-gemm", "scaled_mm").fp8_gemm == "scaled_mm"
+    assert parse(tiny_data, "--quant-kernels", "torch", "--fp8-gemm", "scaled_mm").precision.fp8_gemm == "scaled_mm"
 
 
 def test_plan_blocks_must_fit_the_tensor_parallel_split(tiny_data):
@@ -77,24 +77,24 @@ def test_plan_blocks_must_fit_the_tensor_parallel_split(tiny_data):
 def test_snip_runs_with_sequence_parallel(tiny_data):
     argv = train_args(tiny_data, "--snip", "--save-interval", "3", "--save", "/tmp/unused", "--sequence-parallel",
                       "--tensor-model-parallel-size", "2")
-    assert parse_args(argv, world_size=2, cuda=False).snip
+    assert parse_config(argv, world_size=2, cuda=False).snip.enabled
 
 
 def test_sequence_parallel_runs_with_the_local_layers_on_cpu(tiny_data):
     """Its norms are the project's own (megatron_snip/model/norms.py): no apex, no CUDA needed."""
-    args = parse_args(train_args(tiny_data, "--sequence-parallel", "--tensor-model-parallel-size", "2"),
-                      world_size=2, cuda=False)
-    assert args.sequence_parallel and args.transformer_impl == "local"
+    config = parse_config(train_args(tiny_data, "--sequence-parallel", "--tensor-model-parallel-size", "2"),
+                          world_size=2, cuda=False)
+    assert config.parallel.sequence_parallel and config.model.transformer_impl == "local"
 
 
 def test_missing_data_path(tiny_data):
     with pytest.raises(ArgumentError, match=r"--data-path .*nope.* not found.*preprocess_data"):
-        parse_args(train_args(tiny_data) + ["--data-path", "/nope/data_text_document"], world_size=1, cuda=False)
+        parse_config(train_args(tiny_data) + ["--data-path", "/nope/data_text_document"], world_size=1, cuda=False)
 
 
 def test_missing_tokenizer_model(tiny_data):
     with pytest.raises(ArgumentError, match=r"--tokenizer-model"):
-        parse_args(train_args(tiny_data) + ["--tokenizer-model", "/nope/tok.model"], world_size=1, cuda=False)
+        parse_config(train_args(tiny_data) + ["--tokenizer-model", "/nope/tok.model"], world_size=1, cuda=False)
 
 
 def test_tokenizer_smaller_than_data(tiny_data, tmp_path):
@@ -103,7 +103,7 @@ def test_tokenizer_smaller_than_data(tiny_data, tmp_path):
     train_tokenizer(TokenizerTrainingConfig(input=tiny_data.corpus, model_prefix=str(tmp_path / "small"),
                                             vocab_size=512))
     with pytest.raises(ArgumentError, match=r"holds token id \d+, but the tokenizer \(--tokenizer-model\) has only 512"):
-        parse_args(train_args(tiny_data) + ["--tokenizer-model", str(tmp_path / "small.model")],
+        parse_config(train_args(tiny_data) + ["--tokenizer-model", str(tmp_path / "small.model")],
                    world_size=1, cuda=False)
 
 
@@ -111,7 +111,7 @@ def test_load_without_checkpoint(tiny_data, tmp_path):
     with pytest.raises(ArgumentError, match=r"--load .* holds no checkpoint"):
         parse(tiny_data, "--load", str(tmp_path))
     # The resume-or-start pattern (SLURM requeue) is allowed to find nothing yet.
-    assert parse(tiny_data, "--load", str(tmp_path), "--save", str(tmp_path)).load == str(tmp_path)
+    assert parse(tiny_data, "--load", str(tmp_path), "--save", str(tmp_path)).checkpoint.load == str(tmp_path)
 
 
 def test_corrupt_tracker(tiny_data, tmp_path):
@@ -127,6 +127,7 @@ def test_incomplete_checkpoint(tiny_data, tmp_path):
         parse(tiny_data, "--load", str(tmp_path))
 
 
+@pytest.mark.integration
 def test_cli_reports_error_and_exit_code(tiny_data):
     """The user sees one line on stderr and exit status 2, before any process group starts."""
     proc = subprocess.run([sys.executable, str(ROOT / "pretrain_llama.py"),
@@ -138,13 +139,11 @@ def test_cli_reports_error_and_exit_code(tiny_data):
 
 def test_nvfp4_switches_reach_the_recipe_and_its_quantizers(tiny_data):
     from megatron_snip.precision.recipes import operand_quantizer
-    from megatron_snip.training.precision import recipe_from_args
-
-    default = recipe_from_args(parse(tiny_data))
+    default = parse(tiny_data).precision.recipe()
     assert (default.fp4_stochastic_rounding, default.nvfp4_random_hadamard, default.nvfp4_2d_weights) == (
         True, True, True)  # TE's recipe
-    off = recipe_from_args(parse(tiny_data, "--fp4-disable-stochastic-rounding", "--nvfp4-disable-rht",
-                                 "--nvfp4-disable-2d-quantization"))
+    off = parse(tiny_data, "--fp4-disable-stochastic-rounding", "--nvfp4-disable-rht",
+                "--nvfp4-disable-2d-quantization").precision.recipe()
     assert operand_quantizer("nvfp4", "wgrad", "dy", default).hadamard
     assert operand_quantizer("nvfp4", "dgrad", "dy", default).stochastic
     assert operand_quantizer("nvfp4", "fprop", "w", default).block == (16, 16)

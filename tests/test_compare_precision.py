@@ -65,6 +65,7 @@ def run_tool(out, *extra, train_args) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
 
 
+@pytest.mark.integration
 def test_compare_precision_branches_resume_and_report(tiny_data, tmp_path):
     train_args = [*TINY_MODEL, "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-2",
                   "--lr-warmup-iters", "1", "--data-path", tiny_data.prefix, "--split", "90,10,0",

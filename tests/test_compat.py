@@ -9,7 +9,11 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from conftest import ROOT
+
+pytestmark = pytest.mark.integration  # every test here launches processes
 
 
 def run_python(code: str) -> str:

@@ -109,6 +109,7 @@ def eod_prefix(data_dir, corpus, tokenizer_model) -> str:
 # --- corpus --------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_build_corpus_is_deterministic_and_cli_matches(tmp_path, corpus):
     again = tmp_path / "again.jsonl"
     build_corpus(CorpusConfig(output=str(again), max_docs=40, exclude_tests=True, seed=1234))

@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from megatron_snip.arguments import apply_preset, build_parser, validate_args
+from megatron_snip.arguments import build_parser, resolve
+
+pytestmark = pytest.mark.integration  # every test here launches processes
 
 FAKES = {
     # torchrun: record argv (one file per call), then succeed.
@@ -56,5 +58,5 @@ def test_example_flags_are_accepted(script, tmp_path):
     assert launches, f"{script} launched nothing"
     for argv in launches:
         entry = argv.index("pretrain_llama.py")
-        args = apply_preset(build_parser().parse_args(argv[entry + 1:]))
-        validate_args(args, world_size=world_size(argv[:entry]), cuda=True, check_files=False)
+        resolve(build_parser().parse_args(argv[entry + 1:]), world_size=world_size(argv[:entry]), cuda=True,
+                check_files=False)

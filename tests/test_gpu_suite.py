@@ -32,6 +32,7 @@ def suite(*args: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
+@pytest.mark.integration
 def test_without_cuda_the_suite_says_what_it_would_run_and_exits_0(tmp_path):
     (tmp_path / "wheels").mkdir()
     dry = ["--dry-run"] if torch.cuda.is_available() else []  # on a GPU only the dry run prints the plan
@@ -47,6 +48,7 @@ def test_without_cuda_the_suite_says_what_it_would_run_and_exits_0(tmp_path):
     assert bad.returncode == 2 and "--wheels" in bad.stderr and "prepare_gpu_wheels.py" in bad.stderr
 
 
+@pytest.mark.integration
 def test_the_cuda_cases_are_selected_by_their_marker():
     assert set(gpu_suite.cuda_test_files()) == CUDA_FILES
     proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "cuda", "-p",
@@ -76,6 +78,7 @@ def running(pid: int) -> bool:
     return True
 
 
+@pytest.mark.integration
 def test_steps_that_fail_hang_or_find_no_time_are_recorded_and_the_report_still_written(tmp_path):
     py = sys.executable
     child = tmp_path / "child.pid"
@@ -105,6 +108,7 @@ def test_steps_that_fail_hang_or_find_no_time_are_recorded_and_the_report_still_
     assert (tmp_path / "logs" / "broken.log").read_text() == "boom\n"
 
 
+@pytest.mark.integration
 def test_report_shows_benchmark_goals_and_test_failures(tmp_path):
     """A real benchmark run (tiny GEMMs, here on CPU) and a real pytest run, as the suite reports them."""
     py = sys.executable

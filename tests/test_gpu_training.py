@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import scalars, torchrun, train_args
-from megatron_snip.arguments import parse_args
+from megatron_snip.arguments import parse_config
 from megatron_snip.model import llama
 
 pytestmark = pytest.mark.cuda
@@ -23,6 +23,7 @@ def fp8_tensor_cores() -> bool:
     return torch.cuda.get_device_capability() >= (8, 9)
 
 
+@pytest.mark.integration
 @needs_cuda
 @pytest.mark.parametrize("precision", ["bf16", "fp8", "nvfp4", "mxfp4"])
 def test_one_gpu_trains_in_each_precision(tiny_data, tmp_path, precision):
@@ -39,6 +40,7 @@ def test_one_gpu_trains_in_each_precision(tiny_data, tmp_path, precision):
     assert scalars(tmp_path / "tb", "train/max memory allocated GiB")[12] > 0
 
 
+@pytest.mark.integration
 @needs_cuda
 def test_one_gpu_snip_replans_and_trains(tiny_data, tmp_path):
     torchrun(1, train_args(tiny_data, "--bf16", "--snip", "--snip-fp4-target", "0.5", "--snip-interval", "3",
@@ -59,9 +61,9 @@ def test_attention_softmax_runs_without_the_fused_kernels(tiny_data, monkeypatch
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.utils import attention_mask_func
 
-    args = parse_args(train_args(tiny_data, "--bf16"), world_size=1, cuda=True)
+    run = parse_config(train_args(tiny_data, "--bf16"), world_size=1, cuda=True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    config = llama.transformer_config(args)
+    config = llama.transformer_config(run.model, run.parallel)
     assert config.masked_softmax_fusion == llama.fused_softmax_available()
 
     def softmax(fusion: bool) -> FusedScaleMaskSoftmax:

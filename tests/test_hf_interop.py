@@ -74,6 +74,7 @@ def assert_logits_match(ours: torch.Tensor, theirs: torch.Tensor, vocab: int, la
     return diff
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("tied,rope_scaling,layout", [
     (False, False, ()),
     (True, False, ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2")),
@@ -119,6 +120,7 @@ def _load_quietly(hf_dir: str):
     return model
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_export_is_bit_exact_and_loads_without_warnings(hf_tokenizer_data, tmp_path, tied):
     vocab = hf_tokenizer_data.vocab_size
@@ -140,6 +142,7 @@ def test_export_is_bit_exact_and_loads_without_warnings(hf_tokenizer_data, tmp_p
     assert all(torch.equal(halved[n], t.to(torch.bfloat16)) for n, t in original.items())
 
 
+@pytest.mark.integration
 def test_train_with_snip_then_export_matches_ours(hf_tokenizer_data, tmp_path):
     """import -> 4 iterations at TP2 with SNIP (FP4 plan from iteration 2) -> export: transformers'
     logits of the export equal ours from the trained checkpoint, and training moved the weights."""
@@ -188,6 +191,7 @@ def test_tokenizer_matches_transformers(hf_tokenizer_data, tiny_data):
     assert stream[:len(first)] == first
 
 
+@pytest.mark.integration
 def test_bad_directories_are_refused(hf_tokenizer_data, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -218,22 +222,24 @@ def test_bad_directories_are_refused(hf_tokenizer_data, tmp_path):
     assert not (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").exists()
 
 
+@pytest.mark.integration
 def test_flags_that_disagree_with_the_checkpoint_are_refused(hf_tokenizer_data, tmp_path):
-    from megatron_snip.arguments import ArgumentError, parse_args
+    from megatron_snip.arguments import ArgumentError, parse_config
 
     hf_dir = tiny_hf_llama(tmp_path / "hf", hf_tokenizer_data.vocab_size, tied=False, layers=2)
     convert("import", "--load-dir", hf_dir, "--save-dir", str(tmp_path / "ckpt"))
     base = ["--load", str(tmp_path / "ckpt"), "--train-iters", "1", "--data-path", hf_tokenizer_data.prefix,
             "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", hf_tokenizer_data.tokenizer_dir]
-    args = parse_args(base, world_size=1, cuda=False)
-    assert (args.num_layers, args.hidden_size, args.num_query_groups, args.norm_epsilon) == (2, 64, 2, 1e-6)
-    assert args.padded_vocab_size == 768 and args.vocab_size == hf_tokenizer_data.vocab_size
+    model = parse_config(base, world_size=1, cuda=False).model
+    assert (model.num_layers, model.hidden_size, model.num_query_groups, model.norm_epsilon) == (2, 64, 2, 1e-6)
+    assert model.padded_vocab_size == 768 and model.vocab_size == hf_tokenizer_data.vocab_size
     with pytest.raises(ArgumentError, match="--hidden-size 128 disagrees with the checkpoint in .* which has 64"):
-        parse_args([*base, "--hidden-size", "128"], world_size=1, cuda=False)
+        parse_config([*base, "--hidden-size", "128"], world_size=1, cuda=False)
     with pytest.raises(ArgumentError, match="--model-preset tiny sets --num-layers 4 but the checkpoint in .* has 2"):
-        parse_args([*base, "--model-preset", "tiny"], world_size=1, cuda=False)
+        parse_config([*base, "--model-preset", "tiny"], world_size=1, cuda=False)
 
 
+@pytest.mark.integration
 def test_bf16_run_exports_its_fp32_master_weights(hf_tokenizer_data, tmp_path):
     """A --bf16 run keeps fp32 masters in its optimizer state: export writes those (fp32, not
     bf16-representable after training), not the bf16 copies; --dtype bf16 rounds them."""
@@ -257,6 +263,7 @@ def test_bf16_run_exports_its_fp32_master_weights(hf_tokenizer_data, tmp_path):
     _load_quietly(str(tmp_path / "out"))
 
 
+@pytest.mark.integration
 def test_qkv_and_fc1_layouts_are_megatrons():
     """The pure mapping: linear_qkv is [q heads of group g; k_g; v_g] per query group, linear_fc1 is
     [gate; up], the vocabulary part is the first rows; export inverts import exactly."""

@@ -15,7 +15,7 @@ import torch
 from megatron.core import dist_checkpointing
 
 from conftest import resume_from, scalars, torchrun, train_args
-from megatron_snip.arguments import ArgumentError, parse_args
+from megatron_snip.arguments import ArgumentError, parse_config
 from megatron_snip.precision.fp8 import fp8_scale_from_amax
 from megatron_snip.precision.health import FIELDS, OPERANDS, HealthStats, combine, operand_health, summarize
 from megatron_snip.precision.plan import PrecisionPlan, module_names
@@ -32,6 +32,7 @@ def inject(at: int, param: str, **more) -> dict:
     return {"INJECT_AT": str(at), "INJECT_PARAM": param, **{k: str(v) for k, v in more.items()}}
 
 
+@pytest.mark.integration
 def test_fail_policy_raises_on_every_rank_and_keeps_the_last_good_checkpoint(tiny_data, tmp_path):
     ckpt = tmp_path / "ckpt"
     param = "decoder.layers.3.mlp.linear_fc2.weight"  # only TP rank 1's shard is corrupted
@@ -53,6 +54,7 @@ def test_fail_policy_raises_on_every_rank_and_keeps_the_last_good_checkpoint(tin
     assert list(scalars(tmp_path / "tb", "valid/lm loss")) == [2]
 
 
+@pytest.mark.integration
 def test_skip_policy_skips_counts_and_resumes_exactly(tiny_data, tmp_path):
     layout = ("--pipeline-model-parallel-size", "2", "--non-finite-grad-policy", "skip")
     digests = tmp_path / "digests"
@@ -75,6 +77,7 @@ def test_skip_policy_skips_counts_and_resumes_exactly(tiny_data, tmp_path):
     assert scalars(tmp_path / "tb_res", SKIPPED) == {5: 1, 6: 1}  # the count came back from the checkpoint
 
 
+@pytest.mark.integration
 def test_too_many_consecutive_skips_fail(tiny_data, tmp_path):
     """A gradient that is NaN at every step (here: from step 2 on, max 1 skip) stops the run."""
     proc = torchrun(1, train_args(tiny_data, "--non-finite-grad-policy", "skip", "--max-consecutive-skips", "0",
@@ -84,6 +87,7 @@ def test_too_many_consecutive_skips_fail(tiny_data, tmp_path):
     assert "1 consecutive iterations skipped (--max-consecutive-skips 0): giving up" in proc.stderr
 
 
+@pytest.mark.integration
 def test_a_checkpoint_never_holds_nonfinite_weights(tiny_data, tmp_path):
     """Without the check the NaN reaches the weights; the save at 4 refuses, the one at 2 stays the newest."""
     ckpt = tmp_path / "ckpt"
@@ -110,9 +114,10 @@ def test_spike_is_relative_to_the_median_of_recent_losses():
 ])
 def test_bad_safety_flags_are_named(tiny_data, flags, message):
     with pytest.raises(ArgumentError, match=re.escape(message)):
-        parse_args(train_args(tiny_data, *flags), world_size=1, cuda=False)
+        parse_config(train_args(tiny_data, *flags), world_size=1, cuda=False)
 
 
+@pytest.mark.integration
 def test_promote_on_fault_names_the_module_skips_and_recovers(tiny_data, tmp_path):
     """A NaN in one NVFP4 module's input: the health numbers name it, it is promoted to FP8 and the run goes on."""
     module = "decoder.layers.1.mlp.linear_fc2"

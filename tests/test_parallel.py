@@ -13,6 +13,8 @@ import torch
 
 from conftest import ROOT, resume_from, scalars, torchrun, train_args
 
+pytestmark = pytest.mark.integration  # every test here launches processes
+
 LOSS = "train/lm loss"
 VALID = "valid/lm loss"
 

@@ -8,10 +8,12 @@ import shutil
 import pytest
 
 from conftest import scalars, torchrun, train_args
-from megatron_snip.arguments import ArgumentError, parse_args
+from megatron_snip.arguments import ArgumentError, parse_config
 from megatron_snip.precision.plan import PrecisionPlan
 from megatron_snip.training.checkpointing import read_common_state
 from megatron_snip.training.precision import initial_plan
+
+pytestmark = pytest.mark.integration  # every test here launches processes
 
 FP4 = "train/fp4 flops fraction"
 SAVED = ("--precision", "nvfp4", "--fp8-recipe", "blockwise", "--nvfp4-disable-rht",
@@ -36,8 +38,8 @@ def resumed_at_2(run, tmp_path):
 
 
 def resume(data, ckpt, *extra):
-    args = parse_args(train_args(data, "--load", str(ckpt), *extra, iters=4), world_size=1, cuda=False)
-    return args, initial_plan(args, None if args.finetune else read_common_state(str(ckpt)))
+    config = parse_config(train_args(data, "--load", str(ckpt), *extra, iters=4), world_size=1, cuda=False)
+    return config.precision, initial_plan(config, None if config.checkpoint.finetune else read_common_state(str(ckpt)))
 
 
 def test_schedule_changes_the_plan_at_its_step_and_survives_a_resume(tiny_data, run, tmp_path):
@@ -52,27 +54,27 @@ def test_schedule_changes_the_plan_at_its_step_and_survives_a_resume(tiny_data, 
 
 
 def test_without_flags_the_checkpoint_plan_and_recipe_are_kept(tiny_data, run):
-    args, (plan, source) = resume(tiny_data, run / "ckpt")
+    prec, (plan, source) = resume(tiny_data, run / "ckpt")
     assert plan == PrecisionPlan.uniform("nvfp4") and source.startswith("the checkpoint's (iteration 4")
-    assert (args.fp8_recipe, args.nvfp4_disable_rht, args.fp4_recipe) == ("blockwise", True, "nvfp4")
-    assert args.precision_notes == []
+    assert (prec.fp8_recipe, prec.nvfp4_disable_rht, prec.fp4_recipe) == ("blockwise", True, "nvfp4")
+    assert prec.precision_notes == ()
 
 
 def test_given_flags_win_and_are_named(tiny_data, run):
-    args, (plan, source) = resume(tiny_data, run / "ckpt", "--precision", "bf16", "--fp8-recipe", "tensorwise",
+    prec, (plan, source) = resume(tiny_data, run / "ckpt", "--precision", "bf16", "--fp8-recipe", "tensorwise",
                                   "--no-nvfp4-disable-rht")
     assert plan == PrecisionPlan.uniform("bf16") and source == "--precision bf16"
-    assert (args.fp8_recipe, args.nvfp4_disable_rht) == ("tensorwise", False)
-    assert args.precision_notes == ["--fp8-recipe tensorwise replaces the checkpoint's blockwise",
-                                    "--nvfp4-disable-rht False replaces the checkpoint's True"]
+    assert (prec.fp8_recipe, prec.nvfp4_disable_rht) == ("tensorwise", False)
+    assert prec.precision_notes == ("--fp8-recipe tensorwise replaces the checkpoint's blockwise",
+                                    "--nvfp4-disable-rht False replaces the checkpoint's True")
     _, (plan, source) = resume(tiny_data, run / "ckpt", "--fp4-recipe", "mxfp4")
     assert plan == PrecisionPlan.uniform("mxfp4") and "its FP4 modules in --fp4-recipe mxfp4" in source
 
 
 def test_finetune_starts_from_the_command_line_precision(tiny_data, run):
-    args, (plan, source) = resume(tiny_data, run / "ckpt", "--finetune")
+    prec, (plan, source) = resume(tiny_data, run / "ckpt", "--finetune")
     assert plan == PrecisionPlan.uniform("bf16") and source == "bf16 (the default)"
-    assert args.fp8_recipe == "tensorwise"
+    assert prec.fp8_recipe == "tensorwise"
 
 
 def test_conflicting_plan_flags_are_one_error(tiny_data, run, tmp_path):

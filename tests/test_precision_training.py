@@ -29,6 +29,7 @@ def mixed_plan() -> PrecisionPlan:
     }, default=Precision.uniform("nvfp4"))
 
 
+@pytest.mark.integration
 def test_uniform_nvfp4_trains_at_tp2_pp2(tiny_data, tmp_path):
     torchrun(4, train_args(tiny_data, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                            "--precision", "nvfp4", "--tensorboard-dir", str(tmp_path / "tb"), iters=12))
@@ -38,6 +39,7 @@ def test_uniform_nvfp4_trains_at_tp2_pp2(tiny_data, tmp_path):
     assert set(scalars(tmp_path / "tb", FP4).values()) == {1.0}
 
 
+@pytest.mark.integration
 def test_mixed_plan_file_at_tp2(tiny_data, tmp_path):
     plan = mixed_plan()
     plan.save(tmp_path / "plan.json")
@@ -51,6 +53,7 @@ def test_mixed_plan_file_at_tp2(tiny_data, tmp_path):
     assert losses[6] < losses[1]
 
 
+@pytest.mark.integration
 def test_resume_continues_the_quantization_state_bit_for_bit(tiny_data, tmp_path):
     """Stochastic rounding (nvfp4, mxfp4 gradients) and delayed scaling (fp8) carry state from
     step to step; a run resumed at 3 must draw the same rounding and use the same scales as
@@ -73,6 +76,7 @@ def test_resume_continues_the_quantization_state_bit_for_bit(tiny_data, tmp_path
     assert {k: losses[k] for k in again} == again
 
 
+@pytest.mark.integration
 def test_plan_change_takes_effect_next_iteration_and_survives_checkpoint(tiny_data, tmp_path):
     plan = mixed_plan()
     plan.save(tmp_path / "plan.json")
@@ -94,11 +98,11 @@ def test_plan_change_takes_effect_next_iteration_and_survives_checkpoint(tiny_da
 
 
 def test_bad_plan_file_is_reported(tiny_data, tmp_path):
-    from megatron_snip.arguments import ArgumentError, parse_args
+    from megatron_snip.arguments import ArgumentError, parse_config
 
     (tmp_path / "plan.json").write_text('{"version": 1, "default": "fp6", "modules": {}}')
     with pytest.raises(ArgumentError, match=r"--precision-plan .*plan.json.*fp6"):
-        parse_args(train_args(tiny_data, "--precision-plan", str(tmp_path / "plan.json")), world_size=1, cuda=False)
+        parse_config(train_args(tiny_data, "--precision-plan", str(tmp_path / "plan.json")), world_size=1, cuda=False)
     with pytest.raises(ArgumentError, match=r"--precision-plan .*missing.json: file not found"):
-        parse_args(train_args(tiny_data, "--precision-plan", str(tmp_path / "missing.json")), world_size=1,
+        parse_config(train_args(tiny_data, "--precision-plan", str(tmp_path / "missing.json")), world_size=1,
                    cuda=False)

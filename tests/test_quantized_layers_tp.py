@@ -175,6 +175,7 @@ def layer_alignment(world):
     return results
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 @pytest.mark.parametrize("kind", ["column", "row"])
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -194,6 +195,7 @@ def test_tp2_matches_tp1(results, kind, precision, sequence_parallel):
     assert not torch.equal(tp1[name], magnitude[name])  # the bound is not trivially the value itself
 
 
+@pytest.mark.integration
 def test_split_not_on_block_boundaries_is_refused(results):
     align = results["layer_alignment"]
     assert "cannot run mxfp4" in align["error"] and "TP=2" in align["error"] and "48 per rank" in align["error"]
@@ -298,12 +300,14 @@ def gpt_training():
     return out
 
 
+@pytest.mark.integration
 def test_controller_names_every_linear_globally(results):
     gpt = results["gpt"]
     assert gpt["names"] == gpt["expected_names"]
     assert gpt["current"] and gpt["current_mixed"]
 
 
+@pytest.mark.integration
 def test_plan_changes_take_effect_immediately(results):
     s = results["gpt"]["switch"]
     assert torch.equal(s["bf16"], s["reference"]), "bf16 must be megatron-core's own forward"
@@ -312,6 +316,7 @@ def test_plan_changes_take_effect_immediately(results):
     assert torch.equal(s["back"], s["bf16"])
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("plan", ["nvfp4", "mixed"])
 def test_quantized_gpt_trains(results, plan):
     losses, bf16 = results["gpt"][plan], results["gpt"]["bf16"]
@@ -381,6 +386,7 @@ def tp_model_alignment():
     return out
 
 
+@pytest.mark.integration
 def test_pipeline_stages_use_global_layer_names(results):
     first, second = results["pp_names"]
     assert [n.split(".")[2] for n in first] == ["0"] * 4 + ["1"] * 4
@@ -388,6 +394,7 @@ def test_pipeline_stages_use_global_layer_names(results):
     assert second[-1] == "decoder.layers.3.mlp.linear_fc2"
 
 
+@pytest.mark.integration
 def test_tensor_parallel_model_checks_alignment_before_changing(results):
     out = results["tp_model"]
     assert "decoder.layers.0.mlp.linear_fc1: cannot run mxfp4" in out["error"]

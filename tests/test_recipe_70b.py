@@ -44,6 +44,7 @@ def plan_at(save_dir, iteration: int) -> dict:
     return json.loads((save_dir / "snip" / f"snip_iter_{iteration:07d}.json").read_text())["cycle"]["plan"]
 
 
+@pytest.mark.integration
 def test_recipe_trains_replans_and_resumes_exactly(tiny_data, tmp_path):
     flags = recipe_flags(tmp_path / "record")
     full, resumed = tmp_path / "full", tmp_path / "resumed"
@@ -66,7 +67,7 @@ def test_recipe_trains_replans_and_resumes_exactly(tiny_data, tmp_path):
 
 
 def test_context_parallelism_is_refused_before_start_up(tiny_data):
-    from megatron_snip.arguments import ArgumentError, parse_args
+    from megatron_snip.arguments import ArgumentError, parse_config
 
     with pytest.raises(ArgumentError, match="--context-parallel-size 2: context parallelism is not supported"):
-        parse_args(train_args(tiny_data, "--context-parallel-size", "2"), world_size=2, cuda=True)
+        parse_config(train_args(tiny_data, "--context-parallel-size", "2"), world_size=2, cuda=True)

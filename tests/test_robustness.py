@@ -9,8 +9,11 @@ import subprocess
 import sys
 
 import psutil
+import pytest
 
 from conftest import ROOT, free_port, scalars, torchrun, train_args
+
+pytestmark = pytest.mark.integration  # every test here launches processes
 
 
 def test_sigterm_saves_and_exits_zero(tiny_data, tmp_path):

@@ -142,7 +142,7 @@ def _batches(n, seed):
 def _train(chunks, optimizer, batches, steps):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_snip.training.trainer import forward_step
+    from megatron_snip.model.step import forward_step
 
     schedule = get_forward_backward_func()
     for i in range(steps):
@@ -270,6 +270,7 @@ def single(tmp_path_factory):
     return torch.load(out / "single.pt", weights_only=False)
 
 
+@pytest.mark.integration
 def test_probe_leaves_no_trace(single):
     assert single["state_was_live"], "the check needs gradients and param.grad references to preserve"
     assert single["unchanged"] == {k: True for k in single["unchanged"]}, single["unchanged"]
@@ -277,6 +278,7 @@ def test_probe_leaves_no_trace(single):
     assert single["grads_zeroed"] and single["params_unchanged_default"]
 
 
+@pytest.mark.integration
 def test_statistics_are_finite_and_complete(single):
     from megatron_snip.precision.plan import module_names
     from megatron_snip.snip.statistics import ProbeStatistics
@@ -293,6 +295,7 @@ def test_statistics_are_finite_and_complete(single):
             assert getattr(m.errors["fp8"], field) < getattr(m.errors["nvfp4"], field)
 
 
+@pytest.mark.integration
 def test_first_order_term_of_probe_and_ground_truth_agree(single):
     """Two independent computations of <dY, E_f>: the probe's clean pass and the ground truth's real runs."""
     probe, truth = single["first_order"]
@@ -301,6 +304,7 @@ def test_first_order_term_of_probe_and_ground_truth_agree(single):
             assert probe[m][f] == pytest.approx(truth[m][f], rel=1e-4, abs=1e-9)
 
 
+@pytest.mark.integration
 def test_estimators_rank_like_the_ground_truth(single):
     rho = single["rho"]
     print(f"\nclean loss {single['stats']['loss']:.3f}; probe {single['probe_seconds']:.1f} s, ground truth "
@@ -409,6 +413,7 @@ TOLERANCE = {"curvature": 3e-4, "gain": 2e-3, "errors.output_sq": 2e-3, "errors.
              "errors.input_grad_sq": 2e-3, "errors.update_sq": 2e-3}
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_statistics_do_not_depend_on_the_parallel_layout(parallel, layout):
     sharded = LAYOUTS[layout][1].get("distributed_optimizer", False)
@@ -426,6 +431,7 @@ def test_statistics_do_not_depend_on_the_parallel_layout(parallel, layout):
             assert a == pytest.approx(b, rel=0.1)
 
 
+@pytest.mark.integration
 def test_tensor_parallel_split_off_block_boundaries_is_recorded(parallel):
     tp2 = parallel["tp2"]["modules"]
     # SwiGLU's fc1 holds two slices of 80 rows per rank, fc2 80 input columns: not mxfp4's 32.

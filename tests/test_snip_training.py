@@ -10,6 +10,8 @@ import pytest
 from conftest import scalars, torchrun, train_args
 from megatron_snip.precision.plan import PrecisionPlan, module_names
 
+pytestmark = pytest.mark.integration  # every test here launches processes
+
 TARGET = 0.5
 LAYOUT = ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2")
 SNIP = ("--snip", "--snip-fp4-target", str(TARGET), "--save-interval", "3", "--snip-probe-passes", "1",

@@ -15,7 +15,7 @@ import torch
 from megatron.core.enums import Fp4Recipe, Fp8Recipe
 
 from conftest import train_args
-from megatron_snip.arguments import ArgumentError, parse_args
+from megatron_snip.arguments import ArgumentError, parse_config
 from megatron_snip.model.te_precision import TELinearPrecision, te_quant_params
 from megatron_snip.precision.recipes import Precision, RecipeConfig
 
@@ -83,7 +83,7 @@ def test_adapter_switches_the_module_recipe_and_names_the_module_on_errors():
 def test_te_flags_are_checked_before_start(tiny_data, extra, message):
     argv = train_args(tiny_data, "--transformer-impl", "transformer_engine", *extra)
     with pytest.raises(ArgumentError, match=message):
-        parse_args(argv, world_size=1, cuda=True)
+        parse_config(argv, world_size=1, cuda=True)
 
 
 def test_nvfp4_switches_become_transformer_engine_environment(monkeypatch):

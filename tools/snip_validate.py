@@ -39,13 +39,11 @@ def main() -> int:
     silence_cpu_warnings()
     import torch.distributed as dist
 
-    from megatron_snip.arguments import ArgumentError, parse_args
+    from megatron_snip.arguments import ArgumentError
+    from megatron_snip.cli import trainer_from_command_line
     from megatron_snip.snip.estimators import divergences, local_error_baselines
     from megatron_snip.snip.ground_truth import backward_ground_truth, forward_ground_truth, rank_correlations
     from megatron_snip.snip.probes import ProbeConfig, gather_across_pipeline, run_probe_cycle
-    from megatron_snip.training.logger import setup_console
-    from megatron_snip.training.setup import initialize_distributed
-    from megatron_snip.training.trainer import Trainer
 
     own = argparse.ArgumentParser(add_help=False)
     own.add_argument("--validate-batches", type=int, default=2, help="global batches of the ground truth")
@@ -53,34 +51,33 @@ def main() -> int:
     own.add_argument("--output", default=None, help="write the correlations and all values as JSON")
     opts, rest = own.parse_known_args()
     try:
-        args = parse_args(rest)
+        trainer = trainer_from_command_line(rest)
     except ArgumentError as e:
         print(f"snip_validate.py: error: {e}", file=sys.stderr)
         return 2
-    setup_console()
-    initialize_distributed(args)
-    trainer = Trainer(args)
-    if args.load:
+    config = trainer.config
+    if config.checkpoint.load:
         trainer.resume()
-    if trainer.state.iteration < args.train_iters:  # a fresh model: train it first
+    if trainer.state.iteration < config.training.train_iters:  # a fresh model: train it first
         trainer.train()
-    formats = [f for f in args.snip_formats if f != "bf16"]
-    n_mb = args.num_microbatches
+    formats = [f for f in config.snip.snip_formats if f != "bf16"]
+    n_mb = config.training.num_microbatches
+    seq_length, micro_batch_size = config.model.seq_length, config.training.micro_batch_size
     data = trainer.batches("train", trainer.state.consumed_samples)
     batches = [list(islice(data, n_mb)) for _ in range(opts.validate_batches)]
 
     stats = gather_across_pipeline(run_probe_cycle(
         trainer.model, trainer.optimizer, trainer.precision, iter(batches[0]), num_microbatches=n_mb,
-        seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-        config=ProbeConfig(formats=tuple(formats), hutchinson_probes=args.snip_probe_passes,
-                           perturbation_probes=args.snip_probe_passes, seed=args.seed),
+        seq_length=seq_length, micro_batch_size=micro_batch_size,
+        config=ProbeConfig(formats=tuple(formats), hutchinson_probes=config.snip.snip_probe_passes,
+                           perturbation_probes=config.snip.snip_probe_passes, seed=config.training.seed),
         iteration=trainer.state.iteration))
     est = divergences(stats)
     est_fwd = {m: {f: d.forward for f, d in per.items()} for m, per in est.items()}
     est_bwd = {m: {f: d.backward for f, d in per.items()} for m, per in est.items()}
     absolute, relative = local_error_baselines(stats)
     seeds = tuple(range(opts.validate_seeds))
-    common = dict(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, seeds=seeds)
+    common = dict(seq_length=seq_length, micro_batch_size=micro_batch_size, seeds=seeds)
     fwd = forward_ground_truth(trainer.model, trainer.precision, batches, formats, **common)
     bwd = backward_ground_truth(trainer.model, trainer.optimizer, trainer.precision, batches, formats, **common)
 

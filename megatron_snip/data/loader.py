@@ -14,6 +14,8 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch.utils.data import DataLoader
 
+from megatron_snip.compat.device import has_cuda
+
 
 class MicroBatchSampler:
     """Yields the dataset indices of this DP rank's micro-batches, forever, from ``consumed_samples``."""
@@ -41,5 +43,5 @@ def micro_batches(dataset: Sequence, micro_batch_size: int, dp_rank: int, dp_siz
     """
     sampler = MicroBatchSampler(len(dataset), micro_batch_size, dp_rank, dp_size, consumed_samples)
     loader = DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                        pin_memory=torch.cuda.is_available(), persistent_workers=False)
+                        pin_memory=has_cuda(), persistent_workers=False)
     return iter(loader)

@@ -11,7 +11,6 @@ the model and writes the Hugging Face tensors shard by shard.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -19,6 +18,7 @@ import shutil
 import socket
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
@@ -29,6 +29,10 @@ from megatron_snip.interop.convert import (
     LlamaLayout, export_part, hf_names, import_part, megatron_target, zero_padding_rows,
 )
 from megatron_snip.interop.hf_files import HFFormatError, HFLlamaConfig
+
+if TYPE_CHECKING:
+    from megatron_snip.model.config import ModelConfig
+    from megatron_snip.training.config import RunConfig
 
 # Files of a Hugging Face directory kept with an imported checkpoint (SAVE/hf_files/) and
 # written back on export: the tokenizer and the generation settings.
@@ -73,47 +77,47 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def single_process(saved: dict):
-    """A one-process gloo group and the argument namespace of a TP=1 PP=1 model of shape ``saved``."""
+    """A one-process gloo group and the configuration of a TP=1 PP=1 model of shape ``saved`` (a
+    checkpoint's arguments, with its tokenizer)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_snip.arguments import apply_preset, build_parser, validate_args
-    from megatron_snip.model.checkpoint_shape import apply_checkpoint_shape
+    from megatron_snip.arguments import checkpoint_config
+    from megatron_snip.compat.device import setup_device
     from megatron_snip.training.setup import initialize_distributed
 
-    args = build_parser().parse_args(["--train-iters", "0"])
-    apply_checkpoint_shape(args, saved, "the conversion")
-    args.bf16 = bool(saved.get("bf16"))
-    args = validate_args(apply_preset(args), world_size=1, cuda=False, check_files=False)
+    config = checkpoint_config(saved, bf16=bool(saved.get("bf16")),
+                               tokenizer=(saved.get("tokenizer_type"), saved.get("tokenizer_model")))
     for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
                        "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
         os.environ.setdefault(key, value)
-    initialize_distributed(args)
+    setup_device()
+    initialize_distributed(config.parallel, config.training.seed)
     try:
-        yield args
+        yield config
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
 
 
-def _build(args: argparse.Namespace):
+def _build(run: RunConfig):
     from megatron_snip.model.llama import build_model, transformer_config
 
-    config = transformer_config(args)
+    config = transformer_config(run.model, run.parallel)
     # Every parameter is then overwritten (an import fills every part or fails; an export loads
     # them all), so the random initialisation would only cost time (a minute at 1.1B on a CPU).
     config.perform_initialization = False
-    (model,) = build_model(args, config, args.vocab_size)  # no virtual stages here
+    (model,) = build_model(run.model, run.parallel, config, run.model.vocab_size)  # no virtual stages here
     model.eval()
     return model
 
 
-def _layout(args: argparse.Namespace) -> LlamaLayout:
+def _layout(model: ModelConfig) -> LlamaLayout:
     return LlamaLayout(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
-        vocab_size=args.vocab_size,
-        tied=bool(args.share_embeddings_and_output_weights))
+        num_layers=model.num_layers, hidden_size=model.hidden_size, ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
+        vocab_size=model.vocab_size,
+        tied=bool(model.share_embeddings_and_output_weights))
 
 
 @dataclass(frozen=True)
@@ -139,9 +143,9 @@ def import_hf(load_dir: str, save_dir: str, divisible_by: int = 128, dtype: str 
     config = hf_files.read_config(load_dir)
     files = hf_files.weight_files(load_dir)  # before any work: a missing shard fails here
     saved = checkpoint_args(config, divisible_by, DTYPES[dtype])
-    with single_process(saved) as args:
-        model = _build(args)
-        layout = _layout(args)
+    with single_process(saved) as run:
+        model = _build(run)
+        layout = _layout(run.model)
         params = dict(model.named_parameters())
         expected = hf_names(layout)
         for name, tensor in tqdm(hf_files.iter_tensors(files), total=len(files), desc="import",
@@ -207,28 +211,29 @@ def _saved_args(load_dir: str) -> tuple[dict, dict]:
     return saved, common
 
 
-def _hf_config(args: argparse.Namespace, saved: dict, dtype: torch.dtype) -> HFLlamaConfig:
+def _hf_config(model: ModelConfig, saved: dict, dtype: torch.dtype) -> HFLlamaConfig:
     return HFLlamaConfig(
-        vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=args.ffn_hidden_size,
-        num_hidden_layers=args.num_layers, num_attention_heads=args.num_attention_heads,
-        num_key_value_heads=args.num_query_groups, max_position_embeddings=args.max_position_embeddings,
-        rope_theta=float(args.rotary_base), rms_norm_eps=args.norm_epsilon,
-        tie_word_embeddings=bool(args.share_embeddings_and_output_weights),
-        rope_scaling_factor=args.rope_scaling_factor if args.use_rope_scaling else None,
+        vocab_size=model.vocab_size, hidden_size=model.hidden_size, intermediate_size=model.ffn_hidden_size,
+        num_hidden_layers=model.num_layers, num_attention_heads=model.num_attention_heads,
+        num_key_value_heads=model.num_query_groups, max_position_embeddings=model.max_position_embeddings,
+        rope_theta=float(model.rotary_base), rms_norm_eps=model.norm_epsilon,
+        tie_word_embeddings=bool(model.share_embeddings_and_output_weights),
+        rope_scaling_factor=model.rope_scaling_factor if model.use_rope_scaling else None,
         bos_token_id=saved.get("hf_bos_token_id"), eos_token_id=saved.get("hf_eos_token_id"),
         torch_dtype=_DTYPE_NAMES[dtype])
 
 
-def _tokenizer_files(args: argparse.Namespace) -> dict[str, str]:
+def _tokenizer_files(run: RunConfig) -> dict[str, str]:
     """Destination name -> source path of the tokenizer and generation files this model uses:
     the training run's tokenizer if it is a Hugging Face one, else the files an import kept."""
     files = {}
-    if args.hf_files and os.path.isdir(args.hf_files):
-        files.update({f: os.path.join(args.hf_files, f) for f in os.listdir(args.hf_files) if f in KEPT_FILES})
-    if args.tokenizer_type == "HuggingFaceTokenizer" and args.tokenizer_model:
+    kept = run.model.hf_files
+    if kept and os.path.isdir(kept):
+        files.update({f: os.path.join(kept, f) for f in os.listdir(kept) if f in KEPT_FILES})
+    if run.data.tokenizer_type == "HuggingFaceTokenizer" and run.data.tokenizer_model:
         from megatron_snip.data.hf_tokenizer import tokenizer_files
 
-        files.update(tokenizer_files(args.tokenizer_model))
+        files.update(tokenizer_files(run.data.tokenizer_model))
     return files
 
 
@@ -247,23 +252,21 @@ def export_hf(load_dir: str, save_dir: str, dtype: str = "auto", max_shard_bytes
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     # With fp32 masters in the checkpoint, the model is built in fp32 to receive them.
-    with single_process({**saved, "bf16": saved.get("bf16") and not masters}) as args:
-        # The saved run's tokenizer (for its files), not the defaults of the conversion's namespace.
-        args.tokenizer_type, args.tokenizer_model = saved.get("tokenizer_type"), saved.get("tokenizer_model")
-        model = _build(args)
+    with single_process({**saved, "bf16": saved.get("bf16") and not masters}) as run:
+        model = _build(run)
         if masters:
             _load_fp32_masters(load_dir, model)
         else:
             load_checkpoint(load_dir, model, None, None, load_optim=False, load_rng=False)
-        layout = _layout(args)
+        layout = _layout(run.model)
         params = dict(model.named_parameters())
         out_dtype = next(model.parameters()).dtype if dtype == "auto" else DTYPES[dtype]
         names = hf_names(layout)
         tensors = ((n, export_part(params[m], part, layout).to(out_dtype)) for n, (m, part) in names.items())
         hf_files.write_shards(tqdm(tensors, total=len(names), desc="export", disable=not progress, unit="tensor"),
                               tmp, max_shard_bytes)
-        config = _hf_config(args, saved, out_dtype)
-        copied = _tokenizer_files(args)
+        config = _hf_config(run.model, saved, out_dtype)
+        copied = _tokenizer_files(run)
         n = sum(p.numel() for p in model.parameters())
     for name, src in copied.items():
         shutil.copyfile(src, os.path.join(tmp, name))

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 
-import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_snip.compat.device import has_cuda
+from megatron_snip.model.config import ModelConfig, ParallelConfig
 from megatron_snip.model.norms import block_spec, with_torch_norms
 from megatron_snip.model.quantized_layers import precision_layer_spec
+from megatron_snip.precision.flops import LlamaLinearDims
+from megatron_snip.precision.plan import LINEAR_MODULES
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
@@ -32,37 +34,36 @@ def fused_softmax_available() -> bool:
     return all(importlib.util.find_spec(name) is not None for name in FUSED_SOFTMAX_MODULES)
 
 
-def transformer_config(args: argparse.Namespace) -> TransformerConfig:
-    """The megatron-core config of a Llama model from validated arguments."""
-    cuda = torch.cuda.is_available()
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
+def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> TransformerConfig:
+    """The megatron-core config of a Llama model in a parallel layout."""
+    cuda = has_cuda()
     return TransformerConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        kv_channels=args.hidden_size // args.num_attention_heads,
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.kv_channels,
         normalization="RMSNorm",
-        layernorm_epsilon=args.norm_epsilon,
+        layernorm_epsilon=model.norm_epsilon,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=False,
-        init_method_std=args.init_method_std,
-        attention_dropout=args.attention_dropout,
-        hidden_dropout=args.hidden_dropout,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        init_method_std=model.init_method_std,
+        attention_dropout=model.attention_dropout,
+        hidden_dropout=model.hidden_dropout,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
         # Interleaved schedule: unbatched p2p. Batched p2p mis-pairs messages at PP=2 over gloo (the
         # previous and the next rank are the same peer; an activation and a gradient sent to it in
         # one batch arrive in the other order from the one the receiver posted; same shape, no error).
-        batch_p2p_comm=args.virtual_pipeline_model_parallel_size is None,
-        sequence_parallel=args.sequence_parallel,
-        pipeline_dtype=dtype,
-        params_dtype=dtype,
-        bf16=args.bf16,
+        batch_p2p_comm=parallel.virtual_pipeline_model_parallel_size is None,
+        sequence_parallel=parallel.sequence_parallel,
+        pipeline_dtype=model.params_dtype,
+        params_dtype=model.params_dtype,
+        bf16=model.bf16,
         # On CPU, initialise the full weight and slice it, so every TP layout
         # starts from the same weights (TP parity); on GPU initialise in place.
         use_cpu_initialization=not cuda,
@@ -72,19 +73,19 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         apply_rope_fusion=False,
-        recompute_granularity=args.recompute_granularity,
-        recompute_method=args.recompute_method,
-        recompute_num_layers=args.recompute_num_layers,
+        recompute_granularity=model.recompute_granularity,
+        recompute_method=model.recompute_method,
+        recompute_num_layers=model.recompute_num_layers,
         deallocate_pipeline_outputs=True,
         cuda_graph_scope=[],  # megatron-core 0.16's default "full" only warns that it is deprecated
     )
 
 
-def layer_spec(args: argparse.Namespace) -> ModuleSpec:
+def layer_spec(transformer_impl: str) -> ModuleSpec:
     """The transformer-layer spec: megatron-core's local modules (with quantized linears) or TE's."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if args.transformer_impl == "transformer_engine":
+    if transformer_impl == "transformer_engine":
         try:
             import transformer_engine  # noqa: F401
         except ImportError as e:
@@ -98,48 +99,50 @@ def layer_spec(args: argparse.Namespace) -> ModuleSpec:
     return precision_layer_spec(with_torch_norms(gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")))
 
 
-def build_model(args: argparse.Namespace, config: TransformerConfig, vocab_size: int) -> list[GPTModel]:
+def build_model(model: ModelConfig, parallel: ParallelConfig, config: TransformerConfig,
+                vocab_size: int) -> list[GPTModel]:
     """This pipeline rank's model chunks: one, or one per virtual pipeline stage (interleaved
     schedule); the embedding sits in the first stage's first chunk, the head in the last's last."""
-    spec = layer_spec(args)
-    vpp = args.virtual_pipeline_model_parallel_size
+    spec = layer_spec(model.transformer_impl)
+    vpp = parallel.virtual_pipeline_model_parallel_size
     stages = [None] if vpp is None else list(range(vpp))
     # A loaded checkpoint fixes the padded vocabulary (checkpoint_shape) so it loads at any TP.
-    rows = args.padded_vocab_size or padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by,
-                                                       args.tensor_model_parallel_size)
+    rows = model.padded_vocab_size or padded_vocab_size(vocab_size, model.make_vocab_size_divisible_by,
+                                                        parallel.tensor_model_parallel_size)
     return [GPTModel(
         config=config,
-        transformer_layer_spec=spec if args.transformer_impl == "transformer_engine"
+        transformer_layer_spec=spec if model.transformer_impl == "transformer_engine"
         else block_spec(spec, config, vp_stage),
         vocab_size=rows,
-        max_sequence_length=args.max_position_embeddings,
+        max_sequence_length=model.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vpp is None, vp_stage=vp_stage),
         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=vpp is None, vp_stage=vp_stage),
         # Tied only for checkpoints imported from tied models (Llama 3.2 1B/3B).
-        share_embeddings_and_output_weights=bool(args.share_embeddings_and_output_weights),
+        share_embeddings_and_output_weights=bool(model.share_embeddings_and_output_weights),
         position_embedding_type="rope",
-        rotary_base=args.rotary_base,
-        rope_scaling=args.use_rope_scaling,
-        rope_scaling_factor=args.rope_scaling_factor,
+        rotary_base=model.rotary_base,
+        rope_scaling=model.use_rope_scaling,
+        rope_scaling_factor=model.rope_scaling_factor,
         vp_stage=vp_stage,
     ) for vp_stage in stages]
 
 
-def num_parameters(args: argparse.Namespace, vocab_size: int) -> int:
-    """Total parameters of the full model (all stages and shards)."""
-    h, f, L = args.hidden_size, args.ffn_hidden_size, args.num_layers
-    kv = args.num_query_groups * (h // args.num_attention_heads)
-    per_layer = h * (h + 2 * kv) + h * h + 3 * h * f + 2 * h
-    return L * per_layer + 2 * vocab_size * h + h
+def _linear_weights_per_layer(model: ModelConfig) -> int:
+    dims = LlamaLinearDims.from_config(model)
+    return sum(fan_in * fan_out for fan_in, fan_out in map(dims.in_out, LINEAR_MODULES))
 
 
-def flops_per_token(args: argparse.Namespace, vocab_size: int) -> float:
+def num_parameters(model: ModelConfig, vocab_size: int) -> int:
+    """Total parameters of the full model (all stages and shards; untied embedding and output layer)."""
+    h = model.hidden_size
+    return model.num_layers * (_linear_weights_per_layer(model) + 2 * h) + 2 * vocab_size * h + h
+
+
+def flops_per_token(model: ModelConfig, vocab_size: int) -> float:
     """Training FLOPs per token (forward + backward = 3x forward), dense matmuls only.
 
     Linear layers: 6 FLOPs per weight per token; attention scores and values:
     12 * layers * hidden * seq (causal masking not discounted, as in Megatron).
     """
-    h, f, L, s = args.hidden_size, args.ffn_hidden_size, args.num_layers, args.seq_length
-    kv = args.num_query_groups * (h // args.num_attention_heads)
-    linear_weights = L * (h * (h + 2 * kv) + h * h + 3 * h * f) + vocab_size * h
-    return 6.0 * linear_weights + 12.0 * L * h * s
+    linear_weights = model.num_layers * _linear_weights_per_layer(model) + vocab_size * model.hidden_size
+    return 6.0 * linear_weights + 12.0 * model.num_layers * model.hidden_size * model.seq_length

@@ -46,7 +46,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.utils import get_pg_size
 
 from megatron_snip.precision.linear import QuantState, quantized_linear
-from megatron_snip.precision.recipes import BF16, Precision, RecipeConfig, reduction_block
+from megatron_snip.precision.recipes import BF16, Precision, RecipeConfig, misaligned_split
 
 
 class PlanLinear(abc.ABC):
@@ -119,14 +119,14 @@ class QuantizedLinearMixin(PlanLinear):
         # slices of the full tensor: each must start on a block boundary.
         stride = getattr(self.weight, "partition_stride", 1)
         size = getattr(self, self.sharded_size_attr) // stride
-        for name in dict.fromkeys((precision.fwd, precision.bwd)):
-            block = reduction_block(name, recipe)
-            if size % block:
-                slices = f" in {stride} slices of {size}" if stride > 1 else f" ({size} per rank)"
-                raise ValueError(
-                    f"{self.module_name}: cannot run {name}: its {self.sharded_dim} dimension is split over "
-                    f"TP={tp} ranks{slices}, not a multiple of the {name} block of {block}"
-                )
+        bad = misaligned_split(precision, recipe, size)
+        if bad is not None:
+            name, block = bad
+            slices = f" in {stride} slices of {size}" if stride > 1 else f" ({size} per rank)"
+            raise ValueError(
+                f"{self.module_name}: cannot run {name}: its {self.sharded_dim} dimension is split over "
+                f"TP={tp} ranks{slices}, not a multiple of the {name} block of {block}"
+            )
 
     def _amax_all_reduce(self, amax: torch.Tensor) -> torch.Tensor:
         # NaN -> Inf first: MAX over a NaN is order-dependent, Inf is not, and a non-finite

@@ -27,6 +27,9 @@ from dataclasses import dataclass
 from .plan import LINEAR_MODULES, PrecisionPlan, module_names, parse_module_name
 from .registry import PRECISION_NAMES, family
 
+# Row-parallel modules split their input (reduction) dimension across TP ranks; the others their output.
+ROW_PARALLEL = ("self_attention.linear_proj", "mlp.linear_fc2")
+
 
 def gemm_flops(tokens: int, in_features: int, out_features: int) -> int:
     """FLOPs of one GEMM of a linear layer (fprop, dgrad or wgrad): 2 * tokens * in * out."""
@@ -55,7 +58,7 @@ class LlamaLinearDims:
 
     @classmethod
     def from_config(cls, config) -> LlamaLinearDims:
-        """From a megatron-core ``TransformerConfig``."""
+        """From a megatron-core ``TransformerConfig`` or the run's ``ModelConfig``."""
         return cls(
             num_layers=config.num_layers,
             hidden_size=config.hidden_size,
@@ -64,6 +67,20 @@ class LlamaLinearDims:
             num_query_groups=config.num_query_groups or config.num_attention_heads,
             gated=config.gated_linear_unit,
         )
+
+    def tp_slice(self, module: str, tp: int) -> tuple[str, int]:
+        """Which dimension tensor parallelism splits in ``module`` ("input" for the row-parallel
+        proj/fc2, else "output") and the length of each rank's contiguous slice of it (SwiGLU's
+        fc1 holds a gate and an up slice per rank)."""
+        fan_in, fan_out = self.in_out(module)
+        if module in ROW_PARALLEL:
+            return "input", fan_in // tp
+        return "output", fan_out // tp // (2 if module == "mlp.linear_fc1" and self.gated else 1)
+
+    def tp_shape(self, module: str, tp: int) -> tuple[int, int]:
+        """(in, out) features of one tensor-parallel rank's shard of ``module``."""
+        fan_in, fan_out = self.in_out(module)
+        return (fan_in // tp, fan_out) if module in ROW_PARALLEL else (fan_in, fan_out // tp)
 
     def in_out(self, module: str) -> tuple[int, int]:
         """(in, out) features of linear ``module`` (one of ``plan.LINEAR_MODULES``)."""

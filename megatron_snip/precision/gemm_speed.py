@@ -33,6 +33,8 @@ from types import MappingProxyType
 
 import torch
 
+from megatron_snip.compat.device import has_cuda
+
 from .recipes import PRECISION_NAMES, Precision, RecipeConfig, operand_quantizer
 from .registry import SCHEME_NAMES
 
@@ -96,7 +98,7 @@ PEAK_MODELS: dict[str, GemmSpeedModel] = {m.name: m for m in (
 def detect_speed_model(device: torch.device | None = None) -> tuple[str, str]:
     """(model name, why) for ``--gemm-speed-model auto``: from the CUDA compute capability; without
     a GPU, blackwell (the hardware FP4 plans are made for)."""
-    if not torch.cuda.is_available():
+    if not has_cuda():
         return "blackwell", "no CUDA device here: estimating for blackwell, the hardware with FP4 tensor cores"
     major, minor = torch.cuda.get_device_capability(device)
     name = torch.cuda.get_device_name(device)

@@ -34,11 +34,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from megatron_snip.compat.device import has_cuda
+
 from .blocks import tensor_amax
 from .formats import FloatFormat, round_to_format
 from .fp8 import FP8DelayedScaling, fp8_scale_from_amax
-from .health import HealthStats
 from .hadamard import HADAMARD_SIZE, random_hadamard_transform, random_signs
+from .health import HealthStats
 from .quantize import quantize_dequantize
 from .recipes import OperandQuantizer, Precision, RecipeConfig, operand_quantizer
 
@@ -90,7 +92,7 @@ class QuantState:
         self.delayed = dict(state["delayed"])
         for device, generator_state in state["generators"].items():
             device = torch.device(device)
-            if device.type == "cuda" and not torch.cuda.is_available():
+            if device.type == "cuda" and not has_cuda():
                 continue
             self.generator(device).set_state(generator_state)
 

@@ -210,6 +210,18 @@ def operand_quantizer(name: str, gemm: str, operand: str, recipe: RecipeConfig =
     )
 
 
+def misaligned_split(precision: Precision, recipe: RecipeConfig, slice_size: int) -> tuple[str, int] | None:
+    """The alignment rule of tensor parallelism, the one place it is written: where TP splits a
+    module's weight, every rank's slice (``slice_size`` elements along the split dimension) must
+    hold whole scaling blocks, so that every rank's blocks are blocks of the unsplit tensor.
+    Returns the first format of ``precision`` that breaks it and its block, or None."""
+    for name in dict.fromkeys((precision.fwd, precision.bwd)):
+        block = reduction_block(name, recipe)
+        if slice_size % block:
+            return name, block
+    return None
+
+
 def reduction_block(name: str, recipe: RecipeConfig = RecipeConfig()) -> int:
     """Largest scaling block along any reduction dim for precision ``name``: a dimension
     split across tensor-parallel ranks must be a multiple of it per rank, so that every

@@ -19,7 +19,10 @@ from megatron.core.optimizer.optimizer import ChainedOptimizer, Float16Optimizer
 from megatron.core.transformer.module import param_is_not_shared
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from megatron_snip.compat.device import current_device
+
 from .estimators import adam_preconditioner, adam_step_scale, adam_update
+
 
 @dataclass(eq=False)
 class AdamSlice:
@@ -138,7 +141,7 @@ class AdamView:
 
 
 def _default_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return current_device()
 
 
 def _main_params(opt):

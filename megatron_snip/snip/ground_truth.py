@@ -34,12 +34,13 @@ from megatron.core import parallel_state
 
 from megatron_snip.model.precision_control import PrecisionController
 from megatron_snip.model.quantized_layers import QuantizedLinearMixin
+from megatron_snip.model.step import LOSS_KEY, forward_step
 from megatron_snip.precision.linear import QuantState
 from megatron_snip.precision.recipes import BF16, Precision
 
 from .adam_view import AdamView
 from .noise import noise_key
-from .passes import ForwardStep, PassRunner, default_forward_step, preserved_training_state
+from .passes import ForwardStep, PassRunner, preserved_training_state
 from .probes import MicrobatchCounter, ModuleLayout, needs_grad, squared_norm
 
 Table = dict[str, dict[str, float]]  # module -> format -> value
@@ -86,7 +87,7 @@ def _only(modules: Mapping[str, QuantizedLinearMixin], name: str, precision: Pre
 
 
 def _runners(model, batches, seq_length, micro_batch_size, forward_step_func, loss_key) -> list[PassRunner]:
-    step = forward_step_func or default_forward_step()
+    step = forward_step_func
     return [PassRunner(list(model), iter(batch), num_microbatches=len(batch), seq_length=seq_length,
                        micro_batch_size=micro_batch_size, forward_step_func=step, loss_key=loss_key)
             for batch in batches]
@@ -122,8 +123,8 @@ def forward_ground_truth(
     seq_length: int,
     micro_batch_size: int,
     seeds: Sequence[int] = (0,),
-    forward_step_func: ForwardStep | None = None,
-    loss_key: str = "lm loss",
+    forward_step_func: ForwardStep = forward_step,
+    loss_key: str = LOSS_KEY,
 ) -> ForwardTruth:
     """Measured loss change of running only module l's fprop in f, and its linear part.
 
@@ -239,8 +240,8 @@ def backward_ground_truth(
     seq_length: int,
     micro_batch_size: int,
     seeds: Sequence[int] = (0,),
-    forward_step_func: ForwardStep | None = None,
-    loss_key: str = "lm loss",
+    forward_step_func: ForwardStep = forward_step,
+    loss_key: str = LOSS_KEY,
 ) -> Table:
     """Measured ``||P~ (g_f - g_ref)||^2 / ||u_ref||^2`` of running only module l's backward in f.
 

@@ -16,7 +16,9 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
+from megatron_snip.compat.device import has_cuda
 from megatron_snip.model.quantized_layers import QuantizedLinearMixin
+from megatron_snip.model.step import LOSS_KEY, forward_step
 
 ForwardStep = Callable  # (data_iterator, model) -> (output, loss_func), as megatron's schedules call it
 
@@ -25,7 +27,7 @@ class RngStates:
 
     def __init__(self):
         self.cpu = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        self.cuda = torch.cuda.get_rng_state_all() if has_cuda() else None
         tracker = tensor_parallel.get_cuda_rng_tracker()
         self.tracker = {k: v.clone() for k, v in tracker.get_states().items()} if tracker.is_initialized() else None
 
@@ -103,7 +105,8 @@ class PassRunner:
     from the caller's iterator; later passes replay them."""
 
     def __init__(self, chunks: Sequence[torch.nn.Module], data_iterator: Iterator | None, *, num_microbatches: int,
-                 seq_length: int, micro_batch_size: int, forward_step_func: ForwardStep, loss_key: str):
+                 seq_length: int, micro_batch_size: int, forward_step_func: ForwardStep = forward_step,
+                 loss_key: str = LOSS_KEY):
         config = get_model_config(chunks[0])
         if config.calculate_per_token_loss:
             raise ValueError("SNIP probes need the loss averaged per micro-batch; calculate_per_token_loss is set")
@@ -160,10 +163,3 @@ class PassRunner:
         if not out:
             return None
         return sum(float(d[self.loss_key]) for d in out) / len(out)
-
-
-def default_forward_step() -> ForwardStep:
-    """The trainer's forward step (imported late: the trainer imports much more)."""
-    from megatron_snip.training.trainer import forward_step
-
-    return forward_step

@@ -10,9 +10,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from megatron_snip.precision.flops import LlamaLinearDims
+from megatron_snip.precision.gemm_speed import GemmSpeedModel
 from megatron_snip.precision.plan import LINEAR_MODULES, PrecisionPlan, module_name
-from megatron_snip.precision.recipes import Precision
+from megatron_snip.precision.recipes import Precision, RecipeConfig
 from megatron_snip.precision.registry import FP4_NAMES
+from megatron_snip.snip.config import SnipConfig
 from megatron_snip.snip.estimators import CostTables
 from megatron_snip.snip.ilp import BWD, FWD, LinearModule, SnipProblem, Solution, UnitKey, solve
 from megatron_snip.snip.policies import baseline_formats
@@ -37,6 +39,14 @@ class PlannerConfig:
     solver: str = "auto"
     speed: Mapping[str, float] | None = None  # precision -> GEMM throughput relative to bf16
     time_target: float | None = None  # max estimated GEMM time / all-BF16 time (None: implied)
+
+    @classmethod
+    def from_snip(cls, snip: SnipConfig, recipe: RecipeConfig, speed_model: GemmSpeedModel) -> PlannerConfig:
+        """The settings of a run's ``--snip-*`` flags under its GEMM speed model."""
+        return cls(formats=snip.snip_formats, fp4_target=snip.snip_fp4_target,
+                   per_stage=snip.snip_budget == "per-stage", split_passes=snip.snip_split_passes,
+                   switch_penalty=snip.snip_switch_penalty, solver=snip.snip_solver,
+                   speed=speed_model.precision_speeds(recipe, snip.snip_formats), time_target=snip.snip_time_target)
 
 
 def pipeline_stage(layer: int, num_layers: int, pipeline_stages: int, virtual_stages: int = 1) -> int:

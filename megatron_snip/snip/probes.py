@@ -48,6 +48,7 @@ from megatron.core.utils import get_pg_size
 
 from megatron_snip.model.precision_control import PrecisionController
 from megatron_snip.model.quantized_layers import QuantizedLinearMixin
+from megatron_snip.model.step import LOSS_KEY, forward_step
 from megatron_snip.precision.linear import QuantState, quantized_linear
 from megatron_snip.precision.plan import parse_module_name
 from megatron_snip.precision.recipes import BF16, Precision
@@ -55,7 +56,7 @@ from megatron_snip.precision.recipes import BF16, Precision
 from .adam_view import AdamSlice, AdamView
 from .estimators import REFERENCE_FORMAT, hutchinson_trace, perturbation_gain
 from .noise import global_flat_index, noise_key, param_global_index, rademacher
-from .passes import ForwardStep, PassRunner, RngStates, default_forward_step, preserved_training_state
+from .passes import ForwardStep, PassRunner, RngStates, preserved_training_state
 from .statistics import FormatErrors, ModuleStatistics, ProbeStatistics
 
 
@@ -311,8 +312,8 @@ def run_probe_cycle(
     seq_length: int,
     micro_batch_size: int,
     config: ProbeConfig = ProbeConfig(),
-    forward_step_func: ForwardStep | None = None,
-    loss_key: str = "lm loss",
+    forward_step_func: ForwardStep = forward_step,
+    loss_key: str = LOSS_KEY,
     iteration: int | None = None,
 ) -> ProbeStatistics:
     """Measure this pipeline stage's modules on one probe batch (call on every rank at once).
@@ -325,7 +326,7 @@ def run_probe_cycle(
             exactly ``num_microbatches`` are read. Not the training iterator.
         num_microbatches, seq_length, micro_batch_size: the probe batch, as for the schedule.
         config: probe settings.
-        forward_step_func: megatron forward step (default: the trainer's).
+        forward_step_func: megatron forward step (default: ``model.step.forward_step``, the trainer's).
         loss_key: key of the reported loss in the loss function's dict.
         iteration: recorded in the statistics.
     Returns:
@@ -335,7 +336,7 @@ def run_probe_cycle(
     chunks = list(model)
     runner = PassRunner(chunks, data_iterator, num_microbatches=num_microbatches, seq_length=seq_length,
                         micro_batch_size=micro_batch_size,
-                        forward_step_func=forward_step_func or default_forward_step(), loss_key=loss_key)
+                        forward_step_func=forward_step_func, loss_key=loss_key)
     adam = AdamView(optimizer, chunks)
     modules = controller.modules()
     probes = [_make_probe(name, module, config.formats, adam) for name, module in modules.items()]

@@ -30,6 +30,7 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron_snip.compat.device import has_cuda
 from megatron_snip.fileio import write_text_atomic
 
 log = logging.getLogger(__name__)
@@ -126,7 +127,7 @@ def _rng_state(quantization: dict | None = None) -> ShardedObject:
         "random": random.getstate(),
         "np": np.random.get_state(),
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "cuda": torch.cuda.get_rng_state() if has_cuda() else None,
         "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
     lay = _layout()
@@ -142,7 +143,7 @@ def _set_rng_state(state: dict) -> None:
     random.setstate(state["random"])
     np.random.set_state(state["np"])
     torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
+    if state["cuda"] is not None and has_cuda():
         torch.cuda.set_rng_state(state["cuda"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 

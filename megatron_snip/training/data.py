@@ -1,13 +1,13 @@
-"""The training run's datasets, from validated arguments."""
+"""The training run's datasets."""
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
 from torch.utils.data import Dataset
 
-from megatron_snip.data.datasets import GPTDataConfig, build_gpt_datasets, megatron_num_samples
+from megatron_snip.data.config import DataConfig
+from megatron_snip.data.datasets import GPTDataConfig, build_gpt_datasets
 from megatron_snip.data.stats import data_unigram_entropy
 
 
@@ -19,28 +19,27 @@ class Datasets:
     unigram_entropy: float  # nats/token of the data stream: the no-context loss level
 
 
-def build_datasets_from_args(args: argparse.Namespace, tokenizer) -> Datasets:
-    """Train/valid/test GPT datasets sized for the run (Megatron-LM's sample counts)."""
+def build_datasets(data: DataConfig, tokenizer, *, seq_length: int, seed: int,
+                   num_samples: tuple[int, int, int]) -> Datasets:
+    """Train/valid/test GPT datasets of ``num_samples`` samples each (``megatron_num_samples``)."""
     config = GPTDataConfig(
-        data_path=tuple(args.data_path),
-        seq_length=args.seq_length,
-        split=args.split,
-        seed=args.seed,
-        reset_position_ids=args.reset_position_ids,
-        reset_attention_mask=args.reset_attention_mask,
-        eod_mask_loss=args.eod_mask_loss,
+        data_path=data.data_path,
+        seq_length=seq_length,
+        split=data.split,
+        seed=seed,
+        reset_position_ids=data.reset_position_ids,
+        reset_attention_mask=data.reset_attention_mask,
+        eod_mask_loss=data.eod_mask_loss,
         # The attention kernels build the causal mask themselves; only document
         # boundaries need an explicit one.
-        create_attention_mask=args.reset_attention_mask,
-        path_to_cache=args.data_cache_path,
-        mmap_bin_files=args.mmap_bin_files,
+        create_attention_mask=data.reset_attention_mask,
+        path_to_cache=data.data_cache_path,
+        mmap_bin_files=data.mmap_bin_files,
     )
-    num_samples = megatron_num_samples(max(args.train_iters, 1), args.eval_iters, args.eval_interval,
-                                       args.global_batch_size)
     train, valid, test = build_gpt_datasets(config, tokenizer, num_samples)
     if train is None:
-        raise ValueError(f"--split {args.split} leaves no training documents; give the first field a share")
-    if args.eval_iters > 0 and valid is None:
-        raise ValueError(f"--split {args.split} leaves no validation documents but --eval-iters is "
-                         f"{args.eval_iters}; give the second field a share or pass --eval-iters 0")
-    return Datasets(train, valid, test, data_unigram_entropy(args.data_path))
+        raise ValueError(f"--split {data.split} leaves no training documents; give the first field a share")
+    if num_samples[1] > 0 and valid is None:
+        raise ValueError(f"--split {data.split} leaves no validation documents but --eval-iters is "
+                         "above 0; give the second field a share or pass --eval-iters 0")
+    return Datasets(train, valid, test, data_unigram_entropy(list(data.data_path)))

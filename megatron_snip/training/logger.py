@@ -12,6 +12,8 @@ import sys
 import torch
 from megatron.core import parallel_state
 
+from megatron_snip.compat.device import has_cuda
+
 # Dense BF16 peak TFLOP/s per GPU, for MFU. Matched against the device name.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0,
                "L40S": 362.0, "B200": 2250.0, "GB200": 2500.0}
@@ -21,7 +23,7 @@ def peak_tflops(override: float | None) -> float | None:
     """Peak dense TFLOP/s of this GPU (None on CPU or an unknown GPU without ``--peak-tflops``)."""
     if override is not None:
         return override
-    if not torch.cuda.is_available():
+    if not has_cuda():
         return None
     name = torch.cuda.get_device_name()
     return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)

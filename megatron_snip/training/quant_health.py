@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_snip.compat.device import current_device
 from megatron_snip.precision.health import AMAX, FIELDS, OPERANDS, summarize
 from megatron_snip.precision.plan import LINEAR_MODULES, PrecisionPlan, module_names, parse_module_name
 from megatron_snip.precision.recipes import Precision
@@ -128,7 +129,7 @@ def gather_health(controller, num_layers: int) -> HealthTable:
     """Collective over all ranks: the whole model's :class:`HealthTable` (same on every rank)."""
     names = module_names(num_layers)
     index = {n: i for i, n in enumerate(names)}
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = current_device()
     table = torch.zeros(len(names), len(OPERANDS), len(FIELDS), device=device)
     for name, rows in controller.health_rows().items():
         for key, row in rows.items():

@@ -7,6 +7,8 @@ import signal
 import torch
 import torch.distributed as dist
 
+from megatron_snip.compat.device import current_device
+
 
 class ExitSignalHandler:
     """Records a termination signal; :meth:`should_exit` agrees on it across all ranks.
@@ -36,7 +38,7 @@ class ExitSignalHandler:
             work.wait()
             decided = bool(flag.item())
         flag = torch.tensor([0 if self.received is None else 1], dtype=torch.int32,
-                            device="cuda" if torch.cuda.is_available() else "cpu")
+                            device=current_device())
         self._pending = (flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True))
         return decided
 

@@ -14,18 +14,12 @@ if __name__ == "__main__":
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_snip.arguments import parse_args
+    from megatron_snip.cli import trainer_from_command_line
     from megatron_snip.snip.adam_view import global_parameter_names
     from megatron_snip.snip.noise import param_global_index
-    from megatron_snip.training.logger import setup_console
-    from megatron_snip.training.setup import initialize_distributed
-    from megatron_snip.training.trainer import Trainer
 
-    args = parse_args(sys.argv[1:])
-    setup_console()
-    initialize_distributed(args)
-    trainer = Trainer(args)
-    if args.load:
+    trainer = trainer_from_command_line(sys.argv[1:])
+    if trainer.config.checkpoint.load:
         trainer.resume()
     trainer.train()
     for chunk in trainer.model:

@@ -14,15 +14,9 @@ if __name__ == "__main__":
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    from megatron_snip.arguments import parse_args
-    from megatron_snip.training.logger import setup_console
-    from megatron_snip.training.setup import initialize_distributed
-    from megatron_snip.training.trainer import Trainer
+    from megatron_snip.cli import trainer_from_command_line
 
-    args = parse_args(sys.argv[1:])
-    setup_console()
-    initialize_distributed(args)
-    trainer = Trainer(args)
+    trainer = trainer_from_command_line(sys.argv[1:])
     trainer.resume()
     tokens = torch.load(os.environ["LOGITS_TOKENS"])
     positions = torch.arange(tokens.shape[1]).expand_as(tokens)

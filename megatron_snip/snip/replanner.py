@@ -1,25 +1,32 @@
-"""The SNIP precision manager: probe, estimate, gather, solve on one rank, broadcast, apply.
+"""The SNIP re-planner: probe, estimate, gather, solve on one rank, broadcast.
 
 It sits beside the training loop: at every ``--snip-interval`` iterations (by
-default the checkpoint interval) the trainer calls :meth:`PrecisionManager.cycle`
-on every rank, after the optimizer step and before the checkpoint, so the
-checkpoint holds the new plan. The cycle reads statistics and writes the plan;
-it leaves parameters, gradients, optimizer state, RNG states and the training
-data position untouched.
+default the checkpoint interval) the trainer calls :meth:`SnipReplanner.cycle`
+on every rank, after the optimizer step and before the checkpoint, and applies
+the plan it returns, so the checkpoint holds the new plan. The cycle reads
+statistics; it leaves parameters, gradients, optimizer state, RNG states and the
+training data position untouched. It is given its collaborators (model chunks,
+optimizer, the precision controller, the probe batches) and knows nothing of the
+trainer.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
+import torch
 import torch.distributed as dist
 
 from megatron_snip.fileio import write_text_atomic
+from megatron_snip.model.precision_control import PrecisionController
+from megatron_snip.precision.flops import LlamaLinearDims
+from megatron_snip.precision.gemm_speed import GemmSpeedModel
 from megatron_snip.precision.plan import PrecisionPlan, parse_module_name
+from megatron_snip.snip.config import SnipConfig
 from megatron_snip.snip.estimators import cost_tables, divergences
 from megatron_snip.snip.ilp import InfeasibleBudgetError
 from megatron_snip.snip.planner import PlannerConfig, build_problem, linear_modules, solve_plan
@@ -48,50 +55,63 @@ class CycleReport:
     layer_divergence: dict[int, float]  # per layer, both terms
 
 
-class PrecisionManager:
+@dataclass(frozen=True)
+class StepShape:
+    """How a training step cuts its global batch (the probe passes run the same micro-batches)."""
+
+    num_microbatches: int
+    micro_batch_size: int
+    seq_length: int
+    data_parallel_size: int
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per global batch."""
+        return self.num_microbatches * self.micro_batch_size * self.data_parallel_size * self.seq_length
+
+
+class SnipReplanner:
     """Re-plans the precision of every linear module from measured divergences."""
 
-    def __init__(self, trainer, args: argparse.Namespace, planner: PlannerConfig):
-        self.trainer, self.args = trainer, args
-        self.probe = ProbeConfig(formats=tuple(f for f in args.snip_formats if f != "bf16"),
-                                 hutchinson_probes=args.snip_probe_passes,
-                                 perturbation_probes=args.snip_probe_passes, seed=args.seed)
-        self.planner = planner
-        self.modules = linear_modules(trainer.linear_dims, args.global_batch_size * args.seq_length,
-                                      args.pipeline_model_parallel_size,
-                                      args.virtual_pipeline_model_parallel_size or 1)
+    def __init__(self, snip: SnipConfig, planner: PlannerConfig, *, chunks: Sequence[torch.nn.Module], optimizer,
+                 controller: PrecisionController, dims: LlamaLinearDims, speed_model: GemmSpeedModel,
+                 step: StepShape, pipeline_stages: int, virtual_stages: int, seed: int):
+        self.snip, self.planner = snip, planner
+        self.chunks, self.optimizer, self.controller = chunks, optimizer, controller
+        self.dims, self.speed_model, self.step = dims, speed_model, step
+        self.pipeline_stages, self.virtual_stages = pipeline_stages, virtual_stages
+        self.probe = ProbeConfig(formats=tuple(f for f in snip.snip_formats if f != "bf16"),
+                                 hutchinson_probes=snip.snip_probe_passes,
+                                 perturbation_probes=snip.snip_probe_passes, seed=seed)
+        self.modules = linear_modules(dims, step.tokens, pipeline_stages, virtual_stages)
         self.statistics: ProbeStatistics | None = None
         self.reports: list[CycleReport] = []
 
-    def due(self, iteration: int) -> bool:
-        return iteration % self.args.snip_interval == 0
+    def cycle(self, iteration: int, probe_data: Iterator[dict], current: PrecisionPlan,
+              fixed: Mapping[str, str | None]) -> CycleReport:
+        """One full cycle, collective over all ranks: the new plan (``report.plan``, the same on every rank).
 
-    def cycle(self, iteration: int) -> CycleReport | None:
-        """One full cycle, collective over all ranks; applies the new plan before returning.
-        None (nothing measured or changed) when the precision schedule fixes every GEMM."""
+        ``probe_data``: this rank's micro-batches of the next global batch, through a loader of
+        their own (the training iterator does not move); ``current``: the plan in force;
+        ``fixed``: the passes a precision schedule imposes from the next step on
+        (``PrecisionSchedule.fixed``), which must not be all of them.
+        """
         start = time.perf_counter()
-        t = self.trainer
-        fixed = t.schedule.fixed(iteration + 1)
-        if fixed["fwd"] and fixed["bwd"]:
-            return None
-        # The next global batch, read through a loader of its own: the training iterator does not move.
-        probe_data = t.batches("train", t.state.consumed_samples)
-        stats = run_probe_cycle(t.model, t.optimizer, t.precision, probe_data,
-                                num_microbatches=self.args.num_microbatches, seq_length=self.args.seq_length,
-                                micro_batch_size=self.args.micro_batch_size, config=self.probe,
+        stats = run_probe_cycle(self.chunks, self.optimizer, self.controller, probe_data,
+                                num_microbatches=self.step.num_microbatches, seq_length=self.step.seq_length,
+                                micro_batch_size=self.step.micro_batch_size, config=self.probe,
                                 iteration=iteration)
         self.statistics = gather_across_pipeline(stats)
-        report = self._solve_on_rank0(iteration)
-        t.set_plan(PrecisionPlan.from_dict(report.plan, source=f"SNIP cycle at iteration {iteration}"))
+        report = self._solve_on_rank0(iteration, current, fixed)
         report.cycle_seconds = time.perf_counter() - start
         self.reports.append(report)
         return report
 
-    def _solve_on_rank0(self, iteration: int) -> CycleReport:
+    def _solve_on_rank0(self, iteration: int, current: PrecisionPlan, fixed: Mapping[str, str | None]) -> CycleReport:
         box: list = [None]
         if dist.get_rank() == 0:
             try:
-                box[0] = self._solve(iteration)
+                box[0] = self._solve(iteration, current, fixed)
             except InfeasibleBudgetError as e:
                 box[0] = e
         dist.broadcast_object_list(box, src=0)
@@ -99,12 +119,11 @@ class PrecisionManager:
             raise box[0]
         return box[0]
 
-    def _solve(self, iteration: int) -> CycleReport:
-        costs = cost_tables(self.statistics, self.args.snip_loss_weight, self.args.snip_update_weight,
+    def _solve(self, iteration: int, current: PrecisionPlan, fixed: Mapping[str, str | None]) -> CycleReport:
+        costs = cost_tables(self.statistics, self.snip.snip_loss_weight, self.snip.snip_update_weight,
                             formats=self.planner.formats)
         # Passes a precision schedule fixes from the next step on are pins the budgets do not count.
-        fixed = self.trainer.schedule.fixed(iteration + 1)
-        problem = build_problem(self.modules, costs, self.planner, current=self.trainer.plan, fixed=fixed)
+        problem = build_problem(self.modules, costs, self.planner, current=current, fixed=fixed)
         plan, solution = solve_plan(problem, self.planner, fixed)
         chosen = {name: (0.0 if fixed["fwd"] else costs.forward[name][plan[name].fwd],
                          0.0 if fixed["bwd"] else costs.backward[name][plan[name].bwd])
@@ -129,12 +148,12 @@ class PrecisionManager:
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, f"snip_iter_{iteration:07d}.json")
         report = asdict(self.reports[-1]) if self.reports else None
-        speed = self.trainer.speed_model
-        run = {"dims": asdict(self.trainer.linear_dims), "tokens": self.args.global_batch_size * self.args.seq_length,
-               "pipeline_stages": self.args.pipeline_model_parallel_size,
-               "virtual_stages": self.args.virtual_pipeline_model_parallel_size or 1, "formats": list(self.planner.formats),
-               "budget": self.args.snip_budget, "fp4_target": self.args.snip_fp4_target,
-               "time_target": self.args.snip_time_target, "split_passes": self.args.snip_split_passes,
+        speed = self.speed_model
+        run = {"dims": asdict(self.dims), "tokens": self.step.tokens,
+               "pipeline_stages": self.pipeline_stages,
+               "virtual_stages": self.virtual_stages, "formats": list(self.planner.formats),
+               "budget": self.snip.snip_budget, "fp4_target": self.snip.snip_fp4_target,
+               "time_target": self.snip.snip_time_target, "split_passes": self.snip.snip_split_passes,
                "speed_model": {"name": speed.name, "throughput": dict(speed.throughput), "source": speed.source},
                "speeds": dict(self.planner.speed)}
         write_text_atomic(path, json.dumps({

@@ -1,0 +1,52 @@
+"""``pretrain_llama.py``'s main: parse the command line, set up the device, train; errors as one line."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_snip.arguments import ArgumentError, parse_config
+from megatron_snip.compat.device import setup_device
+from megatron_snip.training import checkpointing
+from megatron_snip.training.safety import NonFiniteError
+from megatron_snip.training.trainer import Trainer, build_trainer, pretrain
+
+
+def _error(e: Exception) -> None:
+    # One write call: with unbuffered stderr, print() issues the message and its newline as two writes, and
+    # ranks sharing torchrun's stderr interleave their lines (seen in CI).
+    sys.stderr.write(f"pretrain_llama.py: error: {e}\n")
+    sys.stderr.flush()
+
+
+def trainer_from_command_line(argv: list[str] | None = None) -> Trainer:
+    """For tools and test drivers that take ``pretrain_llama.py``'s flags and drive the trainer themselves.
+    Raises ArgumentError on bad flags."""
+    config = parse_config(argv)
+    setup_device()
+    return build_trainer(config)
+
+
+def main(argv: list[str] | None = None, on_build: Callable[[Trainer], None] | None = None) -> int:
+    """Exit status: 0 done, 2 bad flags, 1 a checkpoint or numerical failure (every rank says which)."""
+    try:
+        config = parse_config(argv)
+    except ArgumentError as e:
+        _error(e)
+        return 2
+    setup_device()
+    try:
+        pretrain(config, on_build)
+    except checkpointing.CheckpointError as e:
+        _error(e)
+        return 1
+    except NonFiniteError as e:
+        _error(e)
+        dist.barrier()  # every rank raised at this iteration: let each print before the first exit ends the job
+        return 1
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    return 0
