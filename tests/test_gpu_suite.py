@@ -143,9 +143,12 @@ def test_gemm_bench_times_the_same_product_on_every_path():
     so the speed-ups compare like with like."""
     from gemm_bench import gemm_calls
 
-    for gemm, calls in gemm_calls(64, 128, 96, torch.device("cpu")).items():
+    gemms = gemm_calls(64, 128, 96, torch.device("cpu"))
+    assert set(gemms) == {"fprop", "dgrad", "wgrad"}
+    for gemm, calls in gemms.items():
         results = {path: fn().float() for path, fn in calls.items()}
         reference = results.pop("bf16")
+        assert results, gemm
         for path, value in results.items():
             assert value.shape == reference.shape, (gemm, path)
             error = (value - reference).norm() / reference.norm()

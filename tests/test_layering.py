@@ -75,3 +75,13 @@ def test_the_check_sees_an_upward_import(tmp_path):
     (fake / "snip" / "passes.py").write_text("def f():\n    from megatron_snip.training.trainer import forward_step\n")
     (fake / "training" / "trainer.py").write_text("from megatron_snip.snip import passes\n")
     assert layer_violations(fake) == ["megatron_snip/snip/passes.py:2: snip (layer 3) imports training (layer 4)"]
+
+
+def test_readme_layout_names_every_module_and_tool():
+    """The README's layout section is the map of the tree: every module and tool is on it."""
+    readme = (ROOT / "README.md").read_text()
+    layout = readme[readme.index("## Layout"):]
+    modules = {p.name for p in PACKAGE.rglob("*.py")} - {"__init__.py"}
+    tools = {p.stem for p in (ROOT / "tools").glob("*.py")}
+    missing = sorted(m for m in modules if m not in layout) + sorted(t for t in tools if t not in layout)
+    assert missing == [], f"README.md's Layout section lacks {missing}"

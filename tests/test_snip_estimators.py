@@ -367,3 +367,23 @@ def test_rank_correlations_overall_and_per_format():
     rho = rank_correlations(estimate, truth)
     assert rho["fp8"] == pytest.approx(0.5) and rho["nvfp4"] == pytest.approx(0.5)
     assert rho["all"] == pytest.approx(spearman([1, 9, 3, 30, 2, 40], [1, 10, 2, 20, 3, 15]))
+
+
+def test_ablation_predictions_split_snips_divergence_into_its_two_terms():
+    """What the ablation report scores against training: SNIP's loss and update terms of a plan are the
+    summed forward and backward divergences of its modules' formats, and add up to the ILP's objective."""
+    from megatron_snip.experiments.ablation import predictions
+    from megatron_snip.snip.ilp import LinearModule, SnipProblem
+
+    stats = _stats()
+    names = sorted(stats.modules)
+    tables = cost_tables(stats, formats=("bf16", "fp8", "nvfp4"))
+    problem = SnipProblem([LinearModule.from_shape(n, i, 64, 8, 16) for i, n in enumerate(names)],
+                          ("bf16", "fp8", "nvfp4"), 0.0, cost=tables.joint)
+    plan = {names[0]: "nvfp4", names[1]: "fp8"}
+    p = predictions(problem, stats, plan)
+    d = divergences(stats)
+    assert p["snip_loss_term"] == pytest.approx(d[names[0]]["nvfp4"].forward + d[names[1]]["fp8"].forward)
+    assert p["snip_update_term"] == pytest.approx(d[names[0]]["nvfp4"].backward + d[names[1]]["fp8"].backward)
+    assert p["snip_divergence"] == pytest.approx(p["snip_loss_term"] + p["snip_update_term"])
+    assert p["fp4_fraction"] == pytest.approx(0.5)

@@ -151,5 +151,6 @@ def test_quantized_linear_with_kernels_equals_reference(precision, fp8_recipe):
             y.backward(dy)
             outputs += [y.detach(), xr.grad, wr.grad]
         results.append(outputs)
+    assert [len(r) for r in results] == [6, 6]  # two steps x (y, dx, dw) per kernel path
     for actual, expected in zip(*results):
         assert_same_bits(actual, expected)

@@ -18,6 +18,8 @@ from megatron_snip.snip.policies import baseline_formats
 from megatron_snip.snip.statistics import ProbeStatistics
 
 KINDS = ("layers", "types")
+# What each estimator predicts of an ablation plan (keys of :func:`predictions`), scored against training.
+ESTIMATORS = ("snip_divergence", "snip_loss_term", "snip_update_term", "relative_error")
 
 
 def ablation_plans(problem: SnipProblem, kinds: tuple[str, ...]) -> dict[str, Plan]:
@@ -38,15 +40,23 @@ def ablation_plans(problem: SnipProblem, kinds: tuple[str, ...]) -> dict[str, Pl
 
 def predictions(problem: SnipProblem, stats: ProbeStatistics, plan: Plan) -> dict[str, float]:
     """What each estimator predicts of ``plan``: SNIP's divergence (loss + update terms, as the
-    ILP weighs them) and the summed relative quantization error of the local baseline."""
-    from megatron_snip.snip.estimators import local_error_baselines
+    ILP weighs them), each of its two terms alone (the loss divergence dL/loss and the update
+    divergence dU/||u||^2, unweighted), and the summed relative quantization error of the local
+    baseline."""
+    from megatron_snip.snip.estimators import cost_tables, local_error_baselines
     from megatron_snip.snip.offline import with_reference
 
-    relative = with_reference(local_error_baselines(stats)[1], problem.formats)
+    def under(table: dict) -> float:  # the plan's summed cost under another module -> format table
+        if problem.split:
+            return float("nan")
+        return evaluate_plan(replace(problem, cost=table, fwd_cost=None, bwd_cost=None, current=None,
+                                     switch_penalty=0.0), plan).objective
+
     ev = evaluate_plan(problem, plan)
-    rel = evaluate_plan(replace(problem, cost=relative, fwd_cost=None, bwd_cost=None, current=None,
-                                switch_penalty=0.0), plan) if not problem.split else None
-    return {"snip_divergence": ev.divergence, "relative_error": rel.objective if rel else float("nan"),
+    return {"snip_divergence": ev.divergence,
+            "snip_loss_term": under(cost_tables(stats, 1.0, 0.0, formats=problem.formats).joint),
+            "snip_update_term": under(cost_tables(stats, 0.0, 1.0, formats=problem.formats).joint),
+            "relative_error": under(with_reference(local_error_baselines(stats)[1], problem.formats)),
             "fp4_fraction": ev.fp4_fraction}
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from megatron_snip.fileio import write_text_atomic
 
-from .ablation import spearman
+from .ablation import ESTIMATORS, spearman
 from .comparison import REFERENCE, Branch, BranchResult, ComparisonConfig, branches
 
 
@@ -67,13 +67,18 @@ def _ablation(rows: list[dict], predicted: dict[int, dict]) -> dict | None:
     rows = [r for r in rows if r["arm"].startswith("ablate-") and not math.isnan(r["gap"])]
     if not rows or not predicted:
         return None
+    # Estimators every seed's predictions hold (older prediction files lack the two SNIP terms).
+    known = [e for e in ESTIMATORS if all(e in p[r["arm"]] for p in predicted.values() for r in rows if r["arm"] in p)]
     for r in rows:
-        for key in ("snip_divergence", "relative_error"):
+        for key in known:
             r[key] = statistics.fmean(p[r["arm"]][key] for p in predicted.values() if r["arm"] in p)
     correlation = {f"{est} vs {gap}": spearman([r[est] for r in rows], [r[gap] for r in rows])
-                   for est in ("snip_divergence", "relative_error") for gap in ("gap", "train_gap")}
-    return {"arms": [r["arm"] for r in rows], "spearman": correlation}
+                   for est in known for gap in ("gap", "train_gap")}
+    return {"arms": [r["arm"] for r in rows], "estimators": known, "spearman": correlation}
 
+
+ESTIMATOR_LABELS = {"snip_divergence": "SNIP predicted divergence", "snip_loss_term": "SNIP loss term",
+                    "snip_update_term": "SNIP update term", "relative_error": "relative quant. error"}
 
 def _pm(mean: float, std: float, digits: int = 4) -> str:
     if math.isnan(mean):
@@ -95,15 +100,16 @@ def markdown(summary: dict) -> str:
                      f"{'-' if r['arm'] == REFERENCE else _pm(r['gap'], r['gap_std'])} | "
                      f"{'-' if r['arm'] == REFERENCE else _pm(r['train_gap'], r['train_gap_std'])} |")
     if summary.get("ablation"):
+        known = summary["ablation"]["estimators"]
         lines += ["", "Per-module ablations (one group in FP4, the rest in the high format, no budget): what "
                   "each estimator predicts of the plan at the branch point, and what training measured.", "",
-                  "| arm | FP4 FLOPs | SNIP predicted divergence | relative quant. error | val gap | train gap |",
-                  "|---|---:|---:|---:|---:|---:|"]
+                  "| arm | FP4 FLOPs | " + " | ".join(ESTIMATOR_LABELS[e] for e in known) + " | val gap | train gap |",
+                  "|---|---:|" + "---:|" * len(known) + "---:|---:|"]
         for r in summary["rows"]:
             if r["arm"] in summary["ablation"]["arms"]:
-                lines.append(f"| {r['arm']} | {r['fp4_fraction']:.1%} | {r['snip_divergence']:.4g} | "
-                             f"{r['relative_error']:.4g} | {_pm(r['gap'], r['gap_std'])} | "
-                             f"{_pm(r['train_gap'], r['train_gap_std'])} |")
+                lines.append(f"| {r['arm']} | {r['fp4_fraction']:.1%} | "
+                             + " | ".join(f"{r[e]:.4g}" for e in known)
+                             + f" | {_pm(r['gap'], r['gap_std'])} | {_pm(r['train_gap'], r['train_gap_std'])} |")
         lines += ["", "Spearman rank correlation with the measured gap: " + "; ".join(
             f"{k} {v:+.2f}" for k, v in summary["ablation"]["spearman"].items()) + "."]
     if not summary["complete"]:
