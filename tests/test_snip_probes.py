@@ -39,7 +39,6 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
-
 from conftest import free_port
 
 VOCAB, SEQ, MBS, MICRO = 128, 32, 4, 2
@@ -84,8 +83,8 @@ def _build(distributed_optimizer=False, stochastic_rounding=True, sequence_paral
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_snip.model.norms import block_spec, with_torch_norms
-    from megatron_snip.model.precision_control import PrecisionController
-    from megatron_snip.model.quantized_layers import precision_layer_spec
+    from megatron_snip.precision.controller import PrecisionController
+    from megatron_snip.precision.layers import precision_layer_spec
     from megatron_snip.precision.recipes import RecipeConfig
 
     torch.manual_seed(123)

@@ -12,12 +12,12 @@ import importlib.util
 
 import pytest
 import torch
+from conftest import train_args
 from megatron.core.enums import Fp4Recipe, Fp8Recipe
 
-from conftest import train_args
 from megatron_snip.arguments import ArgumentError, parse_config
-from megatron_snip.model.te_precision import TELinearPrecision, te_quant_params
 from megatron_snip.precision.recipes import Precision, RecipeConfig
+from megatron_snip.precision.te_layers import TELinearPrecision, te_quant_params
 
 
 @pytest.mark.parametrize("fp8_recipe", ["tensorwise", "blockwise", "mxfp8"])
@@ -88,7 +88,7 @@ def test_te_flags_are_checked_before_start(tiny_data, extra, message):
 
 def test_nvfp4_switches_become_transformer_engine_environment(monkeypatch):
     """TE reads NVTE_NVFP4_DISABLE_* when it is imported; the te backend sets them from the flags first."""
-    from megatron_snip.model.te_precision import prepare_te_environment, te_nvfp4_environment
+    from megatron_snip.precision.te_layers import prepare_te_environment, te_nvfp4_environment
 
     assert te_nvfp4_environment(RecipeConfig()) == {
         "NVTE_NVFP4_DISABLE_RHT": "0", "NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING": "0",

@@ -26,7 +26,12 @@ from tqdm import tqdm
 from megatron_snip.fileio import write_text_atomic
 from megatron_snip.interop import hf_files
 from megatron_snip.interop.convert import (
-    LlamaLayout, export_part, hf_names, import_part, megatron_target, zero_padding_rows,
+    LlamaLayout,
+    export_part,
+    hf_names,
+    import_part,
+    megatron_target,
+    zero_padding_rows,
 )
 from megatron_snip.interop.hf_files import HFFormatError, HFLlamaConfig
 

@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 
 from .blocks import tensor_amax
-from .fp8 import fp8_scale_from_amax
 from .formats import E4M3, E5M2
+from .fp8 import fp8_scale_from_amax
 from .quantize import quantize_dequantize
 from .recipes import OperandQuantizer
 from .registry import SCHEMES

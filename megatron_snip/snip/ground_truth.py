@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_snip.model.precision_control import PrecisionController
-from megatron_snip.model.quantized_layers import QuantizedLinearMixin
 from megatron_snip.model.step import LOSS_KEY, forward_step
+from megatron_snip.precision.controller import PrecisionController
+from megatron_snip.precision.layers import QuantizedLinearMixin
 from megatron_snip.precision.linear import QuantState
 from megatron_snip.precision.recipes import BF16, Precision
 

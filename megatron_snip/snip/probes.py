@@ -46,9 +46,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.utils import get_pg_size
 
-from megatron_snip.model.precision_control import PrecisionController
-from megatron_snip.model.quantized_layers import QuantizedLinearMixin
 from megatron_snip.model.step import LOSS_KEY, forward_step
+from megatron_snip.precision.controller import PrecisionController
+from megatron_snip.precision.layers import QuantizedLinearMixin
 from megatron_snip.precision.linear import QuantState, quantized_linear
 from megatron_snip.precision.plan import parse_module_name
 from megatron_snip.precision.recipes import BF16, Precision

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_snip.fileio import write_text_atomic
-from megatron_snip.model.precision_control import PrecisionController
+from megatron_snip.precision.controller import PrecisionController
 from megatron_snip.precision.flops import LlamaLinearDims
 from megatron_snip.precision.gemm_speed import GemmSpeedModel
 from megatron_snip.precision.plan import PrecisionPlan, parse_module_name

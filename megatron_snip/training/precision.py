@@ -17,6 +17,7 @@ from megatron_snip.precision.registry import is_fp4
 from megatron_snip.precision.schedule import PrecisionSchedule
 from megatron_snip.training.config import RunConfig
 
+
 def initial_plan(config: RunConfig, resumed: dict | None = None) -> tuple[PrecisionPlan, str]:
     """The plan training starts (or resumes) with, and where it comes from (for the start-up log).
 
@@ -111,7 +112,7 @@ def _check_tensor_parallel_blocks(plan: PrecisionPlan, config: RunConfig, source
 
 def _check_te(plan: PrecisionPlan, recipe: RecipeConfig, source: str) -> None:
     """Every precision of ``plan`` must be one the te backend can run (PlanError naming it)."""
-    from megatron_snip.model.te_precision import te_quant_params
+    from megatron_snip.precision.te_layers import te_quant_params
 
     for name, precision in [("default", plan.default), *plan.modules.items()]:
         try:

@@ -25,12 +25,12 @@ from megatron_snip.data.datasets import megatron_num_samples
 from megatron_snip.data.loader import micro_batches
 from megatron_snip.data.tokenizer import build_tokenizer
 from megatron_snip.model.llama import build_model, flops_per_token, num_parameters, transformer_config
-from megatron_snip.model.precision_control import PrecisionController
 from megatron_snip.model.step import forward_step, mean_loss
-from megatron_snip.model.te_precision import describe_te_backend, prepare_te_environment
+from megatron_snip.precision.controller import PrecisionController
 from megatron_snip.precision.flops import LlamaLinearDims, estimated_time_ratio, flop_fractions
 from megatron_snip.precision.linear import describe_backend
 from megatron_snip.precision.plan import PrecisionPlan
+from megatron_snip.precision.te_layers import describe_te_backend, prepare_te_environment
 from megatron_snip.snip.plan_image import plan_image
 from megatron_snip.snip.planner import PlannerConfig
 from megatron_snip.snip.replanner import CycleReport, SnipReplanner, StepShape, log_cycle

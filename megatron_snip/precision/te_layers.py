@@ -28,7 +28,7 @@ import sys
 import torch
 from packaging.version import Version as PkgVersion
 
-from megatron_snip.model.quantized_layers import PlanLinear
+from megatron_snip.precision.layers import PlanLinear
 from megatron_snip.precision.linear import QuantState
 from megatron_snip.precision.recipes import BF16, Precision, RecipeConfig
 

@@ -24,7 +24,7 @@ from megatron_snip.precision.health import HealthStats
 from megatron_snip.precision.plan import LINEAR_MODULES, PrecisionPlan, module_name, parse_module_name
 from megatron_snip.precision.recipes import BF16, Precision, RecipeConfig
 
-from .quantized_layers import PlanLinear, QuantizedLinearMixin
+from .layers import PlanLinear, QuantizedLinearMixin
 
 
 def _is_plan_linear(module: torch.nn.Module) -> bool:
@@ -36,7 +36,7 @@ def _plan_interface(module: torch.nn.Module) -> PlanLinear:
     """The precision interface of a plan linear: the module itself, or a TE module's adapter."""
     if isinstance(module, QuantizedLinearMixin):
         return module
-    from .te_precision import TELinearPrecision
+    from .te_layers import TELinearPrecision
 
     return TELinearPrecision(module)
 
