@@ -90,6 +90,15 @@ def train_args(data: TinyData, *extra: str, iters: int = 6) -> list[str]:
             "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "2", *extra]
 
 
+def run_config(*flags: str, world_size: int = 1):
+    """The validated ``RunConfig`` of TINY_MODEL with ``flags`` (data and files not checked): for tests
+    that build the model in-process with the trainer's own builders."""
+    from megatron_snip.arguments import build_parser, resolve
+
+    argv = [*TINY_MODEL, "--train-iters", "1", *flags]
+    return resolve(build_parser().parse_args(argv), world_size=world_size, cuda=False, check_files=False)
+
+
 def torchrun(nproc: int, args: list[str], timeout: float = 300, check: bool = True,
              env: dict | None = None, script: str = "pretrain_llama.py") -> subprocess.CompletedProcess:
     """Run ``script`` (pretrain_llama.py or a driver in tests/drivers taking its flags) on ``nproc``

@@ -27,7 +27,7 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import free_port
+from conftest import free_port, run_config
 
 LEAD, OUT = (8, 4), 64  # leading (token) dims of the layer inputs; base width
 PRECISIONS = ("nvfp4", "mxfp4", "fp8")
@@ -206,18 +206,12 @@ def test_split_not_on_block_boundaries_is_refused(results):
 
 
 def _gpt_config(tp=1, pp=1):
-    import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    """The trainer's megatron-core config of a 4-layer hidden-64 Llama at TP x PP."""
+    from megatron_snip.model.llama import transformer_config
 
-    return TransformerConfig(
-        num_layers=4, hidden_size=64, ffn_hidden_size=160, num_attention_heads=4, num_query_groups=2,
-        kv_channels=16, normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, init_method_std=0.02, attention_dropout=0.0, hidden_dropout=0.0,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
-        use_cpu_initialization=True, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
-        cuda_graph_scope=[],
-    )
+    run = run_config("--ffn-hidden-size", "160", "--tensor-model-parallel-size", str(tp),
+                     "--pipeline-model-parallel-size", str(pp), world_size=tp * pp)
+    return transformer_config(run.model, run.parallel)
 
 
 def _gpt(config, quantized=True):

@@ -39,7 +39,7 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import free_port
+from conftest import free_port, run_config
 
 VOCAB, SEQ, MBS, MICRO = 128, 32, 4, 2
 STEPS = 30
@@ -72,52 +72,35 @@ def _start(rank, world, port):
 
 def _build(distributed_optimizer=False, stochastic_rounding=True, sequence_parallel=False, vpp=None,
            recompute=False, overlap=False):
-    """A 4-layer hidden-64 Llama (precision_layer_spec), megatron DDP and Adam, as the trainer wires them
-    (with ``vpp``, one chunk per virtual pipeline stage)."""
-    import torch.nn.functional as F
+    """A 4-layer hidden-64 Llama in the current parallel layout, built, wrapped in megatron DDP and given Adam
+    by the trainer's own builders (with ``vpp``, one chunk per virtual pipeline stage)."""
+    import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_snip.model.norms import block_spec, with_torch_norms
+    from megatron_snip.model.llama import build_model, transformer_config
     from megatron_snip.precision.controller import PrecisionController
-    from megatron_snip.precision.layers import precision_layer_spec
     from megatron_snip.precision.recipes import RecipeConfig
+    from megatron_snip.training.setup import build_optimizer, wrap_ddp
 
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    dp = dist.get_world_size() // (tp * pp)
+    # Vocabulary rows padded to a multiple of 64 x TP: 128 at TP 1 and 2, so every layout has the same model.
+    flags = ["--ffn-hidden-size", "160", "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ),
+             "--make-vocab-size-divisible-by", "64", "--tensor-model-parallel-size", str(tp),
+             "--pipeline-model-parallel-size", str(pp), "--micro-batch-size", str(MBS),
+             "--global-batch-size", str(MBS * MICRO * dp), "--lr", "3e-3", "--weight-decay", "0.01"]
+    flags += ["--use-distributed-optimizer"] if distributed_optimizer else []
+    flags += ["--sequence-parallel"] if sequence_parallel else []
+    flags += ["--virtual-pipeline-model-parallel-size", str(vpp)] if vpp else []
+    flags += ["--recompute-granularity", "full", "--recompute-method", "uniform"] if recompute else []
+    flags += ["--overlap-grad-reduce", "--overlap-param-gather"] if overlap else []
+    run = run_config(*flags, world_size=dist.get_world_size())
     torch.manual_seed(123)
     tensor_parallel.model_parallel_cuda_manual_seed(123)
-    config = TransformerConfig(
-        num_layers=4, hidden_size=64, ffn_hidden_size=160, num_attention_heads=4, num_query_groups=2,
-        kv_channels=16, normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, init_method_std=0.02, attention_dropout=0.0, hidden_dropout=0.0,
-        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
-        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
-        pipeline_dtype=torch.float32, use_cpu_initialization=True, bias_dropout_fusion=False,
-        masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        apply_rope_fusion=False, cuda_graph_scope=[], deallocate_pipeline_outputs=True,
-        sequence_parallel=sequence_parallel, virtual_pipeline_model_parallel_size=vpp, batch_p2p_comm=vpp is None,
-        **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}))
-    layer = precision_layer_spec(with_torch_norms(get_gpt_layer_local_spec(normalization="RMSNorm")))
-    chunks = []
-    for vp_stage in [None] if vpp is None else range(vpp):
-        model = GPTModel(config=config, transformer_layer_spec=block_spec(layer, config, vp_stage), vocab_size=VOCAB,
-            max_sequence_length=SEQ, vp_stage=vp_stage,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vpp is None, vp_stage=vp_stage),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=vpp is None, vp_stage=vp_stage),
-            share_embeddings_and_output_weights=False, position_embedding_type="rope")
-        chunks.append(DistributedDataParallel(config, DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=distributed_optimizer, overlap_grad_reduce=overlap,
-            overlap_param_gather=overlap), model, disable_bucketing=len(chunks) > 0))
-    config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = chunks[0].no_sync if vpp is None else [c.no_sync for c in chunks]
-    if overlap:
-        config.grad_sync_func, config.param_sync_func = chunks[0].start_grad_sync, chunks[0].start_param_sync
-    optimizer = get_megatron_optimizer(OptimizerConfig(
-        optimizer="adam", lr=3e-3, weight_decay=0.01, clip_grad=1.0, bf16=False, params_dtype=torch.float32,
-        use_distributed_optimizer=distributed_optimizer), chunks)
+    config = transformer_config(run.model, run.parallel)
+    chunks = wrap_ddp(run.parallel, config, build_model(run.model, run.parallel, config, VOCAB))
+    optimizer = build_optimizer(run.training, run.model, run.parallel, chunks)
     controller = PrecisionController(chunks, seed=1)
     # Stochastic rounding draws per rank: equal in law across layouts, not in bits.
     controller.set_recipe(RecipeConfig(fp4_stochastic_rounding=stochastic_rounding))
