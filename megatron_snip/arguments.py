@@ -75,6 +75,19 @@ def _model(p: argparse.ArgumentParser) -> None:
     g.add_argument("--position-embedding-type", choices=["rope"], default="rope")
 
 
+def _rope_scaling(p: argparse.ArgumentParser) -> None:
+    """Llama 3.1 rope scaling (Megatron-LM's flags) and the fields only checkpoints set."""
+    g = p.add_argument_group("rope scaling (Llama 3.1 / 3.2; set by imported checkpoints)")
+    g.add_argument("--use-rope-scaling", action="store_true", default=None,
+                   help="Llama 3.1's rope frequency scaling (megatron-core's: low/high frequency factors "
+                        "1 and 4, original context 8192).")
+    g.add_argument("--rope-scaling-factor", type=float, default=None, help="Its factor (default 8).")
+    # Set from a checkpoint: the model's real vocabulary, its padded size (the embedding rows,
+    # fixed at import so the checkpoint loads at any TP size dividing it), tied output layer,
+    # and the Hugging Face files (tokenizer, generation config) an import kept.
+    p.set_defaults(**{key: None for key in checkpoint_shape.CARRIED})
+
+
 def _training(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=4)
@@ -286,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Pretrain a Llama-family model with megatron-core (TP x PP x DP).",
         allow_abbrev=False,
     )
-    for add in (_parallel, _model, checkpoint_shape.add_arguments, _training, _precision, _snip, _data,
+    for add in (_parallel, _model, _rope_scaling, _training, _precision, _snip, _data,
                 _checkpoint_and_logging, _numerical_safety):
         add(p)
     return p
