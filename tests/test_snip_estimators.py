@@ -387,3 +387,22 @@ def test_ablation_predictions_split_snips_divergence_into_its_two_terms():
     assert p["snip_update_term"] == pytest.approx(d[names[0]]["nvfp4"].backward + d[names[1]]["fp8"].backward)
     assert p["snip_divergence"] == pytest.approx(p["snip_loss_term"] + p["snip_update_term"])
     assert p["fp4_fraction"] == pytest.approx(0.5)
+
+
+def test_the_loss_term_policy_plans_by_the_loss_divergence_alone():
+    """``snip-loss-term`` (offline.POLICIES): the ILP over alpha * dL/loss only; with one of two equal
+    modules in FP4 it is the one whose FP4 loss divergence is smaller, whatever the update term says."""
+    from megatron_snip.snip.ilp import LinearModule, SnipProblem
+    from megatron_snip.snip.offline import POLICIES
+
+    stats = _stats()
+    names = sorted(stats.modules)
+    formats = ("bf16", "nvfp4")
+    problem = SnipProblem([LinearModule.from_shape(n, i, 64, 8, 16) for i, n in enumerate(names)], formats, 0.5,
+                          cost=cost_tables(stats, formats=formats).joint)
+    d = divergences(stats)
+    plan = POLICIES["snip-loss-term"](problem, stats, 0, "highs")
+    in_fp4 = [n for n in names if plan[n] == "nvfp4"]
+    assert in_fp4 == [min(names, key=lambda n: d[n]["nvfp4"].forward)]
+    by_both = min(names, key=lambda n: d[n]["nvfp4"].forward + d[n]["nvfp4"].backward)
+    assert [n for n in names if POLICIES["snip"](problem, stats, 0, "highs")[n] == "nvfp4"] == [by_both]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from megatron_snip.precision.flops import LlamaLinearDims
@@ -104,6 +104,15 @@ def _min_error(relative: bool) -> PolicyMaker:
     return make
 
 
+def _snip_loss_term(problem, stats, seed, solver):
+    """SNIP's ILP with the loss divergence alone (``--snip-update-weight 0``): the per-module training
+    ablations rank modules by it better than by the update term (docs/quality.md)."""
+    loss_only = cost_tables(stats, 1.0, 0.0, formats=problem.formats)
+    if problem.split:
+        return solve(replace(problem, fwd_cost=loss_only.forward, bwd_cost=loss_only.backward), solver=solver).plan
+    return solve(replace(problem, cost=loss_only.joint), solver=solver).plan
+
+
 def _threshold(problem, stats, seed, solver):
     relative = local_error_baselines(stats)[1]
     return policies.error_threshold(problem, relative)
@@ -112,6 +121,7 @@ def _threshold(problem, stats, seed, solver):
 # Every policy, by the name both tools use (docs/quality.md describes each).
 POLICIES: dict[str, PolicyMaker] = {
     "snip": lambda problem, stats, seed, solver: solve(problem, solver=solver).plan,
+    "snip-loss-term": _snip_loss_term,
     "uniform": lambda problem, stats, seed, solver: policies.uniform(problem),
     "nvidia-recipe": lambda problem, stats, seed, solver: policies.keep_last_high(problem),
     "random": lambda problem, stats, seed, solver: policies.random_plan(problem, seed=seed),
