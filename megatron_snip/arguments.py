@@ -603,13 +603,19 @@ def _validate_files(args: argparse.Namespace, resumed: dict | None) -> None:
     _require(args.tokenizer_model is not None,
              "--tokenizer-model is required: a sentencepiece .model file (tools/train_tokenizer.py) or, with "
              "--tokenizer-type HuggingFaceTokenizer, a tokenizer.json or the model directory holding it")
-    from megatron_snip.data.datasets import check_data_prefixes, check_vocab_covers_data, parse_data_path
+    from megatron_snip.data.datasets import (
+        check_data_prefixes,
+        check_splits_have_documents,
+        check_vocab_covers_data,
+        parse_data_path,
+    )
     from megatron_snip.data.tokenizer import build_tokenizer
     from megatron_snip.training.checkpointing import CheckpointError, verify_latest
 
     try:
         prefixes = parse_data_path(args.data_path)[0]
         check_data_prefixes(prefixes)
+        check_splits_have_documents(prefixes, args.split)
         tokens = build_tokenizer(args.tokenizer_type, args.tokenizer_model).vocab_size
         check_vocab_covers_data(prefixes, tokens)
         _require(args.vocab_size is None or tokens <= args.vocab_size,

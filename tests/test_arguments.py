@@ -151,3 +151,10 @@ def test_nvfp4_switches_reach_the_recipe_and_its_quantizers(tiny_data):
     assert not operand_quantizer("nvfp4", "dgrad", "dy", off).stochastic
     assert not operand_quantizer("mxfp4", "dgrad", "dy", off).stochastic
     assert operand_quantizer("nvfp4", "fprop", "w", off).block == (1, 16)
+
+
+def test_a_split_without_documents_is_refused_before_start_up(tiny_data):
+    """Megatron's default --split 969,30,1 on the 60-document tiny corpus leaves the test split empty (megatron-core
+    would loop forever building it): refused with the flags, not a traceback from the trainer."""
+    with pytest.raises(ArgumentError, match=r"--split 969,30,1 gives the test split none of the 60 documents"):
+        parse(tiny_data, "--split", "969,30,1")
