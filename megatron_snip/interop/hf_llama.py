@@ -26,7 +26,7 @@ from tqdm import tqdm
 from megatron_snip.fileio import write_text_atomic
 from megatron_snip.interop import hf_files
 from megatron_snip.interop.convert import (
-    LlamaLayout, export_part, hf_names, import_part, megatron_target, zero_padding_rows,
+    LlamaLayout, export_part, hf_names, import_part, megatron_target, part_view, zero_padding_rows,
 )
 from megatron_snip.interop.hf_files import HFFormatError, HFLlamaConfig
 
@@ -131,6 +131,9 @@ def import_hf(load_dir: str, save_dir: str, divisible_by: int = 128, dtype: str 
     Raises HFFormatError (a ValueError) naming the file and the fix for a directory that is not
     a Llama, lacks a shard or a tensor, or holds a tensor of the wrong shape.
     """
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
     from megatron_snip.training.checkpointing import TRACKER, save_model_checkpoint
 
     start = time.perf_counter()
@@ -140,39 +143,83 @@ def import_hf(load_dir: str, save_dir: str, divisible_by: int = 128, dtype: str 
     files = hf_files.weight_files(load_dir)  # before any work: a missing shard fails here
     saved = checkpoint_args(config, divisible_by, DTYPES[dtype])
     with single_process(saved) as args:
+        # The model only lends its checkpoint structure (keys, shapes, shardings): its parameters
+        # are allocated but never written, so they take no memory.
         model = _build(args)
         layout = _layout(args)
-        params = dict(model.named_parameters())
-        expected = hf_names(layout)
-        for name, tensor in tqdm(hf_files.iter_tensors(files), total=len(files), desc="import",
-                                 disable=not progress, unit="tensor"):
-            try:
-                target = megatron_target(name, layout)
-            except KeyError:
-                raise HFFormatError(f"{files[name]}: tensor {name} is not part of a {layout.num_layers}-layer "
-                                    f"Llama; check that config.json belongs to these weights") from None
-            if target is None:
-                continue
-            try:
-                import_part(params[target[0]], target[1], tensor, layout, name)
-            except ValueError as e:
-                raise HFFormatError(f"{files[name]}: {e}; check that config.json belongs to these weights") from None
-            expected.pop(name)
-        if expected:
-            raise HFFormatError(f"{load_dir}: {len(expected)} tensors of the model are in no weight file, e.g. "
-                                f"{next(iter(expected))}; the download is incomplete or config.json is for "
-                                f"another model")
-        zero_padding_rows(params["embedding.word_embeddings.weight"], layout)
-        if not layout.tied:
-            zero_padding_rows(params["output_layer.weight"], layout)
-        kept = _keep_files(load_dir, save_dir)
-        saved["hf_files"] = kept
-        save_model_checkpoint(save_dir, 0, model, {
+        parts = _parts_by_parameter(load_dir, files, layout)
+        weights = hf_files.MappedWeights(files)
+        state = model.sharded_state_dict()
+        apply_factories(state)  # linear_fc1 -> its gate and up halves, as the checkpoint stores them
+        owners = _parameter_storages(model)
+        tensors = [sh for sh in nested_values(state) if isinstance(sh, ShardedTensor)]
+        for sh in tqdm(tensors, desc="import", disable=not progress, unit="tensor"):
+            name, half = owners[sh.data.untyped_storage().data_ptr()], sh.data.storage_offset() > 0
+            sh.data = _checkpoint_tensor(dict(model.named_parameters())[name], parts[name], weights, layout,
+                                         DTYPES[dtype], ("up" if half else "gate") if "gate" in parts[name] else None)
+        del model  # its (never touched) allocations
+        saved["hf_files"] = _keep_files(load_dir, save_dir)
+        save_model_checkpoint(save_dir, 0, state, {
             "consumed_samples": 0, "args": saved,
             "hf_import": {"source": os.path.abspath(load_dir), "config": json.load(open(os.path.join(
                 load_dir, hf_files.CONFIG)))}})
-        n = sum(p.numel() for p in model.parameters())
+        n = sum(p.numel() for p in {id(sh.data): sh.data for sh in tensors}.values())
     return ConversionSummary(load_dir, save_dir, n, time.perf_counter() - start)
+
+
+def _parts_by_parameter(load_dir: str, files: dict[str, str], layout: LlamaLayout) -> dict[str, dict[str, str]]:
+    """Megatron parameter -> {part: Hugging Face tensor}; every tensor of ``files`` must belong to the
+    model and every part of the model must be in ``files`` (checked before anything is read)."""
+    expected = hf_names(layout)
+    for name in files:
+        try:
+            megatron_target(name, layout)
+        except KeyError:
+            raise HFFormatError(f"{files[name]}: tensor {name} is not part of a {layout.num_layers}-layer "
+                                f"Llama; check that config.json belongs to these weights") from None
+    missing = [n for n in expected if n not in files]
+    if missing:
+        raise HFFormatError(f"{load_dir}: {len(missing)} tensors of the model are in no weight file, e.g. {missing[0]}; the "
+                            f"download is incomplete or config.json is for another model")
+    parts: dict[str, dict[str, str]] = {}
+    for hf_name, (param, part) in expected.items():
+        parts.setdefault(param, {})[part] = hf_name
+    return parts
+
+
+def _parameter_storages(model) -> dict[int, str]:
+    """Address of each parameter's storage -> the parameter's name (the sharded state dict's
+    tensors are the parameters or views of them)."""
+    return {p.untyped_storage().data_ptr(): name for name, p in model.named_parameters()}
+
+
+def _checkpoint_tensor(param: torch.Tensor, parts: dict[str, str], weights: hf_files.MappedWeights,
+                       layout: LlamaLayout, dtype: torch.dtype, half: str | None) -> torch.Tensor:
+    """The checkpoint's tensor for ``param`` (or its ``half``, "gate" or "up", of linear_fc1), from
+    the Hugging Face tensors ``parts``: the memory-mapped tensor itself where it is the whole
+    tensor in the right dtype (no copy), else assembled in memory (q/k/v interleaving, vocabulary
+    padding rows, a dtype conversion)."""
+    if half is not None:
+        region, parts = part_view(param, half, layout), {"all": parts[half]}
+    else:
+        region = param
+    padded = "vocab" in parts and layout.vocab_size != param.shape[0]
+    if len(parts) == 1 and not padded:
+        (part, name), = parts.items()
+        tensor = weights.get(name)
+        if tuple(tensor.shape) != tuple(region.shape):
+            raise HFFormatError(f"{weights.files[name]}: {name} has shape {tuple(tensor.shape)} but config.json "
+                                f"implies {tuple(region.shape)}; check that config.json belongs to these weights")
+        return tensor if tensor.dtype == dtype else tensor.to(dtype)
+    out = torch.empty(region.shape, dtype=dtype)
+    for part, name in parts.items():
+        try:
+            import_part(out, part, weights.get(name), layout, name)
+        except ValueError as e:
+            raise HFFormatError(f"{weights.files[name]}: {e}; check that config.json belongs to these weights") from None
+    if padded:
+        zero_padding_rows(out, layout)
+    return out
 
 
 def _keep_files(load_dir: str, save_dir: str) -> str | None:

@@ -238,11 +238,19 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extr
     return _write(root, iteration, state, extra)
 
 
-def save_model_checkpoint(root: str, iteration: int, model, extra: dict) -> str:
-    """Write a checkpoint of the model weights only (an imported model): loading it skips the
-    optimizer and RNG states, as ``--finetune`` does, whatever the flags say."""
-    check_finite(model, None, iteration_dir(root, iteration))
-    return _write(root, iteration, {"model": model.sharded_state_dict()}, {**extra, MODEL_ONLY: True})
+def save_model_checkpoint(root: str, iteration: int, model_state: dict, extra: dict) -> str:
+    """Write a checkpoint of model weights only (an imported model), given as a model's sharded
+    state dict (one process): loading it skips the optimizer and RNG states, as ``--finetune``
+    does, whatever the flags say."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    path = iteration_dir(root, iteration)
+    bad = [sh.key for sh in nested_values(model_state) if isinstance(sh, ShardedTensor)
+           and not bool(torch.isfinite(sh.data).all())]
+    if bad:
+        raise CheckpointError(f"refusing to save {path}: non-finite values in {', '.join(sorted(set(bad))[:5])}")
+    return _write(root, iteration, {"model": model_state}, {**extra, MODEL_ONLY: True})
 
 
 # Marks a checkpoint that holds no optimizer, scheduler or RNG state.
