@@ -234,27 +234,43 @@ def test_flags_that_disagree_with_the_checkpoint_are_refused(hf_tokenizer_data, 
         parse_args([*base, "--model-preset", "tiny"], world_size=1, cuda=False)
 
 
-def test_bf16_run_exports_its_fp32_master_weights(hf_tokenizer_data, tmp_path):
+def test_bf16_runs_export_their_fp32_master_weights(hf_tokenizer_data, tmp_path):
     """A --bf16 run keeps fp32 masters in its optimizer state: export writes those (fp32, not
-    bf16-representable after training), not the bf16 copies; --dtype bf16 rounds them."""
+    bf16-representable after training), not the bf16 copies, from megatron-core's mixed-precision
+    optimizer (PP2) and from the distributed optimizer's flat DP-sharded buffers (PP2 x DP2, the
+    same samples per step): both runs' masters agree to within what bf16 compute noise moves
+    through Adam's normalised steps; --dtype bf16 rounds them."""
     from conftest import torchrun
 
     hf_dir = tiny_hf_llama(tmp_path / "hf", hf_tokenizer_data.vocab_size, tied=True, layers=2)
     convert("import", "--load-dir", hf_dir, "--save-dir", str(tmp_path / "ckpt"))
-    torchrun(2, ["--load", str(tmp_path / "ckpt"), "--finetune", "--save", str(tmp_path / "trained"), "--bf16",
-                 "--pipeline-model-parallel-size", "2", "--micro-batch-size", "2", "--train-iters", "2",
-                 "--lr", "1e-3", "--eval-iters", "0", "--data-path", hf_tokenizer_data.prefix,
-                 "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", hf_tokenizer_data.tokenizer_dir,
-                 "--split", "90,10,0"])
-    convert("export", "--load-dir", str(tmp_path / "trained"), "--save-dir", str(tmp_path / "out"))
-    exported, original = _tensors(str(tmp_path / "out")), _tensors(hf_dir)
-    assert sorted(exported) == sorted(original)
-    w = exported["model.layers.1.mlp.down_proj.weight"]
-    assert w.dtype == torch.float32 and not torch.equal(w, w.to(torch.bfloat16).float())
-    assert not torch.equal(w, original["model.layers.1.mlp.down_proj.weight"])
-    assert "fp32 master weights of the checkpoint's optimizer" in \
-        json.loads((tmp_path / "out" / "megatron_snip.json").read_text())["weights"]
-    _load_quietly(str(tmp_path / "out"))
+    lr, iters = 1e-3, 2
+    common = ["--load", str(tmp_path / "ckpt"), "--finetune", "--bf16", "--pipeline-model-parallel-size", "2",
+              "--global-batch-size", "2", "--train-iters", str(iters), "--lr", str(lr), "--eval-iters", "0",
+              "--data-path", hf_tokenizer_data.prefix, "--tokenizer-type", "HuggingFaceTokenizer",
+              "--tokenizer-model", hf_tokenizer_data.tokenizer_dir, "--split", "90,10,0"]
+    torchrun(2, [*common, "--save", str(tmp_path / "trained"), "--micro-batch-size", "2"])
+    torchrun(4, [*common, "--save", str(tmp_path / "dist"), "--micro-batch-size", "1", "--use-distributed-optimizer"])
+    original = _tensors(hf_dir)
+    exports = {}
+    for run in ("trained", "dist"):
+        convert("export", "--load-dir", str(tmp_path / run), "--save-dir", str(tmp_path / f"{run}_hf"))
+        exports[run] = _tensors(str(tmp_path / f"{run}_hf"))
+        assert sorted(exports[run]) == sorted(original)
+        w = exports[run]["model.layers.1.mlp.down_proj.weight"]
+        assert w.dtype == torch.float32 and not torch.equal(w, w.to(torch.bfloat16).float())
+        assert not torch.equal(w, original["model.layers.1.mlp.down_proj.weight"])
+        assert "fp32 master weights of the checkpoint's optimizer" in \
+            json.loads((tmp_path / f"{run}_hf" / "megatron_snip.json").read_text())["weights"]
+        assert not (tmp_path / f"{run}_hf" / "fp32_masters").exists()
+    # The run starts from the import rounded to bf16 (its masters are the loaded weights, not the
+    # initial ones), then Adam moves each weight by at most ~lr per step; a misplaced master would
+    # be off by the weights' own scale (std 0.2).
+    for run, name in ((r, n) for r in exports for n in original):
+        w, start = exports[run][name], original[name]
+        assert torch.all((w - start).abs() <= start.abs() * 2**-8 + 1.5 * lr * iters), (run, name)
+        assert run == "trained" or (w - exports["trained"][name]).abs().max() < lr, name
+    _load_quietly(str(tmp_path / "dist_hf"))
 
 
 def test_qkv_and_fc1_layouts_are_megatrons():

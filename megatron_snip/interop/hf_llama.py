@@ -293,15 +293,21 @@ def export_hf(load_dir: str, save_dir: str, dtype: str = "auto", max_shard_bytes
     tmp = save_dir.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
+    weights_dir = load_dir
+    if masters and saved.get("use_distributed_optimizer"):
+        from megatron_snip.interop import dist_masters
+
+        weights_dir = os.path.join(tmp, "fp32_masters")  # removed before the directory is published
+        dist_masters.launch(load_dir, weights_dir, saved, _free_port())
     # With fp32 masters in the checkpoint, the model is built in fp32 to receive them.
     with single_process({**saved, "bf16": saved.get("bf16") and not masters}) as args:
         # The saved run's tokenizer (for its files), not the defaults of the conversion's namespace.
         args.tokenizer_type, args.tokenizer_model = saved.get("tokenizer_type"), saved.get("tokenizer_model")
         model = _build(args)
-        if masters:
+        if masters and weights_dir == load_dir:
             _load_fp32_masters(load_dir, model)
         else:
-            load_checkpoint(load_dir, model, None, None, load_optim=False, load_rng=False)
+            load_checkpoint(weights_dir, model, None, None, load_optim=False, load_rng=False)
         layout = _layout(args)
         params = dict(model.named_parameters())
         out_dtype = next(model.parameters()).dtype if dtype == "auto" else DTYPES[dtype]
@@ -312,6 +318,8 @@ def export_hf(load_dir: str, save_dir: str, dtype: str = "auto", max_shard_bytes
         config = _hf_config(args, saved, out_dtype)
         copied = _tokenizer_files(args)
         n = sum(p.numel() for p in model.parameters())
+    if weights_dir != load_dir:
+        shutil.rmtree(weights_dir)
     for name, src in copied.items():
         shutil.copyfile(src, os.path.join(tmp, name))
     write_text_atomic(os.path.join(tmp, hf_files.CONFIG), json.dumps(hf_files.config_json(config, config.torch_dtype),
@@ -335,12 +343,12 @@ def export_hf(load_dir: str, save_dir: str, dtype: str = "auto", max_shard_bytes
 
 
 def _has_fp32_masters(saved: dict, common: dict) -> bool:
-    """A --bf16 run's checkpoint with megatron-core's (non-distributed) mixed-precision optimizer
-    holds fp32 master weights next to the bf16 model; the distributed optimizer's flattened
-    DP-sharded state is not read here (its bf16 model weights are exported, and said so)."""
+    """A --bf16 run's checkpoint holds fp32 master weights next to the bf16 model in its optimizer
+    state: megatron-core's mixed-precision optimizer per parameter (read here), the distributed
+    optimizer in its flat DP-sharded buffers (read by :mod:`dist_masters`). Imports have none."""
     from megatron_snip.training.checkpointing import MODEL_ONLY
 
-    return bool(saved.get("bf16")) and not saved.get("use_distributed_optimizer") and not common.get(MODEL_ONLY)
+    return bool(saved.get("bf16")) and not common.get(MODEL_ONLY)
 
 
 # Where megatron-core's mixed-precision optimizer saves each parameter's fp32 master
@@ -373,8 +381,7 @@ def _snip_side_file(load_dir: str, common: dict, saved: dict, masters: bool, dty
     if masters:
         what = "the fp32 master weights of the checkpoint's optimizer"
     elif saved.get("bf16"):
-        what = ("the checkpoint's bf16 model parameters (a bf16 import has no fp32 masters; the distributed "
-                "optimizer's are not read)")
+        what = "the checkpoint's bf16 model parameters (a bf16 import has no fp32 masters)"
     else:
         what = "the checkpoint's model parameters, the fp32 master weights"
     return {

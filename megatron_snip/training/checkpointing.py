@@ -360,6 +360,11 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, load_optim: bool 
     chunks = _chunks(model)
     for key, chunk in zip(_model_keys(chunks), chunks):
         chunk.load_state_dict(loaded[key])
+    if not load_optim and optimizer is not None:
+        # The mixed-precision optimizers copied their fp32 masters from the model when they were
+        # built; the first step would write those initial weights back over the loaded ones
+        # (--finetune, --no-load-optim, model-only checkpoints). Megatron-LM's reload_model_params.
+        optimizer.reload_model_params()
     if load_optim:
         _fill_missing_steps(loaded["optimizer"])
         with torch.no_grad():
