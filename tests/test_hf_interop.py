@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,25 @@ def convert(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     if check and proc.returncode != 0:
         raise AssertionError(f"convert_hf_llama.py exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
+
+
+@dataclass(frozen=True)
+class Imported:
+    hf_dir: str  # the Hugging Face model (save_pretrained)
+    ckpt: str    # its import (read only: tests train and export into their own directories)
+
+
+@pytest.fixture(scope="module")
+def imported(hf_tokenizer_data, tmp_path_factory) -> dict[str, Imported]:
+    """The two models the tests share, each imported once (4 layers, GQA): "untied", and "tied"
+    with Llama 3.1 rope scaling (tied embeddings and rope scaling as in Llama 3.2 1B/3B)."""
+    out = {}
+    for name, tied in (("untied", False), ("tied", True)):
+        d = tmp_path_factory.mktemp(name)
+        hf_dir = tiny_hf_llama(d / "hf", hf_tokenizer_data.vocab_size, tied=tied, rope_scaling=tied)
+        convert("import", "--load-dir", hf_dir, "--save-dir", str(d / "ckpt"))
+        out[name] = Imported(hf_dir, str(d / "ckpt"))
+    return out
 
 
 def hf_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
@@ -74,19 +94,15 @@ def assert_logits_match(ours: torch.Tensor, theirs: torch.Tensor, vocab: int, la
     return diff
 
 
-@pytest.mark.parametrize("tied,rope_scaling,layout", [
-    (False, False, ()),
-    (True, False, ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2")),
-    (False, True, ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2")),
-], ids=["untied-tp1", "tied-tp2pp2", "rope-scaling-tp2pp2"])
-def test_imported_logits_equal_transformers(hf_tokenizer_data, tmp_path, tied, rope_scaling, layout):
+@pytest.mark.parametrize("model,layout", [
+    ("untied", ()),
+    ("tied", ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2")),
+], ids=["untied-tp1", "tied-rope-scaling-tp2pp2"])
+def test_imported_logits_equal_transformers(hf_tokenizer_data, imported, tmp_path, model, layout):
     vocab = hf_tokenizer_data.vocab_size
-    hf_dir = tiny_hf_llama(tmp_path / "hf", vocab, tied=tied, rope_scaling=rope_scaling)
-    convert("import", "--load-dir", hf_dir, "--save-dir", str(tmp_path / "ckpt"))
     tokens = sample_tokens(vocab)
-    nproc = 4 if layout else 1
-    ours = our_logits(hf_tokenizer_data, str(tmp_path / "ckpt"), tokens, tmp_path, nproc, *layout)
-    assert_logits_match(ours, hf_logits(hf_dir, tokens), vocab, f"{'tied' if tied else 'untied'} {layout or 'TP1'}")
+    ours = our_logits(hf_tokenizer_data, imported[model].ckpt, tokens, tmp_path, 4 if layout else 1, *layout)
+    assert_logits_match(ours, hf_logits(imported[model].hf_dir, tokens), vocab, f"{model} {layout or 'TP1'}")
 
 
 def _tensors(hf_dir: str) -> dict[str, torch.Tensor]:
@@ -119,38 +135,35 @@ def _load_quietly(hf_dir: str):
     return model
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_export_is_bit_exact_and_loads_without_warnings(hf_tokenizer_data, tmp_path, tied):
-    vocab = hf_tokenizer_data.vocab_size
-    hf_dir = tiny_hf_llama(tmp_path / "hf", vocab, tied=tied, layers=2)
-    convert("import", "--load-dir", hf_dir, "--save-dir", str(tmp_path / "ckpt"))
-    convert("export", "--load-dir", str(tmp_path / "ckpt"), "--save-dir", str(tmp_path / "out"))
+@pytest.mark.parametrize("model", ["untied", "tied"])
+def test_export_is_bit_exact_and_loads_without_warnings(imported, tmp_path, model):
+    hf_dir, ckpt = imported[model].hf_dir, imported[model].ckpt
+    convert("export", "--load-dir", ckpt, "--save-dir", str(tmp_path / "out"))
     original, exported = _tensors(hf_dir), _tensors(str(tmp_path / "out"))
     assert sorted(exported) == sorted(original)
     for name, tensor in original.items():
         assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
-    model = _load_quietly(str(tmp_path / "out"))
-    assert model.config.tie_word_embeddings == tied
+    hf_model = _load_quietly(str(tmp_path / "out"))
+    assert hf_model.config.tie_word_embeddings == (model == "tied")
     assert json.loads((tmp_path / "out" / "generation_config.json").read_text())["eos_token_id"] == 1
     side = json.loads((tmp_path / "out" / "megatron_snip.json").read_text())
     assert side["iteration"] == 0 and "master weights" in side["weights"]
-    # --dtype bf16 halves the files and rounds each tensor once.
-    convert("export", "--load-dir", str(tmp_path / "ckpt"), "--save-dir", str(tmp_path / "bf16"), "--dtype", "bf16")
-    halved = _tensors(str(tmp_path / "bf16"))
-    assert all(torch.equal(halved[n], t.to(torch.bfloat16)) for n, t in original.items())
+    if model == "untied":  # --dtype bf16 halves the files and rounds each tensor once.
+        convert("export", "--load-dir", ckpt, "--save-dir", str(tmp_path / "bf16"), "--dtype", "bf16")
+        halved = _tensors(str(tmp_path / "bf16"))
+        assert all(torch.equal(halved[n], t.to(torch.bfloat16)) for n, t in original.items())
 
 
-def test_train_with_snip_then_export_matches_ours(hf_tokenizer_data, tmp_path):
+def test_train_with_snip_then_export_matches_ours(hf_tokenizer_data, imported, tmp_path):
     """import -> 4 iterations at TP2 with SNIP (FP4 plan from iteration 2) -> export: transformers'
     logits of the export equal ours from the trained checkpoint, and training moved the weights."""
     from conftest import torchrun
 
     vocab = hf_tokenizer_data.vocab_size
-    hf_dir = tiny_hf_llama(tmp_path / "hf", vocab, tied=False)
-    convert("import", "--load-dir", hf_dir, "--save-dir", str(tmp_path / "ckpt"))
+    hf_dir = imported["untied"].hf_dir
     data = ["--data-path", hf_tokenizer_data.prefix, "--tokenizer-type", "HuggingFaceTokenizer",
             "--tokenizer-model", hf_tokenizer_data.tokenizer_dir, "--split", "90,10,0"]
-    torchrun(2, ["--load", str(tmp_path / "ckpt"), "--finetune", "--save", str(tmp_path / "trained"),
+    torchrun(2, ["--load", imported["untied"].ckpt, "--finetune", "--save", str(tmp_path / "trained"),
                  "--tensor-model-parallel-size", "2", "--micro-batch-size", "2", "--global-batch-size", "4",
                  "--train-iters", "4", "--save-interval", "2", "--lr", "1e-3", "--eval-iters", "0",
                  "--snip", "--snip-fp4-target", "0.75", *data])
@@ -218,23 +231,21 @@ def test_bad_directories_are_refused(hf_tokenizer_data, tmp_path):
     assert not (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").exists()
 
 
-def test_flags_that_disagree_with_the_checkpoint_are_refused(hf_tokenizer_data, tmp_path):
+def test_flags_that_disagree_with_the_checkpoint_are_refused(hf_tokenizer_data, imported):
     from megatron_snip.arguments import ArgumentError, parse_args
 
-    hf_dir = tiny_hf_llama(tmp_path / "hf", hf_tokenizer_data.vocab_size, tied=False, layers=2)
-    convert("import", "--load-dir", hf_dir, "--save-dir", str(tmp_path / "ckpt"))
-    base = ["--load", str(tmp_path / "ckpt"), "--train-iters", "1", "--data-path", hf_tokenizer_data.prefix,
+    base = ["--load", imported["untied"].ckpt, "--train-iters", "1", "--data-path", hf_tokenizer_data.prefix,
             "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", hf_tokenizer_data.tokenizer_dir]
     args = parse_args(base, world_size=1, cuda=False)
-    assert (args.num_layers, args.hidden_size, args.num_query_groups, args.norm_epsilon) == (2, 64, 2, 1e-6)
+    assert (args.num_layers, args.hidden_size, args.num_query_groups, args.norm_epsilon) == (4, 64, 2, 1e-6)
     assert args.padded_vocab_size == 768 and args.vocab_size == hf_tokenizer_data.vocab_size
     with pytest.raises(ArgumentError, match="--hidden-size 128 disagrees with the checkpoint in .* which has 64"):
         parse_args([*base, "--hidden-size", "128"], world_size=1, cuda=False)
-    with pytest.raises(ArgumentError, match="--model-preset tiny sets --num-layers 4 but the checkpoint in .* has 2"):
+    with pytest.raises(ArgumentError, match="--model-preset tiny sets --hidden-size 128 but the checkpoint in .* has 64"):
         parse_args([*base, "--model-preset", "tiny"], world_size=1, cuda=False)
 
 
-def test_bf16_runs_export_their_fp32_master_weights(hf_tokenizer_data, tmp_path):
+def test_bf16_runs_export_their_fp32_master_weights(hf_tokenizer_data, imported, tmp_path):
     """A --bf16 run keeps fp32 masters in its optimizer state: export writes those (fp32, not
     bf16-representable after training), not the bf16 copies, from megatron-core's mixed-precision
     optimizer (PP2) and from the distributed optimizer's flat DP-sharded buffers (PP2 x DP2, the
@@ -242,10 +253,9 @@ def test_bf16_runs_export_their_fp32_master_weights(hf_tokenizer_data, tmp_path)
     through Adam's normalised steps; --dtype bf16 rounds them."""
     from conftest import torchrun
 
-    hf_dir = tiny_hf_llama(tmp_path / "hf", hf_tokenizer_data.vocab_size, tied=True, layers=2)
-    convert("import", "--load-dir", hf_dir, "--save-dir", str(tmp_path / "ckpt"))
+    hf_dir = imported["tied"].hf_dir
     lr, iters = 1e-3, 2
-    common = ["--load", str(tmp_path / "ckpt"), "--finetune", "--bf16", "--pipeline-model-parallel-size", "2",
+    common = ["--load", imported["tied"].ckpt, "--finetune", "--bf16", "--pipeline-model-parallel-size", "2",
               "--global-batch-size", "2", "--train-iters", str(iters), "--lr", str(lr), "--eval-iters", "0",
               "--data-path", hf_tokenizer_data.prefix, "--tokenizer-type", "HuggingFaceTokenizer",
               "--tokenizer-model", hf_tokenizer_data.tokenizer_dir, "--split", "90,10,0"]

@@ -181,6 +181,16 @@ class MappedWeights:
         return torch.from_numpy(array).view(dtype)
 
 
+def file_backed_empty(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor whose memory is a new file at ``path``, unlinked at once (the
+    mapping keeps it until the tensor is freed): the kernel writes its pages out and drops them
+    under memory pressure, as it cannot with anonymous memory."""
+    np_type = next(np_t for np_t, t in _ST_DTYPES.values() if t == dtype)
+    array = np.memmap(path, dtype=np_type, mode="w+", shape=tuple(shape))
+    os.unlink(path)
+    return torch.from_numpy(array).view(dtype)
+
+
 def _save_atomic(tensors: dict[str, torch.Tensor], path: str) -> None:
     from safetensors.torch import save_file
 

@@ -4,15 +4,17 @@ Both directions build the project's own model (``model.llama.build_model``) in o
 at TP=1, PP=1 and go through the project's checkpoint code (megatron-core ``dist_checkpointing``),
 so an imported checkpoint loads in any TP x PP x DP layout and any checkpoint exports.
 
-Import streams the Hugging Face tensors one at a time into the model's parameters: memory is
-the model once (in the checkpoint's dtype) plus one tensor. Export loads the checkpoint into
-the model and writes the Hugging Face tensors shard by shard.
+Import never assembles the model: the checkpoint's tensors are the memory-mapped Hugging Face
+tensors themselves, or file-backed tensors where they must be assembled (q/k/v interleaving,
+vocabulary padding, a dtype change), so RAM holds no part of the model for long. Export loads
+the checkpoint into the model and writes the Hugging Face tensors shard by shard.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -153,10 +155,19 @@ def import_hf(load_dir: str, save_dir: str, divisible_by: int = 128, dtype: str 
         apply_factories(state)  # linear_fc1 -> its gate and up halves, as the checkpoint stores them
         owners = _parameter_storages(model)
         tensors = [sh for sh in nested_values(state) if isinstance(sh, ShardedTensor)]
+        # Assembled tensors live in files (unlinked at once) so that none of the model needs RAM.
+        os.makedirs(save_dir, exist_ok=True)
+        made = itertools.count()
+
+        def scratch(shape: tuple[int, ...]) -> torch.Tensor:
+            return hf_files.file_backed_empty(os.path.join(save_dir, f".import-scratch-{next(made)}"), shape,
+                                              DTYPES[dtype])
+
         for sh in tqdm(tensors, desc="import", disable=not progress, unit="tensor"):
             name, half = owners[sh.data.untyped_storage().data_ptr()], sh.data.storage_offset() > 0
             sh.data = _checkpoint_tensor(dict(model.named_parameters())[name], parts[name], weights, layout,
-                                         DTYPES[dtype], ("up" if half else "gate") if "gate" in parts[name] else None)
+                                         DTYPES[dtype], ("up" if half else "gate") if "gate" in parts[name] else None,
+                                         scratch)
         del model  # its (never touched) allocations
         saved["hf_files"] = _keep_files(load_dir, save_dir)
         save_model_checkpoint(save_dir, 0, state, {
@@ -194,11 +205,11 @@ def _parameter_storages(model) -> dict[int, str]:
 
 
 def _checkpoint_tensor(param: torch.Tensor, parts: dict[str, str], weights: hf_files.MappedWeights,
-                       layout: LlamaLayout, dtype: torch.dtype, half: str | None) -> torch.Tensor:
+                       layout: LlamaLayout, dtype: torch.dtype, half: str | None, scratch) -> torch.Tensor:
     """The checkpoint's tensor for ``param`` (or its ``half``, "gate" or "up", of linear_fc1), from
     the Hugging Face tensors ``parts``: the memory-mapped tensor itself where it is the whole
-    tensor in the right dtype (no copy), else assembled in memory (q/k/v interleaving, vocabulary
-    padding rows, a dtype conversion)."""
+    tensor in the right dtype (no copy), else assembled (q/k/v interleaving, vocabulary padding
+    rows, a dtype conversion) in ``scratch(shape)``, a file-backed tensor of ``dtype``."""
     if half is not None:
         region, parts = part_view(param, half, layout), {"all": parts[half]}
     else:
@@ -210,8 +221,10 @@ def _checkpoint_tensor(param: torch.Tensor, parts: dict[str, str], weights: hf_f
         if tuple(tensor.shape) != tuple(region.shape):
             raise HFFormatError(f"{weights.files[name]}: {name} has shape {tuple(tensor.shape)} but config.json "
                                 f"implies {tuple(region.shape)}; check that config.json belongs to these weights")
-        return tensor if tensor.dtype == dtype else tensor.to(dtype)
-    out = torch.empty(region.shape, dtype=dtype)
+        if tensor.dtype == dtype:
+            return tensor
+        return scratch(tuple(tensor.shape)).copy_(tensor)
+    out = scratch(tuple(region.shape))
     for part, name in parts.items():
         try:
             import_part(out, part, weights.get(name), layout, name)
