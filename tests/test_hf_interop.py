@@ -27,12 +27,31 @@ from conftest import ROOT, free_port, tiny_hf_llama
 LOGIT_TOL = 1e-4
 
 
+# Several conversions in one process (each start-up costs seconds): tools/convert_hf_llama.py's
+# main() per argument list, stopping at the first failure.
+_CONVERT_MANY = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("convert_hf_llama", sys.argv[1])
+tool = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tool)
+for argv in json.loads(sys.argv[2]):
+    rc = tool.main(argv + ["--no-progress"])
+    if rc:
+        sys.exit(rc)
+"""
+
+
 def convert(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "convert_hf_llama.py"), *args, "--no-progress"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+    return convert_many([list(args)], check=check)
+
+
+def convert_many(argvs: list[list[str]], check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-c", _CONVERT_MANY, str(ROOT / "tools" / "convert_hf_llama.py"),
+                           json.dumps(argvs)], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     if check and proc.returncode != 0:
-        raise AssertionError(f"convert_hf_llama.py exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise AssertionError(f"convert_hf_llama.py exited {proc.returncode}\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-3000:]}")
     return proc
 
 
@@ -50,8 +69,8 @@ def imported(hf_tokenizer_data, tmp_path_factory) -> dict[str, Imported]:
     for name, tied in (("untied", False), ("tied", True)):
         d = tmp_path_factory.mktemp(name)
         hf_dir = tiny_hf_llama(d / "hf", hf_tokenizer_data.vocab_size, tied=tied, rope_scaling=tied)
-        convert("import", "--load-dir", hf_dir, "--save-dir", str(d / "ckpt"))
         out[name] = Imported(hf_dir, str(d / "ckpt"))
+    convert_many([["import", "--load-dir", m.hf_dir, "--save-dir", m.ckpt] for m in out.values()])
     return out
 
 
@@ -71,7 +90,8 @@ def our_logits(data, ckpt: str, tokens: torch.Tensor, tmp_path: Path, nproc: int
            str(free_port()), str(ROOT / "tests" / "drivers" / "hf_logits.py"),
            "--load", ckpt, "--data-path", data.prefix, "--tokenizer-type", "HuggingFaceTokenizer",
            "--tokenizer-model", data.tokenizer_dir, "--split", "90,10,0", "--train-iters", "0",
-           "--micro-batch-size", str(tokens.shape[0]), "--eval-iters", "0", *flags]
+           "--micro-batch-size", str(tokens.shape[0]), "--seq-length", str(tokens.shape[1]), "--eval-iters", "0",
+           *flags]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "LOGITS_TOKENS": str(tmp_path / "tokens.pt"),
                                "LOGITS_OUT": str(out)})
@@ -138,7 +158,8 @@ def _load_quietly(hf_dir: str):
 @pytest.mark.parametrize("model", ["untied", "tied"])
 def test_export_is_bit_exact_and_loads_without_warnings(imported, tmp_path, model):
     hf_dir, ckpt = imported[model].hf_dir, imported[model].ckpt
-    convert("export", "--load-dir", ckpt, "--save-dir", str(tmp_path / "out"))
+    bf16 = [["export", "--load-dir", ckpt, "--save-dir", str(tmp_path / "bf16"), "--dtype", "bf16"]]
+    convert_many([["export", "--load-dir", ckpt, "--save-dir", str(tmp_path / "out")], *bf16[:model == "untied"]])
     original, exported = _tensors(hf_dir), _tensors(str(tmp_path / "out"))
     assert sorted(exported) == sorted(original)
     for name, tensor in original.items():
@@ -149,7 +170,6 @@ def test_export_is_bit_exact_and_loads_without_warnings(imported, tmp_path, mode
     side = json.loads((tmp_path / "out" / "megatron_snip.json").read_text())
     assert side["iteration"] == 0 and "master weights" in side["weights"]
     if model == "untied":  # --dtype bf16 halves the files and rounds each tensor once.
-        convert("export", "--load-dir", ckpt, "--save-dir", str(tmp_path / "bf16"), "--dtype", "bf16")
         halved = _tensors(str(tmp_path / "bf16"))
         assert all(torch.equal(halved[n], t.to(torch.bfloat16)) for n, t in original.items())
 
@@ -241,7 +261,8 @@ def test_flags_that_disagree_with_the_checkpoint_are_refused(hf_tokenizer_data, 
     assert args.padded_vocab_size == 768 and args.vocab_size == hf_tokenizer_data.vocab_size
     with pytest.raises(ArgumentError, match="--hidden-size 128 disagrees with the checkpoint in .* which has 64"):
         parse_args([*base, "--hidden-size", "128"], world_size=1, cuda=False)
-    with pytest.raises(ArgumentError, match="--model-preset tiny sets --hidden-size 128 but the checkpoint in .* has 64"):
+    with pytest.raises(ArgumentError,
+                       match="--model-preset tiny sets --hidden-size 128 but the checkpoint in .* has 64"):
         parse_args([*base, "--model-preset", "tiny"], world_size=1, cuda=False)
 
 
@@ -250,21 +271,23 @@ def test_bf16_runs_export_their_fp32_master_weights(hf_tokenizer_data, imported,
     bf16-representable after training), not the bf16 copies, from megatron-core's mixed-precision
     optimizer (PP2) and from the distributed optimizer's flat DP-sharded buffers (PP2 x DP2, the
     same samples per step): both runs' masters agree to within what bf16 compute noise moves
-    through Adam's normalised steps; --dtype bf16 rounds them."""
+    through Adam's normalised steps."""
     from conftest import torchrun
 
     hf_dir = imported["tied"].hf_dir
     lr, iters = 1e-3, 2
     common = ["--load", imported["tied"].ckpt, "--finetune", "--bf16", "--pipeline-model-parallel-size", "2",
-              "--global-batch-size", "2", "--train-iters", str(iters), "--lr", str(lr), "--eval-iters", "0",
+              "--seq-length", "64", "--global-batch-size", "2", "--train-iters", str(iters), "--lr", str(lr),
+              "--eval-iters", "0",
               "--data-path", hf_tokenizer_data.prefix, "--tokenizer-type", "HuggingFaceTokenizer",
               "--tokenizer-model", hf_tokenizer_data.tokenizer_dir, "--split", "90,10,0"]
     torchrun(2, [*common, "--save", str(tmp_path / "trained"), "--micro-batch-size", "2"])
     torchrun(4, [*common, "--save", str(tmp_path / "dist"), "--micro-batch-size", "1", "--use-distributed-optimizer"])
     original = _tensors(hf_dir)
     exports = {}
+    convert_many([["export", "--load-dir", str(tmp_path / run), "--save-dir", str(tmp_path / f"{run}_hf")]
+                  for run in ("trained", "dist")])
     for run in ("trained", "dist"):
-        convert("export", "--load-dir", str(tmp_path / run), "--save-dir", str(tmp_path / f"{run}_hf"))
         exports[run] = _tensors(str(tmp_path / f"{run}_hf"))
         assert sorted(exports[run]) == sorted(original)
         w = exports[run]["model.layers.1.mlp.down_proj.weight"]
@@ -279,7 +302,10 @@ def test_bf16_runs_export_their_fp32_master_weights(hf_tokenizer_data, imported,
     for run, name in ((r, n) for r in exports for n in original):
         w, start = exports[run][name], original[name]
         assert torch.all((w - start).abs() <= start.abs() * 2**-8 + 1.5 * lr * iters), (run, name)
-        assert run == "trained" or (w - exports["trained"][name]).abs().max() < lr, name
+        # The runs differ in bf16 rounding only (micro-batches of 1 vs 2): where a gradient is
+        # near zero, Adam's normalised step may take the other sign (at most 2 lr per step).
+        diff = (w - exports["trained"][name]).abs()
+        assert run == "trained" or (diff.max() <= 2 * lr * iters and diff.mean() < 1e-4), name
     _load_quietly(str(tmp_path / "dist_hf"))
 
 

@@ -190,8 +190,8 @@ def _parts_by_parameter(load_dir: str, files: dict[str, str], layout: LlamaLayou
                                 f"Llama; check that config.json belongs to these weights") from None
     missing = [n for n in expected if n not in files]
     if missing:
-        raise HFFormatError(f"{load_dir}: {len(missing)} tensors of the model are in no weight file, e.g. {missing[0]}; the "
-                            f"download is incomplete or config.json is for another model")
+        raise HFFormatError(f"{load_dir}: {len(missing)} tensors of the model are in no weight file, e.g. "
+                            f"{missing[0]}; the download is incomplete or config.json is for another model")
     parts: dict[str, dict[str, str]] = {}
     for hf_name, (param, part) in expected.items():
         parts.setdefault(param, {})[part] = hf_name
@@ -229,7 +229,8 @@ def _checkpoint_tensor(param: torch.Tensor, parts: dict[str, str], weights: hf_f
         try:
             import_part(out, part, weights.get(name), layout, name)
         except ValueError as e:
-            raise HFFormatError(f"{weights.files[name]}: {e}; check that config.json belongs to these weights") from None
+            raise HFFormatError(f"{weights.files[name]}: {e}; check that config.json belongs to these "
+                                f"weights") from None
     if padded:
         zero_padding_rows(out, layout)
     return out
