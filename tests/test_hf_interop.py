@@ -158,8 +158,11 @@ def _load_quietly(hf_dir: str):
 @pytest.mark.parametrize("model", ["untied", "tied"])
 def test_export_is_bit_exact_and_loads_without_warnings(imported, tmp_path, model):
     hf_dir, ckpt = imported[model].hf_dir, imported[model].ckpt
-    bf16 = [["export", "--load-dir", ckpt, "--save-dir", str(tmp_path / "bf16"), "--dtype", "bf16"]]
-    convert_many([["export", "--load-dir", ckpt, "--save-dir", str(tmp_path / "out")], *bf16[:model == "untied"]])
+    # --dtype bf16: exported from the fp32 import, and imported (file-backed converted tensors), then exported.
+    bf16 = [["export", "--load-dir", ckpt, "--save-dir", str(tmp_path / "bf16"), "--dtype", "bf16"],
+            ["import", "--load-dir", hf_dir, "--save-dir", str(tmp_path / "ckpt16"), "--dtype", "bf16"],
+            ["export", "--load-dir", str(tmp_path / "ckpt16"), "--save-dir", str(tmp_path / "bf16_import")]]
+    convert_many([["export", "--load-dir", ckpt, "--save-dir", str(tmp_path / "out")], *bf16[:3 * (model == "untied")]])
     original, exported = _tensors(hf_dir), _tensors(str(tmp_path / "out"))
     assert sorted(exported) == sorted(original)
     for name, tensor in original.items():
@@ -170,8 +173,11 @@ def test_export_is_bit_exact_and_loads_without_warnings(imported, tmp_path, mode
     side = json.loads((tmp_path / "out" / "megatron_snip.json").read_text())
     assert side["iteration"] == 0 and "master weights" in side["weights"]
     if model == "untied":  # --dtype bf16 halves the files and rounds each tensor once.
-        halved = _tensors(str(tmp_path / "bf16"))
-        assert all(torch.equal(halved[n], t.to(torch.bfloat16)) for n, t in original.items())
+        for out in ("bf16", "bf16_import"):
+            halved = _tensors(str(tmp_path / out))
+            assert sorted(halved) == sorted(original)
+            assert all(torch.equal(halved[n], t.to(torch.bfloat16)) for n, t in original.items()), out
+        assert not list((tmp_path / "ckpt16").glob(".import-scratch-*"))
 
 
 def test_train_with_snip_then_export_matches_ours(hf_tokenizer_data, imported, tmp_path):
