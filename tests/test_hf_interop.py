@@ -1,9 +1,10 @@
 """Hugging Face Llama import/export and the HuggingFaceTokenizer, against real `transformers`.
 
-A tiny randomly initialised LlamaForCausalLM (GQA, tied or untied, optionally with Llama 3.1 rope
-scaling) is saved with save_pretrained, imported with tools/convert_hf_llama.py, and its logits
-in our model (TP1, TP2 x PP2) are compared with transformers' own forward pass; exports are
-compared tensor by tensor with the original files.
+Two tiny randomly initialised LlamaForCausalLM (GQA; untied, and tied with Llama 3.1 rope
+scaling) are saved with save_pretrained and imported once per module with
+tools/convert_hf_llama.py; their logits in our model (TP1, TP2 x PP2) are compared with
+transformers' own forward pass, exports tensor by tensor with the original files, and --bf16
+runs' exports (mixed-precision and distributed optimizer) with their fp32 masters.
 """
 
 from __future__ import annotations
