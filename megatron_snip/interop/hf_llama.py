@@ -153,6 +153,7 @@ def import_hf(load_dir: str, save_dir: str, divisible_by: int = 128, dtype: str 
         weights = hf_files.MappedWeights(files)
         state = model.sharded_state_dict()
         apply_factories(state)  # linear_fc1 -> its gate and up halves, as the checkpoint stores them
+        params = dict(model.named_parameters())
         owners = _parameter_storages(model)
         tensors = [sh for sh in nested_values(state) if isinstance(sh, ShardedTensor)]
         # Assembled tensors live in files (unlinked at once) so that none of the model needs RAM.
@@ -165,10 +166,10 @@ def import_hf(load_dir: str, save_dir: str, divisible_by: int = 128, dtype: str 
 
         for sh in tqdm(tensors, desc="import", disable=not progress, unit="tensor"):
             name, half = owners[sh.data.untyped_storage().data_ptr()], sh.data.storage_offset() > 0
-            sh.data = _checkpoint_tensor(dict(model.named_parameters())[name], parts[name], weights, layout,
+            sh.data = _checkpoint_tensor(params[name], parts[name], weights, layout,
                                          DTYPES[dtype], ("up" if half else "gate") if "gate" in parts[name] else None,
                                          scratch)
-        del model  # its (never touched) allocations
+        del model, params  # their (never touched) allocations
         saved["hf_files"] = _keep_files(load_dir, save_dir)
         save_model_checkpoint(save_dir, 0, state, {
             "consumed_samples": 0, "args": saved,

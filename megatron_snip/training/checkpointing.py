@@ -239,17 +239,20 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extr
 
 
 def save_model_checkpoint(root: str, iteration: int, model_state: dict, extra: dict) -> str:
-    """Write a checkpoint of model weights only (an imported model), given as a model's sharded
-    state dict (one process): loading it skips the optimizer and RNG states, as ``--finetune``
-    does, whatever the flags say."""
+    """Write a checkpoint of model weights only (an imported model), given as this rank's sharded
+    state dict of the model; collective. Loading it skips the optimizer and RNG states, as
+    ``--finetune`` does, whatever the flags say."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     path = iteration_dir(root, iteration)
     bad = [sh.key for sh in nested_values(model_state) if isinstance(sh, ShardedTensor)
            and not bool(torch.isfinite(sh.data).all())]
-    if bad:
-        raise CheckpointError(f"refusing to save {path}: non-finite values in {', '.join(sorted(set(bad))[:5])}")
+    flag = torch.tensor([float(bool(bad))])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank raises, none waits in the save
+    if flag.item():
+        raise CheckpointError(f"refusing to save {path}: non-finite values in "
+                              f"{', '.join(sorted(set(bad))[:5]) or 'another rank'}")
     return _write(root, iteration, {"model": model_state}, {**extra, MODEL_ONLY: True})
 
 
