@@ -198,8 +198,10 @@ def tiny_hf_llama(path, vocab_size: int, *, tied: bool, layers: int = 4, rope_sc
     rope = ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
              "original_max_position_embeddings": 8192, "rope_theta": 500000.0} if rope_scaling
             else {"rope_type": "default", "rope_theta": 10000.0})
+    # Llama 3.1's scaling needs a context beyond its original 8192 (transformers warns otherwise).
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=160, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=16384 if rope_scaling else 64,
                          rms_norm_eps=1e-6, tie_word_embeddings=tied, rope_parameters=rope,
                          bos_token_id=0, eos_token_id=1, initializer_range=0.2)
     torch.manual_seed(seed)

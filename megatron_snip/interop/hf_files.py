@@ -2,17 +2,20 @@
 
 Only what a Llama conversion needs: the architecture fields of ``config.json`` as a
 :class:`HFLlamaConfig`, the weight files a directory names (``model.safetensors`` or a
-``model.safetensors.index.json`` with its shards), tensors streamed one file at a time, and
+``model.safetensors.index.json`` with its shards), and
 shards written with an index, each file atomically (temporary name, fsync, rename).
+Tensors are read memory-mapped, one tensor per mapping (:class:`MappedWeights`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import struct
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 
 from megatron_snip.fileio import write_text_atomic
@@ -129,25 +132,63 @@ def weight_files(hf_dir: str) -> dict[str, str]:
         return files
     single = os.path.join(hf_dir, SINGLE_FILE)
     if os.path.isfile(single):
-        from safetensors import safe_open
-
-        with safe_open(single, "pt") as f:
-            return {name: single for name in f.keys()}
+        return {name: single for name in read_header(single)[0]}
     raise HFFormatError(f"--load-dir {hf_dir}: no {SINGLE_FILE} or {INDEX}; only safetensors weights are read "
                         f"(convert .bin weights with transformers' save_pretrained(safe_serialization=True))")
 
 
-def iter_tensors(files: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every tensor, one file open at a time (memory: one tensor beyond the caller's)."""
-    from safetensors import safe_open
+# safetensors dtype -> (numpy type of the same width, torch dtype); numpy has no bfloat16.
+_ST_DTYPES = {"F64": (np.float64, torch.float64), "F32": (np.float32, torch.float32),
+              "F16": (np.float16, torch.float16), "BF16": (np.int16, torch.bfloat16)}
 
-    by_file: dict[str, list[str]] = {}
-    for name, path in files.items():
-        by_file.setdefault(path, []).append(name)
-    for path, names in by_file.items():
-        with safe_open(path, "pt") as f:
-            for name in names:
-                yield name, f.get_tensor(name)
+
+def read_header(path: str) -> tuple[dict, int]:
+    """(tensor name -> {dtype, shape, data_offsets}, offset of the data) of a safetensors file."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    return header, 8 + length
+
+
+class MappedWeights:
+    """The tensors of a model's safetensors files, each memory-mapped on its own when asked for.
+
+    A tensor is a copy-on-write view of its bytes in the file (numpy.memmap): reading it faults
+    in file-backed pages (page cache, which the kernel reclaims under memory pressure), never
+    anonymous memory, and its storage is exactly the tensor (checkpoint writers that copy views
+    of larger storages do not copy it).
+    """
+
+    def __init__(self, files: dict[str, str]):
+        self.files = files
+        self._headers = {path: read_header(path) for path in sorted(set(files.values()))}
+
+    def get(self, name: str) -> torch.Tensor:
+        path = self.files[name]
+        header, data_start = self._headers[path]
+        entry = header[name]
+        if entry["dtype"] not in _ST_DTYPES:
+            raise HFFormatError(f"{path}: tensor {name} has dtype {entry['dtype']}; the converter reads "
+                                f"{', '.join(_ST_DTYPES)} weights")
+        np_type, dtype = _ST_DTYPES[entry["dtype"]]
+        start, end = entry["data_offsets"]
+        shape = tuple(entry["shape"])
+        if end - start != int(np.prod(shape)) * np.dtype(np_type).itemsize:
+            raise HFFormatError(f"{path}: tensor {name} has {end - start} bytes for shape {shape}; the file is "
+                                f"damaged, download it again")
+        array = np.memmap(path, dtype=np_type, mode="c", offset=data_start + start, shape=shape)
+        return torch.from_numpy(array).view(dtype)
+
+
+def file_backed_empty(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor whose memory is a new file at ``path``, unlinked at once (the
+    mapping keeps it until the tensor is freed): the kernel writes its pages out and drops them
+    under memory pressure, as it cannot with anonymous memory."""
+    np_type = next(np_t for np_t, t in _ST_DTYPES.values() if t == dtype)
+    array = np.memmap(path, dtype=np_type, mode="w+", shape=tuple(shape))
+    os.unlink(path)
+    return torch.from_numpy(array).view(dtype)
 
 
 def _save_atomic(tensors: dict[str, torch.Tensor], path: str) -> None:

@@ -4,14 +4,16 @@ Both directions build the project's own model (``model.llama.build_model``) in o
 at TP=1, PP=1 and go through the project's checkpoint code (megatron-core ``dist_checkpointing``),
 so an imported checkpoint loads in any TP x PP x DP layout and any checkpoint exports.
 
-Import streams the Hugging Face tensors one at a time into the model's parameters: memory is
-the model once (in the checkpoint's dtype) plus one tensor. Export loads the checkpoint into
-the model and writes the Hugging Face tensors shard by shard.
+Import never assembles the model: the checkpoint's tensors are the memory-mapped Hugging Face
+tensors themselves, or file-backed tensors where they must be assembled (q/k/v interleaving,
+vocabulary padding, a dtype change), so RAM holds no part of the model for long. Export loads
+the checkpoint into the model and writes the Hugging Face tensors shard by shard.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -26,12 +28,7 @@ from tqdm import tqdm
 from megatron_snip.fileio import write_text_atomic
 from megatron_snip.interop import hf_files
 from megatron_snip.interop.convert import (
-    LlamaLayout,
-    export_part,
-    hf_names,
-    import_part,
-    megatron_target,
-    zero_padding_rows,
+    LlamaLayout, export_part, hf_names, import_part, megatron_target, part_view, zero_padding_rows,
 )
 from megatron_snip.interop.hf_files import HFFormatError, HFLlamaConfig
 
@@ -140,6 +137,9 @@ def import_hf(load_dir: str, save_dir: str, divisible_by: int = 128, dtype: str 
     Raises HFFormatError (a ValueError) naming the file and the fix for a directory that is not
     a Llama, lacks a shard or a tensor, or holds a tensor of the wrong shape.
     """
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
     from megatron_snip.training.checkpointing import TRACKER, save_model_checkpoint
 
     start = time.perf_counter()
@@ -149,39 +149,96 @@ def import_hf(load_dir: str, save_dir: str, divisible_by: int = 128, dtype: str 
     files = hf_files.weight_files(load_dir)  # before any work: a missing shard fails here
     saved = checkpoint_args(config, divisible_by, DTYPES[dtype])
     with single_process(saved) as run:
+        # The model only lends its checkpoint structure (keys, shapes, shardings): its parameters
+        # are allocated but never written, so they take no memory.
         model = _build(run)
         layout = _layout(run.model)
+        parts = _parts_by_parameter(load_dir, files, layout)
+        weights = hf_files.MappedWeights(files)
+        state = model.sharded_state_dict()
+        apply_factories(state)  # linear_fc1 -> its gate and up halves, as the checkpoint stores them
         params = dict(model.named_parameters())
-        expected = hf_names(layout)
-        for name, tensor in tqdm(hf_files.iter_tensors(files), total=len(files), desc="import",
-                                 disable=not progress, unit="tensor"):
-            try:
-                target = megatron_target(name, layout)
-            except KeyError:
-                raise HFFormatError(f"{files[name]}: tensor {name} is not part of a {layout.num_layers}-layer "
-                                    f"Llama; check that config.json belongs to these weights") from None
-            if target is None:
-                continue
-            try:
-                import_part(params[target[0]], target[1], tensor, layout, name)
-            except ValueError as e:
-                raise HFFormatError(f"{files[name]}: {e}; check that config.json belongs to these weights") from None
-            expected.pop(name)
-        if expected:
-            raise HFFormatError(f"{load_dir}: {len(expected)} tensors of the model are in no weight file, e.g. "
-                                f"{next(iter(expected))}; the download is incomplete or config.json is for "
-                                f"another model")
-        zero_padding_rows(params["embedding.word_embeddings.weight"], layout)
-        if not layout.tied:
-            zero_padding_rows(params["output_layer.weight"], layout)
-        kept = _keep_files(load_dir, save_dir)
-        saved["hf_files"] = kept
-        save_model_checkpoint(save_dir, 0, model, {
+        owners = _parameter_storages(model)
+        tensors = [sh for sh in nested_values(state) if isinstance(sh, ShardedTensor)]
+        # Assembled tensors live in files (unlinked at once) so that none of the model needs RAM.
+        os.makedirs(save_dir, exist_ok=True)
+        made = itertools.count()
+
+        def scratch(shape: tuple[int, ...]) -> torch.Tensor:
+            return hf_files.file_backed_empty(os.path.join(save_dir, f".import-scratch-{next(made)}"), shape,
+                                              DTYPES[dtype])
+
+        for sh in tqdm(tensors, desc="import", disable=not progress, unit="tensor"):
+            name, half = owners[sh.data.untyped_storage().data_ptr()], sh.data.storage_offset() > 0
+            sh.data = _checkpoint_tensor(params[name], parts[name], weights, layout,
+                                         DTYPES[dtype], ("up" if half else "gate") if "gate" in parts[name] else None,
+                                         scratch)
+        del model, params  # their (never touched) allocations
+        saved["hf_files"] = _keep_files(load_dir, save_dir)
+        save_model_checkpoint(save_dir, 0, state, {
             "consumed_samples": 0, "args": saved,
             "hf_import": {"source": os.path.abspath(load_dir), "config": json.load(open(os.path.join(
                 load_dir, hf_files.CONFIG)))}})
-        n = sum(p.numel() for p in model.parameters())
+        n = sum(p.numel() for p in {id(sh.data): sh.data for sh in tensors}.values())
     return ConversionSummary(load_dir, save_dir, n, time.perf_counter() - start)
+
+
+def _parts_by_parameter(load_dir: str, files: dict[str, str], layout: LlamaLayout) -> dict[str, dict[str, str]]:
+    """Megatron parameter -> {part: Hugging Face tensor}; every tensor of ``files`` must belong to the
+    model and every part of the model must be in ``files`` (checked before anything is read)."""
+    expected = hf_names(layout)
+    for name in files:
+        try:
+            megatron_target(name, layout)
+        except KeyError:
+            raise HFFormatError(f"{files[name]}: tensor {name} is not part of a {layout.num_layers}-layer "
+                                f"Llama; check that config.json belongs to these weights") from None
+    missing = [n for n in expected if n not in files]
+    if missing:
+        raise HFFormatError(f"{load_dir}: {len(missing)} tensors of the model are in no weight file, e.g. "
+                            f"{missing[0]}; the download is incomplete or config.json is for another model")
+    parts: dict[str, dict[str, str]] = {}
+    for hf_name, (param, part) in expected.items():
+        parts.setdefault(param, {})[part] = hf_name
+    return parts
+
+
+def _parameter_storages(model) -> dict[int, str]:
+    """Address of each parameter's storage -> the parameter's name (the sharded state dict's
+    tensors are the parameters or views of them)."""
+    return {p.untyped_storage().data_ptr(): name for name, p in model.named_parameters()}
+
+
+def _checkpoint_tensor(param: torch.Tensor, parts: dict[str, str], weights: hf_files.MappedWeights,
+                       layout: LlamaLayout, dtype: torch.dtype, half: str | None, scratch) -> torch.Tensor:
+    """The checkpoint's tensor for ``param`` (or its ``half``, "gate" or "up", of linear_fc1), from
+    the Hugging Face tensors ``parts``: the memory-mapped tensor itself where it is the whole
+    tensor in the right dtype (no copy), else assembled (q/k/v interleaving, vocabulary padding
+    rows, a dtype conversion) in ``scratch(shape)``, a file-backed tensor of ``dtype``."""
+    if half is not None:
+        region, parts = part_view(param, half, layout), {"all": parts[half]}
+    else:
+        region = param
+    padded = "vocab" in parts and layout.vocab_size != param.shape[0]
+    if len(parts) == 1 and not padded:
+        (part, name), = parts.items()
+        tensor = weights.get(name)
+        if tuple(tensor.shape) != tuple(region.shape):
+            raise HFFormatError(f"{weights.files[name]}: {name} has shape {tuple(tensor.shape)} but config.json "
+                                f"implies {tuple(region.shape)}; check that config.json belongs to these weights")
+        if tensor.dtype == dtype:
+            return tensor
+        return scratch(tuple(tensor.shape)).copy_(tensor)
+    out = scratch(tuple(region.shape))
+    for part, name in parts.items():
+        try:
+            import_part(out, part, weights.get(name), layout, name)
+        except ValueError as e:
+            raise HFFormatError(f"{weights.files[name]}: {e}; check that config.json belongs to these "
+                                f"weights") from None
+    if padded:
+        zero_padding_rows(out, layout)
+    return out
 
 
 def _keep_files(load_dir: str, save_dir: str) -> str | None:
@@ -256,13 +313,19 @@ def export_hf(load_dir: str, save_dir: str, dtype: str = "auto", max_shard_bytes
     tmp = save_dir.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
+    weights_dir = load_dir
+    if masters and saved.get("use_distributed_optimizer"):
+        from megatron_snip.interop import dist_masters
+
+        weights_dir = os.path.join(tmp, "fp32_masters")  # removed before the directory is published
+        dist_masters.launch(load_dir, weights_dir, saved, _free_port())
     # With fp32 masters in the checkpoint, the model is built in fp32 to receive them.
     with single_process({**saved, "bf16": saved.get("bf16") and not masters}) as run:
         model = _build(run)
-        if masters:
+        if masters and weights_dir == load_dir:
             _load_fp32_masters(load_dir, model)
         else:
-            load_checkpoint(load_dir, model, None, None, load_optim=False, load_rng=False)
+            load_checkpoint(weights_dir, model, None, None, load_optim=False, load_rng=False)
         layout = _layout(run.model)
         params = dict(model.named_parameters())
         out_dtype = next(model.parameters()).dtype if dtype == "auto" else DTYPES[dtype]
@@ -273,6 +336,8 @@ def export_hf(load_dir: str, save_dir: str, dtype: str = "auto", max_shard_bytes
         config = _hf_config(run.model, saved, out_dtype)
         copied = _tokenizer_files(run)
         n = sum(p.numel() for p in model.parameters())
+    if weights_dir != load_dir:
+        shutil.rmtree(weights_dir)
     for name, src in copied.items():
         shutil.copyfile(src, os.path.join(tmp, name))
     write_text_atomic(os.path.join(tmp, hf_files.CONFIG), json.dumps(hf_files.config_json(config, config.torch_dtype),
@@ -296,12 +361,12 @@ def export_hf(load_dir: str, save_dir: str, dtype: str = "auto", max_shard_bytes
 
 
 def _has_fp32_masters(saved: dict, common: dict) -> bool:
-    """A --bf16 run's checkpoint with megatron-core's (non-distributed) mixed-precision optimizer
-    holds fp32 master weights next to the bf16 model; the distributed optimizer's flattened
-    DP-sharded state is not read here (its bf16 model weights are exported, and said so)."""
+    """A --bf16 run's checkpoint holds fp32 master weights next to the bf16 model in its optimizer
+    state: megatron-core's mixed-precision optimizer per parameter (read here), the distributed
+    optimizer in its flat DP-sharded buffers (read by :mod:`dist_masters`). Imports have none."""
     from megatron_snip.training.checkpointing import MODEL_ONLY
 
-    return bool(saved.get("bf16")) and not saved.get("use_distributed_optimizer") and not common.get(MODEL_ONLY)
+    return bool(saved.get("bf16")) and not common.get(MODEL_ONLY)
 
 
 # Where megatron-core's mixed-precision optimizer saves each parameter's fp32 master
@@ -334,8 +399,7 @@ def _snip_side_file(load_dir: str, common: dict, saved: dict, masters: bool, dty
     if masters:
         what = "the fp32 master weights of the checkpoint's optimizer"
     elif saved.get("bf16"):
-        what = ("the checkpoint's bf16 model parameters (a bf16 import has no fp32 masters; the distributed "
-                "optimizer's are not read)")
+        what = "the checkpoint's bf16 model parameters (a bf16 import has no fp32 masters)"
     else:
         what = "the checkpoint's model parameters, the fp32 master weights"
     return {

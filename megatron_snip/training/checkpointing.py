@@ -239,11 +239,22 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extr
     return _write(root, iteration, state, extra)
 
 
-def save_model_checkpoint(root: str, iteration: int, model, extra: dict) -> str:
-    """Write a checkpoint of the model weights only (an imported model): loading it skips the
-    optimizer and RNG states, as ``--finetune`` does, whatever the flags say."""
-    check_finite(model, None, iteration_dir(root, iteration))
-    return _write(root, iteration, {"model": model.sharded_state_dict()}, {**extra, MODEL_ONLY: True})
+def save_model_checkpoint(root: str, iteration: int, model_state: dict, extra: dict) -> str:
+    """Write a checkpoint of model weights only (an imported model), given as this rank's sharded
+    state dict of the model; collective. Loading it skips the optimizer and RNG states, as
+    ``--finetune`` does, whatever the flags say."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    path = iteration_dir(root, iteration)
+    bad = [sh.key for sh in nested_values(model_state) if isinstance(sh, ShardedTensor)
+           and not bool(torch.isfinite(sh.data).all())]
+    flag = torch.tensor([float(bool(bad))])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank raises, none waits in the save
+    if flag.item():
+        raise CheckpointError(f"refusing to save {path}: non-finite values in "
+                              f"{', '.join(sorted(set(bad))[:5]) or 'another rank'}")
+    return _write(root, iteration, {"model": model_state}, {**extra, MODEL_ONLY: True})
 
 
 # Marks a checkpoint that holds no optimizer, scheduler or RNG state.
@@ -353,6 +364,11 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, load_optim: bool 
     chunks = _chunks(model)
     for key, chunk in zip(_model_keys(chunks), chunks):
         chunk.load_state_dict(loaded[key])
+    if not load_optim and optimizer is not None:
+        # The mixed-precision optimizers copied their fp32 masters from the model when they were
+        # built; the first step would write those initial weights back over the loaded ones
+        # (--finetune, --no-load-optim, model-only checkpoints). Megatron-LM's reload_model_params.
+        optimizer.reload_model_params()
     if load_optim:
         _fill_missing_steps(loaded["optimizer"])
         with torch.no_grad():
