@@ -267,7 +267,8 @@ def test_flags_that_disagree_with_the_checkpoint_are_refused(hf_tokenizer_data, 
     from megatron_snip.arguments import ArgumentError, parse_config
 
     base = ["--load", imported["untied"].ckpt, "--train-iters", "1", "--data-path", hf_tokenizer_data.prefix,
-            "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", hf_tokenizer_data.tokenizer_dir]
+            "--split", "90,10,0", "--tokenizer-type", "HuggingFaceTokenizer",
+            "--tokenizer-model", hf_tokenizer_data.tokenizer_dir]
     model = parse_config(base, world_size=1, cuda=False).model
     assert (model.num_layers, model.hidden_size, model.num_query_groups, model.norm_epsilon) == (4, 64, 2, 1e-6)
     assert model.padded_vocab_size == 768 and model.vocab_size == hf_tokenizer_data.vocab_size
