@@ -23,8 +23,9 @@ def test_valid_arguments_derive_layout(tiny_data):
 
 
 def test_preset_fills_shape_and_flags_override(tiny_data):
-    model = parse_config(["--model-preset", "llama3-8b", "--num-layers", "2", "--train-iters", "1", "--split", "90,10,0",
-                          "--data-path", tiny_data.prefix, "--tokenizer-model", tiny_data.tokenizer_model],
+    model = parse_config(["--model-preset", "llama3-8b", "--num-layers", "2", "--train-iters", "1",
+                          "--split", "90,10,0", "--data-path", tiny_data.prefix,
+                          "--tokenizer-model", tiny_data.tokenizer_model],
                          world_size=1, cuda=False).model
     assert (model.hidden_size, model.num_query_groups, model.rotary_base) == (4096, 8, 500000)
     assert model.num_layers == 2

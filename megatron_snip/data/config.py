@@ -9,7 +9,8 @@ from dataclasses import dataclass
 class DataConfig:
     """Where the tokens come from and how samples are built (Megatron-LM's flags)."""
 
-    data_path: tuple[str, ...] | None  # None only when launch scripts are checked without their data; a prefix, or a blend "W1 PREFIX1 W2 PREFIX2 ..."
+    # A prefix, or a blend "W1 PREFIX1 W2 PREFIX2 ..."; None only when launch scripts are checked without data.
+    data_path: tuple[str, ...] | None
     split: str  # "train,valid,test" proportions
     tokenizer_type: str
     tokenizer_model: str | None
