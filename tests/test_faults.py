@@ -127,3 +127,27 @@ def test_truncated_tokenizer_json_is_named(hf_tokenizer_data, tmp_path):
                     "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(d)], world_size=1, cuda=False)
     text = str(e.value)
     assert "\n" not in text and text.startswith(f"--tokenizer-model {d}: not a Hugging Face tokenizer.json ("), text
+
+
+@pytest.mark.parametrize("policy", ["fail", "skip"])
+def test_nan_in_one_module_output_is_caught_and_named(tiny_data, tmp_path, policy):
+    """A NaN written into layer 1's linear_fc1 OUTPUT at step 2 (NVFP4): caught before the step under
+    both policies; the health numbers name the module it flows into first, layer 1's linear_fc2 (the
+    GEMM whose input it is: an output is not a quantized operand)."""
+    proc = torchrun(1, train_args(tiny_data, "--precision", "nvfp4", "--non-finite-grad-policy", policy,
+                                  "--tensorboard-dir", str(tmp_path / "tb"), iters=3),
+                    check=False, script="tests/drivers/inject_nonfinite.py",
+                    env={"INJECT_AT": "2", "INJECT_OUTPUT": "decoder.layers.1.mlp.linear_fc1"})
+    named = "quantized modules with non-finite operands: decoder.layers.1.mlp.linear_fc2 (fprop.x"
+    if policy == "fail":
+        assert proc.returncode == 1
+        (error,) = re.findall(r"pretrain_llama\.py: error: .*", proc.stderr)
+        assert "non-finite gradients at iteration 2" in error and named in error, error
+        assert "[train] iteration       2" not in proc.stdout
+    else:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "at iteration 2" in proc.stdout and named in proc.stdout
+        assert "--non-finite-grad-policy skip: update skipped (1 in a row, 1 in the run)" in proc.stdout
+        assert scalars(tmp_path / "tb", "train/skipped iterations") == {1: 0, 2: 1, 3: 1}
+        loss = scalars(tmp_path / "tb", "train/lm loss")
+        assert loss[3] == loss[3]  # finite again after the skipped step

@@ -22,10 +22,12 @@ import sys
 
 
 def workers() -> list[int]:
-    """Every worker process of this torchrun job (the agent's children), this one included."""
+    """Every process of this torchrun job below the agent, this one included: the workers and the
+    checkpoint writers they fork (a forked writer left alive would hold the job's output open), as
+    when a scheduler kills the job's whole process tree."""
     import psutil
 
-    return [p.pid for p in psutil.Process(os.getppid()).children()]
+    return [p.pid for p in psutil.Process(os.getppid()).children(recursive=True)]
 
 
 def signal_job(sig: int) -> None:
