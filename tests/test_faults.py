@@ -142,11 +142,12 @@ def test_nan_in_one_module_output_is_caught_and_named(tiny_data, tmp_path, polic
     if policy == "fail":
         assert proc.returncode == 1
         (error,) = re.findall(r"pretrain_llama\.py: error: .*", proc.stderr)
-        assert "non-finite gradients at iteration 2" in error and named in error, error
+        assert "non-finite loss and gradients at iteration 2" in error and named in error, error
+        assert "first in forward order: decoder.layers.1.mlp.linear_fc2; --non-finite-grad-policy fail" in error
         assert "[train] iteration       2" not in proc.stdout
     else:
         assert proc.returncode == 0, proc.stderr[-3000:]
-        assert "at iteration 2" in proc.stdout and named in proc.stdout
+        assert "non-finite loss and gradients at iteration 2" in proc.stdout and named in proc.stdout
         assert "--non-finite-grad-policy skip: update skipped (1 in a row, 1 in the run)" in proc.stdout
         assert scalars(tmp_path / "tb", "train/skipped iterations") == {1: 0, 2: 1, 3: 1}
         loss = scalars(tmp_path / "tb", "train/lm loss")
