@@ -102,10 +102,10 @@ def instrument(trainer) -> None:
     elif fault in ("kill_in_probe", "term_in_probe"):
         cycle, in_cycle = trainer.snip.cycle, [False]
 
-        def watched_cycle(iteration):
+        def watched_cycle(iteration, *args, **kwargs):
             in_cycle[0] = iteration == at
             try:
-                return cycle(iteration)
+                return cycle(iteration, *args, **kwargs)
             finally:
                 in_cycle[0] = False
 
