@@ -26,10 +26,12 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
     parse_and_normalize_split,
 )
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-from megatron.core.datasets.indexed_dataset import (
+from megatron.core.datasets.indexed_dataset import (  # the index reader and header: to check a file's integrity
+    _INDEX_HEADER,
     DType,
     IndexedDataset,
     IndexedDatasetBuilder,
+    _IndexReader,
     get_bin_path,
     get_idx_path,
 )
@@ -272,6 +274,31 @@ def check_data_prefixes(prefixes: Sequence[str]) -> None:
                     "tools/preprocess_data.py --output-prefix P, which writes "
                     "P_text_document.bin/.idx"
                 )
+        check_indexed_dataset(prefix)
+
+
+def check_indexed_dataset(prefix: str) -> None:
+    """Raise ValueError naming the file if ``prefix``'s ``.idx`` cannot be read or its ``.bin`` does
+    not hold exactly the tokens the index points at (a truncated copy, a full disk, a file of another
+    dataset), before megatron-core reads past the end or trains on garbage."""
+    idx, bin_path = get_idx_path(prefix), get_bin_path(prefix)
+    rebuild = "rebuild it with tools/preprocess_data.py"
+    try:
+        with open(idx, "rb") as f:
+            header = f.read(len(_INDEX_HEADER))
+        if header != _INDEX_HEADER:
+            raise ValueError("bad header: not a megatron indexed-dataset .idx")
+        index = _IndexReader(idx, multimodal=False)
+        if index.document_indices.size == 0 or index.document_indices[-1] != index.sequence_count:
+            raise ValueError("its document table does not end at its sequence count")
+    except (AssertionError, ValueError, KeyError, OSError) as e:  # megatron-core asserts on bad files
+        raise ValueError(f"--data-path {prefix}: {idx} is corrupt ({str(e).split(chr(10))[0]}); {rebuild}") from None
+    expected = (int(index.sequence_pointers[-1]) + int(index.sequence_lengths[-1]) * index.dtype_size
+                if index.sequence_count else 0)
+    actual = os.path.getsize(bin_path)
+    if actual != expected:
+        raise ValueError(f"--data-path {prefix}: {bin_path} has {actual} bytes but {idx} indexes {expected} "
+                         f"(truncated, or the files of different datasets); {rebuild}")
 
 
 def load_tokens(prefix: str) -> np.ndarray:

@@ -273,7 +273,14 @@ def _write(root: str, iteration: int, state: dict, extra: dict) -> str:
     state.update(extra)
     state["iteration"] = iteration
     state["layout"] = _layout()
-    dist_checkpointing.save(state, tmp)
+    try:
+        dist_checkpointing.save(state, tmp)
+    except _READ_ERRORS as e:  # a failed write (full disk, quota) raises on every rank, after all wrote
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # give a full disk its space back
+        raise CheckpointError(f"cannot save checkpoint {final} ({_first_error(e)}); nothing was renamed: the "
+                              f"newest complete checkpoint is still the one {os.path.join(root, TRACKER)} "
+                              f"names; free space under {root} or point --save elsewhere") from e
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -318,14 +325,24 @@ def check_finite(model, optimizer, path: str) -> None:
 _READ_ERRORS = (Exception, CheckpointException)
 
 
-def _damaged(root: str, path: str, error: BaseException) -> CheckpointError:
-    # A CheckpointException wraps the per-rank errors; the first one says what broke.
-    # (each as an (exception, traceback) pair).
-    error = next(iter(getattr(error, "failures", {}).values()), error)
+def _first_error(error: BaseException) -> str:
+    """"Type: first line" of what broke. A CheckpointException wraps the per-rank errors (each as an
+    (exception, traceback) pair) on the coordinating rank and none on the others; the first one
+    says what broke, and the cause chain what a worker process raised."""
+    failures = getattr(error, "failures", None)
+    if failures == {}:
+        return "a shard write failed; rank 0's error names the cause"
+    error = next(iter((failures or {}).values()), error)
     if isinstance(error, tuple):
         error = error[0]
+    while error.__cause__ is not None:  # megatron-core wraps a writer's OSError in a RuntimeError
+        error = error.__cause__
     first_line = (str(error).strip().splitlines() or [""])[0][:300]
-    return CheckpointError(f"cannot load checkpoint {path} ({type(error).__name__}: {first_line}); if it is damaged, "
+    return f"{type(error).__name__}: {first_line}"
+
+
+def _damaged(root: str, path: str, error: BaseException) -> CheckpointError:
+    return CheckpointError(f"cannot load checkpoint {path} ({_first_error(error)}); if it is damaged, "
                            f"delete it and point {os.path.join(root, TRACKER)} at an earlier iteration")
 
 

@@ -6,7 +6,8 @@ Environment:
     INJECT_PARAM     global parameter name, e.g. decoder.layers.3.mlp.linear_fc2.weight: one element of its
                      gradient is corrupted; or
     INJECT_INPUT     global linear module name, e.g. decoder.layers.1.mlp.linear_fc2: one element of its input
-                     is corrupted in the forward pass
+                     is corrupted in the forward pass; or
+    INJECT_OUTPUT    global linear module name: one element of its output is corrupted in the forward pass
     INJECT_TP_RANK   only this tensor-parallel rank's shard is corrupted (default: every shard)
     INJECT_VALUE     nan (default) or inf, the value written
     PARAM_DIGESTS    optional directory: rank{R}.json maps each iteration to a SHA-256 of this rank's
@@ -43,6 +44,8 @@ def instrument(trainer) -> None:
     modules = trainer.precision.modules()
     if os.environ.get("INJECT_INPUT") in modules and here:
         modules[os.environ["INJECT_INPUT"]].register_forward_pre_hook(lambda m, args: (corrupt(args[0]), *args[1:]))
+    if os.environ.get("INJECT_OUTPUT") in modules and here:  # (output, bias)
+        modules[os.environ["INJECT_OUTPUT"]].register_forward_hook(lambda m, args, out: (corrupt(out[0]), *out[1:]))
 
     out = os.environ.get("PARAM_DIGESTS")
     if out:

@@ -1,0 +1,129 @@
+"""pretrain_llama.py with process and disk faults injected: test-only, not production flags.
+
+Run under torchrun with pretrain_llama.py's flags; used by tests/test_faults.py.
+Environment:
+    FAULT         what happens, once, on rank FAULT_RANK (default 0):
+                  kill_in_save   SIGKILL every worker of the job once this rank's shards of the
+                                 checkpoint of iteration FAULT_AT are written (before the checkpoint
+                                 is complete: other ranks' shards and the metadata are missing)
+                  kill_in_probe  SIGKILL every worker during the first probe forward pass of the
+                                 SNIP cycle at iteration FAULT_AT
+                  term_in_probe  SIGTERM every worker (as SLURM does) at that same moment
+                  enospc_in_save the shard files of the checkpoint of iteration FAULT_AT fail part-way
+                                 with ENOSPC (the disk is full) on this rank
+    FAULT_AT      the iteration (as logged)
+    FLUSH_TENSORBOARD  if set, TensorBoard events are flushed at each log, so a killed run keeps them
+"""
+
+import errno
+import os
+import signal
+import sys
+
+
+def workers() -> list[int]:
+    """Every process of this torchrun job below the agent, this one included: the workers and the
+    checkpoint writers they fork (a forked writer left alive would hold the job's output open), as
+    when a scheduler kills the job's whole process tree."""
+    import psutil
+
+    return [p.pid for p in psutil.Process(os.getppid()).children(recursive=True)]
+
+
+def signal_job(sig: int) -> None:
+    me = os.getpid()
+    for pid in workers():
+        if pid != me:
+            os.kill(pid, sig)
+    os.kill(me, sig)
+
+
+class _FullDisk:
+    """A file whose writes fail with ENOSPC once ``room`` bytes are written, as on a full disk."""
+
+    def __init__(self, f, room: int):
+        self._f, self._room = f, room
+
+    def write(self, data) -> int:
+        n = len(memoryview(data).cast("B"))
+        if n > self._room:
+            self._f.write(bytes(memoryview(data).cast("B")[: self._room]))
+            self._f.flush()
+            self._room = 0
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # write(2) names no file
+        self._room -= n
+        return self._f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+
+
+def instrument(trainer) -> None:
+    import torch.distributed as dist
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    fault, at = os.environ.get("FAULT"), int(os.environ.get("FAULT_AT", "0"))
+    here = dist.get_rank() == int(os.environ.get("FAULT_RANK", "0"))
+
+    if os.environ.get("FLUSH_TENSORBOARD") and trainer.logger.writer is not None:
+        log, writer = trainer.logger.log, trainer.logger.writer
+
+        def flushed_log(*args, **kwargs):
+            log(*args, **kwargs)
+            writer.flush()
+
+        trainer.logger.log = flushed_log
+
+    def saving() -> bool:  # the checkpoint being written is that of the current iteration
+        return here and trainer.state.iteration == at
+
+    if fault == "kill_in_save":
+        write = FileSystemWriterAsync.write_preloaded_data_multiproc
+
+        def write_then_die(*args, **kwargs):
+            write(*args, **kwargs)  # this rank's shard files are complete and fsynced
+            if saving():
+                signal_job(signal.SIGKILL)
+
+        FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(write_then_die)
+    elif fault == "enospc_in_save":
+        def full_disk_open(path, mode="r", *args, **kwargs):
+            f = open(path, mode, *args, **kwargs)
+            return _FullDisk(f, room=4096) if saving() and "w" in mode else f
+
+        filesystem_async.open = full_disk_open  # the shard writers' open (forked from this process)
+    elif fault in ("kill_in_probe", "term_in_probe"):
+        cycle, in_cycle = trainer.snip.cycle, [False]
+
+        def watched_cycle(iteration, *args, **kwargs):
+            in_cycle[0] = iteration == at
+            try:
+                return cycle(iteration, *args, **kwargs)
+            finally:
+                in_cycle[0] = False
+
+        def probe_forward(module, args):
+            if in_cycle[0] and here:
+                in_cycle[0] = False  # once
+                signal_job(signal.SIGKILL if fault == "kill_in_probe" else signal.SIGTERM)
+
+        trainer.snip.cycle = watched_cycle
+        trainer.model[0].register_forward_pre_hook(probe_forward)
+    elif fault:
+        raise SystemExit(f"FAULT={fault!r}: unknown (see tests/drivers/faults.py)")
+
+
+if __name__ == "__main__":
+    from megatron_snip.compat.cpu import silence_cpu_warnings
+
+    silence_cpu_warnings()
+    from megatron_snip.cli import main
+
+    sys.exit(main(on_build=instrument))

@@ -1,0 +1,157 @@
+"""Faults that must lose nothing: kill -9 at any moment, SIGTERM mid-cycle, a full disk, damaged inputs.
+
+Process and disk faults come from a test-only driver, tests/drivers/faults.py (no production flag).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+
+from conftest import scalars, torchrun, train_args
+from megatron_snip.arguments import ArgumentError, parse_args
+
+DRIVER = "tests/drivers/faults.py"
+LAYOUT = ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2")
+# 5 steps: SNIP cycles at 2 and 4 (one probe pass each), checkpoints at 3 and at the end.
+CHAIN = ("--snip", "--snip-fp4-target", "0.5", "--snip-interval", "2", "--snip-probe-passes", "1",
+         "--save-interval", "3")
+TAGS = ("train/lm loss", "train/grad norm", "train/fp4 flops fraction", "snip/objective")
+WORKER_TRACEBACK = re.compile(r"\[rank\d\]:\s*Traceback")
+
+
+def tracker(ckpt) -> int:
+    return int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+
+
+@pytest.mark.integration
+def test_kill_9_anywhere_then_resume_is_exact(tiny_data, tmp_path):
+    """TP2 x PP2, 4 ranks, every one killed -9: mid-save, then mid-SNIP-cycle (during a probe pass),
+    then SIGTERM'd mid-cycle. Each start resumes from the newest complete checkpoint and every logged
+    number (TensorBoard, bit for bit) equals the uninterrupted run's."""
+    ckpt = tmp_path / "ckpt"
+
+    def run(tb: str, fault: str, at: int):
+        return torchrun(4, train_args(tiny_data, *LAYOUT, *CHAIN, "--load", str(ckpt), "--save", str(ckpt),
+                                      "--tensorboard-dir", str(tmp_path / tb), iters=5),
+                        check=False, script=DRIVER, timeout=240,
+                        env={"FAULT": fault, "FAULT_AT": str(at), "FLUSH_TENSORBOARD": "1"})
+
+    # 1. Steps 1-5 uninterrupted (the reference), then every rank is killed while the final checkpoint
+    #    is half written (rank 0's shards on disk, the others' and the metadata not).
+    first = run("tb_ref", "kill_in_save", 5)
+    assert first.returncode != 0 and "saved checkpoint" in first.stdout, first.stderr[-3000:]
+    assert tracker(ckpt) == 3 and not (ckpt / "iter_0000005").exists()
+    assert any((ckpt / "iter_0000005.tmp").glob("*.distcp"))  # the half-written one
+    assert not (ckpt / "iter_0000005.tmp" / ".metadata").exists()
+    ref = {tag: scalars(tmp_path / "tb_ref", tag) for tag in TAGS}
+    assert sorted(ref["train/lm loss"]) == [1, 2, 3, 4, 5] and sorted(ref["snip/objective"]) == [2, 4]
+
+    # 2. Resumed from 3 (not the partial 5), killed during the probe pass of the SNIP cycle at 4.
+    second = run("tb_2", "kill_in_probe", 4)
+    assert second.returncode != 0
+    assert f"resumed from {ckpt} at iteration 3" in second.stdout
+    assert "[train] iteration       4" in second.stdout and "[snip] iteration       4" not in second.stdout
+    assert scalars(tmp_path / "tb_2", "train/lm loss") == {4: ref["train/lm loss"][4]}
+    assert tracker(ckpt) == 3
+
+    # 3. Resumed from 3 again; SLURM's SIGTERM reaches every rank during the probe pass at 4: the cycle
+    #    completes, step 5 runs, the run saves and exits 0.
+    third = run("tb_3", "term_in_probe", 4)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert f"resumed from {ckpt} at iteration 3" in third.stdout
+    assert "exit signal received: saving at iteration 5 and exiting" in third.stdout
+    assert tracker(ckpt) == 5 and (ckpt / "iter_0000005" / ".metadata").is_file()
+    assert not (ckpt / "iter_0000005.tmp").exists()
+    for tag in TAGS:
+        resumed = scalars(tmp_path / "tb_3", tag)
+        assert resumed and resumed == {k: v for k, v in ref[tag].items() if k > 3}, tag  # bit-identical
+
+
+@pytest.mark.integration
+def test_a_save_that_fails_part_way_keeps_the_previous_checkpoint(tiny_data, tmp_path):
+    """The disk fills while rank 1 writes its shards of the checkpoint at 4: every rank stops with one
+    line naming the checkpoint; the one at 2 stays the newest and loads."""
+    ckpt = tmp_path / "ckpt"
+    proc = torchrun(2, train_args(tiny_data, "--pipeline-model-parallel-size", "2", "--save", str(ckpt),
+                                  "--save-interval", "2", iters=4),
+                    check=False, script=DRIVER, env={"FAULT": "enospc_in_save", "FAULT_AT": "4", "FAULT_RANK": "1"})
+    assert proc.returncode == 1
+    errors = re.findall(r"pretrain_llama\.py: error: .*", proc.stderr)
+    assert len(errors) == 2 and not WORKER_TRACEBACK.search(proc.stderr), proc.stderr[-4000:]
+    assert any("No space left on device" in e for e in errors)
+    for e in errors:
+        assert e.startswith(f"pretrain_llama.py: error: cannot save checkpoint {ckpt / 'iter_0000004'} (")
+        assert "the newest complete checkpoint is still" in e
+    assert tracker(ckpt) == 2 and sorted(p.name for p in ckpt.iterdir()) == [
+        "iter_0000002", "latest_checkpointed_iteration.txt"]  # the partial one was removed
+    torchrun(1, train_args(tiny_data, "--load", str(ckpt), "--skip-train", "--tensorboard-dir",
+                           str(tmp_path / "tb"), iters=4))
+    assert list(scalars(tmp_path / "tb", "valid/lm loss")) == [2]
+
+
+def _truncate(path, keep: float) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+
+
+@pytest.mark.parametrize("damage, file, message", [
+    (lambda d: _truncate(d / "data_text_document.bin", 0.5), "data_text_document.bin",
+     r"has \d+ bytes but .*data_text_document.idx indexes \d+ \(truncated"),
+    (lambda d: _truncate(d / "data_text_document.bin", 0.99999), "data_text_document.bin", r"has \d+ bytes but"),
+    (lambda d: _truncate(d / "data_text_document.idx", 0.5), "data_text_document.idx", r"is corrupt"),
+    (lambda d: (d / "data_text_document.idx").write_bytes(b"\x00" * 64), "data_text_document.idx",
+     r"is corrupt \(bad header"),
+    (lambda d: _truncate(d / "tok.model", 0.5), "tok.model", r"not a SentencePiece model"),
+], ids=["bin-truncated", "bin-short-by-bytes", "idx-truncated", "idx-overwritten", "sentencepiece-truncated"])
+def test_damaged_data_and_tokenizer_files_are_named(tiny_data, tmp_path, damage, file, message):
+    d = tmp_path / "data"
+    d.mkdir()
+    for f in ("data_text_document.bin", "data_text_document.idx", "tok.model"):
+        shutil.copy(f"{tiny_data.prefix.rsplit('/', 1)[0]}/{f}", d / f)
+    damage(d)
+    with pytest.raises(ArgumentError) as e:
+        parse_args(train_args(tiny_data, "--data-path", str(d / "data_text_document"),
+                              "--tokenizer-model", str(d / "tok.model")), world_size=1, cuda=False)
+    text = str(e.value)
+    assert "\n" not in text and str(d / file) in text and re.search(message, text), text
+
+
+def test_truncated_tokenizer_json_is_named(hf_tokenizer_data, tmp_path):
+    d = tmp_path / "tok"
+    shutil.copytree(hf_tokenizer_data.tokenizer_dir, d)
+    _truncate(d / "tokenizer.json", 0.5)
+    with pytest.raises(ArgumentError) as e:
+        parse_args(["--model-preset", "tiny", "--micro-batch-size", "1", "--global-batch-size", "1",
+                    "--train-iters", "1", "--data-path", hf_tokenizer_data.prefix,
+                    "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(d)], world_size=1, cuda=False)
+    text = str(e.value)
+    assert "\n" not in text and text.startswith(f"--tokenizer-model {d}: not a Hugging Face tokenizer.json ("), text
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("policy", ["fail", "skip"])
+def test_nan_in_one_module_output_is_caught_and_named(tiny_data, tmp_path, policy):
+    """A NaN written into layer 1's linear_fc1 OUTPUT at step 2 (NVFP4): caught before the step under
+    both policies; the health numbers name the module it flows into first, layer 1's linear_fc2 (the
+    GEMM whose input it is: an output is not a quantized operand)."""
+    proc = torchrun(1, train_args(tiny_data, "--precision", "nvfp4", "--non-finite-grad-policy", policy,
+                                  "--tensorboard-dir", str(tmp_path / "tb"), iters=3),
+                    check=False, script="tests/drivers/inject_nonfinite.py",
+                    env={"INJECT_AT": "2", "INJECT_OUTPUT": "decoder.layers.1.mlp.linear_fc1"})
+    named = "quantized modules with non-finite operands: decoder.layers.1.mlp.linear_fc2 (fprop.x"
+    if policy == "fail":
+        assert proc.returncode == 1
+        (error,) = re.findall(r"pretrain_llama\.py: error: .*", proc.stderr)
+        assert "non-finite loss and gradients at iteration 2" in error and named in error, error
+        assert "first in forward order: decoder.layers.1.mlp.linear_fc2; --non-finite-grad-policy fail" in error
+        assert "[train] iteration       2" not in proc.stdout
+    else:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "non-finite loss and gradients at iteration 2" in proc.stdout and named in proc.stdout
+        assert "--non-finite-grad-policy skip: update skipped (1 in a row, 1 in the run)" in proc.stdout
+        assert scalars(tmp_path / "tb", "train/skipped iterations") == {1: 0, 2: 1, 3: 1}
+        loss = scalars(tmp_path / "tb", "train/lm loss")
+        assert loss[3] == loss[3]  # finite again after the skipped step
