@@ -11,7 +11,7 @@ import shutil
 import pytest
 
 from conftest import scalars, torchrun, train_args
-from megatron_snip.arguments import ArgumentError, parse_args
+from megatron_snip.arguments import ArgumentError, parse_config
 
 DRIVER = "tests/drivers/faults.py"
 LAYOUT = ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2")
@@ -113,8 +113,8 @@ def test_damaged_data_and_tokenizer_files_are_named(tiny_data, tmp_path, damage,
         shutil.copy(f"{tiny_data.prefix.rsplit('/', 1)[0]}/{f}", d / f)
     damage(d)
     with pytest.raises(ArgumentError) as e:
-        parse_args(train_args(tiny_data, "--data-path", str(d / "data_text_document"),
-                              "--tokenizer-model", str(d / "tok.model")), world_size=1, cuda=False)
+        parse_config(train_args(tiny_data, "--data-path", str(d / "data_text_document"),
+                                "--tokenizer-model", str(d / "tok.model")), world_size=1, cuda=False)
     text = str(e.value)
     assert "\n" not in text and str(d / file) in text and re.search(message, text), text
 
@@ -124,9 +124,10 @@ def test_truncated_tokenizer_json_is_named(hf_tokenizer_data, tmp_path):
     shutil.copytree(hf_tokenizer_data.tokenizer_dir, d)
     _truncate(d / "tokenizer.json", 0.5)
     with pytest.raises(ArgumentError) as e:
-        parse_args(["--model-preset", "tiny", "--micro-batch-size", "1", "--global-batch-size", "1",
-                    "--train-iters", "1", "--data-path", hf_tokenizer_data.prefix,
-                    "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(d)], world_size=1, cuda=False)
+        parse_config(["--model-preset", "tiny", "--micro-batch-size", "1", "--global-batch-size", "1",
+                      "--train-iters", "1", "--data-path", hf_tokenizer_data.prefix, "--split", "90,10,0",
+                      "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(d)],
+                     world_size=1, cuda=False)
     text = str(e.value)
     assert "\n" not in text and text.startswith(f"--tokenizer-model {d}: not a Hugging Face tokenizer.json ("), text
 
