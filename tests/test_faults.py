@@ -36,7 +36,7 @@ def test_kill_9_anywhere_then_resume_is_exact(tiny_data, tmp_path):
     def run(tb: str, fault: str, at: int):
         return torchrun(4, train_args(tiny_data, *LAYOUT, *CHAIN, "--load", str(ckpt), "--save", str(ckpt),
                                       "--tensorboard-dir", str(tmp_path / tb), iters=5),
-                        check=False, script=DRIVER, timeout=240,
+                        check=False, script=DRIVER, timeout=600,
                         env={"FAULT": fault, "FAULT_AT": str(at), "FLUSH_TENSORBOARD": "1"})
 
     # 1. Steps 1-5 uninterrupted (the reference), then every rank is killed while the final checkpoint

@@ -21,21 +21,31 @@ import signal
 import sys
 
 
-def workers() -> list[int]:
-    """Every process of this torchrun job below the agent, this one included: the workers and the
-    checkpoint writers they fork (a forked writer left alive would hold the job's output open), as
-    when a scheduler kills the job's whole process tree."""
+def signal_job(sig: int) -> None:
+    """Signal every process of this torchrun job below the agent, as a scheduler signals the job's whole
+    process tree. torchrun starts each worker in a session (process group) of its own, which the checkpoint
+    writers a worker forks inherit: signalling the groups reaches them too, even one forked a moment ago
+    (a forked writer left alive would hold the job's output open). This worker's group last."""
     import psutil
 
-    return [p.pid for p in psutil.Process(os.getppid()).children(recursive=True)]
-
-
-def signal_job(sig: int) -> None:
     me = os.getpid()
-    for pid in workers():
-        if pid != me:
-            os.kill(pid, sig)
-    os.kill(me, sig)
+    for worker in psutil.Process(os.getppid()).children():
+        if worker.pid != me:
+            _signal_group(worker.pid, sig)
+    _signal_group(me, sig)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    import psutil
+
+    try:
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, sig)
+        else:  # not a group leader (another launcher): the process and its descendants one by one
+            for p in [*psutil.Process(pid).children(recursive=True), psutil.Process(pid)]:
+                p.send_signal(sig)
+    except (ProcessLookupError, psutil.NoSuchProcess):
+        pass
 
 
 class _FullDisk:
