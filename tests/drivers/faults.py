@@ -45,7 +45,7 @@ def _signal_group(pid: int, sig: int) -> None:
             for p in [*psutil.Process(pid).children(recursive=True), psutil.Process(pid)]:
                 p.send_signal(sig)
     except (ProcessLookupError, psutil.NoSuchProcess):
-        pass
+        pass  # it exited already: nothing left to signal
 
 
 class _FullDisk:
