@@ -99,14 +99,23 @@ def run_config(*flags: str, world_size: int = 1):
     return resolve(build_parser().parse_args(argv), world_size=world_size, cuda=False, check_files=False)
 
 
+def torchrun_command(nproc: int, args: list[str], script: str = "pretrain_llama.py") -> list[str]:
+    """The command line running ``script`` with ``args`` on ``nproc`` local processes under torchrun."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+            "--master-port", str(free_port()), str(ROOT / script), *args]
+
+
+def torchrun_env(env: dict | None = None) -> dict:
+    """The environment of a test's torchrun job: one thread per process (2 cores are shared), plus ``env``."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+
+
 def torchrun(nproc: int, args: list[str], timeout: float = 300, check: bool = True,
              env: dict | None = None, script: str = "pretrain_llama.py") -> subprocess.CompletedProcess:
     """Run ``script`` (pretrain_llama.py or a driver in tests/drivers taking its flags) on ``nproc``
     local processes; raise with the output on failure."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(free_port()), str(ROOT / script), *args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env)
+    proc = subprocess.run(torchrun_command(nproc, args, script), cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=torchrun_env(env))
     if check and proc.returncode != 0:
         raise AssertionError(f"torchrun exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-6000:]}"
                              f"\n--- stderr ---\n{proc.stderr[-6000:]}")

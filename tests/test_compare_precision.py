@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from conftest import ROOT, TINY_MODEL, scalars, torchrun
-from megatron_snip.experiments.comparison import BranchResult, ComparisonConfig
+from megatron_snip.experiments.comparison import BranchResult, Comparison, ComparisonConfig, branches
 from megatron_snip.experiments.report import markdown, summarize
 from megatron_snip.precision.plan import PrecisionPlan
 from megatron_snip.snip.offline import Budget
@@ -43,6 +43,29 @@ def test_paired_gaps_and_noise_by_hand():
     table = markdown(s)
     assert "| FP4 target 0.75 | snip | 2 | 80.0% | 0.300 | 5.1200 | +0.0200 ± 0.0141 |" in table
     assert "Incomplete" in table
+
+
+def test_each_arm_starts_from_its_plan_and_the_replanned_ones_run_snip(tmp_path):
+    c = config(out=str(tmp_path), policies=("snip", "snip-fixed", "snip-loss-term-replanned", "uniform"), seeds=(1,))
+    plans = tmp_path / "seed1" / "plans"
+    plans.mkdir(parents=True)
+    for policy in ("snip", "snip-loss-term", "uniform"):
+        PrecisionPlan.uniform("nvfp4").save(plans / f"{policy}_{BUDGET.tag}.json")
+    comparison = Comparison(c, log=lambda *_: None)
+    args = {b.arm: comparison.branch_args(b) for b in branches(c) if b.budget is not None}
+    assert sorted(args) == ["snip", "snip-fixed", "snip-loss-term-replanned", "uniform"]
+
+    def value(arm, flag):
+        return args[arm][args[arm].index(flag) + 1] if flag in args[arm] else None
+
+    snip_plan = str(plans / "snip_fp4-0.75.json")
+    assert value("snip", "--precision-plan") == value("snip-fixed", "--precision-plan") == snip_plan
+    assert value("snip-loss-term-replanned", "--precision-plan") == str(plans / "snip-loss-term_fp4-0.75.json")
+    assert value("snip-loss-term-replanned", "--snip-update-weight") == "0"
+    assert value("snip", "--snip-update-weight") is None
+    assert "--snip" in args["snip-loss-term-replanned"] and "--snip" not in args["snip-fixed"]
+    assert value("snip-loss-term-replanned", "--snip-fp4-target") == "0.75"
+    assert value("uniform", "--load") == str(tmp_path / "seed1" / "trunk" / "ckpt")
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -5,12 +5,17 @@ Process and disk faults come from a test-only driver, tests/drivers/faults.py (n
 
 from __future__ import annotations
 
+import os
+import random
 import re
 import shutil
+import signal
+import subprocess
+import time
 
 import pytest
 
-from conftest import scalars, torchrun, train_args
+from conftest import ROOT, scalars, torchrun, torchrun_command, torchrun_env, train_args
 from megatron_snip.arguments import ArgumentError, parse_config
 
 DRIVER = "tests/drivers/faults.py"
@@ -68,6 +73,72 @@ def test_kill_9_anywhere_then_resume_is_exact(tiny_data, tmp_path):
     for tag in TAGS:
         resumed = scalars(tmp_path / "tb_3", tag)
         assert resumed and resumed == {k: v for k, v in ref[tag].items() if k > 3}, tag  # bit-identical
+
+
+def _kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL every process of a torchrun job started in a session of its own: the agent's group and each
+    worker's (torchrun gives every worker its own session; a checkpoint writer a worker forked is in it)."""
+    import psutil
+
+    try:
+        groups = {os.getpgid(p.pid) for p in psutil.Process(proc.pid).children(recursive=True)} | {proc.pid}
+    except (ProcessLookupError, psutil.NoSuchProcess):
+        groups = {proc.pid}
+    assert os.getpgrp() not in groups
+    for group in groups:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # that group has exited already
+    proc.wait(timeout=60)
+
+
+@pytest.mark.integration
+def test_kill_9_at_random_moments_several_times_then_resume_is_exact(tiny_data, tmp_path):
+    """The TP2 x PP2 SNIP run of the test above (checkpoints every 2 steps here) killed -9, every process
+    of the job, at three moments in a row drawn at random over the first half of the uninterrupted run's
+    duration (start-up, steps, SNIP cycles and saves alike; each restart loses the steps since the last
+    checkpoint, so later kills land further on), resuming each time. After every kill the newest checkpoint
+    named is complete, and the run that finishes logs the same numbers as the uninterrupted one, bit for bit.
+    The seed and the moments are printed (pytest -s) and in every failure."""
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    ckpt = tmp_path / "ckpt"
+    flags = [*LAYOUT, *CHAIN[:-1], "2", "--load", str(ckpt), "--save", str(ckpt)]
+    assert CHAIN[-2] == "--save-interval"
+
+    def args(tb: str) -> list[str]:
+        return train_args(tiny_data, *flags, "--tensorboard-dir", str(tmp_path / tb), iters=8)
+
+    start = time.monotonic()
+    torchrun(4, train_args(tiny_data, *LAYOUT, *CHAIN[:-1], "2", "--save", str(tmp_path / "ckpt_ref"),
+                           "--tensorboard-dir", str(tmp_path / "tb_ref"), iters=8), timeout=600)
+    duration = time.monotonic() - start
+    ref = {tag: scalars(tmp_path / "tb_ref", tag) for tag in TAGS}
+    moments = []
+    for attempt in range(3):
+        delay = rng.uniform(0.15, 0.5) * duration
+        with open(tmp_path / f"out_{attempt}.txt", "w") as out:
+            proc = subprocess.Popen(torchrun_command(4, args(f"tb_{attempt}")), cwd=ROOT, env=torchrun_env(),
+                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                proc.wait(timeout=delay)  # finished before its moment: nothing left to kill
+            except subprocess.TimeoutExpired:
+                _kill_job(proc)
+        log = (tmp_path / f"out_{attempt}.txt").read_text()
+        steps = re.findall(r"\[train\] iteration\s+(\d+)", log)
+        moments.append(f"{delay:.1f} s (last step logged: {steps[-1] if steps else 'none'}, exit {proc.returncode})")
+        if (ckpt / "latest_checkpointed_iteration.txt").exists():
+            assert (ckpt / f"iter_{tracker(ckpt):07d}" / ".metadata").is_file(), moments
+
+    final = torchrun(4, args("tb_final"), timeout=600)
+    resumed = re.search(r"resumed from .* at iteration (\d+)", final.stdout)
+    since = int(resumed.group(1)) if resumed else 0
+    context = f"seed {seed}, run of {duration:.1f} s killed at {moments}, final run from iteration {since}"
+    print(context)
+    assert any("exit -9" in m for m in moments) and tracker(ckpt) == 8, context
+    for tag in TAGS:
+        assert scalars(tmp_path / "tb_final", tag) == {k: v for k, v in ref[tag].items() if k > since}, (tag, context)
 
 
 @pytest.mark.integration
@@ -135,19 +206,20 @@ def test_truncated_tokenizer_json_is_named(hf_tokenizer_data, tmp_path):
 @pytest.mark.integration
 @pytest.mark.parametrize("policy", ["fail", "skip"])
 def test_nan_in_one_module_output_is_caught_and_named(tiny_data, tmp_path, policy):
-    """A NaN written into layer 1's linear_fc1 OUTPUT at step 2 (NVFP4): caught before the step under
-    both policies; the health numbers name the module it flows into first, layer 1's linear_fc2 (the
-    GEMM whose input it is: an output is not a quantized operand)."""
+    """A NaN written into layer 1's linear_fc1 output after its GEMM ran (a forward hook) at step 2
+    (NVFP4): caught before the step under both policies; the health numbers say that fc1's GEMM gave
+    finite values and the NaN entered layer 1's linear_fc2 input from outside the quantized GEMMs."""
     proc = torchrun(1, train_args(tiny_data, "--precision", "nvfp4", "--non-finite-grad-policy", policy,
                                   "--tensorboard-dir", str(tmp_path / "tb"), iters=3),
                     check=False, script="tests/drivers/inject_nonfinite.py",
                     env={"INJECT_AT": "2", "INJECT_OUTPUT": "decoder.layers.1.mlp.linear_fc1"})
-    named = "quantized modules with non-finite operands: decoder.layers.1.mlp.linear_fc2 (fprop.x"
+    named = "quantized modules with non-finite values: decoder.layers.1.mlp.linear_fc2 (fprop.x"
     if policy == "fail":
         assert proc.returncode == 1
         (error,) = re.findall(r"pretrain_llama\.py: error: .*", proc.stderr)
         assert "non-finite loss and gradients at iteration 2" in error and named in error, error
-        assert "first in forward order: decoder.layers.1.mlp.linear_fc2; --non-finite-grad-policy fail" in error
+        assert ("first: decoder.layers.1.mlp.linear_fc2 fprop.x, entered its input from outside the quantized "
+                "GEMMs; --non-finite-grad-policy fail") in error
         assert "[train] iteration       2" not in proc.stdout
     else:
         assert proc.returncode == 0, proc.stderr[-3000:]

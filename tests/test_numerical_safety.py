@@ -17,7 +17,8 @@ from megatron.core import dist_checkpointing
 from conftest import resume_from, scalars, torchrun, train_args
 from megatron_snip.arguments import ArgumentError, parse_config
 from megatron_snip.precision.fp8 import fp8_scale_from_amax
-from megatron_snip.precision.health import FIELDS, OPERANDS, HealthStats, combine, operand_health, summarize
+from megatron_snip.precision.health import FIELDS, POINTS, HealthStats, combine, operand_health, summarize
+from megatron_snip.precision.linear import QuantState, quantized_linear
 from megatron_snip.precision.plan import PrecisionPlan, module_names
 from megatron_snip.precision.quantize import quantize_dequantize
 from megatron_snip.precision.recipes import Precision, RecipeConfig, operand_quantizer
@@ -126,8 +127,9 @@ def test_promote_on_fault_names_the_module_skips_and_recovers(tiny_data, tmp_pat
                                   "--promote-on-fault", "--save", str(ckpt), "--tensorboard-dir", str(tb),
                                   "--log-interval", "2", iters=6),  # step 3 is not measured in full: flags only
                     env={"INJECT_AT": "3", "INJECT_INPUT": module}, script=DRIVER)
-    assert f"quantized modules with non-finite operands: {module} (fprop.x, " in proc.stdout  # listed first
-    assert f"first in forward order: {module}; --promote-on-fault: update skipped" in proc.stdout
+    assert f"quantized modules with non-finite values: {module} (fprop.x, " in proc.stdout  # listed first
+    assert (f"first: {module} fprop.x, entered its input from outside the quantized GEMMs; "
+            "--promote-on-fault: update skipped") in proc.stdout
     assert f"promoted {module} nvfp4 -> fp8 until the end of the run" in proc.stdout
     assert scalars(tb, SKIPPED) == {2: 0, 4: 1, 6: 1}
     loss = scalars(tb, LOSS)  # (the loss logged at 4 averages steps 3 and 4: NaN)
@@ -166,23 +168,50 @@ def test_operand_health_of_tensor_parallel_shards_combines_to_the_whole():
     assert whole[FIELDS.index("underflow")] > 0 and whole[FIELDS.index("saturated")] > 0
 
 
+def _table(names, bad_points):
+    """A health table with one non-finite element at each (module index, point)."""
+    table = np.zeros((len(names), len(POINTS), len(FIELDS)))
+    for m, point in bad_points:
+        table[m, POINTS.index(point), FIELDS.index("nonfinite")] = 1
+    return HealthTable(names, table)
+
+
 def test_health_table_blames_where_nonfinite_values_entered():
     names = module_names(2)
-    table = np.zeros((len(names), len(OPERANDS), len(FIELDS)))
-    col = {op: i for i, op in enumerate(OPERANDS)}
-    bad = FIELDS.index("nonfinite")
-    # A NaN entering layer 1's linear_proj forward reaches every later forward and every backward.
-    for m in range(5, 8):
-        table[m, col["fprop.x"], bad] = 1
-    for m in range(8):
-        table[m, col["dgrad.dy"], bad] = 1
-    blamed, detail = HealthTable(names, table).fault_modules(nonfinite=True)
-    assert blamed == [names[5]] and detail.startswith(f"quantized modules with non-finite operands: {names[5]} (")
+    forward_after = [(m, p) for m in range(5, 8) for p in ("fprop.x", "fprop.y")]
+    backward_all = [(m, p) for m in range(8) for p in ("dgrad.dy", "dgrad.dx")]
+    # A NaN entering layer 1's linear_proj input reaches every later forward and every backward.
+    blamed, detail = _table(names, forward_after + backward_all).fault_modules(nonfinite=True)
+    assert blamed == [names[5]] and detail.startswith(f"quantized modules with non-finite values: {names[5]} (")
+    assert detail.endswith(f"first: {names[5]} fprop.x, entered its input from outside the quantized GEMMs")
+    # The same, but made by layer 0's linear_fc2 GEMM from finite inputs: that module is named, not its consumer.
+    table = _table(names, [(3, "fprop.y"), (4, "fprop.x"), (4, "fprop.y")] + backward_all)
+    assert table.origin() == (names[3], "fprop.y")
+    assert table.fault_modules(True)[1].endswith("made by its quantized forward GEMM (its inputs were finite)")
     # Backward-only: the backward runs in reverse, so the last module in forward order came first.
-    table[:, col["fprop.x"], bad] = 0
-    table[[0, 3], col["wgrad.dy"], bad] = 1
-    table[:, col["dgrad.dy"], bad] = 0
-    assert HealthTable(names, table).origin() == names[3]
+    assert _table(names, [(0, "wgrad.dy"), (3, "wgrad.dy")]).origin() == (names[3], "wgrad.dy")
+    # ... and a dgrad GEMM that made the NaN is told from the modules its dX flowed into.
+    assert _table(names, [(6, "dgrad.dx")] + [(m, "dgrad.dy") for m in range(6)]).origin() == (names[6], "dgrad.dx")
+    assert _table(names, []).fault_modules(True)[0] == []
+
+
+def test_a_gemm_that_overflows_is_named_as_the_producer():
+    """Finite FP8 operands whose product overflows fp32: the module's own output row says it made the Inf."""
+    name = module_names(1)[2]
+    state = QuantState()
+    state.health = HealthStats()
+    x = torch.full((4, 32), 1e20, requires_grad=True)
+    w = torch.full((8, 32), 1e20)
+    y = quantized_linear(x, w, Precision.uniform("fp8"), RecipeConfig(fp8_recipe="tensorwise"), state)
+    assert torch.isinf(y).all()
+    rows = {k: summarize(r.tolist()) for k, r in state.health.rows.items()}
+    assert rows["fprop.x"]["nonfinite"] == rows["fprop.w"]["nonfinite"] == 0
+    assert rows["fprop.y"]["nonfinite"] == y.numel()
+    names = module_names(1)
+    table = np.zeros((len(names), len(POINTS), len(FIELDS)))
+    for key, row in state.health.rows.items():
+        table[names.index(name), POINTS.index(key)] = row.numpy()
+    assert HealthTable(names, table).origin() == (name, "fprop.y")
 
 
 def test_promotion_steps_each_pass_up_once():
@@ -212,3 +241,20 @@ def test_unmeasured_steps_keep_only_nonfinite_flags():
     assert rows["fprop.x"]["nonfinite"] == 1 and rows["fprop.w"]["nonfinite"] == 0
     assert rows["fprop.w"]["amax"] == w.abs().max().item()
     assert all(r[FIELDS.index("numel")] == 0 for r in stats.rows.values())  # partial rows: no fractions logged
+
+
+def test_logged_steps_measure_the_first_micro_batch_in_full_and_check_the_rest():
+    q = operand_quantizer("nvfp4", "fprop", "x", RecipeConfig())
+    first, larger, bad = torch.randn(4, 32), torch.randn(4, 32), torch.randn(4, 32)
+    larger[0, 0], bad[2, 5] = 100.0, float("inf")
+    want = operand_health(first, quantize_dequantize(first, q), q)
+    for later, nonfinite, amax in (((larger,), 0, 100.0), ((bad,), 1, want[FIELDS.index("amax")])):
+        stats = HealthStats()
+        stats.reset(full=True)
+        for t in (first, *later):
+            stats.record("fprop.x", t, quantize_dequantize(t, q), q)
+        row = stats.rows["fprop.x"]
+        assert row[FIELDS.index("numel")] == first.numel()  # fractions are of the measured micro-batch
+        assert row[FIELDS.index("err2")] == want[FIELDS.index("err2")]
+        assert row[FIELDS.index("nonfinite")] == nonfinite  # a later Inf, as a flag
+        assert row[FIELDS.index("amax")] == amax  # a finite later micro-batch raises the amax

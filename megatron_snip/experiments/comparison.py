@@ -37,9 +37,11 @@ from megatron_snip.snip.offline import POLICIES, Budget, StatisticsFile, policy_
 from megatron_snip.snip.planner import to_precision_plan
 
 REFERENCE = "bf16"
-REPLAN = "snip"  # SNIP re-planning at every --snip-interval from the branch point
+# Arms re-planned by SNIP at every --snip-interval from the branch point: arm -> (offline policy of the
+# first plan, extra pretrain_llama.py flags). "snip-loss-term-replanned" plans by the loss term alone.
+REPLANNED = {"snip": ("snip", ()), "snip-loss-term-replanned": ("snip-loss-term", ("--snip-update-weight", "0"))}
 FIXED = {"snip-fixed": "snip"}  # arm -> offline policy whose plan it keeps fixed
-ARMS = (REPLAN, *FIXED, *(p for p in POLICIES if p != "snip"))
+ARMS = (*REPLANNED, *FIXED, *(p for p in POLICIES if p != "snip"))
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
@@ -184,8 +186,7 @@ class Comparison:
         stats = StatisticsFile.load(self._stats_path(seed))
         directory = self.out / f"seed{seed}" / "plans"
         directory.mkdir(parents=True, exist_ok=True)
-        wanted = sorted({FIXED.get(a, a) for a in c.policies if a != REPLAN} | ({"snip"} if REPLAN in c.policies
-                                                                                 else set()))
+        wanted = sorted({first_plan_policy(a) for a in c.policies})
         for budget in c.budgets:
             problem = stats.problem(budget, formats=c.formats, solver=c.solver)
             for name, plan in policy_plans(problem, stats.stats, wanted, seed=seed, solver=c.solver).items():
@@ -213,7 +214,17 @@ class Comparison:
         if (where / "result.json").exists():
             self.log(f"seed {b.seed}: {b.name} done")
             return
-        ckpt = where / "ckpt"
+        resumed = (where / "ckpt" / TRACKER).exists()
+        self.log(f"seed {b.seed}: {b.name}{' (resuming)' if resumed else ''}")
+        self._train(where, self.branch_args(b), log=where / "log.txt")
+        result = read_result(self.out / "tensorboard" / f"seed{b.seed}" / b.name, c.train_iters,
+                             c.train_iters - c.branch_window)
+        write_text_atomic(str(where / "result.json"), json.dumps(asdict(result)))
+
+    def branch_args(self, b: Branch) -> list[str]:
+        """pretrain_llama.py's flags for branch ``b``: from the trunk's checkpoint, or from its own if it has one."""
+        c = self.config
+        ckpt = self.out / f"seed{b.seed}" / b.name / "ckpt"
         resumed = (ckpt / TRACKER).exists()
         args = [*c.train_args, "--seed", str(b.seed), "--train-iters", str(c.train_iters), "--save", str(ckpt),
                 "--load", str(ckpt if resumed else self.out / f"seed{b.seed}" / "trunk" / "ckpt"),
@@ -221,20 +232,16 @@ class Comparison:
                 "--tensorboard-dir", str(self.out / "tensorboard" / f"seed{b.seed}" / b.name)]
         if not resumed:  # from its own checkpoint a branch keeps its (possibly re-planned) plan
             args += self._precision_flags(b)
-        if b.arm == REPLAN:
-            args += ["--snip", "--snip-formats", *c.formats, *_budget_flags(b.budget)]
-        self.log(f"seed {b.seed}: {b.name}{' (resuming)' if resumed else ''}")
-        self._train(where, args, log=where / "log.txt")
-        result = read_result(self.out / "tensorboard" / f"seed{b.seed}" / b.name, c.train_iters,
-                             c.train_iters - c.branch_window)
-        write_text_atomic(str(where / "result.json"), json.dumps(asdict(result)))
+        if b.arm in REPLANNED:
+            args += ["--snip", "--snip-formats", *c.formats, *_budget_flags(b.budget), *REPLANNED[b.arm][1]]
+        return args
 
     def _precision_flags(self, b: Branch) -> list[str]:
         if b.arm == REFERENCE:
             return ["--precision", "bf16"]
         if b.budget is None:  # an ablation arm
             return ["--precision-plan", str(self.out / f"seed{b.seed}" / "plans" / f"{b.arm}.json")]
-        plan = self.out / f"seed{b.seed}" / "plans" / f"{FIXED.get(b.arm, b.arm)}_{b.budget.tag}.json"
+        plan = self.out / f"seed{b.seed}" / "plans" / f"{first_plan_policy(b.arm)}_{b.budget.tag}.json"
         if not plan.exists():
             raise RuntimeError(f"no plan {plan}: the {b.arm} policy cannot meet {b.budget.label} (see above)")
         return ["--precision-plan", str(plan)]
@@ -267,6 +274,11 @@ class Comparison:
         summary = summarize(self.config, results, every, predicted)
         write_report(self.config, summary, results, self.out)
         return summary
+
+
+def first_plan_policy(arm: str) -> str:
+    """The offline policy whose plan (at the arm's budget) a branch of ``arm`` starts from."""
+    return REPLANNED[arm][0] if arm in REPLANNED else FIXED.get(arm, arm)
 
 
 def _budget_flags(budget: Budget) -> list[str]:

@@ -20,7 +20,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import get_pg_size
 
-from megatron_snip.precision.health import HealthStats
+from megatron_snip.precision.health import OUTPUTS, HealthStats
 from megatron_snip.precision.plan import LINEAR_MODULES, PrecisionPlan, module_name, parse_module_name
 from megatron_snip.precision.recipes import BF16, Precision, RecipeConfig
 
@@ -163,7 +163,9 @@ class PrecisionController:
     def health_rows(self) -> dict[str, dict[str, torch.Tensor]]:
         """This rank's health rows since the last reset: module -> operand -> row, each operand of a
         module counted once over its tensor-parallel ranks (replicated operands on TP rank 0 only),
-        so that summing over all ranks gives whole-tensor, whole-batch numbers."""
+        so that summing over all ranks gives whole-tensor, whole-batch numbers. GEMM outputs
+        (``OUTPUTS``) come from every rank: each rank's own GEMM result (a shard, or a partial sum
+        before the TP reduction), which is what tells which rank's GEMM made a non-finite value."""
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         rows = {}
         for name, module in self._modules.items():
@@ -173,7 +175,7 @@ class PrecisionController:
                 continue
             split = get_pg_size(module.tp_group) > 1
             rows[name] = {key: row for key, row in measured.items()
-                          if tp_rank == 0 or (split and key.split(".")[1] in module.sharded_operands)}
+                          if tp_rank == 0 or key in OUTPUTS or (split and key.split(".")[1] in module.sharded_operands)}
         return rows
 
     def set_recipe(self, recipe: RecipeConfig) -> None:

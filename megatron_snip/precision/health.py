@@ -1,8 +1,7 @@
 """Quantization health: cheap per-operand scalars of what a quantizer did to a tensor.
 
 For every quantized GEMM operand (``fprop.x``, ``fprop.w``, ``dgrad.dy``, ``dgrad.w``,
-``wgrad.dy``, ``wgrad.x``) a module accumulates, over the micro-batches of a step and on
-the device (no host sync):
+``wgrad.dy``, ``wgrad.x``) a module keeps, on the device (no host sync):
 
 - ``nonfinite``: elements of the operand that are NaN or Inf;
 - ``amax``: the largest magnitude;
@@ -17,8 +16,14 @@ the device (no host sync):
 
 All but ``nonfinite`` count only elements whose value and quantized value are finite.
 
-That full measurement costs about as much as the quantization itself, so the trainer asks for
-it only on the steps it logs; every other step keeps only a max-abs per operand (:class:`HealthStats`).
+The outputs of the forward and dgrad GEMMs (``fprop.y``, ``dgrad.dx``: :data:`OUTPUTS`) keep
+``numel``, ``nonfinite`` and ``amax`` only (nothing is quantized there). They tell a module whose
+GEMM made non-finite values from finite operands (an overflow, a bad scale) from one that received
+them; the wgrad output is the parameter's gradient, which the trainer checks by name.
+
+That full measurement costs more than the quantization itself, so the trainer asks for it only on
+the steps it logs, and there only for the first micro-batch that reaches each GEMM; every other
+micro-batch and step keeps only a max-abs per operand (:class:`HealthStats`).
 
 They are computed only when a module's :class:`HealthStats` exists (``--quant-health``).
 Rows from tensor-parallel shards of one operand combine with :func:`combine` (sums, and
@@ -38,6 +43,10 @@ from .registry import scheme_format
 
 # The operands of a linear module's three GEMMs, in the order of tables and logs.
 OPERANDS = ("fprop.x", "fprop.w", "dgrad.dy", "dgrad.w", "wgrad.dy", "wgrad.x")
+# The GEMM outputs that flow on to other modules (activations forward, activation gradients backward).
+OUTPUTS = ("fprop.y", "dgrad.dx")
+# Every row a module keeps: its operands, then its outputs.
+POINTS = OPERANDS + OUTPUTS
 # One row per operand; amax combines by MAX, the rest by SUM.
 FIELDS = ("numel", "nonfinite", "amax", "saturated", "underflow", "err2", "ref2")
 AMAX = FIELDS.index("amax")
@@ -60,28 +69,40 @@ def clip_tolerance(fmt: FloatFormat, stochastic: bool) -> float:
 def operand_health(x: torch.Tensor, q: torch.Tensor, quantizer: OperandQuantizer) -> torch.Tensor:
     """The :data:`FIELDS` row (fp32, on x's device) of quantizing ``x`` (blocks along the last dim) to ``q``."""
     x = x.float()
-    finite = torch.isfinite(x)
-    valid = finite & torch.isfinite(q)  # a NaN in a tensor or block makes its quantized values NaN
-    zero = torch.zeros((), device=x.device)
-    ax = torch.where(valid, x.abs(), zero)
-    aq = torch.where(valid, q.abs(), zero)
+    # err is non-finite exactly where x or q is (a NaN in a tensor or block makes its quantized values NaN; a
+    # quantized value never has the opposite sign of its input, so two finite values cannot overflow).
+    err = q - x
+    invalid = ~torch.isfinite(err)
+    ax = x.abs().masked_fill_(invalid, 0.0)
+    aq = q.abs().masked_fill_(invalid, 0.0)
+    err = err.masked_fill_(invalid, 0.0).reshape(-1)
     tolerance = 1.0 + clip_tolerance(element_format(quantizer), quantizer.stochastic)
     if quantizer.block is None:
-        clipped = (ax > aq.amax() * tolerance).sum()
+        clipped = torch.count_nonzero(ax > aq.amax() * tolerance)
     else:  # padding is zero on both sides and never counts
         bx, _ = to_blocks(ax, quantizer.block)
         bq, _ = to_blocks(aq, quantizer.block)
-        clipped = (bx > bq.amax(dim=(2, 4), keepdim=True) * tolerance).sum()
-    err = torch.where(valid, q - x, zero).reshape(-1)
+        clipped = torch.count_nonzero(bx > bq.amax(dim=(2, 4), keepdim=True) * tolerance)
+    numel = torch.tensor(float(x.numel()), device=x.device)
     return torch.stack([
-        torch.tensor(float(x.numel()), device=x.device),
-        (~finite).sum().float(),
-        ax.amax() if x.numel() else zero,
+        numel,
+        numel - torch.count_nonzero(torch.isfinite(x)),
+        ax.amax() if x.numel() else torch.zeros((), device=x.device),
         clipped.float(),
-        ((aq == 0) & (ax != 0)).sum().float(),
+        (torch.count_nonzero(ax) - torch.count_nonzero(aq)).float(),  # flushed: q is 0 wherever x is
         torch.dot(err, err),
         torch.dot(ax.reshape(-1), ax.reshape(-1)),
     ])
+
+
+def output_health(y: torch.Tensor) -> torch.Tensor:
+    """The :data:`FIELDS` row of a GEMM output: its size, non-finite count and finite amax (the rest zero)."""
+    y = y.float()
+    finite = torch.isfinite(y)
+    zero = torch.zeros((), device=y.device)
+    amax = y.abs().masked_fill_(~finite, 0.0).amax() if y.numel() else zero
+    numel = torch.tensor(float(y.numel()), device=y.device)
+    return torch.stack([numel, numel - torch.count_nonzero(finite), amax, zero, zero, zero, zero])
 
 
 def nonfinite_row(amax: torch.Tensor) -> torch.Tensor:
@@ -99,18 +120,19 @@ def combine(rows: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# On steps not measured in full these are not checked again: W was checked by fprop (weights do not
-# change within a step), X by fprop (wgrad's X is the same tensor, or its Hadamard transform), and dY by
-# dgrad where it ran.
-_SEEN_ELSEWHERE = {"dgrad.w": "fprop.w", "wgrad.x": "fprop.x", "wgrad.dy": "dgrad.dy"}
+# Max-abs checks skipped because the same values were checked already: W by fprop (weights do not change
+# within a step), X by fprop (wgrad's X is the same tensor, or its Hadamard transform), and dY by dgrad
+# where it ran.
+_SEEN_ELSEWHERE = {"fprop.w": "fprop.w", "dgrad.w": "fprop.w", "wgrad.x": "fprop.x", "wgrad.dy": "dgrad.dy"}
 
 
 class HealthStats:
     """Per-operand health of one module, accumulated on the device since the last :meth:`reset`.
 
-    ``full``: measure everything (:func:`operand_health`, about as costly as quantizing).
-    Otherwise keep only each operand's running max-abs (two cheap ops per operand, the
-    weight once per step), which is enough to name where a NaN entered.
+    ``full``: measure everything (:func:`operand_health`, about as costly as quantizing) for the first
+    micro-batch that reaches each GEMM operand and output, and only check the later ones for
+    non-finite values. Otherwise (or for those later micro-batches) keep only each operand's running
+    max-abs (one cheap reduction, the weight once per step), which is enough to name where a NaN entered.
     """
 
     def __init__(self):
@@ -119,19 +141,34 @@ class HealthStats:
         self._amax: dict[str, torch.Tensor] = {}
 
     def record(self, key: str, x: torch.Tensor, q: torch.Tensor, quantizer: OperandQuantizer) -> None:
-        if self.full:
-            row = operand_health(x.detach(), q.detach(), quantizer)
-            self._rows[key] = combine(self._rows[key], row) if key in self._rows else row
+        if self.full and key not in self._rows:
+            self._rows[key] = operand_health(x.detach(), q.detach(), quantizer)
+        elif not any(_SEEN_ELSEWHERE.get(key) in seen for seen in (self._rows, self._amax)):
+            self._max_abs(key, x)
+
+    def record_output(self, key: str, y: torch.Tensor) -> None:
+        """Keep a GEMM output's row (``key`` in :data:`OUTPUTS`): in full, or its max-abs only."""
+        if self.full and key not in self._rows:
+            self._rows[key] = output_health(y.detach())
+        else:
+            self._max_abs(key, y)
+
+    def _max_abs(self, key: str, t: torch.Tensor) -> None:
+        if t.numel() == 0:
             return
-        if _SEEN_ELSEWHERE.get(key) in self._amax or (key == "fprop.w" and key in self._amax):
-            return
-        amax = torch.linalg.vector_norm(x.detach(), ord=math.inf)  # NaN propagates through max
+        lo, hi = torch.aminmax(t.detach())  # NaN propagates; one pass, no temporary (CPU: 20x vector_norm's inf)
+        amax = torch.maximum(-lo, hi)
         self._amax[key] = torch.maximum(self._amax[key], amax) if key in self._amax else amax
 
     @property
     def rows(self) -> dict[str, torch.Tensor]:
-        """Operand -> :data:`FIELDS` row (partial rows on steps not measured in full)."""
-        return self._rows if self.full else {k: nonfinite_row(a) for k, a in self._amax.items()}
+        """Operand or output (:data:`POINTS`) -> :data:`FIELDS` row: the measured micro-batch's, plus one
+        ``nonfinite`` per later check that found any (rows of max-abs checks alone have ``numel`` 0)."""
+        rows = dict(self._rows)
+        for key, amax in self._amax.items():
+            flags = nonfinite_row(amax)
+            rows[key] = combine(rows[key], flags) if key in rows else flags
+        return rows
 
     def reset(self, full: bool = True) -> None:
         self._rows, self._amax = {}, {}

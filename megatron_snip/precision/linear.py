@@ -253,6 +253,12 @@ def quantize_operand(t: torch.Tensor, q: OperandQuantizer, operand: str, quant: 
     return _quantize(t, q, operand, quant, gemm=gemm)
 
 
+def _record_output(quant: LinearQuantization, key: str, out: torch.Tensor) -> None:
+    """Keep a GEMM output's health (``--quant-health``): whether this GEMM made non-finite values."""
+    if quant.state.health is not None:
+        quant.state.health.record_output(key, out)
+
+
 def _scaled_mm_shapes_ok(a: FP8Operand, b: FP8Operand) -> bool:
     # torch._scaled_mm: all dims multiples of 16, and at most one operand in E5M2.
     dims_ok = all(d % 16 == 0 for d in (*a.data.shape, b.data.shape[1]))
@@ -317,6 +323,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
         x_q = _quantize(x2, q_x, "x", quant, fp8_bytes, "fprop")
         w_q = _quantize(weight, q_w, "w", quant, fp8_bytes, "fprop")
         y = _matmul(x_q, w_q.t())
+        _record_output(quant, "fprop.y", y)
         # Where the backward GEMM quantizes an operand exactly as fprop did, it may keep the
         # fprop copy. It does so for FP8 bytes (1 byte/element, less than the operand itself)
         # and for delayed scaling (whose scale has moved on since fprop, and which must record
@@ -343,7 +350,9 @@ class _QuantizedLinearFn(torch.autograd.Function):
             dy_q = _quantize(dy2, q_dy_d, "dy", quant, fp8_bytes, "dgrad")
             w_q = w_saved if ctx.w_ready else _quantize(w_saved, quant.quantizer("dgrad", "w"), "w", quant,
                                                         fp8_bytes, "dgrad")
-            dx = _matmul(dy_q, w_q).reshape(ctx.x_shape).to(ctx.x_dtype)
+            dx = _matmul(dy_q, w_q)
+            _record_output(quant, "dgrad.dx", dx)
+            dx = dx.reshape(ctx.x_shape).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             q_x = quant.quantizer("wgrad", "x")
             if q_dy_w.hadamard:

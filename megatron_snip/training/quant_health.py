@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_snip.compat.device import current_device
-from megatron_snip.precision.health import AMAX, FIELDS, OPERANDS, summarize
+from megatron_snip.precision.health import AMAX, FIELDS, OPERANDS, POINTS, summarize
 from megatron_snip.precision.plan import LINEAR_MODULES, PrecisionPlan, module_names, parse_module_name
 from megatron_snip.precision.recipes import Precision
 from megatron_snip.precision.registry import family
@@ -24,12 +24,19 @@ from megatron_snip.precision.registry import family
 NONFINITE, NUMEL = FIELDS.index("nonfinite"), FIELDS.index("numel")
 LOGGED = ("saturated", "underflow", "relative mse")
 _LISTED = 6  # modules named in one message before "and N more"
+# Each module's points in the order a step reaches them (wgrad's operands are dgrad's dY and fprop's X).
+_FORWARD = ("fprop.x", "fprop.w", "fprop.y")
+_BACKWARD = ("dgrad.dy", "wgrad.dy", "dgrad.w", "wgrad.x", "dgrad.dx")
+_HOW = {"y": "made by its quantized forward GEMM (its inputs were finite)",
+        "dx": "made by its quantized dgrad GEMM (its inputs were finite)",
+        "w": "a non-finite weight", "x": "entered its input from outside the quantized GEMMs",
+        "dy": "entered its output gradient from outside the quantized GEMMs"}
 
 
 @dataclass(frozen=True)
 class HealthTable:
-    """Whole-model health since the last reset: ``table[m, o]`` is module ``names[m]``'s row of operand
-    ``OPERANDS[o]`` (all zeros where the module did not quantize that operand)."""
+    """Whole-model health since the last reset: ``table[m, i]`` is module ``names[m]``'s row of operand or
+    GEMM output ``POINTS[i]`` (all zeros where the module did not quantize that operand)."""
 
     names: list[str]
     table: np.ndarray
@@ -43,26 +50,46 @@ class HealthTable:
         return bool((self.table[..., NUMEL] > 0).any())
 
     def nonfinite(self) -> dict[str, dict[str, int]]:
-        """Module -> operand -> count of non-finite elements (on steps not measured in full: of ranks and
-        micro-batches where the operand had any), for modules that had any."""
+        """Module -> operand or output -> count of non-finite elements (on steps not measured in full: of
+        ranks and micro-batches where it had any), for modules that had any."""
         out = {}
         for m, name in enumerate(self.names):
-            bad = {op: int(self.table[m, o, NONFINITE]) for o, op in enumerate(OPERANDS)
-                   if self.table[m, o, NONFINITE] > 0}
+            bad = {p: int(self.table[m, i, NONFINITE]) for i, p in enumerate(POINTS) if self.table[m, i, NONFINITE] > 0}
             if bad:
                 out[name] = bad
         return out
 
-    def origin(self) -> str | None:
-        """Where non-finite values entered: the first module in forward order whose forward operands
-        were non-finite, else (a backward-only fault) the last one with non-finite backward operands,
-        since the backward pass runs in reverse."""
+    def origin(self) -> tuple[str, str] | None:
+        """(module, point) where non-finite values first appear in the order the step ran them: the forward
+        pass in layer order (input, weight, output of each module), else, for a backward-only fault, the
+        backward pass in reverse layer order. A point in :data:`OUTPUTS` means that module's GEMM made
+        them from finite operands; an input means they came from outside the quantized GEMMs."""
         bad = self.nonfinite()
-        forward = [n for n in self.names if any(op.startswith("fprop") for op in bad.get(n, {}))]
-        if forward:
-            return forward[0]
-        backward = [n for n in self.names if n in bad]
-        return backward[-1] if backward else None
+        for points, names in ((_FORWARD, self.names), (_BACKWARD, self.names[::-1])):
+            for name in names:
+                first = next((p for p in points if p in bad.get(name, {})), None)
+                if first is not None:
+                    return name, first
+        return None
+
+    def fault_modules(self, nonfinite: bool) -> tuple[list[str], str]:
+        """The modules to blame for a non-finite step (its origin) or a spike (the worst relative MSE),
+        and one sentence saying what the numbers show (empty when no GEMM was quantized)."""
+        if not self.table.any():
+            return [], ""
+        if nonfinite:
+            bad = self.nonfinite()
+            origin = self.origin()
+            if origin is None:
+                return [], "no quantized GEMM had non-finite operands or outputs (the fault lies outside them)"
+            name, point = origin
+            listed = [f"{n} ({', '.join(bad[n])})" for n in sorted(bad, key=lambda n: n != name)]
+            return [name], (f"quantized modules with non-finite values: {_truncated(listed, '; ')}; "
+                            f"first: {name} {point}, {_HOW[point.split('.')[1]]}")
+        worst = self.worst()
+        if worst is None:
+            return [], ""
+        return [worst[0]], f"largest relative quantization MSE: {worst[0]} {worst[1]} {worst[2]:.3g}"
 
     def worst(self) -> tuple[str, str, float] | None:
         """(module, operand, relative MSE) of the largest relative quantization MSE, if any was measured."""
@@ -74,25 +101,6 @@ class HealthTable:
                     if np.isfinite(mse) and (best is None or mse > best[2]):
                         best = (name, op, mse)
         return best
-
-    def fault_modules(self, nonfinite: bool) -> tuple[list[str], str]:
-        """The modules to blame for a non-finite step (its origin) or a spike (the worst relative MSE),
-        and one sentence saying what the numbers show (empty when no GEMM was quantized)."""
-        if not self.table.any():
-            return [], ""
-        if nonfinite:
-            bad = self.nonfinite()
-            if not bad:
-                return [], "no quantized operand was non-finite (the fault lies outside the quantized GEMMs)"
-            origin = self.origin()
-            listed = [f"{n} ({', '.join(bad[n])})"
-                      for n in sorted(bad, key=lambda n: n != origin)]  # the origin first, then forward order
-            return [origin], (f"quantized modules with non-finite operands: {_truncated(listed, '; ')}; "
-                              f"first in forward order: {origin}")
-        worst = self.worst()
-        if worst is None:
-            return [], ""
-        return [worst[0]], f"largest relative quantization MSE: {worst[0]} {worst[1]} {worst[2]:.3g}"
 
     def scalars(self, prefix: str = "quant health") -> dict[str, float]:
         """TensorBoard scalars: per module type and per layer, each GEMM operand's saturated and
@@ -130,10 +138,10 @@ def gather_health(controller, num_layers: int) -> HealthTable:
     names = module_names(num_layers)
     index = {n: i for i, n in enumerate(names)}
     device = current_device()
-    table = torch.zeros(len(names), len(OPERANDS), len(FIELDS), device=device)
+    table = torch.zeros(len(names), len(POINTS), len(FIELDS), device=device)
     for name, rows in controller.health_rows().items():
         for key, row in rows.items():
-            table[index[name], OPERANDS.index(key)] = row.to(device)
+            table[index[name], POINTS.index(key)] = row.to(device)
     amax = table[..., AMAX].clone()
     table[..., AMAX] = 0.0
     dist.all_reduce(table)
