@@ -5,7 +5,6 @@ Process and disk faults come from a test-only driver, tests/drivers/faults.py (n
 
 from __future__ import annotations
 
-import os
 import random
 import re
 import shutil
@@ -16,6 +15,7 @@ import time
 import pytest
 
 from conftest import ROOT, scalars, torchrun, torchrun_command, torchrun_env, train_args
+from drivers.faults import signal_group
 from megatron_snip.arguments import ArgumentError, parse_config
 
 DRIVER = "tests/drivers/faults.py"
@@ -76,20 +76,16 @@ def test_kill_9_anywhere_then_resume_is_exact(tiny_data, tmp_path):
 
 
 def _kill_job(proc: subprocess.Popen) -> None:
-    """SIGKILL every process of a torchrun job started in a session of its own: the agent's group and each
-    worker's (torchrun gives every worker its own session; a checkpoint writer a worker forked is in it)."""
+    """SIGKILL every process of a torchrun job started in a session of its own: each worker's process group
+    (torchrun gives every worker its own session; a checkpoint writer a worker forked is in it), then the agent's."""
     import psutil
 
     try:
-        groups = {os.getpgid(p.pid) for p in psutil.Process(proc.pid).children(recursive=True)} | {proc.pid}
-    except (ProcessLookupError, psutil.NoSuchProcess):
-        groups = {proc.pid}
-    assert os.getpgrp() not in groups
-    for group in groups:
-        try:
-            os.killpg(group, signal.SIGKILL)
-        except ProcessLookupError:
-            pass  # that group has exited already
+        workers = psutil.Process(proc.pid).children()
+    except psutil.NoSuchProcess:
+        workers = []
+    for pid in [*(w.pid for w in workers), proc.pid]:
+        signal_group(pid, signal.SIGKILL)
     proc.wait(timeout=60)
 
 

@@ -31,11 +31,13 @@ def signal_job(sig: int) -> None:
     me = os.getpid()
     for worker in psutil.Process(os.getppid()).children():
         if worker.pid != me:
-            _signal_group(worker.pid, sig)
-    _signal_group(me, sig)
+            signal_group(worker.pid, sig)
+    signal_group(me, sig)
 
 
-def _signal_group(pid: int, sig: int) -> None:
+def signal_group(pid: int, sig: int) -> None:
+    """Signal ``pid``'s process group if it leads one (a torchrun worker or agent started in its own session,
+    with whatever it forked), else the process and its descendants; nothing if it has exited."""
     import psutil
 
     try:
