@@ -163,9 +163,9 @@ class PrecisionController:
     def health_rows(self) -> dict[str, dict[str, torch.Tensor]]:
         """This rank's health rows since the last reset: module -> operand -> row, each operand of a
         module counted once over its tensor-parallel ranks (replicated operands on TP rank 0 only),
-        so that summing over all ranks gives whole-tensor, whole-batch numbers. GEMM outputs
-        (``OUTPUTS``) come from every rank: each rank's own GEMM result (a shard, or a partial sum
-        before the TP reduction), which is what tells which rank's GEMM made a non-finite value."""
+        so that summing over all ranks gives whole-tensor numbers. GEMM outputs (``OUTPUTS``) come
+        from every rank: each rank's own GEMM result (a shard, or a partial sum before the TP
+        reduction), so a non-finite value made by any rank's GEMM is counted (only >0 is used)."""
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         rows = {}
         for name, module in self._modules.items():
