@@ -19,6 +19,9 @@ Flags after "--" go to every pretrain_llama.py run (model, data, optimizer, layo
 with only that group in FP4, and the rank correlation of SNIP's predicted divergence (and of
 the relative quantization error) with the loss gap training measured.
 
+--jobs N trains N runs at once (on a 2-core CPU, --jobs 2: every run is single-threaded; on a GPU
+node, each run gets its own --nproc-per-node GPUs); the results do not depend on it.
+
 Writes OUT/results.md, OUT/results.json, OUT/gap_to_bf16.png and TensorBoard runs side by
 side under OUT/tensorboard. Rerunning the same command finishes what an interrupted one left.
 """
@@ -54,6 +57,9 @@ def main(argv=None) -> int:
                    help="re-planning (and checkpoint) interval of the snip arm (default: --trunk-iters)")
     p.add_argument("--formats", nargs="+", default=["bf16", "fp8", "nvfp4"], help="SNIP candidates")
     p.add_argument("--nproc-per-node", type=int, default=1, help="processes per run")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs training at once (on CPU: up to the cores, each run is single-threaded; on GPUs: "
+                        "each run gets its own --nproc-per-node devices); results do not depend on it")
     p.add_argument("--window", type=int, default=0,
                    help="mean training loss over the last N iterations (default: a fifth of the branch)")
     p.add_argument("--solver", choices=["auto", "gurobi", "highs"], default="auto")
@@ -67,7 +73,8 @@ def main(argv=None) -> int:
             out=a.out, train_args=tuple(train_args), policies=tuple(a.policies),
             budgets=parse_budgets(fp4_targets, a.time_targets), seeds=tuple(a.seeds), trunk_iters=a.trunk_iters,
             train_iters=a.train_iters, snip_interval=a.snip_interval or a.trunk_iters, formats=tuple(a.formats),
-            nproc=a.nproc_per_node, window=a.window, solver=a.solver, ablations=tuple(a.ablations))
+            nproc=a.nproc_per_node, window=a.window, solver=a.solver, ablations=tuple(a.ablations),
+            jobs=a.jobs)
         Comparison(config, log=lambda m: print(m, flush=True)).run()
     except (ValueError, RuntimeError) as e:
         print(f"compare_precision.py: error: {e}", file=sys.stderr)

@@ -16,7 +16,9 @@ Layout of ``out/``::
     results.json, results.md, gap_to_bf16.png
 
 A branch without ``result.json`` is (re)started, from its own newest checkpoint if it has one,
-so an interrupted comparison picks up where it stopped.
+so an interrupted comparison picks up where it stopped. With ``jobs`` > 1 that many runs train at
+once (trunks of different seeds, then branches), each on its own slice of ``CUDA_VISIBLE_DEVICES``;
+every run is deterministic on its own, so the results do not depend on ``jobs``.
 """
 
 from __future__ import annotations
@@ -24,9 +26,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import queue
 import subprocess
 import sys
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -67,6 +73,7 @@ class ComparisonConfig:
     window: int = 0  # mean training loss over the last `window` iterations (0: a fifth of the branch)
     solver: str = "auto"
     ablations: tuple[str, ...] = ()  # per-module ablation arms: "layers" and/or "types" (ablation.py)
+    jobs: int = 1  # runs training at once (how the work is scheduled, not what it measures)
 
     def __post_init__(self):
         unknown = sorted(set(self.policies) - set(ARMS))
@@ -81,6 +88,12 @@ class ComparisonConfig:
             raise ValueError(f"--ablations: unknown {sorted(set(self.ablations) - set(KINDS))}; choose from {KINDS}")
         if not self.seeds:
             raise ValueError("give at least one --seeds value")
+        if self.jobs < 1:
+            raise ValueError(f"--jobs {self.jobs}: give 1 or more runs at once")
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if self.jobs > 1 and visible and len(visible.split(",")) < self.jobs * self.nproc:
+            raise ValueError(f"--jobs {self.jobs} x --nproc-per-node {self.nproc} needs {self.jobs * self.nproc} "
+                             f"GPUs, CUDA_VISIBLE_DEVICES={visible} has {len(visible.split(','))}; lower --jobs")
         taken = {"--seed", "--train-iters", "--save", "--load", "--tensorboard-dir", "--snip", "--precision",
                  "--precision-plan", "--save-interval", "--snip-interval", "--exit-interval", "--finetune"}
         clash = sorted(a for a in self.train_args if a in taken or a.startswith("--snip-"))
@@ -143,8 +156,8 @@ class Comparison:
         mine = _settings(self.config)
         if path.exists():
             theirs = json.loads(path.read_text())
-            differ = sorted(k for k in set(mine) | set(theirs) if k not in ("policies", "budgets", "seeds", "ablations")
-                            and mine.get(k) != theirs.get(k))
+            free = ("policies", "budgets", "seeds", "ablations", "jobs")  # may change between reruns
+            differ = sorted(k for k in set(mine) | set(theirs) if k not in free and mine.get(k) != theirs.get(k))
             if differ:
                 raise ValueError(f"{self.out} holds a comparison with other settings ({', '.join(differ)} differ); "
                                  f"choose another --out or the same settings")
@@ -154,14 +167,14 @@ class Comparison:
     # -- running ---------------------------------------------------------
     def run(self) -> dict:
         self.check_settings()
-        for seed in self.config.seeds:
-            self._trunk(seed)
+        c = self.config
+        run_all([lambda slot, s=s: self._trunk(s, slot) for s in c.seeds], c.jobs)
+        for seed in c.seeds:
             self._plans(seed)
-        for branch in branches(self.config, self.ablation_arms):
-            self._branch(branch)
+        run_all([lambda slot, b=b: self._branch(b, slot) for b in branches(c, self.ablation_arms)], c.jobs)
         return self.report()
 
-    def _trunk(self, seed: int) -> None:
+    def _trunk(self, seed: int, slot: int = 0) -> None:
         c = self.config
         trunk = self.out / f"seed{seed}" / "trunk"
         if self._stats_path(seed).exists():
@@ -172,7 +185,7 @@ class Comparison:
         self._train(trunk, [*c.train_args, "--seed", str(seed), "--train-iters", str(c.train_iters),
                             "--exit-interval", str(c.trunk_iters), "--save", str(trunk / "ckpt"),
                             "--load", str(trunk / "ckpt"), "--save-interval", str(c.trunk_iters),
-                            "--snip", "--snip-formats", *c.formats], log=trunk / "log.txt")
+                            "--snip", "--snip-formats", *c.formats], log=trunk / "log.txt", slot=slot)
         if not self._stats_path(seed).exists():
             raise RuntimeError(f"the trunk of seed {seed} wrote no SNIP statistics ({self._stats_path(seed)}); "
                                f"see {trunk / 'log.txt'}")
@@ -208,7 +221,7 @@ class Comparison:
             write_text_atomic(str(directory / "predictions.json"), json.dumps(predicted, indent=1))
             self.ablation_arms = list(plans)
 
-    def _branch(self, b: Branch) -> None:
+    def _branch(self, b: Branch, slot: int = 0) -> None:
         c = self.config
         where = self.out / f"seed{b.seed}" / b.name
         if (where / "result.json").exists():
@@ -216,10 +229,13 @@ class Comparison:
             return
         resumed = (where / "ckpt" / TRACKER).exists()
         self.log(f"seed {b.seed}: {b.name}{' (resuming)' if resumed else ''}")
-        self._train(where, self.branch_args(b), log=where / "log.txt")
+        start = time.monotonic()
+        self._train(where, self.branch_args(b), log=where / "log.txt", slot=slot)
         result = read_result(self.out / "tensorboard" / f"seed{b.seed}" / b.name, c.train_iters,
                              c.train_iters - c.branch_window)
         write_text_atomic(str(where / "result.json"), json.dumps(asdict(result)))
+        self.log(f"seed {b.seed}: {b.name} finished in {(time.monotonic() - start) / 60:.1f} min: validation loss "
+                 f"{result.final_valid_loss:.4f}")
 
     def branch_args(self, b: Branch) -> list[str]:
         """pretrain_llama.py's flags for branch ``b``: from the trunk's checkpoint, or from its own if it has one."""
@@ -246,7 +262,7 @@ class Comparison:
             raise RuntimeError(f"no plan {plan}: the {b.arm} policy cannot meet {b.budget.label} (see above)")
         return ["--precision-plan", str(plan)]
 
-    def _train(self, where: Path, args: list[str], log: Path) -> None:
+    def _train(self, where: Path, args: list[str], log: Path, slot: int = 0) -> None:
         where.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(self.config.nproc),
                "--master-port", str(_free_port()), str(Path(__file__).resolve().parents[2] / "pretrain_llama.py"),
@@ -254,8 +270,8 @@ class Comparison:
         with open(log, "a") as f:
             f.write("$ " + " ".join(cmd) + "\n")
             f.flush()
-            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env={"OMP_NUM_THREADS": "1",
-                                                                                **os.environ})
+            env = {"OMP_NUM_THREADS": "1", **os.environ, **devices(slot, self.config.nproc, self.config.jobs)}
+            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
         if proc.returncode != 0:
             raise RuntimeError(f"training run failed (exit {proc.returncode}); see {log}")
 
@@ -279,6 +295,44 @@ class Comparison:
 def first_plan_policy(arm: str) -> str:
     """The offline policy whose plan (at the arm's budget) a branch of ``arm`` starts from."""
     return REPLANNED[arm][0] if arm in REPLANNED else FIXED.get(arm, arm)
+
+
+def run_all(tasks: Sequence[Callable[[int], None]], jobs: int) -> None:
+    """Run ``tasks`` (each called with its slot, 0 <= slot < jobs), at most ``jobs`` at once, in order.
+
+    After a task fails no new one starts; those running finish, then the first error is raised.
+    """
+    slots: queue.Queue[int] = queue.Queue()
+    for slot in range(jobs):
+        slots.put(slot)
+    failed = threading.Event()
+
+    def one(task):
+        if failed.is_set():
+            return
+        slot = slots.get()
+        try:
+            task(slot)
+        except BaseException:
+            failed.set()
+            raise
+        finally:
+            slots.put(slot)
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = [pool.submit(one, t) for t in tasks]
+    for f in futures:
+        f.result()  # re-raises the first task's error in task order
+
+
+def devices(slot: int, nproc: int, jobs: int) -> dict[str, str]:
+    """The environment that gives a run in ``slot`` its own ``nproc`` GPUs when ``jobs`` runs share a node
+    (a slice of ``CUDA_VISIBLE_DEVICES``, or of 0..jobs*nproc-1); nothing when runs go one at a time."""
+    if jobs == 1:
+        return {}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(jobs * nproc)]
+    return {"CUDA_VISIBLE_DEVICES": ",".join(ids[slot * nproc:(slot + 1) * nproc])}
 
 
 def _budget_flags(budget: Budget) -> list[str]:
