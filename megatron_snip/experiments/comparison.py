@@ -349,10 +349,11 @@ def read_result(tensorboard_dir: Path, train_iters: int, window_start: int) -> B
         raise RuntimeError(f"{tensorboard_dir}: no validation loss at iteration {train_iters} (eval-iters 0?)")
     last = [v for it, v in train.items() if it > window_start]
     fp4 = tensorboard_scalars(tensorboard_dir, "train/fp4 flops fraction")
-    time = tensorboard_scalars(tensorboard_dir, "train/estimated gemm time vs bf16")
-    return BranchResult(final_valid_loss=valid[train_iters], mean_train_loss=sum(last) / len(last) if last else math.nan,
+    gemm_time = tensorboard_scalars(tensorboard_dir, "train/estimated gemm time vs bf16")
+    return BranchResult(final_valid_loss=valid[train_iters],
+                        mean_train_loss=sum(last) / len(last) if last else math.nan,
                         fp4_fraction=fp4[max(fp4)] if fp4 else math.nan,
-                        time_ratio=time[max(time)] if time else math.nan,
+                        time_ratio=gemm_time[max(gemm_time)] if gemm_time else math.nan,
                         valid_curve=valid, train_curve=train)
 
 
