@@ -90,10 +90,10 @@ class ComparisonConfig:
             raise ValueError("give at least one --seeds value")
         if self.jobs < 1:
             raise ValueError(f"--jobs {self.jobs}: give 1 or more runs at once")
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if self.jobs > 1 and visible and len(visible.split(",")) < self.jobs * self.nproc:
+        visible = _visible_devices()
+        if self.jobs > 1 and visible and len(visible) < self.jobs * self.nproc:
             raise ValueError(f"--jobs {self.jobs} x --nproc-per-node {self.nproc} needs {self.jobs * self.nproc} "
-                             f"GPUs, CUDA_VISIBLE_DEVICES={visible} has {len(visible.split(','))}; lower --jobs")
+                             f"GPUs, CUDA_VISIBLE_DEVICES={','.join(visible)} has {len(visible)}; lower --jobs")
         taken = {"--seed", "--train-iters", "--save", "--load", "--tensorboard-dir", "--snip", "--precision",
                  "--precision-plan", "--save-interval", "--snip-interval", "--exit-interval", "--finetune"}
         clash = sorted(a for a in self.train_args if a in taken or a.startswith("--snip-"))
@@ -330,9 +330,14 @@ def devices(slot: int, nproc: int, jobs: int) -> dict[str, str]:
     (a slice of ``CUDA_VISIBLE_DEVICES``, or of 0..jobs*nproc-1); nothing when runs go one at a time."""
     if jobs == 1:
         return {}
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = visible.split(",") if visible else [str(i) for i in range(jobs * nproc)]
+    ids = _visible_devices() or [str(i) for i in range(jobs * nproc)]
     return {"CUDA_VISIBLE_DEVICES": ",".join(ids[slot * nproc:(slot + 1) * nproc])}
+
+
+def _visible_devices() -> list[str]:
+    """The GPUs ``CUDA_VISIBLE_DEVICES`` names (empty when it is unset: every device)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible.split(",") if visible else []
 
 
 def _budget_flags(budget: Budget) -> list[str]:
