@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
 from conftest import ROOT, TINY_MODEL, scalars, torchrun
-from megatron_snip.experiments.comparison import (BranchResult, Comparison, ComparisonConfig, branches, devices,
-                                                  run_all)
+from megatron_snip.experiments.comparison import (BranchResult, Comparison, ComparisonConfig, Runs, Stopped, branches,
+                                                  devices, run_all)
 from megatron_snip.experiments.report import markdown, summarize
 from megatron_snip.precision.plan import PrecisionPlan
 from megatron_snip.snip.offline import Budget
@@ -99,6 +102,37 @@ def test_jobs_run_at_once_each_in_its_own_slot_and_a_failure_stops_the_rest():
     with pytest.raises(RuntimeError, match="training run failed"):
         run_all([lambda slot: started.append(0), boom, *[lambda slot, i=i: started.append(i) for i in (2, 3)]], jobs=1)
     assert started == [0]  # nothing after the failure started
+
+
+@pytest.mark.integration  # it starts a process (a few lines of Python, no training)
+def test_a_stop_reaches_the_runs_in_flight_and_starts_no_new_one(tmp_path):
+    # A child that saves (writes a file) and exits 0 on SIGTERM, as a training run does.
+    child = ("import signal, sys, time, pathlib\n"
+             "signal.signal(signal.SIGTERM, lambda *a: (pathlib.Path(sys.argv[1]).write_text('saved'), sys.exit(0)))\n"
+             "pathlib.Path(sys.argv[2]).write_text('ready')\n"
+             "time.sleep(60)\n")
+    runs, errors = Runs(), []
+
+    def one():
+        try:
+            runs.run([sys.executable, "-c", child, str(tmp_path / "saved"), str(tmp_path / "ready")])
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=one)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "ready").exists():
+        assert thread.is_alive() and time.monotonic() < deadline, errors
+        time.sleep(0.02)
+    assert runs.stop(signal.SIGUSR1) == 1  # SLURM's --signal; the run itself gets SIGTERM
+    thread.join(timeout=30)
+    assert (tmp_path / "saved").read_text() == "saved"
+    assert [type(e) for e in errors] == [Stopped] and errors[0].signum == signal.SIGUSR1
+    assert "rerun the same command" in str(errors[0])
+    with pytest.raises(Stopped):  # nothing new starts
+        runs.run([sys.executable, "-c", "open('started', 'w')"], cwd=tmp_path)
+    assert not (tmp_path / "started").exists()
 
 
 def test_each_job_gets_its_own_gpus(monkeypatch):
@@ -194,3 +228,44 @@ def test_spearman_by_hand():
     # ranks x: 0,1,2,3; y (tie at 5): 0, 1.5, 1.5, 3 -> Pearson of the ranks
     assert spearman([1, 2, 3, 4], [1, 5, 5, 9]) == pytest.approx(0.9486833, abs=1e-6)
     assert math.isnan(spearman([1, 2], [2, 1]))
+
+
+@pytest.mark.integration
+def test_sigterm_to_the_tool_saves_the_branch_in_flight_and_a_rerun_finishes_it(tiny_data, tmp_path):
+    """kill (or SLURM's --signal) aimed at the tool alone: its torchrun child passes the signal to the
+    workers, which save and exit; the tool exits 128 + 15 leaving no process behind, and a rerun resumes
+    the branch and ends where an uninterrupted run ends."""
+    import psutil
+
+    train_args = [*TINY_MODEL, "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-2",
+                  "--lr-warmup-iters", "1", "--data-path", tiny_data.prefix, "--split", "90,10,0",
+                  "--tokenizer-model", tiny_data.tokenizer_model, "--log-interval", "1", "--eval-interval", "30",
+                  "--eval-iters", "2"]
+    out = tmp_path / "cmp"
+    cmd = [sys.executable, str(ROOT / "tools" / "compare_precision.py"), "--out", str(out), "--seeds", "1",
+           "--trunk-iters", "2", "--train-iters", "30", "--policies", "--", *train_args]
+    tool = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = out / "seed1" / "bf16" / "log.txt"
+    deadline = time.monotonic() + 600
+    while not (log.exists() and re.search(r"\[train\] iteration\s+6 ", log.read_text())):
+        assert tool.poll() is None and time.monotonic() < deadline, tool.communicate()
+        time.sleep(0.02)
+    tree = psutil.Process(tool.pid).children(recursive=True)
+    tool.send_signal(signal.SIGTERM)
+    stdout, stderr = tool.communicate(timeout=300)
+    assert tool.returncode == 128 + signal.SIGTERM, stdout[-3000:] + stderr[-3000:]
+    assert "stopped by SIGTERM" in stderr and "rerun the same command to resume" in stderr
+    saved = re.search(r"exit signal received: saving at iteration (\d+)", log.read_text())
+    assert saved and 6 < int(saved.group(1)) < 30
+    assert (out / "seed1" / "bf16" / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == saved.group(1)
+    assert not (out / "seed1" / "bf16" / "result.json").exists()
+    psutil.wait_procs(tree, timeout=30)
+    assert not [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+    # The rerun resumes the branch; the BF16 reference is all this comparison has (no policies).
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "seed 1: bf16 (resuming)" in proc.stdout
+    torchrun(1, [*train_args, "--seed", "1", "--train-iters", "30", "--tensorboard-dir", str(tmp_path / "tb")])
+    assert scalars(tmp_path / "tb", "valid/lm loss")[30] == json.loads(
+        (out / "seed1" / "bf16" / "result.json").read_text())["final_valid_loss"]

@@ -75,6 +75,22 @@ def test_kill_9_anywhere_then_resume_is_exact(tiny_data, tmp_path):
         assert resumed and resumed == {k: v for k, v in ref[tag].items() if k > 3}, tag  # bit-identical
 
 
+@pytest.mark.integration
+def test_sigterm_after_a_periodic_save_still_saves(tiny_data, tmp_path):
+    """A run that has saved before (every iteration here) gets SLURM's SIGTERM on every process of the job,
+    as torchrun's own shutdown sends it to each worker's process group. That reaches the helper process that
+    megatron-core's checkpoint writer spawned at the first save; the save the signal asks for must still
+    succeed (it failed with BrokenPipeError when that helper died of the signal)."""
+    ckpt = tmp_path / "ckpt"
+    run = torchrun(2, train_args(tiny_data, "--tensor-model-parallel-size", "2", *CHAIN[:-1], "1",
+                                 "--save", str(ckpt), iters=6),
+                   check=False, script=DRIVER, timeout=600, env={"FAULT": "term_in_probe", "FAULT_AT": "4"})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "saved checkpoint" in run.stdout.split("[train] iteration       4")[0]  # saves before the signal
+    assert "exit signal received: saving at iteration 5 and exiting" in run.stdout
+    assert tracker(ckpt) == 5 and (ckpt / "iter_0000005" / ".metadata").is_file()
+
+
 def _kill_job(proc: subprocess.Popen) -> None:
     """SIGKILL every process of a torchrun job started in a session of its own: each worker's process group
     (torchrun gives every worker its own session; a checkpoint writer a worker forked is in it), then the agent's."""

@@ -24,18 +24,22 @@ node, each run gets its own --nproc-per-node GPUs); the results do not depend on
 
 Writes OUT/results.md, OUT/results.json, OUT/gap_to_bf16.png and TensorBoard runs side by
 side under OUT/tensorboard. Rerunning the same command finishes what an interrupted one left.
+SIGTERM or SIGUSR1 (kill, SLURM's --signal) stops it cleanly: the runs in flight save a checkpoint,
+no new one starts, and the tool exits with 128 + the signal's number.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_snip.experiments.ablation import KINDS  # noqa: E402
-from megatron_snip.experiments.comparison import ARMS, Comparison, ComparisonConfig, parse_budgets  # noqa: E402
+from megatron_snip.experiments.comparison import (  # noqa: E402
+    ARMS, Comparison, ComparisonConfig, Stopped, parse_budgets)
 
 
 def main(argv=None) -> int:
@@ -75,7 +79,13 @@ def main(argv=None) -> int:
             train_iters=a.train_iters, snip_interval=a.snip_interval or a.trunk_iters, formats=tuple(a.formats),
             nproc=a.nproc_per_node, window=a.window, solver=a.solver, ablations=tuple(a.ablations),
             jobs=a.jobs)
-        Comparison(config, log=lambda m: print(m, flush=True)).run()
+        comparison = Comparison(config, log=lambda m: print(m, flush=True))
+        for sig in (signal.SIGTERM, signal.SIGUSR1):  # kill, SLURM's --signal: the runs save and stop
+            signal.signal(sig, comparison.stop)
+        comparison.run()
+    except Stopped as e:
+        print(f"compare_precision.py: {e}", file=sys.stderr)
+        return 128 + e.signum
     except (ValueError, RuntimeError) as e:
         print(f"compare_precision.py: error: {e}", file=sys.stderr)
         return 1

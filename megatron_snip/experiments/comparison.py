@@ -16,9 +16,11 @@ Layout of ``out/``::
     results.json, results.md, gap_to_bf16.png
 
 A branch without ``result.json`` is (re)started, from its own newest checkpoint if it has one,
-so an interrupted comparison picks up where it stopped. With ``jobs`` > 1 that many runs train at
-once (trunks of different seeds, then branches), each on its own slice of ``CUDA_VISIBLE_DEVICES``;
-every run is deterministic on its own, so the results do not depend on ``jobs``.
+so an interrupted comparison picks up where it stopped. A SIGTERM or SIGUSR1 to the tool (``kill``,
+SLURM's ``--signal``) reaches the runs in flight, which save a checkpoint and stop (:class:`Runs`).
+With ``jobs`` > 1 that many runs train at once (trunks of different seeds, then branches), each on
+its own slice of ``CUDA_VISIBLE_DEVICES``; every run is deterministic on its own, so the results do
+not depend on ``jobs``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import json
 import math
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -140,6 +143,55 @@ def branches(config: ComparisonConfig, ablation_arms: Sequence[str] = ()) -> lis
     return out
 
 
+class Stopped(Exception):
+    """A signal stopped the comparison; the runs it interrupted saved their checkpoints."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}: the runs in flight saved a checkpoint; "
+                         f"rerun the same command to resume")
+
+
+class Runs:
+    """The training runs in flight, so that a signal to the tool reaches them.
+
+    Without it a ``kill`` of the tool (or SLURM's ``--signal`` aimed at the batch script) would leave
+    its ``torchrun`` children training, and a rerun would start a second writer of the same checkpoint
+    folder. :meth:`stop` sends SIGTERM to each ``torchrun``, which passes it to its workers; they finish
+    the iteration, save and exit (``training/signals.py``). After :meth:`stop` no new run starts.
+    """
+
+    def __init__(self):
+        self._lock = threading.RLock()
+        self._procs: set[subprocess.Popen] = set()
+        self.signum: int | None = None
+
+    def run(self, cmd: Sequence[str], **popen_kwargs) -> int:
+        """Run ``cmd`` to its end; its exit status, or :class:`Stopped` if :meth:`stop` was called."""
+        with self._lock:  # a stop() between the check and the start would miss the new process
+            if self.signum is not None:
+                raise Stopped(self.signum)
+            proc = subprocess.Popen(cmd, **popen_kwargs)
+            self._procs.add(proc)
+        try:
+            status = proc.wait()
+        finally:
+            with self._lock:
+                self._procs.discard(proc)
+        if self.signum is not None:
+            raise Stopped(self.signum)
+        return status
+
+    def stop(self, signum: int) -> int:
+        """Ask every run in flight to save and stop (a signal handler); returns how many there were."""
+        with self._lock:
+            self.signum = signum
+            procs = list(self._procs)
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)  # torchrun forwards SIGTERM to its workers (not SIGUSR1)
+        return len(procs)
+
+
 class Comparison:
     """Runs the branches of ``config`` that have not finished, then writes the report."""
 
@@ -148,6 +200,12 @@ class Comparison:
         self.out = Path(config.out)
         self.log = log
         self.ablation_arms: list[str] = []  # known once a trunk's statistics give the modules
+        self.runs = Runs()
+
+    def stop(self, signum: int, frame=None) -> None:
+        """Signal handler: the runs in flight save and stop, no new one starts, :meth:`run` raises :class:`Stopped`."""
+        n = self.runs.stop(signum)
+        self.log(f"{signal.Signals(signum).name} received: {n} run(s) in flight save a checkpoint and stop")
 
     # -- settings --------------------------------------------------------
     def check_settings(self) -> None:
@@ -271,9 +329,9 @@ class Comparison:
             f.write("$ " + " ".join(cmd) + "\n")
             f.flush()
             env = {"OMP_NUM_THREADS": "1", **os.environ, **devices(slot, self.config.nproc, self.config.jobs)}
-            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-        if proc.returncode != 0:
-            raise RuntimeError(f"training run failed (exit {proc.returncode}); see {log}")
+            status = self.runs.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+        if status != 0:
+            raise RuntimeError(f"training run failed (exit {status}); see {log}")
 
     # -- the report ------------------------------------------------------
     def report(self) -> dict:

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_snip.compat.device import has_cuda
 from megatron_snip.fileio import write_text_atomic
+from megatron_snip.training import save_helper
 
 log = logging.getLogger(__name__)
 
@@ -273,6 +274,7 @@ def _write(root: str, iteration: int, state: dict, extra: dict) -> str:
     state.update(extra)
     state["iteration"] = iteration
     state["layout"] = _layout()
+    save_helper.install()  # before the writer spawns its own helper, which a SIGTERM would kill
     try:
         dist_checkpointing.save(state, tmp)
     except _READ_ERRORS as e:  # a failed write (full disk, quota) raises on every rank, after all wrote
