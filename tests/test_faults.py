@@ -91,6 +91,25 @@ def test_sigterm_after_a_periodic_save_still_saves(tiny_data, tmp_path):
     assert tracker(ckpt) == 5 and (ckpt / "iter_0000005" / ".metadata").is_file()
 
 
+@pytest.mark.integration  # it starts the helper process
+def test_the_checkpoint_writer_helper_survives_stop_signals():
+    """The Manager process megatron-core's writer would spawn (and a stop signal would kill) is ours: SIGTERM
+    and SIGUSR1 leave it serving, and this process's signal mask is as it was (nothing left blocked)."""
+    import os
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron_snip.training import save_helper
+
+    save_helper.install()
+    queue = filesystem_async._results_queue
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        os.kill(save_helper._manager._process.pid, sig)
+    time.sleep(0.5)
+    queue.put("written")
+    assert queue.get() == "written"
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == set()
+
+
 def _kill_job(proc: subprocess.Popen) -> None:
     """SIGKILL every process of a torchrun job started in a session of its own: each worker's process group
     (torchrun gives every worker its own session; a checkpoint writer a worker forked is in it), then the agent's."""

@@ -20,6 +20,7 @@ import os
 import signal
 import threading
 import time
+from multiprocessing import resource_tracker
 from multiprocessing.managers import SyncManager
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,9 @@ def install() -> None:
     if filesystem_async._results_queue is not None:  # megatron-core made its own: leave it
         return
     # Blocked during the spawn, so a signal arriving then cannot kill the Manager before its initializer
-    # runs (the mask is inherited); this process gets the signal once unblocked.
+    # runs (the mask is inherited); this process gets the signal once unblocked. The resource tracker
+    # first: starting it unblocks SIGINT and SIGTERM in this process, undoing the block.
+    resource_tracker.ensure_running()
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         manager = SyncManager(ctx=mp.get_context("spawn"))
