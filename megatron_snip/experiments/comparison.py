@@ -144,12 +144,13 @@ def branches(config: ComparisonConfig, ablation_arms: Sequence[str] = ()) -> lis
 
 
 class Stopped(Exception):
-    """A signal stopped the comparison; the runs it interrupted saved their checkpoints."""
+    """A signal stopped the comparison; the runs it interrupted were asked to save and stop."""
 
     def __init__(self, signum: int):
         self.signum = signum
-        super().__init__(f"stopped by {signal.Signals(signum).name}: the runs in flight saved a checkpoint; "
-                         f"rerun the same command to resume")
+        # A run still starting up (no handler yet) stops without saving: it resumes from its newest checkpoint.
+        super().__init__(f"stopped by {signal.Signals(signum).name}: the runs in flight were asked to save a "
+                         f"checkpoint; rerun the same command to resume from the newest ones")
 
 
 class Runs:
@@ -205,7 +206,7 @@ class Comparison:
     def stop(self, signum: int, frame=None) -> None:
         """Signal handler: the runs in flight save and stop, no new one starts, :meth:`run` raises :class:`Stopped`."""
         n = self.runs.stop(signum)
-        self.log(f"{signal.Signals(signum).name} received: {n} run(s) in flight save a checkpoint and stop")
+        self.log(f"{signal.Signals(signum).name} received: asking {n} run(s) in flight to save a checkpoint and stop")
 
     # -- settings --------------------------------------------------------
     def check_settings(self) -> None:
