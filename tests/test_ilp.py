@@ -239,6 +239,24 @@ def test_per_stage_budget_is_enforced_per_stage():
     assert staged.stage_fp4_fraction == {0: 0.5, 1: 0.5} and staged.fp4_fraction == 0.5
 
 
+@pytest.mark.parametrize("solver", SOLVER_NAMES)
+def test_costs_far_below_the_largest_still_count(solver):
+    """SNIP's costs of a 4-layer model at iteration 4 (PP=2, per-stage budgets, time target 1):
+    they span 1e7. With no FP4 target the optimum is all BF16 at cost 0; at Gurobi's default
+    reduced-cost tolerance the three cheapest modules came out in FP4 (cost 0.0023)."""
+    nvfp4 = (1820.0, 0.774, 17.0, 5.74, 32.2, 0.0277, 0.152, 0.161,
+             1.5, 0.000811, 0.0104, 0.00746, 0.0178, 0.000162, 0.0019, 0.00129)
+    kinds = (("self_attention.linear_qkv", 1.0), ("self_attention.linear_proj", 0.5),
+             ("mlp.linear_fc1", 3.0), ("mlp.linear_fc2", 1.5))
+    mods = [LinearModule(f"decoder.layers.{i // 4}.{kinds[i % 4][0]}", i // 4, *[kinds[i % 4][1]] * 3,
+                         stage=i // 8) for i in range(16)]
+    cost = {m.name: {"bf16": 0.0, "nvfp4": c} for m, c in zip(mods, nvfp4)}
+    problem = SnipProblem(mods, ("bf16", "nvfp4"), 0.0, cost=cost, per_stage=True,
+                          speed={"bf16": 1.0, "nvfp4": 4.0}, time_target=1.0)
+    sol = solve(problem, solver)
+    assert sol.objective == 0.0 and set(sol.plan.values()) == {"bf16"}
+
+
 def test_fp4_formats_are_configurable():
     mods = [LinearModule(f"m{i}", i, 1.0, 1.0, 1.0) for i in range(2)]
     cost = {f"m{i}": {"bf16": 0.0, "fp8": 0.2, "int4": 0.5} for i in range(2)}

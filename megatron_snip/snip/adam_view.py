@@ -21,7 +21,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_snip.compat.device import current_device
 
-from .estimators import adam_preconditioner, adam_step_scale, adam_update
+from .estimators import AdamHyper, adam_sensitivity, adam_update
 
 
 @dataclass(eq=False)
@@ -63,19 +63,17 @@ class AdamSlice:
         """
         return self.group["lr"] or 1.0
 
-    def sensitivity(self) -> torch.Tensor:
-        """``P~ = c P`` on the slice (flat): d(update) / d(gradient)."""
-        return adam_step_scale(self.lr, self.group["betas"][0], self.step) * self.preconditioner()
+    @property
+    def hyper(self) -> AdamHyper:
+        return AdamHyper(self.lr, *self.group["betas"], self.group["eps"], self.step)
 
-    def preconditioner(self) -> torch.Tensor:
-        """Adam's ``P = 1 / (sqrt(v_hat) + eps)`` on the slice (flat)."""
-        return adam_preconditioner(self.state["exp_avg_sq"].view(-1), self.step, self.group["betas"][1],
-                                   self.group["eps"])
+    def sensitivity(self, grad: torch.Tensor) -> torch.Tensor:
+        """``P~ = du / dg`` on the slice (flat) at the (flat, data-parallel mean) gradient ``grad``."""
+        return adam_sensitivity(self.state["exp_avg"].view(-1), self.state["exp_avg_sq"].view(-1), grad, self.hyper)
 
     def update(self, grad: torch.Tensor) -> torch.Tensor:
         """The Adam update this slice would take for (flat) gradient ``grad``."""
-        return adam_update(self.state["exp_avg"].view(-1), grad, self.preconditioner(), self.lr,
-                           self.group["betas"][0], self.step)
+        return adam_update(self.state["exp_avg"].view(-1), self.state["exp_avg_sq"].view(-1), grad, self.hyper)
 
     def flat(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor.view(-1)[start:end]`` (tensor shaped like the parameter)."""

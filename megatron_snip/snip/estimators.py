@@ -19,9 +19,9 @@ units in ``docs/snip.md``):
 
   local part (the module's own weight gradient error eW) plus propagated part
   (the input-gradient error eX entering every lower parameter's gradient,
-  ``g_l = ||J_l P~||_F^2`` its preconditioned gain); ``P~ = c * P`` is the
-  sensitivity of Adam's update to the gradient (see :func:`adam_sensitivity`)
-  and D the number of data-parallel ranks whose gradients are averaged;
+  ``g_l = ||J_l P~||_F^2`` its preconditioned gain); ``P~ = du/dg`` is the
+  element-wise response of Adam's next update to the gradient, at the clean
+  gradient (see :func:`adam_sensitivity`) and D the number of data-parallel ranks whose gradients are averaged;
 
 * normalised: ``dL / loss`` and ``dU / ||u||^2`` (u the clean update), so both
   are dimensionless; ``cost = alpha * dL/loss + beta * dU/||u||^2``.
@@ -46,51 +46,63 @@ REFERENCE_FORMAT = "bf16"
 
 # -- Adam ------------------------------------------------------------------------------------------
 
-def adam_preconditioner(exp_avg_sq: torch.Tensor, step: float, beta2: float, eps: float) -> torch.Tensor:
-    """``P = 1 / (sqrt(v_hat) + eps)``, ``v_hat = v / (1 - beta2^step)``: Adam's per-element
-    preconditioner from its current second moment (the gradient of the coming step is left
-    out, so P does not depend on the gradient error it weighs).
+@dataclass(frozen=True)
+class AdamHyper:
+    """What Adam's next step depends on besides the state: lr, betas, eps and the steps taken (>= 1)."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    step: float
+
+    def __post_init__(self):
+        if self.step < 1:
+            raise ValueError(f"Adam has taken {self.step} steps: its second moment is empty; probe after >= 1 step")
+
+
+def _adam_moments(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor, h: AdamHyper):
+    """(A, m', s, D): the next step is ``u = A m' / D`` with ``m' = beta1 m + (1 - beta1) g``,
+    ``s = sqrt(v' / (1 - beta2^(t+1)))``, ``v' = beta2 v + (1 - beta2) g^2``, ``D = s + eps``."""
+    t = h.step + 1
+    m_next = h.beta1 * exp_avg + (1.0 - h.beta1) * grad
+    s = ((h.beta2 * exp_avg_sq + (1.0 - h.beta2) * grad * grad) / (1.0 - h.beta2**t)).sqrt()
+    return h.lr / (1.0 - h.beta1**t), m_next, s, s + h.eps
+
+
+def adam_update(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor, h: AdamHyper) -> torch.Tensor:
+    """The next step torch's Adam takes for gradient ``grad`` (weight decay left out: it does not
+    depend on the gradient), element-wise; the state's moments fold ``grad`` in first::
+
+        u = lr / (1 - beta1^(t+1)) * m' / (sqrt(v' / (1 - beta2^(t+1))) + eps)
+        m' = beta1 m + (1 - beta1) g,  v' = beta2 v + (1 - beta2) g^2
 
     Args:
-        exp_avg_sq: v, any shape, units gradient^2.
-        step: optimizer steps taken so far (>= 1).
+        exp_avg, exp_avg_sq: m and v (gradient, gradient^2); grad: g; all the same shape.
     Returns:
-        tensor of v's shape and dtype, units 1 / gradient.
+        u, units of the parameter (the result has the inputs' promoted dtype).
     """
-    if step < 1:
-        raise ValueError(f"Adam has taken {step} steps: its second moment is empty; probe after >= 1 step")
-    v_hat = exp_avg_sq / (1.0 - beta2**step)
-    return 1.0 / (v_hat.sqrt() + eps)
+    a, m_next, _, d = _adam_moments(exp_avg, exp_avg_sq, grad, h)
+    return a * m_next / d
 
 
-def adam_step_scale(lr: float, beta1: float, step: float) -> float:
-    """``c = lr * (1 - beta1) / (1 - beta1^(step+1))``: how much the next update moves per unit of
-    preconditioned gradient (the new gradient enters m with weight 1 - beta1, and m is
-    bias-corrected at step + 1). Units: parameter * gradient / gradient = parameter."""
-    return lr * (1.0 - beta1) / (1.0 - beta1 ** (step + 1))
+def adam_sensitivity(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
+                     h: AdamHyper) -> torch.Tensor:
+    """``P~ = du / dg``, element-wise, of :func:`adam_update` at ``grad``: a small gradient error
+    ``delta`` moves the next step by ``P~ * delta``. Units: parameter / gradient.
 
-
-def adam_sensitivity(exp_avg_sq: torch.Tensor, step: float, lr: float, beta1: float, beta2: float,
-                     eps: float) -> torch.Tensor:
-    """``P~ = c * P = d(update) / d(gradient)``, element-wise (v held fixed): a gradient error
-    ``delta`` moves the next Adam update by ``P~ * delta``. Units: parameter / gradient."""
-    return adam_step_scale(lr, beta1, step) * adam_preconditioner(exp_avg_sq, step, beta2, eps)
-
-
-def adam_update(exp_avg: torch.Tensor, grad: torch.Tensor, preconditioner: torch.Tensor, lr: float,
-                beta1: float, step: float) -> torch.Tensor:
-    """The next Adam update (weight decay left out: it does not depend on the gradient)::
-
-        u = lr / (1 - beta1^(step+1)) * P * (beta1 * m + (1 - beta1) * g)
-
-    Args:
-        exp_avg: m; grad: g; preconditioner: P (all the same shape; the result has their
-            promoted dtype).
-    Returns:
-        u, units of the parameter.
+    ``du/dg = A ((1 - beta1) / D - m' (1 - beta2) g / ((1 - beta2^(t+1)) s D^2))``. The second
+    term is v' answering the gradient: it makes an element that has had little or no gradient
+    before insensitive (Adam's first step on it is ``lr * sign(g)`` whatever the size of g),
+    where holding v fixed would give ``c / eps``, ~1e4x any trained element's. Embedding rows
+    of rare tokens are such elements; with v held fixed they held all but 1e-6 of a small
+    model's ``||P~||^2`` and decided the update divergence (docs/snip.md). Elements with
+    ``v' = 0`` (no gradient now or ever) get 0: no gradient error reaches them.
     """
-    m_next = beta1 * exp_avg + (1.0 - beta1) * grad
-    return lr / (1.0 - beta1 ** (step + 1)) * preconditioner * m_next
+    a, m_next, s, d = _adam_moments(exp_avg, exp_avg_sq, grad, h)
+    ds_dg = (1.0 - h.beta2) * grad / ((1.0 - h.beta2 ** (h.step + 1)) * s)
+    out = a * ((1.0 - h.beta1) / d - m_next * ds_dg / (d * d))
+    return torch.where(s > 0, out, torch.zeros_like(out))
 
 
 # -- probe read-outs -------------------------------------------------------------------------------

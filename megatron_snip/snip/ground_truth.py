@@ -6,11 +6,11 @@
   averaged over the given batches and rounding seeds, and its exact linear part
   ``<G, Y_f - Y_ref>``: the rest is what the estimator's ``dL / loss`` predicts.
 * :func:`backward_ground_truth`: only that module's dgrad and wgrad run in the
-  format (``Precision(fwd=bf16, bwd=f)``); the drift of the update an Adam
-  step would take from the optimizer's current state (preconditioner from
-  ``exp_avg_sq``, no step applied), ``||P~ (g_f - g_ref)||^2 / ||u_ref||^2``
-  over every parameter of the model, averaged likewise. Comparable with the
-  estimator's ``dU / ||u||^2``.
+  format (``Precision(fwd=bf16, bwd=f)``); the drift of the update torch's Adam
+  would take from the optimizer's current state (no step applied),
+  ``||u(g_f) - u(g_ref)||^2 / ||u(g_ref)||^2`` over every parameter of the
+  model, averaged likewise. Comparable with the estimator's ``dU / ||u||^2``,
+  its first-order model.
 
 Every rank of the job calls these together (they drive megatron's schedule, so
 they work under any TP/PP/DP layout) and every rank gets the full result.
@@ -243,11 +243,11 @@ def backward_ground_truth(
     forward_step_func: ForwardStep = forward_step,
     loss_key: str = LOSS_KEY,
 ) -> Table:
-    """Measured ``||P~ (g_f - g_ref)||^2 / ||u_ref||^2`` of running only module l's backward in f.
+    """Measured ``||u(g_f) - u(g_ref)||^2 / ||u(g_ref)||^2`` of running only module l's backward in f.
 
     g are the data-parallel-reduced gradients of the whole model (every parameter the optimizer
-    updates), ``P~`` Adam's update sensitivity and ``u_ref`` the update from the all-bf16
-    gradient, both from the optimizer's current state (see ``estimators.adam_*``).
+    updates) and ``u(g)`` the update torch's Adam would take for g from the optimizer's current
+    state (``estimators.adam_update``), so the drift is exact, not linearised.
 
     Args: as :func:`forward_ground_truth`, plus the megatron ``optimizer`` (Adam state).
     Returns:
@@ -259,7 +259,6 @@ def backward_ground_truth(
     adam = AdamView(optimizer, chunks)
     local = controller.modules()
     sums: Table = {name: dict.fromkeys(fmts, 0.0) for name, fmts in plan}
-    sensitivity = {s: s.sensitivity() for s in adam.slices.values()}
     with preserved_training_state(chunks, local) as rng:
         for module in local.values():
             module.precision = BF16
@@ -267,8 +266,8 @@ def backward_ground_truth(
             scale = runner.loss_scale
             rng.restore()
             runner.run(forward_only=False)
-            ref = {s: s.flat(s.param.main_grad).float() / scale for s in adam.slices.values()}
-            update_sq = adam.model_sum(lambda s: squared_norm(s.update(ref[s])))
+            ref = {s: s.update(s.flat(s.param.main_grad).float() / scale) for s in adam.slices.values()}
+            update_sq = adam.model_sum(lambda s: squared_norm(ref[s]))
             for name, fmts in plan:
                 for fmt in fmts:
                     for seed in seeds:
@@ -276,7 +275,7 @@ def backward_ground_truth(
                             rng.restore()
                             runner.run(forward_only=False)
                         drift = adam.model_sum(lambda s: squared_norm(
-                            sensitivity[s] * (s.flat(s.param.main_grad).float() / scale - ref[s])))
+                            s.update(s.flat(s.param.main_grad).float() / scale) - ref[s]))
                         sums[name][fmt] += drift / update_sq
     return {name: {f: v / (len(runners) * len(seeds)) for f, v in row.items()} for name, row in sums.items()}
 

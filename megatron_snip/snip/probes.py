@@ -8,12 +8,16 @@ All passes run every linear module in bf16 (the reference) and on the same
 micro-batches, with the RNG reset before each pass so dropout draws the same
 masks:
 
+0. **gradient pass** (forward + backward): the clean, data-parallel-reduced
+   gradient g, which gives Adam's response ``P~ = du/dg`` at g (Adam's second
+   moment folds g^2 in, so the response depends on g: ``estimators.adam_sensitivity``)
+   and the clean Adam update ``||u||^2``;
 1. **clean pass** (forward + backward): per module ``||X||^2, ||W||^2,
    ||Y||^2, ||dY||^2`` and, per candidate format f, the exact errors
    ``||E_f||^2, ||eX_f||^2, ||P~ * eW_f||^2``: the quantized GEMMs are
    re-run on the captured X, W, dY through
    :func:`megatron_snip.precision.linear.quantized_linear` (the layers' own
-   code); plus the clean Adam update ``||u||^2`` from the reduced gradients;
+   code);
 2. **Hutchinson passes** (K forward + backward): Rademacher noise
    ``+sigma_l Z_l`` at every module output at once; ``<Z_l, G(+) - G(0)>``, with
    ``<Z_l, G(0)>`` read in the clean pass's backward, gives ``tr(H_l)`` for every module;
@@ -192,6 +196,7 @@ class _Probe:
     formats: list[str]
     unsupported: dict[str, str]
     adam: AdamSlice | None
+    sensitivity: torch.Tensor | None = None  # Adam's du/dg on the weight's slice at the clean gradient
     states: dict[str, QuantState] = field(default_factory=dict)
     sums: dict[str, torch.Tensor] = field(default_factory=dict)
     next_microbatch: MicrobatchCounter = field(default_factory=MicrobatchCounter)
@@ -235,7 +240,6 @@ class _Probe:
         x = x.detach().reshape(-1, x.shape[-1]).float()
         dy = dy.detach().reshape(-1, dy.shape[-1]).float() / loss_scale
         y_ref, dx_ref, dw_ref = x @ w.t(), dy @ w, dy.t() @ x
-        sensitivity = None if self.adam is None else self.adam.sensitivity()
         for fmt in self.formats:
             y, dx, dw = self.quantized_gemms(fmt, x, w, dy)
             e_out, e_in = y - y_ref, dx - dx_ref
@@ -247,8 +251,8 @@ class _Probe:
             self.add(f"{fmt}.output_sq", self.layout.gemm_y_weight * squared_norm(e_out))
             self.add(f"{fmt}.first_order", self.layout.gemm_y_weight * (e_out * dy).sum(dtype=torch.float64))
             self.add(f"{fmt}.input_grad_sq", self.layout.gemm_x_weight * squared_norm(e_in))
-            if sensitivity is not None:
-                self.add(f"{fmt}.update_sq", squared_norm(sensitivity * self.adam.flat(dw - dw_ref)))
+            if self.sensitivity is not None:
+                self.add(f"{fmt}.update_sq", squared_norm(self.sensitivity * self.adam.flat(dw - dw_ref)))
 
 
 # Fields of a module's statistics that are sums of squares over the module's weight update
@@ -344,11 +348,17 @@ def run_probe_cycle(
         for module in modules.values():
             module.precision = BF16
         loss_scale = runner.loss_scale
+        # Adam's response to a gradient error depends on the gradient itself (its second moment
+        # folds g^2 in): one plain pass gives the clean, data-parallel-reduced gradient first.
+        rng.restore()
+        runner.run(forward_only=False)
+        sensitivity, update_sq = _clean_adam_response(adam, loss_scale)
+        for p in probes:
+            p.sensitivity = sensitivity.get(p.adam)
         rng.restore()
         curvature_keys = [noise_key(config.seed, "output", k) for k in range(config.hutchinson_probes)]
         clean_inputs: dict[tuple[str, int], torch.Tensor] = {}
         loss = _clean_pass(runner, probes, loss_scale, curvature_keys, clean_inputs)
-        update_sq = adam.model_sum(lambda s: squared_norm(s.update(s.flat(s.param.main_grad) / loss_scale)))
         clean_keys = ["input_numel", "output_numel", "input_sq", "weight_sq", "output_sq", "output_grad_sq",
                       *[f"{f}.{k}" for f in config.formats
                         for k in ("output_sq", "first_order", "input_grad_sq", "update_sq")]]
@@ -356,8 +366,8 @@ def run_probe_cycle(
         for p in probes:
             rms = math.sqrt(clean[p.name]["output_sq"] / clean[p.name]["output_numel"])
             p.sigma = config.output_noise * (rms if rms > 0 else 1.0)
-        param_sigma = _param_sigma(adam, config)
-        _perturbation_passes(runner, probes, rng, adam, param_sigma, config, clean_inputs)
+        param_sigma = _param_sigma(adam, sensitivity, config)
+        _perturbation_passes(runner, probes, rng, sensitivity, param_sigma, config, clean_inputs)
         clean_inputs.clear()  # before the Hutchinson passes need activation memory
         for k, key in enumerate(curvature_keys):
             _hutchinson_pass(runner, probes, rng, key, k, loss_scale)
@@ -454,7 +464,15 @@ def _hutchinson_pass(runner: PassRunner, probes: list[_Probe], rng: RngStates, k
         runner.run(forward_only=False)
 
 
-def _param_sigma(adam: AdamView, config: ProbeConfig) -> float:
+def _clean_adam_response(adam: AdamView, loss_scale: float) -> tuple[dict[AdamSlice, torch.Tensor], float]:
+    """After a plain forward-backward pass: every slice's ``P~ = du/dg`` at the clean gradient, and
+    ``||u||^2`` of the clean update over the whole model (the normaliser of the update divergence)."""
+    grads = {s: s.flat(s.param.main_grad).float() / loss_scale for s in adam.slices.values()}
+    update_sq = adam.model_sum(lambda s: squared_norm(s.update(grads[s])))
+    return {s: s.sensitivity(g) for s, g in grads.items()}, update_sq
+
+
+def _param_sigma(adam: AdamView, sensitivity: dict[AdamSlice, torch.Tensor], config: ProbeConfig) -> float:
     """The perturbation scale sigma with ``||sigma P~ w|| = rel * ||theta||`` over the whole model
     (Rademacher w: ``||P~ w|| = ||P~||`` exactly)."""
     rel = config.param_noise
@@ -462,17 +480,17 @@ def _param_sigma(adam: AdamView, config: ProbeConfig) -> float:
         dtypes = {s.param.dtype for s in adam.slices.values()}
         rel = 1e-3 if dtypes <= {torch.float32, torch.float64} else 3e-2
     theta_sq = adam.model_sum(lambda s: squared_norm(s.flat(s.param.detach())))
-    sens_sq = adam.model_sum(lambda s: squared_norm(s.sensitivity()))
+    sens_sq = adam.model_sum(lambda s: squared_norm(sensitivity[s]))
     return rel * math.sqrt(theta_sq / sens_sq)
 
 
-def _perturbation_passes(runner: PassRunner, probes: list[_Probe], rng: RngStates, adam: AdamView, sigma: float,
-                         config: ProbeConfig, clean_inputs: dict[tuple[str, int], torch.Tensor]) -> None:
+def _perturbation_passes(runner: PassRunner, probes: list[_Probe], rng: RngStates,
+                         sensitivity: dict[AdamSlice, torch.Tensor], sigma: float, config: ProbeConfig,
+                         clean_inputs: dict[tuple[str, int], torch.Tensor]) -> None:
     """For each draw k, a forward pass with every parameter at ``theta + sigma P~ w_k``;
     accumulates every module's ``||X(+) - X(0)||^2`` as ``gain.k``, X(0) from the clean pass.
     The parameters are restored bit for bit."""
-    saved = {s: s.flat(s.param.detach()).clone() for s in adam.slices.values()}
-    sensitivity = {s: s.sensitivity() for s in saved}
+    saved = {s: s.flat(s.param.detach()).clone() for s in sensitivity}
 
     def compare(p: _Probe, x: torch.Tensor, out, k: int):
         x_clean = clean_inputs[p.name, p.next_microbatch()]

@@ -46,6 +46,11 @@ GUROBI_SIZE_LIMIT = 2000
 # meaningful whatever unit the divergences have.
 FEASIBILITY_TOL = 1e-9
 MIP_ABS_GAP = 1e-9
+# The reduced-cost tolerance of the LP relaxations (Gurobi's OptimalityTol, HiGHS's dual
+# feasibility tolerance). At Gurobi's default, 1e-6, a module whose cost is below a millionth of
+# the largest counted as free: with a zero FP4 target it could come out in FP4 at a positive
+# cost where all-BF16 costs 0 (seen with SNIP costs spanning 1e8 early in training).
+OPTIMALITY_TOL = 1e-9
 
 
 class SolverError(RuntimeError):
@@ -204,6 +209,7 @@ def _solve_gurobi(gp, model: MatrixModel, time_limit: float | None, mip_gap: flo
             m.Params.MIPGapAbs = MIP_ABS_GAP
             m.Params.FeasibilityTol = FEASIBILITY_TOL
             m.Params.IntFeasTol = FEASIBILITY_TOL
+            m.Params.OptimalityTol = OPTIMALITY_TOL
             if time_limit is not None:
                 m.Params.TimeLimit = time_limit
             x = m.addMVar(model.n_vars, vtype=GRB.BINARY, obj=model.cost)
@@ -231,6 +237,7 @@ def _solve_highs(model: MatrixModel, time_limit: float | None, mip_gap: float):
         "mip_abs_gap": MIP_ABS_GAP,
         "mip_feasibility_tolerance": FEASIBILITY_TOL,
         "primal_feasibility_tolerance": FEASIBILITY_TOL,
+        "dual_feasibility_tolerance": OPTIMALITY_TOL,
         "time_limit": math.inf if time_limit is None else float(time_limit),
     }
     for name, value in options.items():
