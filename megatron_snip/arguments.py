@@ -204,7 +204,8 @@ def _snip(p: argparse.ArgumentParser) -> None:
     g.add_argument("--snip-loss-weight", type=float, default=1.0, help="Weight of the loss divergence (alpha).")
     g.add_argument("--snip-update-weight", type=float, default=1.0,
                    help="Weight of the update divergence (beta; 1 as in the paper). 0 plans by the loss divergence "
-                        "alone, which trained as well or better in every CPU-scale comparison (docs/quality.md).")
+                        "alone, which trained better at 90%% FP4 and worse at 50%% in the CPU-scale comparisons "
+                        "(docs/quality.md).")
     g.add_argument("--snip-switch-penalty", type=float, default=0.0,
                    help="Objective penalty per module whose precision changes from the current plan.")
     g.add_argument("--snip-probe-passes", type=int, default=3,

@@ -105,8 +105,8 @@ def _min_error(relative: bool) -> PolicyMaker:
 
 
 def _snip_loss_term(problem, stats, seed, solver):
-    """SNIP's ILP with the loss divergence alone (``--snip-update-weight 0``): the per-module training
-    ablations rank modules by it better than by the update term (docs/quality.md)."""
+    """SNIP's ILP with the loss divergence alone (``--snip-update-weight 0``): it orders the module types
+    as the training ablations do, the update term the layers (docs/quality.md)."""
     loss_only = cost_tables(stats, 1.0, 0.0, formats=problem.formats)
     if problem.split:
         return solve(replace(problem, fwd_cost=loss_only.forward, bwd_cost=loss_only.backward), solver=solver).plan
