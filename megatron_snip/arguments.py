@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 
 from megatron_snip.compat.device import has_cuda
@@ -585,6 +586,13 @@ def _validate_snip(args: argparse.Namespace) -> None:
     _require(any(f in FP4_NAMES for f in args.snip_formats) or args.snip_fp4_target == 0,
              "--snip-formats has no FP4 format (nvfp4 or mxfp4) but --snip-fp4-target is above 0")
     _require(args.snip_probe_passes >= 1, "--snip-probe-passes must be >= 1")
+    for flag in ("snip_loss_weight", "snip_update_weight", "snip_switch_penalty"):
+        value = getattr(args, flag)
+        _require(math.isfinite(value) and value >= 0,
+                 f"--{flag.replace('_', '-')} {value} must be a finite number >= 0 (a weight of the ILP's objective)")
+    _require(args.snip_loss_weight > 0 or args.snip_update_weight > 0,
+             "--snip-loss-weight and --snip-update-weight are both 0: the ILP would have nothing to minimise; "
+             "keep one of them above 0 (defaults 1, 1)")
     _require(args.transformer_impl == "local", "--snip needs --transformer-impl local")
 
 

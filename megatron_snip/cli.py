@@ -10,6 +10,7 @@ from megatron.core import parallel_state
 
 from megatron_snip.arguments import ArgumentError, parse_config
 from megatron_snip.compat.device import setup_device
+from megatron_snip.compat.launch import default_to_one_process
 from megatron_snip.training import checkpointing
 from megatron_snip.training.safety import NonFiniteError
 from megatron_snip.training.trainer import Trainer, build_trainer, pretrain
@@ -25,6 +26,7 @@ def _error(e: Exception) -> None:
 def trainer_from_command_line(argv: list[str] | None = None) -> Trainer:
     """For tools and test drivers that take ``pretrain_llama.py``'s flags and drive the trainer themselves.
     Raises ArgumentError on bad flags."""
+    default_to_one_process()
     config = parse_config(argv)
     setup_device()
     return build_trainer(config)
@@ -32,6 +34,7 @@ def trainer_from_command_line(argv: list[str] | None = None) -> Trainer:
 
 def main(argv: list[str] | None = None, on_build: Callable[[Trainer], None] | None = None) -> int:
     """Exit status: 0 done, 2 bad flags, 1 a checkpoint or numerical failure (every rank says which)."""
+    default_to_one_process()  # started by hand, without torchrun/srun: a world of one
     try:
         config = parse_config(argv)
     except ArgumentError as e:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -50,6 +51,12 @@ def test_preset_fills_shape_and_flags_override(tiny_data):
     (("--virtual-pipeline-model-parallel-size", "2"), 1, "virtual pipeline stages need --pipeline-model-parallel-size > 1"),
     (("--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"), 2,
      "--num-layers 4 is not divisible by --pipeline-model-parallel-size 2 x --num-layers-per-virtual-pipeline-stage 3"),
+    (("--snip", "--snip-interval", "2", "--snip-update-weight", "-1"), 1,
+     "--snip-update-weight -1.0 must be a finite number >= 0"),
+    (("--snip", "--snip-interval", "2", "--snip-switch-penalty", "nan"), 1,
+     "--snip-switch-penalty nan must be a finite number >= 0"),
+    (("--snip", "--snip-interval", "2", "--snip-loss-weight", "0", "--snip-update-weight", "0"), 1,
+     "--snip-loss-weight and --snip-update-weight are both 0"),
 ])
 def test_inconsistent_flags(tiny_data, extra, world, flag):
     with pytest.raises(ArgumentError, match=flag.replace("-", r"\-")):
@@ -136,6 +143,20 @@ def test_cli_reports_error_and_exit_code(tiny_data):
                           capture_output=True, text=True, env={"WORLD_SIZE": "2", "PATH": ""}, cwd=ROOT)
     assert proc.returncode == 2
     assert "error: --num-layers 3 is not divisible by --pipeline-model-parallel-size 2" in proc.stderr
+
+
+@pytest.mark.integration
+def test_started_without_a_launcher_it_trains_as_one_process(tiny_data, tmp_path):
+    """``python pretrain_llama.py`` with no torchrun/srun environment is a world of one (torch's env://
+    rendezvous would stop it with a traceback asking for RANK)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, str(ROOT / "pretrain_llama.py"),
+                           *train_args(tiny_data, "--save", str(tmp_path / "ckpt"), iters=2)],
+                          capture_output=True, text=True, env={**env, "OMP_NUM_THREADS": "1"}, cwd=ROOT,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
 
 
 def test_nvfp4_switches_reach_the_recipe_and_its_quantizers(tiny_data):

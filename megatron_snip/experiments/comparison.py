@@ -39,6 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from megatron_snip.compat.launch import free_port
 from megatron_snip.experiments.ablation import KINDS, ablation_plans, predictions
 from megatron_snip.fileio import write_text_atomic
 from megatron_snip.snip.ilp import InfeasibleBudgetError, evaluate_plan
@@ -324,7 +325,7 @@ class Comparison:
     def _train(self, where: Path, args: list[str], log: Path, slot: int = 0) -> None:
         where.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(self.config.nproc),
-               "--master-port", str(_free_port()), str(Path(__file__).resolve().parents[2] / "pretrain_llama.py"),
+               "--master-port", str(free_port()), str(Path(__file__).resolve().parents[2] / "pretrain_llama.py"),
                *args]
         with open(log, "a") as f:
             f.write("$ " + " ".join(cmd) + "\n")
@@ -437,14 +438,6 @@ def _settings(config: ComparisonConfig) -> dict:
     d = asdict(config)
     d["budgets"] = [b.tag for b in config.budgets]
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items() if k != "out"}
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def parse_budgets(fp4_targets: Sequence[float], time_targets: Sequence[float]) -> tuple[Budget, ...]:

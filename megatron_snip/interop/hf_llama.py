@@ -17,7 +17,6 @@ import itertools
 import json
 import os
 import shutil
-import socket
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -25,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm import tqdm
 
+from megatron_snip.compat.launch import default_to_one_process, free_port
 from megatron_snip.fileio import write_text_atomic
 from megatron_snip.interop import hf_files
 from megatron_snip.interop.convert import (
@@ -71,12 +71,6 @@ def checkpoint_args(config: HFLlamaConfig, divisible_by: int, dtype: torch.dtype
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def single_process(saved: dict):
     """A one-process gloo group and the configuration of a TP=1 PP=1 model of shape ``saved`` (a
@@ -90,9 +84,7 @@ def single_process(saved: dict):
 
     config = checkpoint_config(saved, bf16=bool(saved.get("bf16")),
                                tokenizer=(saved.get("tokenizer_type"), saved.get("tokenizer_model")))
-    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
-                       "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
-        os.environ.setdefault(key, value)
+    default_to_one_process()
     setup_device()
     initialize_distributed(config.parallel, config.training.seed)
     try:
@@ -318,7 +310,7 @@ def export_hf(load_dir: str, save_dir: str, dtype: str = "auto", max_shard_bytes
         from megatron_snip.interop import dist_masters
 
         weights_dir = os.path.join(tmp, "fp32_masters")  # removed before the directory is published
-        dist_masters.launch(load_dir, weights_dir, saved, _free_port())
+        dist_masters.launch(load_dir, weights_dir, saved, free_port())
     # With fp32 masters in the checkpoint, the model is built in fp32 to receive them.
     with single_process({**saved, "bf16": saved.get("bf16") and not masters}) as run:
         model = _build(run)
