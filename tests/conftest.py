@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -20,6 +19,8 @@ if not torch.cuda.is_available():
     # interpreter. Triton reads this when it is imported (megatron-core imports it) and when
     # a kernel launches, so it is set before anything else; nothing else launches kernels on CPU.
     os.environ["TRITON_INTERPRET"] = "1"
+
+from megatron_snip.compat.launch import free_port  # noqa: E402 (after TRITON_INTERPRET; tests import it from here)
 
 
 def pytest_configure(config):
@@ -68,12 +69,6 @@ def tiny_data(tmp_path_factory) -> TinyData:
     summary = preprocess(PreprocessConfig(input=corpus, output_prefix=str(d / "data"),
                                           tokenizer_model=str(d / "tok.model"), append_eod=True, progress=False))
     return TinyData(summary.prefixes["text"], str(d / "tok.model"), corpus)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # A small Llama that runs a step in well under a second on 2 cores at any layout.

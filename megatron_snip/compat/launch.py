@@ -18,12 +18,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def default_to_one_process() -> bool:
-    """Fill in a one-process rendezvous where no launcher set one; True if it did. A variable a
-    launcher set is never overwritten, so a torchrun or SLURM job is unaffected."""
+def default_to_one_process() -> None:
+    """Fill in a one-process rendezvous where no launcher set one. A variable a launcher set is
+    never overwritten, so a torchrun or SLURM job is unaffected."""
     if "RANK" in os.environ or "WORLD_SIZE" in os.environ:
-        return False
+        return
     for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
                        "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
         os.environ.setdefault(key, value)
-    return True
