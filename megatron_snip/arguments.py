@@ -593,7 +593,32 @@ def _validate_snip(args: argparse.Namespace) -> None:
     _require(args.snip_loss_weight > 0 or args.snip_update_weight > 0,
              "--snip-loss-weight and --snip-update-weight are both 0: the ILP would have nothing to minimise; "
              "keep one of them above 0 (defaults 1, 1)")
-    _require(args.transformer_impl == "local", "--snip needs --transformer-impl local")
+    if args.transformer_impl == "transformer_engine":
+        _te_snip_candidates(args)
+
+
+def _te_snip_candidates(args: argparse.Namespace) -> None:
+    """SNIP on the te backend: candidates no TE recipe can run are dropped from the ILP, and forward
+    and backward are planned together (one TE recipe covers a module's three GEMMs), each with a
+    notice for the start-up log (``args.precision_notes``)."""
+    from megatron_snip.precision.recipes import RecipeConfig
+    from megatron_snip.precision.te_layers import te_runnable
+
+    import torch
+
+    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    kept, dropped = te_runnable(args.snip_formats, RecipeConfig(fp8_recipe=args.fp8_recipe, fp8_format=args.fp8_format),
+                                capability)
+    for fmt, why in dropped.items():
+        args.precision_notes.append(f"SNIP candidate {fmt} dropped on --transformer-impl transformer_engine ({why})")
+    args.snip_formats = kept
+    _require(any(f in FP4_NAMES for f in kept) or args.snip_fp4_target == 0,
+             f"--snip-fp4-target {args.snip_fp4_target} needs an FP4 candidate, but Transformer Engine runs none of "
+             f"--snip-formats {' '.join(dropped)}: use --fp4-recipe nvfp4 (or --transformer-impl local for mxfp4)")
+    if args.snip_split_passes:
+        args.snip_split_passes = False
+        args.precision_notes.append("--snip-split-passes ignored on --transformer-impl transformer_engine (one TE "
+                                    "recipe covers a module's forward and backward GEMMs): SNIP plans them together")
 
 
 def _resumed_state(args: argparse.Namespace) -> dict | None:

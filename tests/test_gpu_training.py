@@ -5,6 +5,7 @@ them on a lent GPU); the softmax case runs everywhere."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import pytest
@@ -78,3 +79,26 @@ def test_attention_softmax_runs_without_the_fused_kernels(tiny_data, monkeypatch
     if not llama.fused_softmax_available():  # what the config avoids
         with pytest.raises(ModuleNotFoundError):
             softmax(True)(scores, mask)
+
+
+@pytest.mark.integration
+@needs_cuda
+@pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None, reason="needs Transformer Engine")
+def test_one_gpu_snip_drives_transformer_engine(tiny_data, tmp_path):
+    """SNIP on the te backend: TE's per-module recipes from its plans, re-planned without a restart.
+    Below Blackwell TE has no NVFP4 GEMMs: SNIP plans FP8 against a time budget instead."""
+    blackwell = torch.cuda.get_device_capability() >= (10, 0)
+    budget = ("--snip-fp4-target", "0.5") if blackwell else ("--snip-time-target", "0.7")
+    proc = torchrun(1, train_args(tiny_data, "--bf16", "--transformer-impl", "transformer_engine", "--snip", *budget,
+                                  "--snip-interval", "3", "--snip-probe-passes", "1", "--lr-decay-style", "constant",
+                                  "--tensorboard-dir", str(tmp_path / "tb"), iters=6))
+    log = proc.stdout + proc.stderr
+    assert "precision backend te: Transformer Engine" in log
+    assert sorted(scalars(tmp_path / "tb", "snip/fp4 flops fraction")) == [3, 6]
+    if blackwell:
+        assert scalars(tmp_path / "tb", FP4)[4] >= 0.5 - 1e-9
+    else:
+        assert "SNIP candidate nvfp4 dropped" in log
+        assert scalars(tmp_path / "tb", "snip/estimated gemm time vs bf16")[3] <= 0.7 + 1e-9
+    losses = scalars(tmp_path / "tb", LOSS)
+    assert all(math.isfinite(v) for v in losses.values()) and losses[6] < losses[1]

@@ -70,13 +70,64 @@ def _start(rank, world, port):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 
 
+def _fused_norm_layer_spec():
+    """The local layer spec laid out like megatron-core's Transformer Engine spec: no separate norms,
+    linear_qkv and linear_fc1 fuse the norm before their GEMM (TE's LayerNormLinear), every linear
+    carries ``te_quant_params``, so the controller drives it through the te backend's adapter and the
+    probes measure it as they measure TE's modules. Transformer Engine cannot be installed here; these
+    are megatron-core's own local linears, and they ignore ``te_quant_params`` (the probes run all
+    modules in bf16)."""
+    import dataclasses
+
+    import torch.nn.functional as F
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    from megatron_snip.model import llama
+
+    class _TEInterface:
+        def _te_interface(self, mode):
+            self.te_quant_params = None
+            self.parallel_mode = mode
+            self._tp_group = self.tp_group
+
+    class FusedNormColumnParallelLinear(ColumnParallelLinear, _TEInterface):
+        def __init__(self, input_size, output_size, *, config, **kwargs):
+            super().__init__(input_size, output_size, config=config, **kwargs)
+            self._te_interface("column")
+            self.layer_norm_weight = torch.nn.Parameter(torch.ones(input_size, dtype=config.params_dtype))
+            self.layer_norm_weight.sequence_parallel = config.sequence_parallel
+
+        def forward(self, x):
+            # torch's own RMSNorm, independent of the adapter's fused_norm_output
+            normed = F.rms_norm(x, x.shape[-1:], self.layer_norm_weight, self.config.layernorm_epsilon)
+            return super().forward(normed)
+
+    class TERowInterfaceLinear(RowParallelLinear, _TEInterface):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._te_interface("row")
+
+    base = llama.layer_spec("local").submodules
+    attention, mlp = base.self_attention, base.mlp
+    submodules = dataclasses.replace(
+        base, input_layernorm=IdentityOp, pre_mlp_layernorm=IdentityOp,
+        self_attention=dataclasses.replace(attention, submodules=dataclasses.replace(
+            attention.submodules, linear_qkv=FusedNormColumnParallelLinear, linear_proj=TERowInterfaceLinear)),
+        mlp=dataclasses.replace(mlp, submodules=dataclasses.replace(
+            mlp.submodules, linear_fc1=FusedNormColumnParallelLinear, linear_fc2=TERowInterfaceLinear)))
+    return dataclasses.replace(llama.layer_spec("local"), submodules=submodules)
+
+
 def _build(distributed_optimizer=False, stochastic_rounding=True, sequence_parallel=False, vpp=None,
-           recompute=False, overlap=False):
+           recompute=False, overlap=False, fused_norm=False):
     """A 4-layer hidden-64 Llama in the current parallel layout, built, wrapped in megatron DDP and given Adam
-    by the trainer's own builders (with ``vpp``, one chunk per virtual pipeline stage)."""
+    by the trainer's own builders (with ``vpp``, one chunk per virtual pipeline stage; ``fused_norm``: with
+    :func:`_fused_norm_layer_spec`)."""
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
+    from megatron_snip.model import llama
     from megatron_snip.model.llama import build_model, transformer_config
     from megatron_snip.precision.controller import PrecisionController
     from megatron_snip.precision.recipes import RecipeConfig
@@ -99,6 +150,10 @@ def _build(distributed_optimizer=False, stochastic_rounding=True, sequence_paral
     torch.manual_seed(123)
     tensor_parallel.model_parallel_cuda_manual_seed(123)
     config = transformer_config(run.model, run.parallel)
+    if fused_norm and not hasattr(llama.layer_spec, "fused_norm"):  # this worker process only
+        spec = _fused_norm_layer_spec()
+        llama.layer_spec = lambda impl: spec
+        llama.layer_spec.fused_norm = True
     chunks = wrap_ddp(run.parallel, config, build_model(run.model, run.parallel, config, VOCAB))
     optimizer = build_optimizer(run.training, run.model, run.parallel, chunks)
     controller = PrecisionController(chunks, seed=1)
@@ -317,6 +372,11 @@ LAYOUTS = {
     "pp2vpp2": (dict(pp=2, vpp=2), {}),
     "distributed_optimizer": ({}, dict(distributed_optimizer=True)),
     "distributed_optimizer_overlap": ({}, dict(distributed_optimizer=True, overlap=True)),
+    # The te backend's measurement path: modules seen through its adapter, the GEMM's input after a
+    # fused norm (last: the fused spec stays in the worker once built).
+    "te_layout_tp1": ({}, dict(fused_norm=True)),
+    "te_layout_tp2sp": (dict(tp=2), dict(fused_norm=True, sequence_parallel=True)),
+    "te_layout_pp2vpp2": (dict(pp=2, vpp=2), dict(fused_norm=True)),
 }
 
 
@@ -339,6 +399,7 @@ def parallel_worker(rank, world, port, out_dir):
         _layout(**layout)
         chunks, optimizer, controller = _build(stochastic_rounding=False, vpp=layout.get("vpp"), **build)
         results[f"{name}.sequence_parallel"] = {m.sequence_parallel for m in controller.modules().values()}
+        results[f"{name}.interface"] = {type(m).__name__ for m in controller.modules().values()}
         _load(chunks, optimizer, reference)
         results[name] = _probe(chunks, optimizer, controller, batches[0], hutchinson_probes=1,
                                perturbation_probes=1).to_dict()
@@ -405,6 +466,12 @@ def test_statistics_do_not_depend_on_the_parallel_layout(parallel, layout):
         assert value <= TOLERANCE.get(key, 1e-5), (key, value)
     # tp2sp: the linears' inputs (column-parallel) and outputs (row-parallel) are sequence slices
     assert parallel[f"{layout}.sequence_parallel"] == {LAYOUTS[layout][1].get("sequence_parallel", False)}
+    if LAYOUTS[layout][1].get("fused_norm"):  # measured through the te backend's adapter, which has no MXFP4
+        assert parallel[f"{layout}.interface"] == {"TELinearPrecision"}
+        for m in parallel[layout]["modules"].values():
+            assert "no MXFP4 recipe" in m["unsupported"]["mxfp4"]
+    else:
+        assert parallel[f"{layout}.interface"] <= {"QuantizedColumnParallelLinear", "QuantizedRowParallelLinear"}
     if sharded:
         gains = {n: (parallel[layout]["modules"][n]["gain"], m["gain"]) for n, m in parallel["tp1"]["modules"].items()}
         print("gain (one draw, shard-wise perturbation) vs TP=1: largest relative difference "

@@ -52,12 +52,16 @@ def test_what_te_cannot_run_is_refused(precision, recipe, message):
 
 
 class _TELinearStandIn(torch.nn.Module):
-    """The two attributes of megatron-core's TE linears the adapter touches (TE is not installable here)."""
+    """The attributes of megatron-core's TE linears the adapter touches (TE is not installable here;
+    tests/test_snip_probes.py measures a whole model through the adapter)."""
 
-    def __init__(self):
+    def __init__(self, parallel_mode="column"):
         super().__init__()
         self.config = object()
         self.te_quant_params = "left over"
+        self.parallel_mode = parallel_mode
+        self._tp_group = None
+        self.weight = torch.nn.Parameter(torch.randn(8, 16))
 
 
 def test_adapter_switches_the_module_recipe_and_names_the_module_on_errors():
@@ -102,3 +106,65 @@ def test_nvfp4_switches_become_transformer_engine_environment(monkeypatch):
         import os
 
         assert {v: os.environ[v] for v in te_nvfp4_environment(off)} == te_nvfp4_environment(off)
+
+
+def test_adapter_shows_the_probes_the_gemm_operands():
+    column, row = TELinearPrecision(_TELinearStandIn("column")), TELinearPrecision(_TELinearStandIn("row"))
+    assert column.sharded_operands == {"w", "dy"} and not column.row_parallel
+    assert row.sharded_operands == {"x", "w"} and row.row_parallel
+    assert column.forward_module is column.module and column.weight is column.module.weight
+    x = torch.randn(3, 2, 16)
+    assert column.gemm_input(x) is x  # no fused norm: the forward's input is the GEMM's
+
+
+@pytest.mark.parametrize("normalization", ["RMSNorm", "LayerNorm"])
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_fused_norm_output_is_the_norm_the_local_spec_runs(normalization, zero_centered):
+    """The GEMM input of TE's LayerNormLinear, as the probes compute it, equals torch's norm (the local
+    spec's) with TE's zero-centered gamma (weight + 1)."""
+    from megatron_snip.precision.te_layers import fused_norm_output
+
+    g = torch.Generator().manual_seed(0)
+    x, weight, bias = torch.randn(5, 2, 32, generator=g), torch.randn(32, generator=g), torch.randn(32, generator=g)
+    norm = {"RMSNorm": torch.nn.RMSNorm(32, eps=1e-5), "LayerNorm": torch.nn.LayerNorm(32, eps=1e-5)}[normalization]
+    with torch.no_grad():
+        norm.weight.copy_(weight + 1 if zero_centered else weight)
+        if normalization == "LayerNorm":
+            norm.bias.copy_(bias)
+        expected = norm(x)
+    got = fused_norm_output(x, weight, bias if normalization == "LayerNorm" else None, normalization=normalization,
+                            eps=1e-5, zero_centered_gamma=zero_centered)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    assert fused_norm_output(x.bfloat16(), weight, None, normalization="RMSNorm", eps=1e-5,
+                             zero_centered_gamma=False).dtype == torch.bfloat16
+
+
+def test_snip_on_the_te_backend_drops_what_te_cannot_run(tiny_data):
+    argv = train_args(tiny_data, "--transformer-impl", "transformer_engine", "--snip", "--snip-interval", "5",
+                      "--snip-formats", "bf16", "fp8", "nvfp4", "mxfp4", "--snip-split-passes")
+    config = parse_config(argv, world_size=1, cuda=True)
+    assert config.snip.snip_formats == ("bf16", "fp8", "nvfp4") and not config.snip.snip_split_passes
+    notes = " | ".join(config.precision.precision_notes)
+    assert "SNIP candidate mxfp4 dropped on --transformer-impl transformer_engine" in notes
+    assert "--snip-split-passes ignored" in notes
+
+
+def test_snip_on_the_te_backend_needs_an_fp4_format_te_runs(tiny_data):
+    argv = train_args(tiny_data, "--transformer-impl", "transformer_engine", "--snip", "--snip-interval", "5",
+                      "--fp4-recipe", "mxfp4")
+    with pytest.raises(ArgumentError, match="Transformer Engine runs none of --snip-formats mxfp4: use --fp4-recipe nvfp4"):
+        parse_config(argv, world_size=1, cuda=True)
+
+
+def test_snip_on_the_te_backend_without_a_gpu_says_what_it_needs(tiny_data):
+    argv = train_args(tiny_data, "--transformer-impl", "transformer_engine", "--snip", "--snip-interval", "5")
+    with pytest.raises(ArgumentError, match="--transformer-impl transformer_engine needs a GPU with Transformer Engine"):
+        parse_config(argv, world_size=1, cuda=False)
+
+
+def test_te_nvfp4_is_dropped_below_blackwell():
+    from megatron_snip.precision.te_layers import te_runnable
+
+    assert te_runnable(["bf16", "fp8", "nvfp4"], RecipeConfig(), (10, 0)) == (["bf16", "fp8", "nvfp4"], {})
+    kept, dropped = te_runnable(["bf16", "fp8", "nvfp4"], RecipeConfig(), (9, 0))
+    assert kept == ["bf16", "fp8"] and "compute capability 10.0 (Blackwell); this GPU has 9.0" in dropped["nvfp4"]

@@ -51,10 +51,23 @@ from megatron_snip.precision.recipes import BF16, Precision, RecipeConfig, misal
 
 class PlanLinear(abc.ABC):
     """The interface through which ``PrecisionController`` drives a linear module of a plan,
-    whatever runs its GEMMs: a precision validated on assignment and the recipe realising it.
+    whatever runs its GEMMs: a precision validated on assignment and the recipe realising it;
+    and what SNIP's probes read of it, the same for every backend (the probes run this
+    package's quantizers on the operands they see here, so measurement does not depend on
+    who executes the GEMMs).
 
-    Subclasses set ``_precision``, ``recipe``, ``quant_state`` and ``module_name``.
+    Subclasses set ``_precision``, ``recipe``, ``quant_state`` and ``module_name``, and provide:
+        forward_module: the ``torch.nn.Module`` whose forward runs the GEMMs; a forward hook on
+            it sees (input, (output, bias)), with the output's autograd gradient dY.
+        weight: this rank's shard of W, [out / tp, in] (column-parallel) or [out, in / tp] (row).
+        tp_group: the module's tensor-parallel group.
+        sharded_operands: the GEMM operands split over TP ranks: {"w", "dy"} column-parallel,
+            {"x", "w"} row-parallel (empty at TP=1 is decided by the callers from the group size).
+        sequence_parallel: the forward's input (column-parallel) or output (row-parallel) is this
+            rank's slice of the sequence (only ever true at TP > 1).
     """
+
+    sharded_operands: frozenset[str] = frozenset()
 
     @property
     def precision(self) -> Precision:
@@ -80,6 +93,46 @@ class PlanLinear(abc.ABC):
     def _use(self, precision: Precision, recipe: RecipeConfig) -> None:
         """Hand a checked (precision, recipe) to whatever runs the GEMMs, before they are stored."""
 
+    def gemm_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The GEMM's input X from the forward's input (the same tensor unless the module fuses
+        something before its GEMM, as Transformer Engine's LayerNormLinear fuses the norm)."""
+        return x
+
+    @property
+    def row_parallel(self) -> bool:
+        return "x" in self.sharded_operands
+
+    def check_tensor_parallel_blocks(self, precision: Precision, recipe: RecipeConfig) -> None:
+        """Raise ValueError (naming the module) if TP splits W's reduction-side dimension off the
+        scaling blocks of ``precision``: every rank's slice must hold whole blocks."""
+        if precision.is_bf16:
+            return
+        tp = get_pg_size(self.tp_group)
+        if tp == 1:
+            return
+        # A strided layout (SwiGLU's fc1: [gate_r; up_r] per rank) holds `stride` separate
+        # slices of the full tensor: each must start on a block boundary.
+        stride = getattr(self.weight, "partition_stride", 1)
+        size = self.weight.shape[1 if self.row_parallel else 0] // stride
+        bad = misaligned_split(precision, recipe, size)
+        if bad is not None:
+            name, block = bad
+            slices = f" in {stride} slices of {size}" if stride > 1 else f" ({size} per rank)"
+            dim = "input" if self.row_parallel else "output"
+            raise ValueError(
+                f"{self.module_name}: cannot run {name}: its {dim} dimension is split over "
+                f"TP={tp} ranks{slices}, not a multiple of the {name} block of {block}"
+            )
+
+    def amax_all_reduce(self, amax: torch.Tensor) -> torch.Tensor:
+        """The MAX of a split operand's per-tensor amax over the TP group (so a sharded module
+        quantizes exactly as the unsharded one)."""
+        # NaN -> Inf first: MAX over a NaN is order-dependent, Inf is not, and a non-finite
+        # amax makes the whole tensor NaN on every rank either way (see docs/numerics.md).
+        amax = torch.nan_to_num(amax.clone(), nan=math.inf)
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.tp_group)
+        return amax
+
 
 class QuantizedLinearMixin(PlanLinear):
     """What the column- and row-parallel quantized layers share (listed before the megatron base).
@@ -92,12 +145,6 @@ class QuantizedLinearMixin(PlanLinear):
         module_name: the global plan name, set by ``PrecisionController`` (used in messages).
     """
 
-    # Per subclass: operands split across TP ranks, which dim of W the split runs along,
-    # and the megatron attribute holding this rank's length of that dim.
-    sharded_operands: frozenset[str] = frozenset()
-    sharded_dim: str = ""
-    sharded_size_attr: str = ""
-
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._precision = BF16
@@ -105,41 +152,22 @@ class QuantizedLinearMixin(PlanLinear):
         self.quant_state = QuantState()
         self.module_name = type(self).__name__
 
+    @property
+    def forward_module(self) -> torch.nn.Module:
+        return self
+
     def _use(self, precision: Precision, recipe: RecipeConfig) -> None:
         """Nothing to hand over: the forward reads ``_precision`` and ``recipe`` itself."""
 
     def check_precision(self, precision: Precision, recipe: RecipeConfig) -> None:
         """Raise ValueError if this module cannot run ``precision`` under ``recipe``."""
-        if precision.is_bf16:
-            return
-        tp = get_pg_size(self.tp_group)
-        if tp == 1:
-            return
-        # A strided layout (SwiGLU's fc1: [gate_r; up_r] per rank) holds `stride` separate
-        # slices of the full tensor: each must start on a block boundary.
-        stride = getattr(self.weight, "partition_stride", 1)
-        size = getattr(self, self.sharded_size_attr) // stride
-        bad = misaligned_split(precision, recipe, size)
-        if bad is not None:
-            name, block = bad
-            slices = f" in {stride} slices of {size}" if stride > 1 else f" ({size} per rank)"
-            raise ValueError(
-                f"{self.module_name}: cannot run {name}: its {self.sharded_dim} dimension is split over "
-                f"TP={tp} ranks{slices}, not a multiple of the {name} block of {block}"
-            )
-
-    def _amax_all_reduce(self, amax: torch.Tensor) -> torch.Tensor:
-        # NaN -> Inf first: MAX over a NaN is order-dependent, Inf is not, and a non-finite
-        # amax makes the whole tensor NaN on every rank either way (see docs/numerics.md).
-        amax = torch.nan_to_num(amax.clone(), nan=math.inf)
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.tp_group)
-        return amax
+        self.check_tensor_parallel_blocks(precision, recipe)
 
     def _quantized_gemm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         split = get_pg_size(self.tp_group) > 1
         return quantized_linear(
             x, weight, self._precision, self.recipe, self.quant_state,
-            amax_reduce=self._amax_all_reduce if split else None,
+            amax_reduce=self.amax_all_reduce if split else None,
             sharded=self.sharded_operands if split else frozenset(),
         )
 
@@ -157,8 +185,6 @@ class QuantizedColumnParallelLinear(QuantizedLinearMixin, ColumnParallelLinear):
     """``ColumnParallelLinear`` with a per-module precision (W split along out)."""
 
     sharded_operands = frozenset({"w", "dy"})
-    sharded_dim = "output"
-    sharded_size_attr = "output_size_per_partition"
 
     def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None,
                 runtime_gather_output: bool | None = None):
@@ -180,8 +206,6 @@ class QuantizedRowParallelLinear(QuantizedLinearMixin, RowParallelLinear):
     """``RowParallelLinear`` with a per-module precision (W and X split along in)."""
 
     sharded_operands = frozenset({"x", "w"})
-    sharded_dim = "input"
-    sharded_size_attr = "input_size_per_partition"
 
     def forward(self, input_: torch.Tensor):
         """input_: [s, b, in / tp] (or [s, b, in] if not input_is_parallel); returns ([s, b, out]

@@ -13,8 +13,13 @@ with the ``torch`` backend.
 What TE cannot express is refused with the module named: different formats for
 the forward and the backward GEMMs (a TE recipe covers all three), MXFP4 (TE has
 no MXFP4 recipe), and delayed scaling (megatron-core's per-module recipes leave
-it out; use --fp8-recipe tensorwise, blockwise or mxfp8). SNIP's probes measure
-with this package's quantizers, so ``--snip`` needs the torch backend.
+it out; use --fp8-recipe tensorwise, blockwise or mxfp8); ``--snip`` drops such
+candidates from its ILP (:func:`te_runnable`).
+
+SNIP measures, TE executes: the adapter shows the probes the TE module's GEMM
+operands (its weight, its input after the fused norm: :func:`fused_norm_output`,
+its output gradient, noise at its output through a forward hook), and the probes
+run this package's quantizers on them, bit-exact to TE's recipes' semantics.
 
 Transformer Engine is imported only by megatron-core's TE modules; this file
 builds megatron-core's own dataclasses and runs without TE installed.
@@ -64,6 +69,49 @@ def te_quant_params(precision: Precision, recipe: RecipeConfig):
         override_nonquantized_autocast=True,  # no global autocast is open: this module opens its own
     )
     return TEQuantizationParams(training_recipe=te_recipe, evaluation_recipe=None)
+
+
+NVFP4_MIN_CAPABILITY = (10, 0)  # TE's NVFP4 GEMMs run on Blackwell tensor cores only
+
+
+def te_runnable(formats: tuple[str, ...] | list[str], recipe: RecipeConfig,
+                capability: tuple[int, int] | None = None) -> tuple[list[str], dict[str, str]]:
+    """Split candidate formats into those a TE recipe can run under ``recipe`` on a GPU of compute
+    ``capability`` (None: not known, not checked) and the others, with why (format -> reason),
+    for SNIP's candidates on the te backend."""
+    kept, dropped = [], {}
+    for fmt in formats:
+        try:
+            te_quant_params(Precision.uniform(fmt), recipe)
+        except ValueError as e:
+            dropped[fmt] = str(e)
+            continue
+        if fmt == "nvfp4" and capability is not None and capability < NVFP4_MIN_CAPABILITY:
+            dropped[fmt] = (f"Transformer Engine's NVFP4 needs compute capability "
+                            f"{'.'.join(map(str, NVFP4_MIN_CAPABILITY))} (Blackwell); this GPU has "
+                            f"{'.'.join(map(str, capability))}")
+            continue
+        kept.append(fmt)
+    return kept, dropped
+
+
+def fused_norm_output(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, normalization: str,
+                      eps: float, zero_centered_gamma: bool) -> torch.Tensor:
+    """The input of a LayerNormLinear's GEMM: its fused norm applied to the forward's input.
+
+    x: [..., h] (this rank's tokens); weight, bias: [h] (bias only for LayerNorm). Computed in
+    fp32 and returned in x's dtype, as TE's norm kernels do; gamma is ``1 + weight`` with
+    ``zero_centered_gamma``. Returns [..., h].
+    """
+    gamma = weight.float() + 1.0 if zero_centered_gamma else weight.float()
+    xf = x.float()
+    if normalization == "RMSNorm":
+        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * gamma
+    elif normalization == "LayerNorm":
+        y = torch.nn.functional.layer_norm(xf, xf.shape[-1:], gamma, None if bias is None else bias.float(), eps)
+    else:
+        raise ValueError(f"normalization {normalization!r}: expected RMSNorm or LayerNorm")
+    return y.to(x.dtype)
 
 
 def te_nvfp4_environment(recipe: RecipeConfig) -> dict[str, str]:
@@ -123,14 +171,15 @@ def _require_te_version(version: str, what: str) -> None:
 
 
 class TELinearPrecision(PlanLinear):
-    """A megatron-core TE linear seen through the per-module precision interface.
+    """A megatron-core TE linear seen through the per-module precision interface (and, for
+    SNIP's probes, through :class:`PlanLinear`'s measurement attributes).
 
     Attributes:
         module: the TE linear (its ``te_quant_params`` is what changes).
         config: the module's TransformerConfig.
         recipe: the :class:`RecipeConfig` realising ``precision``.
-        quant_state: unused by TE (it keeps its own state); present so every backend's
-            modules are driven alike.
+        quant_state: unused by TE (it keeps its own state); the probes' quantizers start
+            their private states from it, as for the torch backend.
         module_name: the global plan name (set by the controller).
     """
 
@@ -142,6 +191,37 @@ class TELinearPrecision(PlanLinear):
         self.module_name = type(module).__name__
         self._precision = BF16
         module.te_quant_params = None
+        # megatron-core's TE wrappers: TELayerNormColumnParallelLinear / TEColumnParallelLinear
+        # run TE's parallel_mode "column", TERowParallelLinear "row".
+        mode = getattr(module, "parallel_mode", "column")
+        self.sharded_operands = frozenset({"x", "w"}) if mode == "row" else frozenset({"w", "dy"})
+
+    @property
+    def forward_module(self) -> torch.nn.Module:
+        return self.module
+
+    @property
+    def weight(self) -> torch.nn.Parameter:
+        return self.module.weight
+
+    @property
+    def tp_group(self):
+        return self.module._tp_group
+
+    @property
+    def sequence_parallel(self) -> bool:
+        from megatron.core.utils import get_pg_size
+
+        return bool(self.config.sequence_parallel) and get_pg_size(self.tp_group) > 1
+
+    def gemm_input(self, x: torch.Tensor) -> torch.Tensor:
+        """After a LayerNormLinear's fused norm (its ``layer_norm_weight``); else ``x``."""
+        norm_weight = getattr(self.module, "layer_norm_weight", None)
+        if norm_weight is None:
+            return x
+        return fused_norm_output(x, norm_weight, getattr(self.module, "layer_norm_bias", None),
+                                 normalization=self.config.normalization, eps=self.config.layernorm_epsilon,
+                                 zero_centered_gamma=self.config.layernorm_zero_centered_gamma)
 
     def check_precision(self, precision: Precision, recipe: RecipeConfig) -> None:
         """Raise ValueError (naming the module) if TE cannot run ``precision`` under ``recipe``."""
@@ -149,6 +229,7 @@ class TELinearPrecision(PlanLinear):
             te_quant_params(precision, recipe)
         except ValueError as e:
             raise ValueError(f"{self.module_name}: {e}") from None
+        self.check_tensor_parallel_blocks(precision, recipe)
 
     def _use(self, precision: Precision, recipe: RecipeConfig) -> None:
         self.module.te_quant_params = te_quant_params(precision, recipe)

@@ -170,9 +170,17 @@ def _main_params(opt):
                          f"DistributedOptimizer; got {type(opt).__name__}")
 
 
+# Transformer Engine's LayerNormLinear holds the norm before it: its weight gets the local layer
+# spec's name (megatron-core's TE <-> local checkpoint key map), so the probes' noise, drawn by
+# parameter name, is the same on both backends.
+_FUSED_NORM_NAMES = {".self_attention.linear_qkv.layer_norm_weight": ".input_layernorm.weight",
+                     ".mlp.linear_fc1.layer_norm_weight": ".pre_mlp_layernorm.weight"}
+
+
 def global_parameter_names(chunks: Sequence[torch.nn.Module]) -> dict[torch.nn.Parameter, str]:
-    """Parameter -> name independent of the parallel layout: wrapper prefixes (``module.``)
-    dropped, transformer layers numbered globally (``decoder.layers.{layer_number - 1}``)."""
+    """Parameter -> name independent of the parallel layout and the backend: wrapper prefixes
+    (``module.``) dropped, transformer layers numbered globally (``decoder.layers.{layer_number - 1}``),
+    Transformer Engine's fused norm weights under the local spec's names."""
     names = {}
     for chunk in chunks:
         layers = {prefix: m.layer_number - 1 for prefix, m in chunk.named_modules() if isinstance(m, TransformerLayer)}
@@ -183,5 +191,8 @@ def global_parameter_names(chunks: Sequence[torch.nn.Module]) -> dict[torch.nn.P
                     break
             while name.startswith("module."):
                 name = name[len("module."):]
+            for fused, local in _FUSED_NORM_NAMES.items():
+                if name.endswith(fused):
+                    name = name[:-len(fused)] + local
             names[param] = name
     return names

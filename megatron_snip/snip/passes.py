@@ -18,7 +18,7 @@ from megatron.core.utils import get_model_config
 
 from megatron_snip.compat.device import has_cuda
 from megatron_snip.model.step import LOSS_KEY, forward_step
-from megatron_snip.precision.layers import QuantizedLinearMixin
+from megatron_snip.precision.layers import PlanLinear
 
 ForwardStep = Callable  # (data_iterator, model) -> (output, loss_func), as megatron's schedules call it
 
@@ -40,7 +40,7 @@ class RngStates:
 
 
 @contextlib.contextmanager
-def preserved_training_state(chunks: Sequence[torch.nn.Module], modules: dict[str, QuantizedLinearMixin],
+def preserved_training_state(chunks: Sequence[torch.nn.Module], modules: dict[str, PlanLinear],
                              restore_grads: bool = False) -> Iterator[RngStates]:
     """Run probe passes without leaving a trace: on exit every module's precision and quantization
     state, every RNG state and every ``param.grad`` reference are back, the DDP gradient buffers

@@ -32,6 +32,10 @@ states or RNG states; the DDP gradient buffers are zeroed (or restored with
 ``ProbeConfig.restore_grads``); the caller's data iterator is read for exactly
 ``num_microbatches`` micro-batches.
 
+The modules are seen through :class:`~megatron_snip.precision.layers.PlanLinear` only (a forward
+hook, the GEMM's input, weight and output gradient), so the same measurement runs whether this
+package's quantized linears or Transformer Engine's execute the GEMMs (``--transformer-impl``).
+
 Parts in their own modules: the noise (``noise.py``), Adam's state per
 parameter slice on this rank (``adam_view.py``), replaying passes through the
 pipeline schedule without side effects (``passes.py``).
@@ -52,7 +56,7 @@ from megatron.core.utils import get_pg_size
 
 from megatron_snip.model.step import LOSS_KEY, forward_step
 from megatron_snip.precision.controller import PrecisionController
-from megatron_snip.precision.layers import QuantizedLinearMixin
+from megatron_snip.precision.layers import PlanLinear
 from megatron_snip.precision.linear import QuantState, quantized_linear
 from megatron_snip.precision.plan import parse_module_name
 from megatron_snip.precision.recipes import BF16, Precision
@@ -141,10 +145,10 @@ class ModuleLayout:
     gemm_y_weight: float
 
     @classmethod
-    def of(cls, module: QuantizedLinearMixin) -> ModuleLayout:
+    def of(cls, module: PlanLinear) -> ModuleLayout:
         tp = get_pg_size(module.tp_group)
         tp_rank = module.tp_group.rank() if tp > 1 else 0
-        row = "x" in module.sharded_operands
+        row = module.row_parallel
         sequence = tp > 1 and bool(module.sequence_parallel)  # megatron turns the flag off at TP=1
         gemm_x, gemm_y = (1.0 if row or tp_rank == 0 else 0.0), (1.0 if not row or tp_rank == 0 else 0.0)
         return cls(tp, tp_rank, row, sequence_input=sequence and not row, sequence_output=sequence and row,
@@ -191,7 +195,7 @@ class _Probe:
     """One module's measurement state on this rank (sums before the TP / DP reduction)."""
 
     name: str
-    module: QuantizedLinearMixin
+    module: PlanLinear
     layout: ModuleLayout
     formats: list[str]
     unsupported: dict[str, str]
@@ -223,7 +227,7 @@ class _Probe:
             x = x.detach().requires_grad_()
             w = w.detach().requires_grad_()
             y = quantized_linear(x, w, Precision.uniform(fmt), self.module.recipe, self.states[fmt],
-                                 amax_reduce=self.module._amax_all_reduce if split else None,
+                                 amax_reduce=self.module.amax_all_reduce if split else None,
                                  sharded=self.module.sharded_operands if split else frozenset())
             dx, dw = torch.autograd.grad(y, (x, w), dy)
         return y.detach(), dx, dw
@@ -284,10 +288,15 @@ def _reduce(probes: list[_Probe], keys: list[str], dp_sharded: bool) -> dict[str
 
 @contextlib.contextmanager
 def _hooks(probes: list[_Probe], hook: Callable) -> Iterator[None]:
-    """``hook(probe, input, output)`` after every probed module's forward (its return value, if
-    not None, replaces the output)."""
-    handles = [p.module.register_forward_hook(lambda mod, args, kwargs, out, p=p: hook(p, _input(args, kwargs), out),
-                                              with_kwargs=True) for p in probes]
+    """``hook(probe, X, output)`` after every probed module's forward, X the GEMM's input (its return
+    value, if not None, replaces the output)."""
+    def run(p: _Probe, args: tuple, kwargs: dict, out):
+        with torch.no_grad():  # X is only read (detached), never differentiated
+            x = p.module.gemm_input(_input(args, kwargs))
+        return hook(p, x, out)
+
+    handles = [p.module.forward_module.register_forward_hook(
+        lambda mod, args, kwargs, out, p=p: run(p, args, kwargs, out), with_kwargs=True) for p in probes]
     try:
         yield
     finally:
@@ -296,7 +305,8 @@ def _hooks(probes: list[_Probe], hook: Callable) -> Iterator[None]:
 
 
 def _input(args: tuple, kwargs: dict) -> torch.Tensor:
-    return args[0] if args else kwargs["input_"]
+    """The forward's input (megatron's local linears name it ``input_``, TE's ``x``)."""
+    return args[0] if args else kwargs["input_"] if "input_" in kwargs else kwargs["x"]
 
 
 def needs_grad(out) -> bool:
@@ -387,7 +397,7 @@ def run_probe_cycle(
     )
 
 
-def _make_probe(name: str, module: QuantizedLinearMixin, formats: Sequence[str], adam: AdamView) -> _Probe:
+def _make_probe(name: str, module: PlanLinear, formats: Sequence[str], adam: AdamView) -> _Probe:
     supported, unsupported = [], {}
     for fmt in formats:
         try:
