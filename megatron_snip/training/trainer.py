@@ -28,8 +28,10 @@ from megatron_snip.model.llama import build_model, flops_per_token, num_paramete
 from megatron_snip.model.step import forward_step, mean_loss
 from megatron_snip.precision.controller import PrecisionController
 from megatron_snip.precision.flops import LlamaLinearDims, estimated_time_ratio, flop_fractions
+from megatron_snip.precision.execution import describe_execution, gemm_execution
 from megatron_snip.precision.linear import describe_backend
 from megatron_snip.precision.plan import PrecisionPlan
+from megatron_snip.precision.registry import PRECISION_NAMES
 from megatron_snip.precision.te_layers import describe_te_backend, prepare_te_environment
 from megatron_snip.snip.plan_image import plan_image
 from megatron_snip.snip.planner import PlannerConfig
@@ -114,6 +116,14 @@ class Trainer:
         self.effective_plan = effective
         self.flop_fractions = flop_fractions(effective, self.linear_dims)
         self.time_ratio = estimated_time_ratio(effective, self.linear_dims, self.speeds)
+
+    def formats_in_use(self) -> list[str]:
+        """The precisions this run's GEMMs can take: its plan's, its schedule's and SNIP's candidates."""
+        used = {side for p in (self.plan.default, *self.plan.modules.values()) for side in (p.fwd, p.bwd)}
+        if self.snip is not None:
+            used |= set(self.config.snip.snip_formats)
+        used |= {entry.precision for entry in self.schedule.entries}
+        return [f for f in PRECISION_NAMES if f in used]
 
     # -- checkpoints -------------------------------------------------------
     def resume(self) -> None:
@@ -388,6 +398,8 @@ def pretrain(config: RunConfig, on_build: Callable[[Trainer], None] | None = Non
         log.text(f"precision backend {describe_te_backend()}")
     else:
         log.text(f"precision backend {describe_backend(c.precision.recipe(), current_device())}")
+    log.text(describe_execution(gemm_execution(trainer.formats_in_use(), c.precision.recipe(), c.model.transformer_impl,
+                                               torch.cuda.get_device_capability() if has_cuda() else None)))
     fractions = trainer.flop_fractions
     prec = c.precision
     log.text(f"precision: plan {trainer.plan_source}: {fractions.fp4:.1%} of linear-layer FLOPs in FP4, "
