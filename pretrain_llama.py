@@ -12,9 +12,6 @@ import sys
 
 # Entry scripts need this guard: dist_checkpointing's 'spawn' workers re-import __main__.
 if __name__ == "__main__":
-    from megatron_snip.compat.cpu import silence_cpu_warnings
-
-    silence_cpu_warnings()  # before megatron-core's imports print them
-    from megatron_snip.cli import main
+    from megatron_snip.cli import main  # light: megatron-core is imported once the flags parse
 
     sys.exit(main())

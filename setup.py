@@ -4,6 +4,7 @@ setup(
     name="megatron-snip",
     version="0.1.0",
     description="Megatron-style 3D-parallel Llama pretraining with SNIP adaptive mixed precision",
+    license="Apache-2.0",
     python_requires=">=3.11",
     packages=find_packages(include=["megatron_snip", "megatron_snip.*"]),
     install_requires=[
@@ -18,6 +19,7 @@ setup(
         "highspy",
         "tokenizers>=0.21",   # --tokenizer-type HuggingFaceTokenizer
         "safetensors>=0.4",   # tools/convert_hf_llama.py
+        "pyyaml",             # megatron-core's per-module precision configs (--te-precision-config-file)
     ],
     extras_require={
         "gurobi": ["gurobipy"],

@@ -17,7 +17,8 @@ cap, not the report), all inside ``--budget`` seconds (one 10-minute device call
 4. gemm: ``bench/gemm_bench.py`` (FP8 ``_scaled_mm`` vs bf16 at Llama-3-8B/70B shapes);
 5. quantize: ``bench/quantize_bench.py`` (fused quantize-dequantize kernels vs a copy);
 6. step_time: ``bench/step_time.py`` on a TinyLlama-1.1B-shaped model, one GPU;
-7. snip_cycle: ``bench/snip_cycle.py``, a SNIP cycle's cost in iterations and as a share of 1000.
+7. attention: ``bench/step_time.py --compare-attention 2048``, SDPA vs DotProductAttention;
+8. snip_cycle: ``bench/snip_cycle.py``, a SNIP cycle's cost in iterations and as a share of 1000.
 
 ``report.md`` and ``report.json`` under ``--out`` are rewritten after every step, with
 each step's log under ``logs/``. Without CUDA the suite prints what it would run and
@@ -102,6 +103,10 @@ def plan(wheels: Path | None, out: Path) -> list[Step]:
               "--bf16", "--micro-batch-size", "1", "--global-batch-size", "8", "--iters", "10", "--warmup", "3",
               "--repeats", "2", "--compare-precision", "fp8", "nvfp4", "--snip-cycle",
               "--json", str(out / "step_time.json")], 200, "step_time.json"),
+        Step("attention", "core attention, SDPA vs DotProductAttention, alone and in the step (TinyLlama shape)",
+             [py, f"{bench}/step_time.py", "--nproc", "1", "--tp", "1", "--pp", "1", "--preset", "tinyllama-1.1b",
+              "--bf16", "--micro-batch-size", "1", "--global-batch-size", "8", "--iters", "6", "--warmup", "2",
+              "--compare-attention", "2048", "--json", str(out / "attention.json")], 120, "attention.json"),
         Step("snip_cycle", "one SNIP cycle at the TinyLlama-1.1B shape as a share of 1000 iterations",
              [py, f"{bench}/snip_cycle.py", "--nproc", "1", "--tp", "1", "--pp", "1", "--preset", "tinyllama-1.1b",
               "--bf16", "--micro-batch-size", "1", "--global-batch-size", "8", "--interval", "5"], 120),

@@ -5,6 +5,8 @@
     python bench/step_time.py --health-overhead nvfp4          # + --quant-health on vs off
     python bench/step_time.py --nproc 1 --tp 1 --pp 1 --preset tinyllama-1.1b --bf16 \
         --micro-batch-size 1 --global-batch-size 8 --compare-precision fp8 nvfp4 --snip-cycle   # one GPU
+    python bench/step_time.py --nproc 1 --tp 1 --pp 1 --micro-batch-size 2 --global-batch-size 4 \
+        --iters 6 --warmup 2 --compare-attention 512 2048      # core attention: SDPA vs DotProductAttention
 
 One ``torchrun`` launch builds the model once; every rank then runs these phases of
 ``--iters`` steps each (the first ``--warmup`` of a phase untimed):
@@ -23,6 +25,16 @@ One ``torchrun`` launch builds the model once; every rank then runs these phases
   machine's noise does not swamp.
 - ``--snip-cycle``: one SNIP cycle (probe passes, statistics, solve, plan applied), then a
   phase under the plan it chose; the cycle's time in post-plan steps. Goal: <= 10.
+
+``--compare-attention SEQ [SEQ ...]`` asks another question and runs alone: at each sequence
+length, (a) forward+backward of the core attention alone (batch 2, 8 heads of 64, causal, fp32 or
+``--bf16``; this process, a world of one), megatron-core's ``DotProductAttention`` against the SDPA
+module, called in turn (median of 7 each), time and memory: on CPU the bytes autograd saves for backward (distinct storages seen by
+``torch.autograd.graph.saved_tensors_hooks``: analytic, the allocator's peak is not observable), on a
+GPU also the peak allocated; (b) one launch at that ``--seq-length`` whose phases alternate the
+two core attentions (swapped in place in every layer: they hold no weights) ``--repeats`` times,
+the SDPA step as a ratio of the DotProductAttention step. Goal: SDPA >= 3x faster alone at the
+longest sequence, with less memory.
 
 Also printed: MFU of the bf16 step (model FLOPs per second over the peak assumed for the
 GPU, named; ``--peak-tflops`` overrides) and, on a GPU, the peak memory allocated in each
@@ -47,9 +59,13 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from results import goal, write_json  # noqa: E402
-from timing import StepClock, peak_memory_gib, peak_memory_reset, synchronize  # noqa: E402
+from timing import StepClock, device_name, peak_memory_gib, peak_memory_reset, synchronize  # noqa: E402
 
 OVERHEAD_GOAL, SNIP_CYCLE_GOAL, HEALTH_GOAL = 1.03, 10.0, 1.02
+ATTENTION_SPEEDUP_GOAL = 3.0  # SDPA over DotProductAttention, attention alone at the longest sequence
+ATTENTION_BATCH, ATTENTION_HEADS, ATTENTION_HEAD_DIM = 2, 8, 64
+# Phase name -> --attention-backend whose core attention the phase runs (model/llama.LOCAL_CORE_ATTENTION).
+ATTENTION_PHASES = {"dot-product": "unfused", "sdpa": "auto"}
 HEALTH_LOG_INTERVAL = 10
 NEVER = "1000000000"  # a --snip-interval no run reaches: the bench runs its cycle itself
 WORKER = "--phases-worker"  # first argument of the torchrun'd processes: the phases file, then the training flags
@@ -64,15 +80,19 @@ def training_args(opts, data_prefix: str, tokenizer_model: str, iters: int) -> l
     return args + (["--bf16"] if opts.bf16 else [])
 
 
-def phases(opts) -> list[tuple[str, str, str]]:
-    """(phase name, loop, uniform precision) in order: plain/ours alternating, each precision, SNIP.
-    The SNIP phase starts from bf16 and runs its cycle first (the loop is ours)."""
-    run = [p for _ in range(opts.repeats) for p in (("plain", "plain", "bf16"), ("ours", "ours", "bf16"))]
-    run += [(name, "ours", name) for name in opts.compare_precision]
+def phases(opts) -> list[tuple[str, str, str, str | None]]:
+    """(phase name, loop, uniform precision, --attention-backend or None for the run's own) in order:
+    plain/ours alternating, each precision, SNIP; or, with --compare-attention, the two core
+    attentions alternating. The SNIP phase starts from bf16 and runs its cycle first (the loop is ours)."""
+    if opts.compare_attention:
+        return [(name, "ours", "bf16", backend)
+                for _ in range(opts.repeats) for name, backend in ATTENTION_PHASES.items()]
+    run = [p for _ in range(opts.repeats) for p in (("plain", "plain", "bf16", None), ("ours", "ours", "bf16", None))]
+    run += [(name, "ours", name, None) for name in opts.compare_precision]
     if opts.health_overhead:
-        run += [p for _ in range(opts.repeats)
-                for p in (("health-off", "ours", opts.health_overhead), ("health-on", "ours", opts.health_overhead))]
-    return run + ([("snip", "ours", "bf16")] if opts.snip_cycle else [])
+        run += [p for _ in range(opts.repeats) for p in (("health-off", "ours", opts.health_overhead, None),
+                                                         ("health-on", "ours", opts.health_overhead, None))]
+    return run + ([("snip", "ours", "bf16", None)] if opts.snip_cycle else [])
 
 
 def worker(plan_file: str, argv: list[str]) -> None:
@@ -104,12 +124,14 @@ def worker(plan_file: str, argv: list[str]) -> None:
 
     trainer.train_step = stamped_step
     # The health code timed from inside, where that is exact: synchronous CPU execution.
-    timed_health = any(name == "health-on" for name, _, _ in run["phases"]) and not has_cuda()
+    timed_health = any(name == "health-on" for name, *_ in run["phases"]) and not has_cuda()
     health_clock = time_health_code(trainer) if timed_health else None
     result = {"phases": {}, "flops_per_iteration": trainer.flops_per_iteration, "world_size": dist.get_world_size(),
               "peak_tflops": peak_tflops(config.logging.peak_tflops), "fp8_recipe": config.precision.fp8_recipe}
-    for name, loop, precision in run["phases"]:
+    for name, loop, precision, attention in run["phases"]:
         trainer.set_plan(PrecisionPlan.uniform(precision))
+        if attention is not None:
+            use_core_attention(trainer.model, attention)
         health = name.startswith("health-")
         # The health phases log (and so fully measure) every HEALTH_LOG_INTERVAL steps, with and without.
         logging = replace(config.logging, log_interval=HEALTH_LOG_INTERVAL) if health else config.logging
@@ -146,6 +168,22 @@ def worker(plan_file: str, argv: list[str]) -> None:
     if dist.get_rank() == 0:
         Path(run["out"]).write_text(json.dumps(result))
     dist.destroy_process_group()
+
+
+def use_core_attention(chunks, backend: str) -> None:
+    """Give every self-attention of the model ``backend``'s core attention, built as megatron's
+    SelfAttention builds it: the weights, optimizer and gradient buffers stay (it has none)."""
+    from megatron.core.transformer.attention import SelfAttention
+
+    from megatron_snip.model.llama import LOCAL_CORE_ATTENTION
+
+    cls = LOCAL_CORE_ATTENTION[backend]
+    for attention in (m for chunk in chunks for m in chunk.modules() if isinstance(m, SelfAttention)):
+        # The old module's config: megatron hands the core attention an adjusted copy when query groups < TP.
+        attention.core_attention = cls(config=attention.core_attention.config, layer_number=attention.layer_number,
+                                       attn_mask_type=attention.attn_mask_type, attention_type=attention.attention_type,
+                                       softmax_scale=attention.config.softmax_scale,
+                                       pg_collection=attention.pg_collection)
 
 
 def time_health_code(trainer) -> list[float]:
@@ -263,6 +301,122 @@ def summarise(measured: dict) -> tuple[list[str], dict]:
     return lines, figures
 
 
+def saved_for_backward(fn):
+    """``fn()``'s result and the bytes of the distinct storages autograd saved for its backward (what
+    the forward keeps alive until the backward: an analytic size, not an allocator's measurement)."""
+    import torch
+
+    storages = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        result = fn()
+    return result, sum(storages.values())
+
+
+def attention_alone(seq_lengths: list[int], bf16: bool) -> dict:
+    """Forward+backward of one core attention of each kind, in this process (a world of one): at each
+    sequence length, per --attention-backend of ATTENTION_PHASES, the median seconds, the bytes saved
+    for backward and (GPU) the peak memory allocated above the inputs, GiB."""
+    import torch
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_snip.arguments import build_parser, resolve
+    from megatron_snip.compat.device import current_device, setup_device
+    from megatron_snip.compat.launch import default_to_one_process
+    from megatron_snip.model.llama import LOCAL_CORE_ATTENTION, transformer_config
+    from megatron_snip.training.setup import initialize_distributed
+
+    default_to_one_process()
+    setup_device()
+    device, dtype = current_device(), torch.bfloat16 if bf16 else torch.float32
+    hidden = ATTENTION_HEADS * ATTENTION_HEAD_DIM
+    result = {}
+    for seq in seq_lengths:
+        flags = ["--num-layers", "1", "--hidden-size", str(hidden), "--num-attention-heads", str(ATTENTION_HEADS),
+                 "--num-query-groups", str(ATTENTION_HEADS), "--seq-length", str(seq),
+                 "--max-position-embeddings", str(seq), "--train-iters", "0"] + (["--bf16"] if bf16 else [])
+        run = resolve(build_parser().parse_args(flags), world_size=1, check_files=False)
+        if not torch.distributed.is_initialized():
+            initialize_distributed(run.parallel, run.training.seed)
+        config = transformer_config(run.model, run.parallel)
+        g = torch.Generator(device).manual_seed(0)
+        shape = (seq, ATTENTION_BATCH, ATTENTION_HEADS, ATTENTION_HEAD_DIM)
+        qkv = [torch.randn(shape, generator=g, device=device, dtype=dtype, requires_grad=True) for _ in range(3)]
+        grad = torch.randn((seq, ATTENTION_BATCH, hidden), generator=g, device=device, dtype=dtype)
+        steps, result[seq] = {}, {}
+        for name, backend in ATTENTION_PHASES.items():
+            module = LOCAL_CORE_ATTENTION[backend](config=config, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                                   attention_type="self")
+
+            def step(module=module):
+                out, saved = saved_for_backward(lambda: module(*qkv, None))
+                torch.autograd.grad(out, qkv, grad)
+                return saved
+
+            saved = step()
+            peak_memory_reset()
+            before = torch.cuda.memory_allocated() / 2**30 if device.type == "cuda" else None
+            step()
+            peak = peak_memory_gib()
+            steps[name] = step
+            result[seq][name] = {"saved_bytes": saved, "peak_gib": None if peak is None else peak - before}
+        for name, seconds in alternating_medians(steps, device, reps=7).items():
+            result[seq][name]["seconds"] = seconds
+    return result
+
+
+def alternating_medians(fns: dict, device, reps: int) -> dict:
+    """Median seconds of each function, called in turn ``reps`` times (after one untimed round), so
+    that a change in the machine's load between them falls on all alike."""
+    times = {name: [] for name in fns}
+    for rep in range(reps + 1):
+        for name, fn in fns.items():
+            synchronize(device)
+            start = time.perf_counter()
+            fn()
+            synchronize(device)
+            if rep:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def summarise_attention(alone: dict, steps: dict, bf16: bool) -> tuple[list[str], dict]:
+    """Printed lines and JSON figures of --compare-attention: the attention alone (``alone``, from
+    :func:`attention_alone`) and the training steps (``steps``: sequence length -> what a launch measured)."""
+    dtype = "bf16" if bf16 else "fp32"
+    lines = [f"core attention alone, forward+backward: batch {ATTENTION_BATCH}, {ATTENTION_HEADS} heads of "
+             f"{ATTENTION_HEAD_DIM}, causal, {dtype}, {device_name()}; memory = bytes saved for backward "
+             "(saved_tensors_hooks, analytic)" + (" and peak allocated above the inputs" if any(
+                 f["peak_gib"] is not None for seq in alone.values() for f in seq.values()) else "")]
+    figures = {"attention_alone": alone, "attention_step_seconds": {}}
+    for seq, kinds in alone.items():
+        dpa, sdpa = kinds["dot-product"], kinds["sdpa"]
+        peaks = "" if dpa["peak_gib"] is None else f" (peak {dpa['peak_gib']:.3f} vs {sdpa['peak_gib']:.3f} GiB)"
+        lines.append(f"  seq {seq:5d}: DotProductAttention {dpa['seconds'] * 1e3:8.1f} ms, "
+                     f"{dpa['saved_bytes'] / 2**20:7.1f} MiB | SDPA {sdpa['seconds'] * 1e3:8.1f} ms, "
+                     f"{sdpa['saved_bytes'] / 2**20:7.1f} MiB | SDPA {dpa['seconds'] / sdpa['seconds']:.2f}x faster, "
+                     f"{sdpa['saved_bytes'] / dpa['saved_bytes']:.3f}x the memory{peaks}")
+    longest = alone[max(alone)]
+    goals = [goal(f"attention alone at seq {max(alone)}: DotProductAttention time / SDPA time",
+                  longest["dot-product"]["seconds"] / longest["sdpa"]["seconds"], at_least=ATTENTION_SPEEDUP_GOAL),
+             goal(f"attention alone at seq {max(alone)}: SDPA / DotProductAttention bytes saved for backward",
+                  longest["sdpa"]["saved_bytes"] / longest["dot-product"]["saved_bytes"], at_most=1.0)]
+    lines.append("training step, each core attention swapped into the same model (best median of the repeats):")
+    for seq, measured in steps.items():
+        best = {name: min(measured["phases"][name]["medians"]) for name in ATTENTION_PHASES}
+        figures["attention_step_seconds"][seq] = best
+        lines.append(f"  seq {seq:5d}: DotProductAttention {best['dot-product'] * 1e3:8.1f} ms/iteration, "
+                     f"SDPA {best['sdpa'] * 1e3:8.1f} ms/iteration, ratio SDPA / DotProductAttention "
+                     f"{best['sdpa'] / best['dot-product']:.3f}")
+    figures["goals"] = goals
+    return lines, figures
+
+
 def build_data(workdir: Path) -> tuple[str, str]:
     from megatron_snip.data.corpus import CorpusConfig, build_corpus
     from megatron_snip.data.datasets import PreprocessConfig, preprocess
@@ -275,6 +429,19 @@ def build_data(workdir: Path) -> tuple[str, str]:
                                           tokenizer_model=str(workdir / "tok.model"), append_eod=True,
                                           progress=False))
     return summary.prefixes["text"], str(workdir / "tok.model")
+
+
+def launch(opts, workdir: Path, data: tuple[str, str], extra: list[str]) -> dict:
+    """One torchrun launch running ``phases(opts)`` on one model (``extra``: more pretrain_llama.py
+    flags); what rank 0 measured."""
+    training_iters = sum(loop == "ours" for _, loop, *_ in phases(opts)) * opts.iters
+    argv = training_args(opts, *data, training_iters) + extra
+    out, plan = workdir / "measured.json", workdir / "phases.json"
+    plan.write_text(json.dumps({"phases": phases(opts), "iters": opts.iters, "warmup": opts.warmup, "out": str(out)}))
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(opts.nproc),
+                    __file__, WORKER, str(plan), *argv],
+                   check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())
 
 
 def add_layout_args(p: argparse.ArgumentParser) -> None:
@@ -300,29 +467,33 @@ def main() -> None:
     p.add_argument("--health-overhead", metavar="PRECISION", choices=["fp8", "nvfp4", "mxfp4"], default=None,
                    help="also time uniform PRECISION with --quant-health on and off (mean step time, logging "
                         f"every {HEALTH_LOG_INTERVAL} steps)")
+    p.add_argument("--compare-attention", nargs="+", type=int, default=[], metavar="SEQ",
+                   help="instead: at each sequence length, megatron-core's DotProductAttention against the SDPA "
+                        "core attention, alone and in the training step (runs without the other phases)")
     p.add_argument("--json", help="also write the results here (for bench/gpu_suite.py)")
     opts, rest = p.parse_known_args()
     if opts.iters <= opts.warmup + 1:
         p.error(f"--iters {opts.iters} must exceed --warmup {opts.warmup} + 1 (time at least two steps)")
+    if opts.compare_attention and (opts.compare_precision or opts.snip_cycle or opts.health_overhead):
+        p.error("--compare-attention runs alone: drop --compare-precision, --snip-cycle and --health-overhead")
 
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        prefix, tok = build_data(workdir)
-        training_iters = sum(loop == "ours" for _, loop, _ in phases(opts)) * opts.iters
-        argv = training_args(opts, prefix, tok, training_iters) + rest
-        if opts.snip_cycle:
-            argv += ["--snip", "--snip-interval", NEVER]
-        out, plan = workdir / "measured.json", workdir / "phases.json"
-        plan.write_text(json.dumps({"phases": phases(opts), "iters": opts.iters, "warmup": opts.warmup,
-                                    "out": str(out)}))
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(opts.nproc),
-                        __file__, WORKER, str(plan), *argv],
-                       check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL)
-        measured = json.loads(out.read_text())
+        data = build_data(workdir)
+        if opts.compare_attention:
+            steps = {seq: launch(opts, workdir, data, rest + ["--seq-length", str(seq),
+                                                              "--max-position-embeddings", str(seq)])
+                     for seq in opts.compare_attention}
+        else:
+            measured = launch(opts, workdir, data, rest + (["--snip", "--snip-interval", NEVER] if opts.snip_cycle
+                                                           else []))
     print(f"layout TP={opts.tp} PP={opts.pp} DP={opts.nproc // (opts.tp * opts.pp)}, preset {opts.preset}, "
           f"global batch {opts.global_batch_size}, phases of {opts.iters - opts.warmup} timed iterations, "
-          f"plain/ours x {opts.repeats}")
-    lines, figures = summarise(measured)
+          f"{'dot-product/sdpa' if opts.compare_attention else 'plain/ours'} x {opts.repeats}")
+    if opts.compare_attention:
+        lines, figures = summarise_attention(attention_alone(opts.compare_attention, opts.bf16), steps, opts.bf16)
+    else:
+        lines, figures = summarise(measured)
     print("\n".join(lines))
     write_json(opts.json, {"benchmark": "step_time", "layout": {"tp": opts.tp, "pp": opts.pp, "nproc": opts.nproc,
                                                                 "preset": opts.preset, "bf16": opts.bf16},

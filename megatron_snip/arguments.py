@@ -14,13 +14,15 @@ import argparse
 import importlib.util
 import math
 import os
+from typing import TYPE_CHECKING
 
-from megatron_snip.compat.device import has_cuda
 from megatron_snip.model import checkpoint_shape
 from megatron_snip.model.presets import PRESETS
 from megatron_snip.precision.gemm_speed import SPEED_MODELS
 from megatron_snip.precision.registry import FP4_NAMES, PRECISION_NAMES
-from megatron_snip.training.config import RunConfig
+
+if TYPE_CHECKING:  # imported where used: --help and flag errors need no megatron-core (seconds of imports)
+    from megatron_snip.training.config import RunConfig
 
 
 class ArgumentError(ValueError):
@@ -66,6 +68,12 @@ def _model(p: argparse.ArgumentParser) -> None:
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local",
                    help="Layer implementation: megatron-core's own modules or Transformer Engine's.")
+    g.add_argument("--attention-backend", choices=["flash", "fused", "unfused", "local", "auto"], default="auto",
+                   help="Core attention. With --transformer-impl local: unfused and local keep megatron-core's "
+                        "DotProductAttention (materialises the scores); auto, flash and fused use torch's "
+                        "scaled_dot_product_attention (torch chooses its flash or memory-efficient kernel on "
+                        "GPU). With transformer_engine: passed to megatron-core's TransformerConfig "
+                        "attention_backend (Transformer Engine chooses). Not part of a checkpoint's shape.")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
     g.add_argument("--recompute-num-layers", type=int, default=None)
@@ -94,10 +102,19 @@ def _training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--micro-batch-size", type=int, default=4)
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="Default: micro-batch-size x data-parallel size.")
-    g.add_argument("--train-iters", type=int, required=True)
+    g.add_argument("--train-iters", type=int, default=None,
+                   help="Iterations (global batches) to train; required unless --train-samples is given.")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--exit-interval", type=int, default=None,
                    help="Save (if --save) and exit after an iteration divisible by this value.")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="Save (if --save) and exit once the run's wall time since start-up passes this many minutes "
+                        "(fractions accepted). Checked at every iteration; all ranks agree (an all-reduce) and stop "
+                        "one iteration after it passes. The run's exit record (SAVE/exit_record.json) then asks the "
+                        "SLURM script for a requeue (python -m megatron_snip.training.requeue).")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="Accepted for Megatron-LM scripts: here the handler is always on. SIGTERM or SIGUSR1 make "
+                        "every rank finish its iteration, save (if --save) and exit 0.")
     g.add_argument("--skip-train", action="store_true",
                    help="Bypass the training loop: only evaluate the (loaded) model on the validation data.")
     g.add_argument("--bf16", action="store_true")
@@ -136,13 +153,18 @@ def _precision(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fp8-format", choices=["hybrid", "e4m3"], default=None,
                    help="E4M3 forward / E5M2 gradients (hybrid, default) or E4M3 everywhere. As in "
                         "Megatron, giving it without --precision selects --precision fp8.")
-    g.add_argument("--fp8-amax-history-len", type=int, default=None, help="Delayed scaling (default 1024).")
+    g.add_argument("--fp8-amax-history-len", type=int, default=None,
+                   help="Delayed scaling: amaxes kept per operand (default 1, as in Megatron-LM).")
     g.add_argument("--fp8-amax-compute-algo", choices=["max", "most_recent"], default=None,
-                   help="Delayed scaling (default max).")
+                   help="Delayed scaling: the scale follows the history's max or its most recent amax "
+                        "(default most_recent, as in Megatron-LM).")
     g.add_argument("--fp8-margin", type=int, default=None, help="Delayed scaling headroom in binades (default 0).")
     g.add_argument("--fp4-recipe", choices=list(FP4_NAMES), default=None,
                    help="The 4-bit format that --precision fp4 and SNIP use (default nvfp4). Given on resume, the "
                         "checkpoint plan's FP4 modules run in it.")
+    g.add_argument("--fp4-format", choices=["e2m1"], default=None,
+                   help="Megatron-LM's FP4 switch: as --precision fp4 (the format --fp4-recipe names); not with "
+                        "--fp8-format.")
     # Transformer Engine's NVFP4 switches (NVTE_NVFP4_DISABLE_*), honoured by every backend and by
     # SNIP's probes, which measure each candidate format exactly as it will run.
     g.add_argument("--fp4-disable-stochastic-rounding", action=argparse.BooleanOptionalAction, default=None,
@@ -154,11 +176,20 @@ def _precision(p: argparse.ArgumentParser) -> None:
                    help="1x16 NVFP4 weight blocks along each GEMM's reduction dim instead of 16x16 tiles "
                         "(TE: NVTE_NVFP4_DISABLE_2D_QUANTIZATION=1).")
     g.add_argument("--first-last-layers-bf16", action="store_true",
-                   help="Keep the first/last layers' linear modules in bf16 (see the next two flags).")
-    g.add_argument("--num-layers-at-start-in-bf16", type=int, default=1)
-    g.add_argument("--num-layers-at-end-in-bf16", type=int, default=1)
+                   help="Keep the first/last layers' linear modules in bf16 (see the next two flags); with --snip "
+                        "they are pins SNIP never re-plans, counted in its budgets.")
+    g.add_argument("--num-layers-at-start-in-bf16", type=int, default=1,
+                   help="Layers at the start kept in bf16 by --first-last-layers-bf16.")
+    g.add_argument("--num-layers-at-end-in-bf16", type=int, default=1,
+                   help="Layers at the end kept in bf16 by --first-last-layers-bf16.")
     g.add_argument("--precision-plan", default=None,
                    help="JSON plan: precision per module (replaces a checkpoint's plan; not with --precision).")
+    g.add_argument("--te-precision-config-file", default=None, metavar="FILE.yaml",
+                   help="Megatron-LM's per-module precision config (megatron-core quantization/quant_config.py: "
+                        "glob matchers over stage-local module paths -> Transformer Engine recipes; docs/snip.md). "
+                        "Read by megatron-core's parser on either --transformer-impl. Without --snip it sets the plan "
+                        "(not with --precision-plan) over --precision (default bf16) and --first-last-layers-bf16, "
+                        "as in Megatron-LM; with --snip the modules it sets are pins SNIP never re-plans.")
     g.add_argument("--precision-schedule", nargs="+", default=None, metavar="PASSES=PRECISION@START",
                    help="From a step on, fix some GEMMs of every module, e.g. fwd=bf16@0.82 (the NVFP4 recipe's "
                         "last 18%% of training with bf16 forward GEMMs), all=fp8@9000, bwd=fp8@90%%. PASSES: fwd, "
@@ -211,14 +242,17 @@ def _snip(p: argparse.ArgumentParser) -> None:
                    help="Objective penalty per module whose precision changes from the current plan.")
     g.add_argument("--snip-probe-passes", type=int, default=3,
                    help="Noise draws per estimator, each one pass differenced against the clean pass "
-                        "(default 3: 1 clean + 3 curvature + 3 perturbation passes).")
+                        "(default 3: a cycle runs 1 gradient + 1 clean + 3 curvature + 3 perturbation passes, 8 "
+                        "in all; 2 + 2K).")
 
 
 def _data(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="+", default=None,
                    help="Prefix of a .bin/.idx pair, or a blend 'W1 PREFIX1 W2 PREFIX2 ...'.")
-    g.add_argument("--split", default="969,30,1", help="Train,valid,test proportions.")
+    g.add_argument("--split", default="969,30,1",
+                   help="Train,valid,test proportions. A validation share of 0 turns evaluation off (as in "
+                        "Megatron-LM: --eval-iters is then 0).")
     g.add_argument("--tokenizer-type", choices=["SentencePieceTokenizer", "HuggingFaceTokenizer"],
                    default="SentencePieceTokenizer",
                    help="SentencePieceTokenizer (a .model file: TinyLlama, Llama 2) or HuggingFaceTokenizer (a "
@@ -297,6 +331,99 @@ def _validate_safety(args: argparse.Namespace) -> None:
              "--promote-on-fault needs --quant-health (with --transformer-impl local) to know which module to promote")
 
 
+def _megatron_lm(p: argparse.ArgumentParser) -> None:
+    """Flags of Megatron-LM's Llama scripts: implemented with its meaning, or refused with the reason."""
+    g = p.add_argument_group("Megatron-LM script flags")
+    g.add_argument("--train-samples", type=int, default=None,
+                   help="Train for this many samples instead of --train-iters: iterations = samples / "
+                        "--global-batch-size (a multiple of it).")
+    g.add_argument("--lr-decay-samples", type=int, default=None,
+                   help="With --train-samples: --lr-decay-iters in samples (a multiple of --global-batch-size).")
+    g.add_argument("--lr-warmup-samples", type=int, default=0,
+                   help="With --train-samples: --lr-warmup-iters in samples (a multiple of --global-batch-size).")
+    g.add_argument("--kv-channels", type=int, default=None,
+                   help="Per-head dimension; accepted when it equals --hidden-size / --num-attention-heads.")
+    g.add_argument("--rotary-percent", type=float, default=1.0,
+                   help="Fraction of each head's dimension rotary embeddings rotate; only 1.0 (Llama).")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="As in Megatron-LM: --recompute-granularity selective.")
+    g.add_argument("--manual-gc", action="store_true",
+                   help="Disable Python's automatic garbage collector (collections then happen at the same "
+                        "iterations on every rank): collect every --manual-gc-interval iterations and around "
+                        "evaluations.")
+    g.add_argument("--manual-gc-interval", type=int, default=0,
+                   help="With --manual-gc: iterations between collections (0: only around evaluations).")
+    g.add_argument("--no-manual-gc-eval", dest="manual_gc_eval", action="store_false",
+                   help="With --manual-gc: no collection before and after each evaluation.")
+    g.add_argument("--ckpt-format", choices=["torch", "torch_dist", "torch_dcp", "fsdp_dtensor"],
+                   default="torch_dist", help="Only torch_dist (megatron-core dist_checkpointing) is written and read.")
+    g.add_argument("--async-save", action="store_true", help="Refused: checkpoints are saved synchronously.")
+    g.add_argument("--no-save-optim", action="store_true",
+                   help="Save no optimizer or LR-scheduler state (a run resuming from it starts them afresh, as "
+                        "with --no-load-optim).")
+    g.add_argument("--no-save-rng", action="store_true",
+                   help="Save no RNG or quantization state (a run resuming from it keeps its own).")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="With --load: refuse a directory that holds no checkpoint even when it equals --save "
+                        "(no fresh start).")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="Accepted: the model's shape always comes from the checkpoint in --load.")
+    g.add_argument("--no-fp8-wgrad", action="store_true", help="Refused: wgrad runs in the backward's precision.")
+    g.add_argument("--fp8-param-gather", action="store_true", help="Refused: parameters are never stored in fp8.")
+
+
+# Megatron-LM flags refused with the reason and what to do instead (flag -> message).
+_REFUSED = {
+    "async_save": "--async-save: checkpoints are saved synchronously (written to iter_N.tmp and renamed once every "
+                  "rank has finished, so a crash never leaves a partial one); drop the flag",
+    "no_fp8_wgrad": "--no-fp8-wgrad: a plan gives each module one precision for both backward GEMMs (dgrad and "
+                    "wgrad); keep the backward out of fp8 with --precision-schedule bwd=bf16@1, or drop the flag",
+    "fp8_param_gather": "--fp8-param-gather: parameters stay in bf16/fp32 and are quantized at each GEMM, so there "
+                        "are no fp8 parameters to all-gather; drop the flag",
+}
+
+
+def _samples_to_iters(flag: str, samples: int, global_batch_size: int) -> int:
+    """Megatron-LM's sample-based length ``samples`` in iterations of ``global_batch_size`` samples."""
+    _require(samples >= 0 and samples % global_batch_size == 0,
+             f"{flag} {samples} is not a multiple of --global-batch-size {global_batch_size}; use a multiple "
+             f"(iterations = {flag} / --global-batch-size), or give the length in iterations")
+    return samples // global_batch_size
+
+
+def _validate_megatron_lm(args: argparse.Namespace) -> None:
+    """Megatron-LM's flags: sample counts become iterations, the rest is accepted or refused with the reason."""
+    for key, message in _REFUSED.items():
+        _require(not getattr(args, key), message)
+    _require(args.ckpt_format == "torch_dist", f"--ckpt-format {args.ckpt_format}: checkpoints are megatron-core "
+             "dist_checkpointing (torch_dist) only; use --ckpt-format torch_dist (Megatron-LM's default)")
+    head_dim = args.hidden_size // args.num_attention_heads
+    _require(args.kv_channels in (None, head_dim),
+             f"--kv-channels {args.kv_channels} differs from --hidden-size {args.hidden_size} / "
+             f"--num-attention-heads {args.num_attention_heads} = {head_dim}, the only head dimension the Llama "
+             f"model here has; drop --kv-channels or pass {head_dim}")
+    _require(args.rotary_percent == 1.0, f"--rotary-percent {args.rotary_percent}: Llama rotates every head "
+             "dimension; only --rotary-percent 1.0 is supported")
+    if args.recompute_activations:
+        args.recompute_granularity = "selective"  # Megatron-LM's meaning, whatever --recompute-granularity says
+    _require(args.manual_gc_interval >= 0, "--manual-gc-interval must be >= 0")
+    if args.train_samples is None:
+        _require(args.train_iters is not None, "--train-iters N (or Megatron-LM's --train-samples N) is required")
+        _require(args.lr_decay_samples is None and args.lr_warmup_samples == 0,
+                 "--lr-decay-samples and --lr-warmup-samples go with --train-samples; with --train-iters use "
+                 "--lr-decay-iters and --lr-warmup-iters")
+        return
+    _require(args.train_iters is None, "give --train-iters or --train-samples, not both")
+    _require(args.lr_decay_iters is None and args.lr_warmup_iters == 0,
+             "with --train-samples give the LR schedule in samples (--lr-decay-samples, --lr-warmup-samples), as "
+             "Megatron-LM expects, not --lr-decay-iters / --lr-warmup-iters")
+    gbs = args.global_batch_size
+    args.train_iters = _samples_to_iters("--train-samples", args.train_samples, gbs)
+    if args.lr_decay_samples is not None:
+        args.lr_decay_iters = _samples_to_iters("--lr-decay-samples", args.lr_decay_samples, gbs)
+    args.lr_warmup_iters = _samples_to_iters("--lr-warmup-samples", args.lr_warmup_samples, gbs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pretrain_llama.py",
@@ -304,7 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     for add in (_parallel, _model, _rope_scaling, _training, _precision, _snip, _data,
-                _checkpoint_and_logging, _numerical_safety):
+                _checkpoint_and_logging, _numerical_safety, _megatron_lm):
         add(p)
     return p
 
@@ -333,6 +460,8 @@ def _apply_checkpoint_shape(args: argparse.Namespace) -> None:
         common = read_common_state(args.load)
         if common is not None:
             _fill_from_checkpoint(args, common.get("args", {}), args.load)
+        else:
+            _refuse_hf_directory(args.load)
     except (CheckpointError, ValueError) as e:
         raise ArgumentError(str(e)) from e
 
@@ -390,13 +519,16 @@ def resolve(parsed: argparse.Namespace, world_size: int | None = None, cuda: boo
     data or GPU software).
 
     Derived: the data-parallel size, ``global_batch_size`` (if unset), the number of
-    micro-batches, ``lr_decay_iters``, ``lr_warmup_iters``, the virtual pipeline size, the
-    recipe values a resumed checkpoint keeps, SNIP's defaults and the distributed backend.
+    micro-batches, ``train_iters`` / ``lr_decay_iters`` / ``lr_warmup_iters`` (also from Megatron-LM's
+    sample counts), the virtual pipeline size, ``eval_iters`` 0 for a ``--split`` without validation,
+    the recipe values a resumed checkpoint keeps, SNIP's defaults and the distributed backend.
     """
 
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if cuda is None:
+        from megatron_snip.compat.device import has_cuda
+
         cuda = has_cuda()
     args = argparse.Namespace(**vars(parsed))  # the working copy the checks fill in
     if check_files:
@@ -438,6 +570,7 @@ def resolve(parsed: argparse.Namespace, world_size: int | None = None, cuda: boo
              f"{args.micro_batch_size} x data-parallel size {dp} = {per_step}; use a multiple of {per_step}")
     args.num_microbatches = args.global_batch_size // per_step
     _validate_virtual_pipeline(args)
+    _validate_megatron_lm(args)
     _require(not args.overlap_param_gather or args.use_distributed_optimizer,
              "--overlap-param-gather needs --use-distributed-optimizer (it overlaps the all-gather of the "
              "optimizer's parameter shards); add it, or drop --overlap-param-gather")
@@ -470,6 +603,8 @@ def resolve(parsed: argparse.Namespace, world_size: int | None = None, cuda: boo
     if args.num_workers is None:
         args.num_workers = 2 if cuda else 0
     _require(args.num_workers >= 0, "--num-workers must be >= 0")
+    _require(args.exit_duration_in_mins is None or args.exit_duration_in_mins > 0,
+             f"--exit-duration-in-mins {args.exit_duration_in_mins} must be > 0 (minutes of wall time)")
     if args.save_interval is not None:
         _require(args.save_interval >= 1, "--save-interval must be >= 1")
         _require(args.save is not None, "--save-interval needs --save DIR")
@@ -481,13 +616,17 @@ def resolve(parsed: argparse.Namespace, world_size: int | None = None, cuda: boo
     _validate_precision(args, cuda, resumed)
     _validate_snip(args)
     _validate_safety(args)
+    _validate_split(args)
     if check_files:
+        _validate_solver(args)
         _validate_files(args, resumed)
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if cuda else "gloo"
     _require(args.distributed_backend == "gloo" or cuda,
              "--distributed-backend nccl needs CUDA; use --distributed-backend gloo on CPU")
     args.precision_notes = tuple(args.precision_notes)
+    from megatron_snip.training.config import RunConfig
+
     config = RunConfig.from_flags(vars(args))
     _check_plans(config, resumed, check_files)
     return config
@@ -535,8 +674,8 @@ def _validate_virtual_pipeline(args: argparse.Namespace) -> None:
 
 # Defaults of the flags that say how each precision is realised; on resume the checkpoint's
 # values stand in for flags that are not given.
-RECIPE_DEFAULTS = {"fp8_recipe": "tensorwise", "fp8_format": "hybrid", "fp8_amax_history_len": 1024,
-                   "fp8_amax_compute_algo": "max", "fp8_margin": 0, "fp4_recipe": "nvfp4",
+RECIPE_DEFAULTS = {"fp8_recipe": "tensorwise", "fp8_format": "hybrid", "fp8_amax_history_len": 1,
+                   "fp8_amax_compute_algo": "most_recent", "fp8_margin": 0, "fp4_recipe": "nvfp4",
                    "fp4_disable_stochastic_rounding": False, "nvfp4_disable_rht": False,
                    "nvfp4_disable_2d_quantization": False}
 
@@ -544,8 +683,14 @@ RECIPE_DEFAULTS = {"fp8_recipe": "tensorwise", "fp8_format": "hybrid", "fp8_amax
 def _validate_precision(args: argparse.Namespace, cuda: bool, resumed: dict | None) -> None:
     """Fill the recipe flags (given > the resumed checkpoint's > defaults), noting for the start-up
     log where a given flag replaces the checkpoint's value (``args.precision_notes``)."""
+    _require(args.fp4_format is None or args.fp8_format is None,
+             "--fp4-format and --fp8-format cannot be used together (as in Megatron-LM): choose one")
     if args.precision is None and args.fp8_format is not None:
         args.precision = "fp8"  # as in Megatron: --fp8-format alone turns fp8 on
+    if args.fp4_format is not None:  # Megatron-LM's switch for NVFP4 (with --fp4-recipe)
+        _require(args.precision in (None, "fp4", *FP4_NAMES),
+                 f"--fp4-format {args.fp4_format} turns FP4 on but --precision is {args.precision}; drop one of them")
+        args.precision = args.precision or "fp4"
     saved = (resumed or {}).get("args", {})
     args.precision_notes = []
     for key, default in RECIPE_DEFAULTS.items():
@@ -621,6 +766,33 @@ def _te_snip_candidates(args: argparse.Namespace) -> None:
                                     "recipe covers a module's forward and backward GEMMs): SNIP plans them together")
 
 
+def _validate_split(args: argparse.Namespace) -> None:
+    """``--split`` parsed as megatron-core parses it; as in Megatron-LM, no validation share means no
+    evaluation (``--eval-iters`` becomes 0)."""
+    from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
+
+    try:
+        train, valid, _ = parse_and_normalize_split(args.split)
+    except (AssertionError, ValueError, ZeroDivisionError) as e:
+        raise ArgumentError(f"--split {args.split!r}: expected up to three shares >= 0, not all 0, "
+                            f"train,valid,test (e.g. 969,30,1)") from e
+    _require(train > 0 or args.skip_train or args.train_iters == 0,
+             f"--split {args.split} gives training no documents; give its first field a share")
+    if valid == 0:
+        args.eval_iters = 0
+
+
+def _validate_solver(args: argparse.Namespace) -> None:
+    """``--snip-solver gurobi`` needs a Gurobi that starts (a bad license would fail at the first re-plan)."""
+    if not (args.snip and args.snip_solver == "gurobi"):
+        return
+    from megatron_snip.snip.solvers import gurobi_unavailable
+
+    reason = gurobi_unavailable()
+    _require(reason is None, f"--snip-solver gurobi: {reason}; use --snip-solver highs, or auto (Gurobi when usable, "
+             f"else HiGHS)")
+
+
 def _resumed_state(args: argparse.Namespace) -> dict | None:
     """The replicated state of the checkpoint this run resumes (None: none, or --finetune)."""
     if args.load is None or args.finetune:
@@ -660,11 +832,24 @@ def _validate_files(args: argparse.Namespace, resumed: dict | None) -> None:
         latest = verify_latest(args.load) if args.load is not None else None
     except (FileNotFoundError, ValueError, CheckpointError) as e:
         raise ArgumentError(str(e)) from e
-    if args.load is not None:
-        if latest is None and os.path.abspath(args.load) != os.path.abspath(args.save or ""):
-            raise ArgumentError(
-                f"--load {args.load!r} holds no checkpoint (no latest_checkpointed_iteration.txt); "
-                f"fix the path, or pass the same directory to --save and --load to resume-or-start")
+    if args.load is not None and latest is None:
+        _require(not args.exit_on_missing_checkpoint,
+                 f"--load {args.load!r} holds no checkpoint (no latest_checkpointed_iteration.txt) and "
+                 f"--exit-on-missing-checkpoint is given; fix the path, or drop the flag to start fresh")
+        _require(os.path.abspath(args.load) == os.path.abspath(args.save or ""),
+                 f"--load {args.load!r} holds no checkpoint (no latest_checkpointed_iteration.txt); "
+                 f"fix the path, or pass the same directory to --save and --load to resume-or-start")
+
+
+def _refuse_hf_directory(path: str) -> None:
+    """A Hugging Face model directory given to --load (a common mistake) is named as such, with the converter."""
+    import glob
+
+    if os.path.isfile(os.path.join(path, "config.json")) or glob.glob(os.path.join(path, "*.safetensors")):
+        raise ArgumentError(
+            f"--load {path!r} is a Hugging Face model directory (config.json / *.safetensors), not a checkpoint; "
+            f"convert it once with python tools/convert_hf_llama.py import --load-dir {path} --save-dir CKPT_DIR "
+            f"and pass --load CKPT_DIR")
 
 
 def parse_config(argv: list[str] | None = None, world_size: int | None = None,

@@ -1,19 +1,21 @@
-"""``pretrain_llama.py``'s main: parse the command line, set up the device, train; errors as one line."""
+"""``pretrain_llama.py``'s main: parse the command line, set up the device, train; errors as one line.
+
+``--help`` and flag syntax errors are answered by argparse before megatron-core is imported (its
+imports take seconds); everything heavy is imported after the flags parse.
+"""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import torch.distributed as dist
-from megatron.core import parallel_state
-
-from megatron_snip.arguments import ArgumentError, parse_config
-from megatron_snip.compat.device import setup_device
+from megatron_snip.arguments import ArgumentError, build_parser, resolve
 from megatron_snip.compat.launch import default_to_one_process
-from megatron_snip.training import checkpointing
-from megatron_snip.training.safety import NonFiniteError
-from megatron_snip.training.trainer import Trainer, build_trainer, pretrain
+
+if TYPE_CHECKING:
+    from megatron_snip.training.config import RunConfig
+    from megatron_snip.training.trainer import Trainer
 
 
 def _error(e: Exception) -> None:
@@ -23,11 +25,23 @@ def _error(e: Exception) -> None:
     sys.stderr.flush()
 
 
+def _config(argv: list[str] | None) -> RunConfig:
+    """Parse (argparse exits on --help or a syntax error), then validate; raises ArgumentError."""
+    parsed = build_parser().parse_args(argv)
+    from megatron_snip.compat.cpu import silence_cpu_warnings
+
+    silence_cpu_warnings()  # before megatron-core's imports (checkpoint and data checks) print them
+    return resolve(parsed)
+
+
 def trainer_from_command_line(argv: list[str] | None = None) -> Trainer:
     """For tools and test drivers that take ``pretrain_llama.py``'s flags and drive the trainer themselves.
     Raises ArgumentError on bad flags."""
     default_to_one_process()
-    config = parse_config(argv)
+    config = _config(argv)
+    from megatron_snip.compat.device import setup_device
+    from megatron_snip.training.trainer import build_trainer
+
     setup_device()
     return build_trainer(config)
 
@@ -36,10 +50,18 @@ def main(argv: list[str] | None = None, on_build: Callable[[Trainer], None] | No
     """Exit status: 0 done, 2 bad flags, 1 a checkpoint or numerical failure (every rank says which)."""
     default_to_one_process()  # started by hand, without torchrun/srun: a world of one
     try:
-        config = parse_config(argv)
+        config = _config(argv)
     except ArgumentError as e:
         _error(e)
         return 2
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_snip.compat.device import setup_device
+    from megatron_snip.training import checkpointing
+    from megatron_snip.training.safety import NonFiniteError
+    from megatron_snip.training.trainer import pretrain
+
     setup_device()
     try:
         pretrain(config, on_build)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT, train_args
+from conftest import ROOT, torchrun, train_args
 from megatron_snip.arguments import ArgumentError, parse_config
 
 
@@ -180,3 +181,165 @@ def test_a_split_without_documents_is_refused_before_start_up(tiny_data):
     would loop forever building it): refused with the flags, not a traceback from the trainer."""
     with pytest.raises(ArgumentError, match=r"--split 969,30,1 gives the test split none of the 60 documents"):
         parse(tiny_data, "--split", "969,30,1")
+
+
+# -- Megatron-LM scripts' flags --------------------------------------------------------------------
+
+def without_train_iters(data, *extra):
+    """train_args with the length and warm-up left to ``extra`` (--train-samples, --lr-warmup-samples)."""
+    argv = train_args(data)
+    for flag in ("--train-iters", "--lr-warmup-iters"):
+        i = argv.index(flag)
+        argv = argv[:i] + argv[i + 2:]
+    return [*argv, *extra]
+
+
+def test_fp4_format_turns_fp4_on_as_megatron_does(tiny_data):
+    assert parse(tiny_data, "--fp4-format", "e2m1").precision.precision == "fp4"
+    precision = parse(tiny_data, "--fp4-format", "e2m1", "--fp4-recipe", "nvfp4").precision
+    assert (precision.precision, precision.alias(precision.precision)) == ("fp4", "nvfp4")
+    assert parse(tiny_data, "--fp4-format", "e2m1", "--fp4-recipe", "mxfp4").precision.fp4_recipe == "mxfp4"
+    assert parse(tiny_data, "--fp4-format", "e2m1", "--precision", "nvfp4").precision.precision == "nvfp4"
+
+
+def test_fp8_delayed_scaling_defaults_are_megatrons_and_a_checkpoint_keeps_its_own():
+    from megatron_snip import arguments
+
+    def recipe(argv, resumed):
+        args = arguments.build_parser().parse_args(["--train-iters", "1", *argv])
+        arguments._apply_preset(args)
+        arguments._validate_precision(args, cuda=False, resumed=resumed)
+        return args.fp8_amax_history_len, args.fp8_amax_compute_algo, args.precision_notes
+
+    assert recipe([], None) == (1, "most_recent", [])
+    old = {"args": {"fp8_amax_history_len": 1024, "fp8_amax_compute_algo": "max"}}  # saved under the old defaults
+    assert recipe([], old) == (1024, "max", [])
+    assert recipe(["--fp8-amax-history-len", "16"], old) == (
+        16, "max", ["--fp8-amax-history-len 16 replaces the checkpoint's 1024"])
+
+
+def test_train_samples_become_iterations(tiny_data):
+    training = parse_config(without_train_iters(tiny_data, "--train-samples", "48", "--lr-decay-samples", "40",
+                                                "--lr-warmup-samples", "16"), world_size=1, cuda=False).training
+    assert (training.train_iters, training.lr_decay_iters, training.lr_warmup_iters) == (6, 5, 2)  # global batch 8
+
+
+def test_accepted_megatron_flags_take_megatrons_meaning(tiny_data):
+    config = parse(tiny_data, "--kv-channels", "16", "--rotary-percent", "1.0", "--recompute-activations",
+                   "--ckpt-format", "torch_dist", "--use-checkpoint-args", "--manual-gc", "--manual-gc-interval", "5",
+                   "--no-save-optim", "--no-save-rng")
+    assert config.model.recompute_granularity == "selective"
+    assert (config.training.manual_gc, config.training.manual_gc_interval, config.training.manual_gc_eval) == (
+        True, 5, True)
+    assert not parse(tiny_data, "--manual-gc", "--no-manual-gc-eval").training.manual_gc_eval
+    assert (config.checkpoint.no_save_optim, config.checkpoint.no_save_rng) == (True, True)
+
+
+@pytest.mark.parametrize("extra,message", [
+    (("--fp4-format", "e2m1", "--fp8-format", "hybrid"), "--fp4-format and --fp8-format cannot be used together"),
+    (("--fp4-format", "e2m1", "--precision", "fp8"), "--fp4-format e2m1 turns FP4 on but --precision is fp8"),
+    (("--kv-channels", "32"), "--kv-channels 32 differs from --hidden-size 64 / --num-attention-heads 4 = 16"),
+    (("--rotary-percent", "0.5"), "--rotary-percent 0.5: Llama rotates every head dimension"),
+    (("--ckpt-format", "torch"), "--ckpt-format torch: checkpoints are megatron-core dist_checkpointing"),
+    (("--async-save",), "--async-save: checkpoints are saved synchronously"),
+    (("--no-fp8-wgrad",), "--no-fp8-wgrad: a plan gives each module one precision for both backward GEMMs"),
+    (("--fp8-param-gather",), "--fp8-param-gather: parameters stay in bf16/fp32"),
+    (("--manual-gc-interval", "-1"), "--manual-gc-interval must be >= 0"),
+    (("--train-samples", "48"), "give --train-iters or --train-samples, not both"),
+    (("--lr-decay-samples", "48"), "--lr-decay-samples and --lr-warmup-samples go with --train-samples"),
+])
+def test_refused_megatron_flags_say_why(tiny_data, extra, message):
+    with pytest.raises(ArgumentError, match=re.escape(message)):
+        parse(tiny_data, *extra)
+
+
+@pytest.mark.parametrize("extra,message", [
+    ((), "--train-iters N (or Megatron-LM's --train-samples N) is required"),
+    (("--train-samples", "20"), "--train-samples 20 is not a multiple of --global-batch-size 8"),
+    (("--train-samples", "48", "--lr-decay-iters", "4"), "with --train-samples give the LR schedule in samples"),
+])
+def test_train_samples_refusals(tiny_data, extra, message):
+    with pytest.raises(ArgumentError, match=re.escape(message)):
+        parse_config(without_train_iters(tiny_data, *extra), world_size=1, cuda=False)
+
+
+def test_exit_on_missing_checkpoint_refuses_the_fresh_start(tiny_data, tmp_path):
+    assert parse(tiny_data, "--load", str(tmp_path), "--save", str(tmp_path)).checkpoint.load == str(tmp_path)
+    with pytest.raises(ArgumentError, match=r"--load .* holds no checkpoint .* and --exit-on-missing-checkpoint"):
+        parse(tiny_data, "--load", str(tmp_path), "--save", str(tmp_path), "--exit-on-missing-checkpoint")
+
+
+# -- bad input that used to escape as a traceback or a misleading line ----------------------------
+
+def test_gurobi_solver_is_checked_at_start_up(tiny_data):
+    from megatron_snip.snip.solvers import gurobi_unavailable
+
+    reason = gurobi_unavailable()
+    argv = ("--snip", "--snip-interval", "2", "--snip-solver", "gurobi")
+    if reason is None:
+        assert parse(tiny_data, *argv).snip.snip_solver == "gurobi"
+    else:
+        with pytest.raises(ArgumentError, match=r"^--snip-solver gurobi: .*; use --snip-solver highs"):
+            parse(tiny_data, *argv)
+        assert "\n" not in reason
+
+
+def test_a_split_without_validation_share_turns_evaluation_off(tiny_data):
+    """Megatron-LM builds no validation dataset for a share of 0 and skips evaluation (do_valid)."""
+    assert parse(tiny_data, "--split", "100,0,0").logging.eval_iters == 0
+    assert parse(tiny_data, "--split", "90,10,0").logging.eval_iters == 2
+    with pytest.raises(ArgumentError, match=r"--split 0,100,0 gives training no documents"):
+        parse(tiny_data, "--split", "0,100,0")
+    with pytest.raises(ArgumentError, match=r"--split '1,1,1,1': expected up to three shares"):
+        parse(tiny_data, "--split", "1,1,1,1")
+
+
+def test_a_weighted_blend_missing_a_prefix_says_they_come_in_pairs(tiny_data):
+    with pytest.raises(ArgumentError, match=r"'0\.7' looks like a blend weight, but weights and prefixes come in "
+                                            r"pairs, each weight before its prefix .*3 items given"):
+        parse(tiny_data, "--data-path", "0.7", tiny_data.prefix, "0.3")
+    assert parse(tiny_data, "--data-path", "0.7", tiny_data.prefix, "0.3", tiny_data.prefix).data.data_path == (
+        "0.7", tiny_data.prefix, "0.3", tiny_data.prefix)
+
+
+@pytest.mark.parametrize("hf_file", ["config.json", "model.safetensors"])
+def test_load_of_a_hugging_face_directory_names_the_converter(tiny_data, tmp_path, hf_file):
+    (tmp_path / hf_file).write_text("{}")
+    with pytest.raises(ArgumentError, match=r"is a Hugging Face model directory .* python tools/convert_hf_llama\.py "
+                                            r"import --load-dir .* --save-dir CKPT_DIR and pass --load CKPT_DIR"):
+        parse(tiny_data, "--load", str(tmp_path))
+
+
+@pytest.mark.integration
+def test_help_and_flag_errors_import_no_megatron_core():
+    """--help and argparse's errors are answered before megatron-core's seconds of imports."""
+    for argv, code in ((["--help"], 0), (["--no-such-flag"], 2)):
+        proc = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / "pretrain_llama.py"), *argv],
+                              capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert proc.returncode == code, proc.stderr[-2000:]
+        imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+        assert "megatron_snip.arguments" in imported
+        assert not {m for m in imported if m == "megatron" or m.startswith("megatron.")}
+    assert "--fp4-format" in subprocess.run([sys.executable, str(ROOT / "pretrain_llama.py"), "--help"],
+                                            capture_output=True, text=True, cwd=ROOT, timeout=120).stdout
+
+
+@pytest.mark.integration
+def test_a_megatron_nvfp4_script_trains_saves_lean_checkpoints_and_resumes(tiny_data, tmp_path):
+    """--fp4-format e2m1 --fp4-recipe nvfp4 trains every linear GEMM in NVFP4, for --train-samples / global batch
+    iterations, under --manual-gc; --no-save-optim --no-save-rng checkpoints hold neither state, and a run resuming
+    from one continues at its iteration with a fresh optimizer."""
+    from megatron_snip.training.checkpointing import NO_OPTIM, NO_RNG, read_common_state
+
+    ckpt = str(tmp_path / "ckpt")
+    megatron = ("--fp4-format", "e2m1", "--fp4-recipe", "nvfp4", "--manual-gc", "--manual-gc-interval", "1",
+                "--no-save-optim", "--no-save-rng", "--save", ckpt, "--load", ckpt, "--lr-decay-samples", "32")
+    first = torchrun(1, without_train_iters(tiny_data, *megatron, "--train-samples", "16"))
+    assert "100.0% of linear-layer FLOPs in FP4" in first.stdout and "fp4 nvfp4" in first.stdout
+    common = read_common_state(ckpt)
+    assert (common["iteration"], common[NO_OPTIM], common[NO_RNG]) == (2, True, True)
+    assert common["args"]["train_iters"] == 2 and common["args"]["lr_decay_iters"] == 4
+    second = torchrun(1, without_train_iters(tiny_data, *megatron, "--train-samples", "32",
+                                             "--exit-on-missing-checkpoint"))
+    assert "resumed from" in second.stdout and "continuing at 2" in second.stdout
+    assert read_common_state(ckpt)["iteration"] == 4

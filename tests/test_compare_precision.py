@@ -269,3 +269,152 @@ def test_sigterm_to_the_tool_saves_the_branch_in_flight_and_a_rerun_finishes_it(
     torchrun(1, [*train_args, "--seed", "1", "--train-iters", "30", "--tensorboard-dir", str(tmp_path / "tb")])
     assert scalars(tmp_path / "tb", "valid/lm loss")[30] == json.loads(
         (out / "seed1" / "bf16" / "result.json").read_text())["final_valid_loss"]
+
+
+# -- the oracle arm ------------------------------------------------------------------------------------------
+
+def two_by_two_problem(target: float = 0.0):
+    """2 layers x (qkv 32->96, fc2 64->32): FLOPs 3072 and 2048 per layer (x 3 x 2 x 64 tokens)."""
+    from megatron_snip.snip.ilp import LinearModule, SnipProblem
+
+    shapes = {"self_attention.linear_qkv": (32, 96), "mlp.linear_fc2": (64, 32)}
+    mods = [LinearModule.from_shape(f"decoder.layers.{i}.{t}", i, 64, *shapes[t]) for i in range(2) for t in shapes]
+    return SnipProblem(mods, ("bf16", "fp8", "nvfp4"), target,
+                       cost={m.name: {"bf16": 0.0, "fp8": 0.0, "nvfp4": 1.0} for m in mods})
+
+
+QKV0, FC2_0, QKV1, FC2_1 = (f"decoder.layers.{i}.{t}" for i in range(2)
+                            for t in ("self_attention.linear_qkv", "mlp.linear_fc2"))
+# Final validation losses (arm -> seed -> loss): each group's loss minus ablate-none's of the same seed
+# averages to layer0 .035, layer1 .014 (sum .049), qkv .021, fc2 .028 (sum .049).
+ABLATION_LOSSES = {
+    "bf16": {1: 4.990, 2: 5.095},
+    "ablate-none": {1: 5.000, 2: 5.100},
+    "ablate-layer0": {1: 5.030, 2: 5.140},
+    "ablate-layer1": {1: 5.010, 2: 5.118},
+    "ablate-linear_qkv": {1: 5.020, 2: 5.122},
+    "ablate-linear_fc2": {1: 5.028, 2: 5.128},
+}
+
+
+def oracle_costs(losses=ABLATION_LOSSES, kinds=("layers", "types")):
+    from megatron_snip.experiments.ablation import ablation_groups
+    from megatron_snip.experiments.oracle import OracleCosts, group_costs, module_costs
+
+    groups = ablation_groups(two_by_two_problem(), kinds)
+    arm_costs, seeds = group_costs(losses, list(groups))
+    modules, source = module_costs(groups, arm_costs)
+    base = sum(losses["ablate-none"][s] - losses["bf16"][s] for s in seeds) / len(seeds)
+    return OracleCosts(modules=modules, groups=arm_costs, base_gap=base, source=source, seeds=seeds)
+
+
+def test_oracle_module_costs_are_the_layer_share_times_the_type_share_of_the_measured_total():
+    costs = oracle_costs()
+    assert costs.groups == pytest.approx({"ablate-layer0": 0.035, "ablate-layer1": 0.014,
+                                          "ablate-linear_qkv": 0.021, "ablate-linear_fc2": 0.028})
+    # C = .049, layer shares 5/7 and 2/7, type shares 3/7 (qkv) and 4/7 (fc2): C * 1/49 * (5*3, 5*4, 2*3, 2*4).
+    assert costs.modules == pytest.approx({QKV0: 0.015, FC2_0: 0.020, QKV1: 0.006, FC2_1: 0.008})
+    assert costs.source == "layers x types" and costs.seeds == [1, 2]
+    assert costs.base_gap == pytest.approx(0.0075)  # ablate-none - bf16: .010, .005
+
+    # Totals that disagree: C is their mean, and the shares keep each kind's ranking.
+    losses = {**ABLATION_LOSSES, "ablate-linear_fc2": {1: 5.042, 2: 5.142}}  # fc2 .042: types sum to .063
+    costs = oracle_costs(losses)
+    assert sum(costs.modules.values()) == pytest.approx((0.049 + 0.063) / 2)
+    assert costs.modules[FC2_0] == pytest.approx(0.056 * (5 / 7) * (2 / 3))
+    # A group the high format matches or beats costs 0 (noise), not a negative cost.
+    costs = oracle_costs({**ABLATION_LOSSES, "ablate-layer1": {1: 4.990, 2: 5.100}})
+    assert costs.groups["ablate-layer1"] == 0.0 and costs.modules[QKV1] == costs.modules[FC2_1] == 0.0
+
+
+def test_oracle_module_ablations_are_the_costs_and_missing_ablations_are_refused():
+    from megatron_snip.experiments.oracle import group_costs
+
+    modules = {"ablate-layer0-linear_qkv": 0.004, "ablate-layer0-linear_fc2": 0.009,
+               "ablate-layer1-linear_qkv": -0.002, "ablate-layer1-linear_fc2": 0.001}
+    losses = {**ABLATION_LOSSES, **{arm: {1: 5.0 + d, 2: 5.1 + d} for arm, d in modules.items()}}
+    costs = oracle_costs(losses, kinds=("layers", "types", "modules"))  # measured one by one: no product model
+    assert costs.source == "modules"
+    assert costs.modules == pytest.approx({QKV0: 0.004, FC2_0: 0.009, QKV1: 0.0, FC2_1: 0.001})
+    with pytest.raises(ValueError, match="needs --ablations modules or --ablations layers types"):
+        oracle_costs(kinds=("layers",))
+    with pytest.raises(ValueError, match="ablate-layer1 and ablate-none measured on a common seed"):
+        group_costs({"ablate-none": {1: 5.0}, "ablate-layer1": {2: 5.1}}, ["ablate-layer1"])
+
+
+def test_oracle_plan_is_the_brute_force_optimum_of_the_measured_costs():
+    """The ILP on the product-model costs picks, of the 16 plans, the cheapest that meets the budget."""
+    import itertools
+
+    from megatron_snip.experiments.oracle import oracle_plan, predicted_gap
+    from megatron_snip.snip.ilp import evaluate_plan
+
+    costs = oracle_costs()
+    for target in (0.25, 0.5, 0.7, 0.9):
+        problem = two_by_two_problem(target)
+        plan = oracle_plan(problem, costs, solver="highs")
+        best = min((dict(zip(costs.modules, fmts)) for fmts in itertools.product(("fp8", "nvfp4"), repeat=4)),
+                   key=lambda p: (not evaluate_plan(problem, p).meets_target,
+                                  sum(costs.modules[m] for m, f in p.items() if f == "nvfp4")))
+        assert plan == best, target
+    # At 50% (5120 of 10240 FLOPs): layer 1 in FP4 (.006 + .008) beats every other pair that reaches it.
+    plan = oracle_plan(two_by_two_problem(0.5), costs, solver="highs")
+    assert {m for m, f in plan.items() if f == "nvfp4"} == {QKV1, FC2_1}
+    assert predicted_gap(costs, [QKV1, FC2_1]) == pytest.approx(0.0075 + 0.014)
+    # Groups that all cost 0 (noise) tie every plan: the oracle then takes the fewest FP4 FLOPs, at 50%
+    # one qkv and one fc2 (5120 of 10240 FLOPs), not both qkv (6144) or three modules.
+    free = oracle_costs({arm: ABLATION_LOSSES["ablate-none"] for arm in ABLATION_LOSSES})
+    half = two_by_two_problem(0.5)
+    assert evaluate_plan(half, oracle_plan(half, free, "highs")).fp4_fraction == 0.5
+
+
+def test_regret_to_the_oracle_and_the_additive_prediction_by_hand():
+    c = config(policies=("oracle", "uniform"), ablations=("layers", "types"))
+    r = lambda v, t: BranchResult(final_valid_loss=v, mean_train_loss=t, fp4_fraction=0.75, time_ratio=0.3)
+    results = {("bf16", 1): r(5.0, 4.0), ("bf16", 2): r(5.2, 4.2),
+               ("oracle_fp4-0.75", 1): r(5.01, 4.01), ("oracle_fp4-0.75", 2): r(5.21, 4.22),
+               ("uniform_fp4-0.75", 1): r(5.03, 4.04), ("uniform_fp4-0.75", 2): r(5.24, 4.23)}
+    oracle = {"costs": {"source": "layers x types", "seeds": [1, 2]},
+              "predicted": {"oracle_fp4-0.75": {1: 0.012, 2: 0.012}, "uniform_fp4-0.75": {1: 0.02, 2: 0.03}}}
+    s = summarize(c, results, branches(c), oracle=oracle)
+    rows = {row["arm"]: row for row in s["rows"]}
+    assert rows["uniform"]["regret"] == pytest.approx(0.025)  # (0.02 + 0.03) / 2
+    assert rows["uniform"]["regret_std"] == pytest.approx(math.sqrt(2) * 0.005)
+    assert rows["uniform"]["train_regret"] == pytest.approx(0.02) and rows["uniform"]["train_regret_std"] == (
+        pytest.approx(math.sqrt(2) * 0.01))
+    assert rows["oracle"]["regret"] == 0.0 and rows["uniform"]["additive_prediction"] == pytest.approx(0.025)
+    table = markdown(s)
+    assert "layers x types ablations of seeds [1, 2]" in table
+    assert "| FP4 target 0.75 | oracle | +0.0120 | +0.0100 ± 0.0000 | +0.0000 ± 0.0000 |" in table
+    assert ("| FP4 target 0.75 | uniform | +0.0250 | +0.0350 ± 0.0071 | +0.0250 ± 0.0071 | +0.0200 ± 0.0141 |"
+            in table)
+
+
+def test_the_oracle_arm_trains_its_plan_and_needs_the_ablations(tmp_path, capsys, monkeypatch):
+    from megatron_snip.experiments.ablation import ablation_plans
+
+    with pytest.raises(ValueError, match="add --ablations modules or --ablations layers types"):
+        config(policies=("oracle",), ablations=("types",))
+    c = config(out=str(tmp_path), policies=("oracle", "random"), ablations=("modules",), seeds=(1,))
+    oracle = next(b for b in branches(c) if b.arm == "oracle")
+    (tmp_path / "oracle").mkdir()
+    PrecisionPlan.uniform("nvfp4").save(tmp_path / "oracle" / "oracle_fp4-0.75.json")
+    args = Comparison(c, log=lambda *_: None).branch_args(oracle)
+    assert args[args.index("--precision-plan") + 1] == str(tmp_path / "oracle" / "oracle_fp4-0.75.json")
+    # With the oracle the ablations include the all-high arm whose gap the group costs are measured from.
+    plans = ablation_plans(two_by_two_problem(), ("modules",), none=True)
+    assert sorted(plans) == ["ablate-layer0-linear_fc2", "ablate-layer0-linear_qkv", "ablate-layer1-linear_fc2",
+                             "ablate-layer1-linear_qkv", "ablate-none"]
+    assert set(plans["ablate-none"].values()) == {"fp8"}
+    assert {m for m, f in plans["ablate-layer1-linear_qkv"].items() if f == "nvfp4"} == {QKV1}
+
+    # The command line: the arm and the kind are accepted, the missing ablations named (no run starts).
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import compare_precision
+
+    base = ["--out", str(tmp_path / "cli"), "--trunk-iters", "4", "--train-iters", "8",
+            "--policies", "oracle", "random"]
+    assert compare_precision.main(base) == 1
+    assert "--policies oracle plans with the costs the ablations measure" in capsys.readouterr().err
+    assert compare_precision.main([*base, "--ablations", "modules", "--", "--seed", "1"]) == 1
+    assert "['--seed'] are set by the comparison" in capsys.readouterr().err  # parsed, refused at the flags after --

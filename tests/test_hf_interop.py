@@ -351,3 +351,17 @@ def test_qkv_and_fc1_layouts_are_megatrons():
         with pytest.raises(ValueError, match=rf"k_proj has shape \({wrong[0]}, {wrong[1]}\) but config.json implies "
                                              r"\(4, 8\)"):
             import_part(qkv, "k", torch.randn(*wrong), lay, "k_proj")
+
+
+def test_export_reads_checkpoints_saved_before_newer_flags():
+    """A checkpoint's saved arguments lack the flags added after it was written: the export's
+    configuration gives them their defaults instead of failing with a KeyError."""
+    from conftest import run_config
+
+    from megatron_snip.interop.dist_masters import _run_config
+
+    saved = run_config("--tensor-model-parallel-size", "2", world_size=2).to_flags()
+    for newer in ("exit_duration_in_mins", "attention_backend"):
+        saved.pop(newer, None)
+    run = _run_config(saved)
+    assert run.parallel.tensor_model_parallel_size == 2 and run.model.transformer_impl == "local"

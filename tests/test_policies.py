@@ -250,3 +250,73 @@ def test_error_threshold_is_the_lowest_threshold_that_meets_the_budget():
                 break
         else:
             pytest.fail("no threshold met the budget")
+
+
+def brute_force(problem, formats=("fp8", "nvfp4")):
+    """Every two-format plan of a small problem (pins kept) that meets its budgets."""
+    import itertools
+
+    free = [u for u in problem.units if u.pin is None]
+    for choice in itertools.product(formats, repeat=len(free)):
+        plan = {**{u.key: u.pin for u in problem.units if u.pin}, **{u.key: f for u, f in zip(free, choice)}}
+        if evaluate_plan(problem, plan).meets_target:
+            yield plan
+
+
+def test_random_plan_meets_the_budget_as_tightly_as_the_units_allow():
+    """Against every plan of 2 Llama-like layers (8 units of 4 sizes): the random plan's FP4 share is
+    the smallest any plan reaching the target has (in every stage with per-stage budgets), within
+    one unit's share of the target, for every seed; and the seeds draw different tightest plans
+    where there are several."""
+    mods = llama_modules(2, n_stages=2)
+    cost = {m.name: {"bf16": 0.0, "fp8": 0.0, "nvfp4": 1.0} for m in mods}
+    largest = max(m.flops for m in mods) / sum(m.flops for m in mods)
+    for per_stage in (False, True):
+        for target in (0.3, 0.5, 0.75, 0.85):
+            p = SnipProblem(mods, ("bf16", "fp8", "nvfp4"), target, cost=cost, per_stage=per_stage,
+                            pins={mods[0].name: "bf16"})
+            feasible = {tuple(sorted(k for k, f in plan.items() if f == "nvfp4")): evaluate_plan(p, plan).fp4_fraction
+                        for plan in brute_force(p)}
+            tightest = min(feasible.values())
+            drawn = set()
+            for seed in range(8):
+                plan = policies.random_plan(p, seed=seed, solver="highs")
+                ev = evaluate_plan(p, plan)
+                assert ev.meets_target and plan[mods[0].name] == "bf16", (per_stage, target, seed)
+                assert ev.fp4_fraction == pytest.approx(tightest, abs=1e-12), (per_stage, target, seed)
+                assert ev.fp4_fraction < target + largest
+                assert set(plan.values()) <= {"bf16", "fp8", "nvfp4"}
+                drawn.add(tuple(sorted(k for k, f in plan.items() if f == "nvfp4")))
+            tight = {units for units, share in feasible.items() if share == pytest.approx(tightest, abs=1e-12)}
+            assert drawn <= tight and len(drawn) > 1 or len(tight) == 1, (per_stage, target, len(tight))
+
+
+def test_random_plan_draws_equal_units_uniformly():
+    """Ten equal units at 30%: every seed puts exactly three in FP4 (the old random-order fill did
+    too; unequal units are where it overshot), and over 400 seeds each unit is drawn ~30% of the time."""
+    mods = [LinearModule(f"decoder.layers.{i}.mlp.linear_fc1", i, 1.0, 1.0, 1.0) for i in range(10)]
+    p = SnipProblem(mods, ("fp8", "nvfp4"), 0.3, cost={m.name: {"fp8": 0.0, "nvfp4": 1.0} for m in mods})
+    counts = np.zeros(10)
+    for seed in range(400):
+        plan = policies.random_plan(p, seed=seed, solver="highs")
+        chosen = [i for i, m in enumerate(mods) if plan[m.name] == "nvfp4"]
+        assert len(chosen) == 3
+        counts[chosen] += 1
+    # Binomial(400, 0.3): sd 9.2 around 120; 4.5 sd either side.
+    assert counts.min() > 80 and counts.max() < 160, counts
+
+
+def test_min_fp4_cost_is_the_brute_force_optimum():
+    mods = llama_modules(2)
+    rng = np.random.default_rng(0)
+    cost = {m.name: float(rng.uniform(0, 1)) for m in mods}
+    base = SnipProblem(mods, ("bf16", "fp8", "nvfp4"), 0.0, cost=random_table(rng, mods, ("bf16", "fp8", "nvfp4")))
+    for target in (0.2, 0.5, 0.8):
+        p = replace(base, target=target)
+        plan = policies.min_fp4_cost(p, cost, solver="highs")
+        best = min(brute_force(p), key=lambda q: sum(cost[k] for k, f in q.items() if f == "nvfp4"))
+        assert plan == best, target
+    with pytest.raises(ValueError, match="no FP4 cost for 1 unit"):
+        policies.min_fp4_cost(base, dict(list(cost.items())[1:]))
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        policies.min_fp4_cost(base, {**cost, mods[0].name: -1.0})

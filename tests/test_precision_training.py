@@ -60,8 +60,10 @@ def test_resume_continues_the_quantization_state_bit_for_bit(tiny_data, tmp_path
     the run that went on."""
     plan = mixed_plan()
     plan.save(tmp_path / "plan.json")
+    # A history longer than the run (Megatron-LM's default keeps 1 amax): every step's amaxes must survive.
     common = ("--tensor-model-parallel-size", "2", "--precision-plan", str(tmp_path / "plan.json"),
-              "--fp8-recipe", "delayed", "--save-interval", "3", "--lr-decay-style", "constant")
+              "--fp8-recipe", "delayed", "--fp8-amax-history-len", "16", "--fp8-amax-compute-algo", "max",
+              "--save-interval", "3", "--lr-decay-style", "constant")
     full = tmp_path / "full"
     torchrun(2, train_args(tiny_data, *common, "--save", str(full), "--tensorboard-dir", str(tmp_path / "tb"),
                            iters=6))

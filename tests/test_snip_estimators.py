@@ -340,6 +340,37 @@ def test_local_error_baselines():
     assert relative["decoder.layers.1.mlp.linear_fc1"]["nvfp4"] == 4.0 / 160.0
 
 
+def test_operand_error_baselines_sum_every_quantized_tensor_and_rank_unlike_the_output_error():
+    """The SNIP paper's baselines: X, W and dY errors summed (absolute, and each over its tensor's
+    norm: X 80, W 1, dY 1e-4 in _module). Layer 0's output error is the smaller, its operands' the larger."""
+    from megatron_snip.snip.estimators import operand_error_baselines
+    from megatron_snip.snip.offline import POLICIES
+    from megatron_snip.snip.ilp import SnipProblem
+    from megatron_snip.snip.planner import linear_modules
+    from megatron_snip.precision.flops import LlamaLinearDims
+
+    stats = _stats()
+    operands = {"decoder.layers.0.mlp.linear_fc1": {"x": 0.8, "w": 0.02, "dy": 2e-7},
+                "decoder.layers.1.mlp.linear_fc1": {"x": 0.4, "w": 0.01, "dy": 1e-7}}
+    for name, errors in operands.items():
+        stats.modules[name].errors["nvfp4"].operand_sq = errors
+        stats.modules[name].errors["fp8"].operand_sq = {k: v / 16 for k, v in errors.items()}
+    absolute, relative = operand_error_baselines(stats)
+    assert absolute["decoder.layers.0.mlp.linear_fc1"]["nvfp4"] == pytest.approx(0.8 + 0.02 + 2e-7)
+    assert relative["decoder.layers.0.mlp.linear_fc1"]["nvfp4"] == pytest.approx(0.8 / 80 + 0.02 / 1 + 2e-7 / 1e-4)
+    assert relative["decoder.layers.1.mlp.linear_fc1"]["fp8"] == pytest.approx((0.4 / 80 + 0.01 + 1e-3) / 16)
+    # at a budget of one module's FLOPs in FP4 the paper's baseline picks layer 1, the output-error one layer 0
+    modules = [m for m in linear_modules(LlamaLinearDims(num_layers=2, hidden_size=8, ffn_hidden_size=8, kv_channels=8, num_query_groups=1), 10, 1) if m.name in operands]
+    zero = {m.name: {"bf16": 0.0, "fp8": 0.0, "nvfp4": 0.0} for m in modules}
+    problem = SnipProblem(modules, ("bf16", "fp8", "nvfp4"), 0.5, cost=zero, per_stage=False)
+    for policy, fp4_layer in (("min-operand-error", 1), ("min-relative-operand-error", 1), ("min-quant-error", 0)):
+        plan = POLICIES[policy](problem, stats, 0, "highs")
+        assert [n for n, f in plan.items() if f == "nvfp4"] == [f"decoder.layers.{fp4_layer}.mlp.linear_fc1"], policy
+    stats.modules["decoder.layers.0.mlp.linear_fc1"].errors["fp8"].operand_sq = None  # statistics version 1
+    with pytest.raises(ValueError, match="predates them"):
+        operand_error_baselines(stats)
+
+
 # ----------------------------------------------------------------------------------------------
 # Rank correlation
 

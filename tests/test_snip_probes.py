@@ -152,7 +152,7 @@ def _build(distributed_optimizer=False, stochastic_rounding=True, sequence_paral
     config = transformer_config(run.model, run.parallel)
     if fused_norm and not hasattr(llama.layer_spec, "fused_norm"):  # this worker process only
         spec = _fused_norm_layer_spec()
-        llama.layer_spec = lambda impl: spec
+        llama.layer_spec = lambda *_: spec  # (transformer_impl, attention_backend)
         llama.layer_spec.fused_norm = True
     chunks = wrap_ddp(run.parallel, config, build_model(run.model, run.parallel, config, VOCAB))
     optimizer = build_optimizer(run.training, run.model, run.parallel, chunks)
@@ -239,6 +239,14 @@ def single_worker(rank, world, port, out_dir):
     out["grads_zeroed"] = all(b.grad_data.abs().max().item() == 0 for b in chunks[0].buffers)
     out["params_unchanged_default"] = _same(before["params"], _snapshot(chunks, controller)["params"])
     out["stats"] = stats.to_dict()
+    # One operand error recomputed outside the probe: fc1's weight in nvfp4, counted once per cycle.
+    from megatron_snip.precision.linear import LinearQuantization, QuantState, quantize_operand
+
+    fc1 = controller.modules()["decoder.layers.1.mlp.linear_fc1"]
+    w = fc1.weight.detach().float()
+    quant = LinearQuantization(Precision.uniform("nvfp4"), fc1.recipe, QuantState())
+    out["fc1_w_nvfp4_error_sq"] = (quantize_operand(w, quant.quantizer("fprop", "w"), "w", quant) - w).square().sum(
+        dtype=torch.float64).item()
 
     # Estimator vs ground truth: every module in every format, on the probe batch.
     controller.apply(PrecisionPlan())
@@ -330,6 +338,13 @@ def test_statistics_are_finite_and_complete(single):
         # fp8 errors are well below fp4's in every GEMM
         for field in ("output_sq", "input_grad_sq", "update_sq"):
             assert getattr(m.errors["fp8"], field) < getattr(m.errors["nvfp4"], field)
+        # the operands' own errors (the paper's baselines): relative to the operand, fp8 ~1e-3, fp4 ~1e-2
+        norms = {"x": m.input_sq, "w": m.weight_sq, "dy": m.output_grad_sq}
+        for operand, norm in norms.items():
+            fp8, fp4 = (m.errors[f].operand_sq[operand] / norm for f in ("fp8", "nvfp4"))
+            assert 1e-5 < fp8 < fp4 < 0.1, (m.name, operand, fp8, fp4)
+    assert stats.modules["decoder.layers.1.mlp.linear_fc1"].errors["nvfp4"].operand_sq["w"] == pytest.approx(
+        single["fc1_w_nvfp4_error_sq"], rel=1e-8)  # fp64 sums in another order
 
 
 @pytest.mark.integration
@@ -444,7 +459,12 @@ def _differences(a: dict, b: dict, skip_gain=False) -> dict[str, float]:
             out[key] = max(out.get(key, 0.0), abs(other[key] - v) / abs(v))
         for fmt, errors in m["errors"].items():
             if fmt in other["errors"]:
+                for operand, v in errors["operand_sq"].items():
+                    diff = abs(other["errors"][fmt]["operand_sq"][operand] - v) / v
+                    out[f"errors.operand_sq.{operand}"] = max(out.get(f"errors.operand_sq.{operand}", 0.0), diff)
                 for key, v in errors.items():
+                    if key == "operand_sq":
+                        continue
                     # <dY, E> may be ~0: relative to its Cauchy-Schwarz bound ||dY|| ||E||
                     scale = abs(v) if key != "first_order" else math.sqrt(errors["output_sq"] * m["output_grad_sq"])
                     diff = abs(other["errors"][fmt][key] - v) / scale
@@ -453,7 +473,8 @@ def _differences(a: dict, b: dict, skip_gain=False) -> dict[str, float]:
 
 
 TOLERANCE = {"curvature": 3e-4, "gain": 2e-3, "errors.output_sq": 2e-3, "errors.first_order": 2e-3,
-             "errors.input_grad_sq": 2e-3, "errors.update_sq": 2e-3}
+             "errors.input_grad_sq": 2e-3, "errors.update_sq": 2e-3, "errors.operand_sq.x": 2e-3,
+             "errors.operand_sq.w": 2e-3, "errors.operand_sq.dy": 2e-3}
 
 
 @pytest.mark.integration

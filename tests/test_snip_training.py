@@ -89,3 +89,34 @@ def test_probe_cycles_leave_training_unchanged(tiny_data, tmp_path):
     assert sorted(scalars(tmp_path / "snip", "snip/objective")) == [2, 4]  # two cycles ran
     assert set(scalars(tmp_path / "snip", "train/fp4 flops fraction").values()) == {0.0}
     assert scalars(tmp_path / "snip", "train/lm loss") == scalars(tmp_path / "plain", "train/lm loss")
+
+
+def test_each_cycle_says_what_it_decided_module_by_module(snip_run, tmp_path):
+    """The decisions (choice, its costs, the next faster format) in the statistics file and beside it, the
+    file's schema version, TensorBoard's text panel, and tools/snip_report.py's pictures of the run."""
+    import sys
+
+    from conftest import ROOT
+
+    snip = snip_run / "ckpt" / "snip"
+    record = json.loads((snip / "snip_iter_0000006.json").read_text())
+    assert record["schema_version"] == 1
+    plan = PrecisionPlan.from_dict(record["cycle"]["plan"])
+    rows = record["cycle"]["decisions"]
+    assert [r["module"] for r in rows] == module_names(4)
+    for r in rows:
+        assert r["precision"] == str(plan[r["module"]])
+        assert (r["faster"] is None) == (r["precision"] == "nvfp4")  # nvfp4 is the fastest candidate
+    text = (snip / "snip_iter_0000006.decisions.txt").read_text()
+    assert all(name in text for name in module_names(4))
+    sys.path.insert(0, str(ROOT / "tools"))
+    import snip_report
+
+    assert snip_report.main([str(snip), "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "plans.png").stat().st_size > 0 and (tmp_path / "divergences_iter_0000006.png").exists()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(next((snip_run / "tb").glob("**/events.out.tfevents.*"))),
+                              size_guidance={"tensors": 0})
+    events.Reload()
+    assert "snip/decisions/text_summary" in events.Tags()["tensors"]

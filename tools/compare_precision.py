@@ -17,7 +17,12 @@ Flags after "--" go to every pretrain_llama.py run (model, data, optimizer, layo
 
 --ablations layers types adds the per-module ground truth: one arm per layer / module type
 with only that group in FP4, and the rank correlation of SNIP's predicted divergence (and of
-the relative quantization error) with the loss gap training measured.
+the relative quantization error) with the loss gap training measured; --ablations modules, one
+arm per module.
+
+--policies ... oracle (with --ablations layers types, or modules) adds the oracle: the same ILP
+with the costs the ablation arms measured, trained after them at every budget, and each policy's
+regret to it (megatron_snip/experiments/oracle.py; it adds the all-high arm ablate-none).
 
 --jobs N trains N runs at once (on a 2-core CPU, --jobs 2: every run is single-threaded; on a GPU
 node, each run gets its own --nproc-per-node GPUs); the results do not depend on it.
@@ -40,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_snip.experiments.ablation import KINDS  # noqa: E402
 from megatron_snip.experiments.comparison import (  # noqa: E402
     ARMS, Comparison, ComparisonConfig, Stopped, parse_budgets)
+from megatron_snip.experiments.oracle import ORACLE  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -48,8 +54,9 @@ def main(argv=None) -> int:
     argv = argv[:argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="output folder (reused to resume)")
-    p.add_argument("--policies", nargs="*", choices=ARMS, default=list(ARMS),
-                   help="arms besides the BF16 reference (default: all)")
+    p.add_argument("--policies", nargs="*", choices=ARMS, default=[a for a in ARMS if a != ORACLE],
+                   help=f"arms besides the BF16 reference (default: all but {ORACLE}, which needs --ablations "
+                        "layers types, or modules)")
     p.add_argument("--fp4-targets", type=float, nargs="*", default=None,
                    help="FP4 budgets (share of linear FLOPs; default 0.75 when no --time-targets)")
     p.add_argument("--time-targets", type=float, nargs="*", default=[],
@@ -68,8 +75,9 @@ def main(argv=None) -> int:
                    help="mean training loss over the last N iterations (default: a fifth of the branch)")
     p.add_argument("--solver", choices=["auto", "gurobi", "highs"], default="auto")
     p.add_argument("--ablations", nargs="+", choices=KINDS, default=[],
-                   help="also train one arm per layer ('layers') / module type ('types') with only that group "
-                        "in FP4 (no budget), and rank-correlate the estimators' predictions with the gaps")
+                   help="also train one arm per layer ('layers') / module type ('types') / module ('modules') "
+                        "with only that group in FP4 (no budget), and rank-correlate the estimators' predictions "
+                        "with the gaps")
     a = p.parse_args(argv)
     fp4_targets = a.fp4_targets if a.fp4_targets is not None else ([] if a.time_targets or a.ablations else [0.75])
     try:

@@ -4,6 +4,7 @@
     python tools/snip_solve.py CKPT/snip/snip_iter_0000100.json --targets 0.5 0.75 0.9
     python tools/snip_solve.py STATS.json --targets 0.75 --time-targets 0.4
     python tools/snip_solve.py STATS.json --targets 0.75 --write-plans plans/   # plan JSON per policy
+    python tools/snip_solve.py STATS.json --targets 0.75 --write-megatron-configs yaml/   # Megatron-LM YAML
 
 A budget is an FP4 target (``--targets``: at least that share of linear-layer FLOPs in FP4,
 and the estimated GEMM time of the baselines at that share, as the training run does) or a
@@ -14,7 +15,10 @@ FP4, NVIDIA's recipe (last layers high), random, min quantization error, min rel
 quantization error, an error threshold (TE AutoswitchGemm-like), keep first/last layer high,
 and the layer-type heuristic, all at that budget (megatron_snip/snip/offline.py). Times are estimates under the run's
 GEMM speed model (``--gemm-speed-model`` to choose another). ``--write-plans`` saves each
-plan as a file for ``--precision-plan``.
+plan as a file for ``--precision-plan``; ``--write-megatron-configs`` as megatron-core's per-module
+precision config for Megatron-LM's ``--te-precision-config-file`` (docs/snip.md, "Plans as Megatron-LM
+precision configs"), one file per model chunk too under the run's pipeline layout. The run's pins
+(``--first-last-layers-bf16``, a ``--te-precision-config-file`` under ``--snip``) hold in every plan.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_snip.precision.gemm_speed import SPEED_MODELS  # noqa: E402
+from megatron_snip.precision.megatron_config import megatron_config_files  # noqa: E402
+from megatron_snip.precision.recipes import RecipeConfig  # noqa: E402
 from megatron_snip.snip import policies  # noqa: E402
 from megatron_snip.snip.ilp import InfeasibleBudgetError  # noqa: E402
 from megatron_snip.snip.offline import POLICIES, Budget, StatisticsFile, policy_plans  # noqa: E402
@@ -51,6 +57,11 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0, help="of the random policy")
     p.add_argument("--write-plans", metavar="DIR",
                    help="save each policy's plan as DIR/<policy>_<budget>.json (for --precision-plan)")
+    p.add_argument("--write-megatron-configs", metavar="DIR",
+                   help="save each policy's plan as DIR/<policy>_<budget>.yaml, megatron-core's per-module precision "
+                        "config (Megatron-LM --te-precision-config-file; the plan at pipeline size 1), and under the "
+                        "run's PP > 1 DIR/<policy>_<budget>.pp<stage>[.vp<chunk>].yaml per model chunk; plans a "
+                        "Transformer Engine recipe cannot state (mxfp4, split passes) are skipped with a note")
     a = p.parse_args(argv)
 
     try:
@@ -73,12 +84,32 @@ def main(argv=None) -> int:
               f"model), statistics of iteration {source.stats.iteration}, loss weight {a.loss_weight}, "
               f"update weight {a.update_weight}")
         print(policies.format_comparison(problem, plans))
-        if a.write_plans:
-            os.makedirs(a.write_plans, exist_ok=True)
-            for name, plan in plans.items():
-                if not isinstance(plan, Exception):
-                    to_precision_plan(plan, split=problem.split).save(Path(a.write_plans) / f"{name}_{budget.tag}.json")
+        for name, plan in plans.items():
+            if isinstance(plan, Exception):
+                continue
+            plan = to_precision_plan(plan, split=problem.split)
+            if a.write_plans:
+                os.makedirs(a.write_plans, exist_ok=True)
+                plan.save(Path(a.write_plans) / f"{name}_{budget.tag}.json")
+            if a.write_megatron_configs:
+                write_megatron_configs(plan, source, Path(a.write_megatron_configs) / f"{name}_{budget.tag}",
+                                       f"policy {name} at {budget.label} ({a.statistics})")
     return 0
+
+
+def write_megatron_configs(plan, source: StatisticsFile, stem: Path, label: str) -> None:
+    """``plan`` as STEM.yaml (and STEM.pp<s>[.vp<v>].yaml per model chunk) under the run's recipe and layout."""
+    run = source.run
+    recipe = RecipeConfig(**run["recipe"]) if "recipe" in run else RecipeConfig()  # older files: the defaults
+    try:
+        files = megatron_config_files(plan, recipe, run["dims"]["num_layers"], run["pipeline_stages"],
+                                      run.get("virtual_stages", 1), source=label)
+    except ValueError as e:
+        print(f"no Megatron-LM precision config for {label}: {e}")
+        return
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    for suffix, text in files.items():
+        Path(f"{stem}{suffix}.yaml").write_text(text)
 
 
 if __name__ == "__main__":

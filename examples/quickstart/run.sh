@@ -3,12 +3,15 @@
 # train a tokenizer, and pretrain a tiny Llama at TP=2 x PP=2 (4 processes) on CPU with SNIP
 # adaptive precision (75% of linear-layer FLOPs in NVFP4, re-planned at every checkpoint),
 # stop as a preempted job would, and resume. Outputs under runs/quickstart/ (OUT=... to move).
+# Parameters in bf16 (--bf16; fp32 masters in the optimizer). SNIP=0 runs the same without SNIP
+# (every linear GEMM in bf16), the README's comparison: SNIP=0 OUT=runs/quickstart-bf16 bash ...
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 bash scripts/setup.sh
 . .venv/bin/activate
 
 OUT=${OUT:-runs/quickstart}
+SNIP=${SNIP:-1}
 DATA=$OUT/data
 mkdir -p "$DATA"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
@@ -26,7 +29,7 @@ TRAIN_ITERS=${TRAIN_ITERS:-300}
 ARGS=(
   --model-preset tiny
   --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
-  --micro-batch-size 8 --global-batch-size 16
+  --micro-batch-size 8 --global-batch-size 16 --bf16
   --train-iters "$TRAIN_ITERS" --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 30
   --weight-decay 0.1 --clip-grad 1.0 --adam-beta2 0.95
   --data-path "$DATA/stdlib_text_document" --split 98,2,0
@@ -34,8 +37,10 @@ ARGS=(
   --log-interval 10 --eval-interval 100 --eval-iters 4
   --save "$OUT/checkpoints" --load "$OUT/checkpoints" --save-interval 100
   --tensorboard-dir "$OUT/tensorboard"
-  --snip --snip-fp4-target 0.75
 )
+if [ "$SNIP" != 0 ]; then
+  ARGS+=(--snip --snip-fp4-target 0.75)
+fi
 echo "== training to iteration $((TRAIN_ITERS / 2)), then stopping (as a preempted job would) =="
 torchrun --nproc-per-node 4 pretrain_llama.py "${ARGS[@]}" --exit-interval $((TRAIN_ITERS / 2))
 echo "== resuming from $OUT/checkpoints =="

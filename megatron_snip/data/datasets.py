@@ -233,12 +233,21 @@ def parse_data_path(data_path: Sequence[str]) -> tuple[list[str], Optional[list[
     ``get_blend_from_list``.
 
     Raises:
-        ValueError: empty list, or a weight that is not a finite positive number.
+        ValueError: empty list, a weight that is not a finite positive number, or a number among
+            unweighted prefixes (a blend missing a weight or a prefix: megatron-core would look
+            for ``0.7.bin``).
     """
     items = [str(item).strip() for item in data_path]
     if not items:
         raise ValueError("--data-path: no dataset prefix given")
     if len(items) % 2 == 1 or not _is_number(items[0]):
+        numbers = [item for item in items if _is_number(item)]
+        if numbers:
+            raise ValueError(
+                f"--data-path {' '.join(items)}: {numbers[0]!r} looks like a blend weight, but weights and "
+                f"prefixes come in pairs, each weight before its prefix ('w1 prefix1 w2 prefix2 ...'; "
+                f"{len(items)} items given)"
+            )
         return items, None
     weights, prefixes = items[0::2], items[1::2]
     for weight in weights:

@@ -30,18 +30,23 @@ import math
 import os
 import queue
 import signal
+import statistics
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from megatron_snip.compat.launch import free_port
-from megatron_snip.experiments.ablation import KINDS, ablation_plans, predictions
+from megatron_snip.experiments.ablation import KINDS, NONE_ARM, ablation_groups, ablation_plans, predictions
+from megatron_snip.experiments.oracle import (NEEDS, ORACLE, OracleCosts, group_costs, module_costs, oracle_plan,
+                                              predicted_gap)
 from megatron_snip.fileio import write_text_atomic
+from megatron_snip.precision.plan import PrecisionPlan
+from megatron_snip.precision.registry import FP4_NAMES
 from megatron_snip.snip.ilp import InfeasibleBudgetError, evaluate_plan
 from megatron_snip.snip.offline import POLICIES, Budget, StatisticsFile, policy_plans
 from megatron_snip.snip.planner import to_precision_plan
@@ -51,7 +56,8 @@ REFERENCE = "bf16"
 # first plan, extra pretrain_llama.py flags). "snip-loss-term-replanned" plans by the loss term alone.
 REPLANNED = {"snip": ("snip", ()), "snip-loss-term-replanned": ("snip-loss-term", ("--snip-update-weight", "0"))}
 FIXED = {"snip-fixed": "snip"}  # arm -> offline policy whose plan it keeps fixed
-ARMS = (*REPLANNED, *FIXED, *(p for p in POLICIES if p != "snip"))
+# ORACLE plans with the costs the ablation arms measured, so its branches train after theirs (oracle.py).
+ARMS = (*REPLANNED, *FIXED, *(p for p in POLICIES if p != "snip"), ORACLE)
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
@@ -90,6 +96,9 @@ class ComparisonConfig:
             raise ValueError("give at least one budget (--fp4-targets or --time-targets) or --ablations")
         if set(self.ablations) - set(KINDS):
             raise ValueError(f"--ablations: unknown {sorted(set(self.ablations) - set(KINDS))}; choose from {KINDS}")
+        if ORACLE in self.policies and not any(set(n) <= set(self.ablations) for n in NEEDS):
+            raise ValueError(f"--policies {ORACLE} plans with the costs the ablations measure: add --ablations "
+                             f"{' or --ablations '.join(' '.join(n) for n in NEEDS)} (got {list(self.ablations)})")
         if not self.seeds:
             raise ValueError("give at least one --seeds value")
         if self.jobs < 1:
@@ -231,7 +240,11 @@ class Comparison:
         run_all([lambda slot, s=s: self._trunk(s, slot) for s in c.seeds], c.jobs)
         for seed in c.seeds:
             self._plans(seed)
-        run_all([lambda slot, b=b: self._branch(b, slot) for b in branches(c, self.ablation_arms)], c.jobs)
+        every = branches(c, self.ablation_arms)
+        run_all([lambda slot, b=b: self._branch(b, slot) for b in every if b.arm != ORACLE], c.jobs)
+        if ORACLE in c.policies:  # its plan needs every ablation branch's result
+            self._oracle_plans()
+            run_all([lambda slot, b=b: self._branch(b, slot) for b in every if b.arm == ORACLE], c.jobs)
         return self.report()
 
     def _trunk(self, seed: int, slot: int = 0) -> None:
@@ -259,7 +272,7 @@ class Comparison:
         stats = StatisticsFile.load(self._stats_path(seed))
         directory = self.out / f"seed{seed}" / "plans"
         directory.mkdir(parents=True, exist_ok=True)
-        wanted = sorted({first_plan_policy(a) for a in c.policies})
+        wanted = sorted({first_plan_policy(a) for a in c.policies if a != ORACLE})
         for budget in c.budgets:
             problem = stats.problem(budget, formats=c.formats, solver=c.solver)
             for name, plan in policy_plans(problem, stats.stats, wanted, seed=seed, solver=c.solver).items():
@@ -273,13 +286,68 @@ class Comparison:
                          f"{ev.time_ratio:.3f} x bf16, predicted divergence {ev.divergence:.4g}")
         if c.ablations:
             problem = stats.problem(Budget(0.0), formats=c.formats, solver=c.solver)
-            plans = ablation_plans(problem, c.ablations)
+            plans = ablation_plans(problem, c.ablations, none=ORACLE in c.policies)
             predicted = {}
             for arm, plan in plans.items():
                 to_precision_plan(plan, split=problem.split).save(directory / f"{arm}.json")
                 predicted[arm] = predictions(problem, stats.stats, plan)
             write_text_atomic(str(directory / "predictions.json"), json.dumps(predicted, indent=1))
             self.ablation_arms = list(plans)
+
+    def _oracle_plans(self) -> None:
+        """The oracle's plan at each budget (``OUT/oracle/``) from the ablation branches' measured costs.
+
+        The costs are taken once, from the seeds measured then (``costs.json``); a rerun keeps them,
+        so every oracle branch trains the same plan even when seeds are added (delete ``OUT/oracle``
+        and the oracle branches to re-plan from all seeds). A budget added later is planned with them.
+        """
+        c = self.config
+        directory = self.out / ORACLE
+        directory.mkdir(parents=True, exist_ok=True)
+        stats = StatisticsFile.load(self._stats_path(c.seeds[0]))  # every seed's problem has the same budgets
+        path = directory / "costs.json"
+        if path.exists():
+            costs = OracleCosts(**json.loads(path.read_text()))
+        else:
+            costs = self._measured_costs(stats)
+            write_text_atomic(str(path), json.dumps(asdict(costs), indent=1))
+        self.log(f"oracle: costs from the {costs.source} ablations of seeds {costs.seeds} ({path})")
+        for budget in c.budgets:
+            plan_path = directory / f"{ORACLE}_{budget.tag}.json"
+            if plan_path.exists():
+                continue
+            problem = stats.problem(budget, formats=c.formats, solver=c.solver)
+            plan = oracle_plan(problem, costs, c.solver)
+            to_precision_plan(plan, split=False).save(plan_path)
+            ev = evaluate_plan(problem, plan)
+            self.log(f"oracle, {budget.label}: {ev.fp4_fraction:.1%} FP4, estimated time {ev.time_ratio:.3f} x bf16, "
+                     f"additive prediction of its gap {predicted_gap(costs, fp4_modules(plan)):+.4f}")
+
+    def _measured_costs(self, stats: StatisticsFile) -> OracleCosts:
+        """The oracle's costs from the finished ablation branches (oracle.py: group and module costs)."""
+        c = self.config
+        problem = stats.problem(Budget(0.0), formats=c.formats, solver=c.solver)
+        pinned = {u.key for u in problem.units if u.pin is not None}
+        groups = {arm: (kind, group, keys - pinned)
+                  for arm, (kind, group, keys) in ablation_groups(problem, c.ablations).items()}
+        results = self._results(branches(c, [*groups, NONE_ARM]))
+        losses: dict[str, dict[int, float]] = {}
+        for (name, seed), r in results.items():
+            losses.setdefault(name, {})[seed] = r.final_valid_loss
+        arm_costs, seeds = group_costs(losses, list(groups))
+        modules, source = module_costs(groups, arm_costs)
+        base = [losses[NONE_ARM][s] - losses[REFERENCE][s] for s in seeds if s in losses.get(REFERENCE, {})]
+        return OracleCosts(modules=modules, groups=arm_costs, base_gap=statistics.fmean(base) if base else math.nan,
+                           source=source, seeds=seeds)
+
+    def _results(self, every: Sequence[Branch]) -> dict[tuple[str, int], BranchResult]:
+        """(branch name, seed) -> result of each finished branch of ``every``."""
+        results = {}
+        for b in every:
+            path = self.out / f"seed{b.seed}" / b.name / "result.json"
+            if path.exists():
+                results[(b.name, b.seed)] = BranchResult(**json.loads(path.read_text()))
+        return results
 
     def _branch(self, b: Branch, slot: int = 0) -> None:
         c = self.config
@@ -315,12 +383,18 @@ class Comparison:
     def _precision_flags(self, b: Branch) -> list[str]:
         if b.arm == REFERENCE:
             return ["--precision", "bf16"]
-        if b.budget is None:  # an ablation arm
-            return ["--precision-plan", str(self.out / f"seed{b.seed}" / "plans" / f"{b.arm}.json")]
-        plan = self.out / f"seed{b.seed}" / "plans" / f"{first_plan_policy(b.arm)}_{b.budget.tag}.json"
-        if not plan.exists():
+        plan = self.plan_path(b)
+        if b.budget is not None and not plan.exists():
             raise RuntimeError(f"no plan {plan}: the {b.arm} policy cannot meet {b.budget.label} (see above)")
         return ["--precision-plan", str(plan)]
+
+    def plan_path(self, b: Branch) -> Path:
+        """The plan file a branch (not the BF16 reference) starts from."""
+        if b.budget is None:  # an ablation arm
+            return self.out / f"seed{b.seed}" / "plans" / f"{b.arm}.json"
+        if b.arm == ORACLE:
+            return self.out / ORACLE / f"{ORACLE}_{b.budget.tag}.json"
+        return self.out / f"seed{b.seed}" / "plans" / f"{first_plan_policy(b.arm)}_{b.budget.tag}.json"
 
     def _train(self, where: Path, args: list[str], log: Path, slot: int = 0) -> None:
         where.mkdir(parents=True, exist_ok=True)
@@ -339,17 +413,34 @@ class Comparison:
     def report(self) -> dict:
         from megatron_snip.experiments.report import summarize, write_report
 
-        results = {}
         every = branches(self.config, self.ablation_arms)
-        for b in every:
-            path = self.out / f"seed{b.seed}" / b.name / "result.json"
-            if path.exists():
-                results[(b.name, b.seed)] = BranchResult(**json.loads(path.read_text()))
+        results = self._results(every)
         predicted = {s: json.loads((self.out / f"seed{s}" / "plans" / "predictions.json").read_text())
                      for s in self.config.seeds if self.ablation_arms}
-        summary = summarize(self.config, results, every, predicted)
+        summary = summarize(self.config, results, every, predicted, self._additive_predictions(every))
         write_report(self.config, summary, results, self.out)
         return summary
+
+
+    def _additive_predictions(self, every: Sequence[Branch]) -> dict | None:
+        """With an oracle: its costs and, per fixed-plan branch at a budget (name -> seed ->), the gap
+        its plan would have under additivity (oracle.predicted_gap), to set beside the measured one."""
+        path = self.out / ORACLE / "costs.json"
+        if not path.exists():
+            return None
+        costs = OracleCosts(**json.loads(path.read_text()))
+        predicted: dict[str, dict[int, float]] = {}
+        for b in every:
+            plan = self.plan_path(b) if b.budget is not None and b.arm not in REPLANNED else None
+            if plan is not None and plan.exists():
+                units = {name: p.fwd for name, p in PrecisionPlan.load(plan).modules.items()}
+                predicted.setdefault(b.name, {})[b.seed] = predicted_gap(costs, fp4_modules(units))
+        return {"costs": asdict(costs), "predicted": predicted}
+
+
+def fp4_modules(plan: Mapping[str, str]) -> list[str]:
+    """The modules a joint plan (module -> format) runs in an FP4 format."""
+    return [m for m, f in plan.items() if f in FP4_NAMES]
 
 
 def first_plan_policy(arm: str) -> str:

@@ -2,7 +2,9 @@
 
 Gaps are paired: for each seed, a branch's loss minus the BF16 branch's loss of the same
 seed (same trunk, same batches), then the mean and the sample standard deviation over seeds.
-The seed-to-seed noise is the standard deviation of the BF16 branches' losses.
+The seed-to-seed noise is the standard deviation of the BF16 branches' losses. With the oracle
+arm (``oracle.py``), each arm's regret at a budget is paired the same way: its loss minus the
+oracle branch's of the same seed.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from pathlib import Path
 
 from megatron_snip.fileio import write_text_atomic
 
-from .ablation import ESTIMATORS, spearman
+from .ablation import ESTIMATORS, NONE_ARM, spearman
 from .comparison import REFERENCE, Branch, BranchResult, ComparisonConfig, branches
+from .oracle import ORACLE
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
@@ -26,10 +29,13 @@ def mean_std(values: list[float]) -> tuple[float, float]:
 
 
 def summarize(config: ComparisonConfig, results: dict[tuple[str, int], BranchResult],
-              every: list[Branch] | None = None, predicted: dict[int, dict] | None = None) -> dict:
+              every: list[Branch] | None = None, predicted: dict[int, dict] | None = None,
+              oracle: dict | None = None) -> dict:
     """One row per (budget, arm) with per-seed numbers and the paired gaps to BF16; with
     ablation arms (``predicted``: seed -> arm -> ablation.predictions), their table and the rank
-    correlations of each estimator with the measured gaps."""
+    correlations of each estimator with the measured gaps; with the oracle arm, each budget row's
+    paired regret to it and (``oracle``: ``{"costs": OracleCosts as a dict, "predicted": branch
+    name -> seed -> additive prediction}``) the gap additivity predicts for its plan."""
     every = branches(config) if every is None else every
     ref = {s: results[(REFERENCE, s)] for s in config.seeds if (REFERENCE, s) in results}
     ref_valid = [r.final_valid_loss for r in ref.values()]
@@ -55,16 +61,32 @@ def summarize(config: ComparisonConfig, results: dict[tuple[str, int], BranchRes
                              "fp4_fraction": r.fp4_fraction, "time_ratio": r.time_ratio}
                          for s, r in per_seed.items()},
         })
+        if b.budget is not None:
+            rows[-1].update(_regret(results, per_seed, f"{ORACLE}_{b.budget.tag}", config.seeds))
+            additive = (oracle or {}).get("predicted", {}).get(name, {})
+            rows[-1]["additive_prediction"] = statistics.fmean(additive.values()) if additive else math.nan
     noise = mean_std(ref_valid)[1]
     return {"rows": rows, "bf16_seed_std": noise, "train_iters": config.train_iters,
             "trunk_iters": config.trunk_iters, "window": config.branch_window,
-            "ablation": _ablation(rows, predicted or {}), "complete": len(results) == len(every)}
+            "ablation": _ablation(rows, predicted or {}), "oracle": (oracle or {}).get("costs"),
+            "complete": len(results) == len(every)}
+
+
+def _regret(results: dict[tuple[str, int], BranchResult], per_seed: dict[int, BranchResult], oracle: str,
+            seeds) -> dict:
+    """A budget row's regret: its loss minus the oracle branch's of the same seed (validation and
+    training window), mean and sample std over the seeds that have both; nan without an oracle."""
+    paired = [s for s in seeds if s in per_seed and (oracle, s) in results]
+    val = mean_std([per_seed[s].final_valid_loss - results[(oracle, s)].final_valid_loss for s in paired])
+    train = mean_std([per_seed[s].mean_train_loss - results[(oracle, s)].mean_train_loss for s in paired])
+    return {"regret": val[0], "regret_std": val[1], "train_regret": train[0], "train_regret_std": train[1]}
 
 
 def _ablation(rows: list[dict], predicted: dict[int, dict]) -> dict | None:
     """Ablation rows with each estimator's prediction (mean over seeds' trunks) next to the
     measured gaps, and the Spearman correlation of each estimator with each measured gap."""
-    rows = [r for r in rows if r["arm"].startswith("ablate-") and not math.isnan(r["gap"])]
+    # The all-high arm is the groups' common base, not a group: it ranks nothing.
+    rows = [r for r in rows if r["arm"].startswith("ablate-") and r["arm"] != NONE_ARM and not math.isnan(r["gap"])]
     if not rows or not predicted:
         return None
     # Estimators every seed's predictions hold (older prediction files lack the two SNIP terms).
@@ -112,6 +134,20 @@ def markdown(summary: dict) -> str:
                              + f" | {_pm(r['gap'], r['gap_std'])} | {_pm(r['train_gap'], r['train_gap_std'])} |")
         lines += ["", "Spearman rank correlation with the measured gap: " + "; ".join(
             f"{k} {v:+.2f}" for k, v in summary["ablation"]["spearman"].items()) + "."]
+    regret = [r for r in summary["rows"] if not math.isnan(r.get("regret", math.nan))]
+    if regret:
+        costs = summary.get("oracle") or {}
+        lines += ["", "Regret to the oracle (the ILP on the costs the ablations measured"
+                  + (f", {costs['source']} ablations of seeds {costs['seeds']}" if costs else "")
+                  + "): loss minus the oracle branch's of the same seed, mean ± sample std over seeds. Additive "
+                  "prediction: the all-high arm's gap plus the measured costs of the plan's FP4 modules (the "
+                  "oracle's own row tests additivity: prediction vs measured gap).", "",
+                  "| budget | policy | additive prediction | gap to bf16 | regret (val) | regret (train) |",
+                  "|---|---|---:|---:|---:|---:|"]
+        for r in regret:
+            lines.append(f"| {r['budget']} | {r['arm']} | {_pm(r['additive_prediction'], math.nan)} | "
+                         f"{_pm(r['gap'], r['gap_std'])} | {_pm(r['regret'], r['regret_std'])} | "
+                         f"{_pm(r['train_regret'], r['train_regret_std'])} |")
     if not summary["complete"]:
         lines += ["", "**Incomplete**: some branches have not finished; rerun the same command to finish them."]
     return "\n".join(lines) + "\n"

@@ -28,6 +28,9 @@ class ModelConfig:
     hidden_dropout: float
     make_vocab_size_divisible_by: int
     transformer_impl: str  # "local" or "transformer_engine"
+    # --attention-backend (flash, fused, unfused, local, auto): the core attention; not part of the
+    # checkpoint's shape (it has no weights), so a run may resume with another.
+    attention_backend: str
     recompute_granularity: str | None
     recompute_method: str | None
     recompute_num_layers: int | None

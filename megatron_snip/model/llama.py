@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_snip.compat.device import has_cuda
+from megatron_snip.model.attention import SDPAttention
 from megatron_snip.model.config import ModelConfig, ParallelConfig
 from megatron_snip.model.norms import block_spec, with_torch_norms
 from megatron_snip.precision.flops import LlamaLinearDims
@@ -53,6 +57,12 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Transfor
         init_method_std=model.init_method_std,
         attention_dropout=model.attention_dropout,
         hidden_dropout=model.hidden_dropout,
+        # Transformer Engine's layers read the backend from here (GPTModel turns it into NVTE_* variables).
+        # The local spec picks its core attention class instead (layer_spec) and keeps the default: GPTModel
+        # asserts that NVTE_* variables already set agree, which a second model with another backend in
+        # the same process would fail.
+        attention_backend=AttnBackend[model.attention_backend] if model.transformer_impl == "transformer_engine"
+        else AttnBackend.auto,
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
@@ -81,8 +91,16 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Transfor
     )
 
 
-def layer_spec(transformer_impl: str) -> ModuleSpec:
-    """The transformer-layer spec: megatron-core's local modules (with quantized linears) or TE's."""
+# --attention-backend -> the local spec's core attention: megatron-core's unfused DotProductAttention
+# ("unfused", "local"), or torch's SDPA, which picks its flash or memory-efficient kernel (the others).
+LOCAL_CORE_ATTENTION = {"unfused": DotProductAttention, "local": DotProductAttention,
+                        "auto": SDPAttention, "flash": SDPAttention, "fused": SDPAttention}
+
+
+def layer_spec(transformer_impl: str, attention_backend: str = "auto") -> ModuleSpec:
+    """The transformer-layer spec: megatron-core's local modules (with quantized linears and the
+    ``attention_backend``'s core attention, :data:`LOCAL_CORE_ATTENTION`) or TE's (which reads the
+    backend from the TransformerConfig)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if transformer_impl == "transformer_engine":
@@ -96,14 +114,23 @@ def layer_spec(transformer_impl: str) -> ModuleSpec:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     # megatron-core's local layer with our quantized linears (per-module precision, bf16 = the parent's
     # path) and torch norms that also run under sequence parallelism.
-    return precision_layer_spec(with_torch_norms(gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")))
+    layer = with_torch_norms(gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm"))
+    return precision_layer_spec(_with_core_attention(layer, LOCAL_CORE_ATTENTION[attention_backend]))
+
+
+def _with_core_attention(layer: ModuleSpec, core_attention: type) -> ModuleSpec:
+    """A copy of a local transformer-layer spec whose self-attention uses ``core_attention``."""
+    attention = layer.submodules.self_attention
+    attention = dataclasses.replace(attention, submodules=dataclasses.replace(attention.submodules,
+                                                                              core_attention=core_attention))
+    return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, self_attention=attention))
 
 
 def build_model(model: ModelConfig, parallel: ParallelConfig, config: TransformerConfig,
                 vocab_size: int) -> list[GPTModel]:
     """This pipeline rank's model chunks: one, or one per virtual pipeline stage (interleaved
     schedule); the embedding sits in the first stage's first chunk, the head in the last's last."""
-    spec = layer_spec(model.transformer_impl)
+    spec = layer_spec(model.transformer_impl, model.attention_backend)
     vpp = parallel.virtual_pipeline_model_parallel_size
     stages = [None] if vpp is None else list(range(vpp))
     # A loaded checkpoint fixes the padded vocabulary (checkpoint_shape) so it loads at any TP.

@@ -25,6 +25,7 @@ class PrecisionConfig:
     num_layers_at_start_in_bf16: int
     num_layers_at_end_in_bf16: int
     precision_plan: str | None  # a plan JSON file
+    te_precision_config_file: str | None  # megatron-core per-module precision YAML: the plan, or SNIP's pins
     precision_schedule: tuple[str, ...] | None  # PASSES=PRECISION@START entries
     quant_kernels: str
     fp8_gemm: str

@@ -67,6 +67,15 @@ def parse_module_name(name: str) -> tuple[int, str]:
     return int(match.group(1)), match.group(2)
 
 
+def end_layers(num_layers: int, first_n: int, last_n: int) -> list[int]:
+    """The first ``first_n`` and last ``last_n`` of ``num_layers`` layers (0-based, ascending, each once):
+    the layers Megatron's ``--first-last-layers-bf16`` keeps in bf16."""
+    for flag, n in (("first_n", first_n), ("last_n", last_n)):
+        if not 0 <= n <= num_layers:
+            raise ValueError(f"{flag} must be in [0, {num_layers}] for a {num_layers}-layer model, got {n}")
+    return sorted({*range(first_n), *range(num_layers - last_n, num_layers)})
+
+
 def _sort_key(name: str) -> tuple[int, int]:
     layer, module = parse_module_name(name)
     return layer, LINEAR_MODULES.index(module)
@@ -105,10 +114,7 @@ class PrecisionPlan:
         """This plan with the first ``first_n`` and last ``last_n`` layers in bf16
         (Megatron's ``--first-last-layers-bf16``, ``--num-layers-at-start-in-bf16``,
         ``--num-layers-at-end-in-bf16``)."""
-        for flag, n in (("first_n", first_n), ("last_n", last_n)):
-            if not 0 <= n <= num_layers:
-                raise ValueError(f"{flag} must be in [0, {num_layers}] for a {num_layers}-layer model, got {n}")
-        ends = [*range(first_n), *range(num_layers - last_n, num_layers)]
+        ends = end_layers(num_layers, first_n, last_n)
         return PrecisionPlan({**self.modules, **{module_name(i, m): BF16 for i in ends for m in LINEAR_MODULES}},
                              self.default)
 

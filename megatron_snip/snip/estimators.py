@@ -271,7 +271,8 @@ def _finite(value: float, name: str, fmt: str) -> float:
 
 
 def local_error_baselines(stats: ProbeStatistics) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
-    """The two quantization-error baselines the SNIP paper compares against.
+    """The quantization-error baselines measured on the forward GEMM's output (this project's
+    variants; :func:`operand_error_baselines` are the SNIP paper's).
 
     Returns:
         (absolute, relative): module -> format -> ``||E_f||^2`` and ``||E_f||^2 / ||Y||^2``.
@@ -280,3 +281,25 @@ def local_error_baselines(stats: ProbeStatistics) -> tuple[dict[str, dict[str, f
     relative = {n: {f: e.output_sq / m.output_sq for f, e in m.errors.items()} for n, m in stats.modules.items()}
     return absolute, relative
 
+
+
+def operand_error_baselines(stats: ProbeStatistics) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+    """The SNIP paper's quantization-error baselines (``best_quant_err``, ``best_rel_quant_err``): the
+    quantization errors of every tensor a module's GEMMs quantize, X, W and dY, summed.
+
+    Returns:
+        (absolute, relative): module -> format -> ``sum_T ||Q(T) - T||^2`` and
+        ``sum_T ||Q(T) - T||^2 / ||T||^2`` over T = X, W, dY.
+    Raises:
+        ValueError: statistics of version 1, which did not measure the operands' errors.
+    """
+    norms = {n: {"x": m.input_sq, "w": m.weight_sq, "dy": m.output_grad_sq} for n, m in stats.modules.items()}
+    absolute, relative = {}, {}
+    for n, m in stats.modules.items():
+        for f, e in m.errors.items():
+            if e.operand_sq is None:
+                raise ValueError(f"statistics of iteration {stats.iteration}: {n} has no operand errors (statistics "
+                                 f"version {stats.version} predates them); the paper's baselines need version 2")
+            absolute.setdefault(n, {})[f] = sum(e.operand_sq.values())
+            relative.setdefault(n, {})[f] = sum(v / norms[n][t] for t, v in e.operand_sq.items())
+    return absolute, relative

@@ -14,12 +14,12 @@ from pathlib import Path
 
 from megatron_snip.precision.flops import LlamaLinearDims
 from megatron_snip.precision.gemm_speed import peak_speed_model
-from megatron_snip.precision.recipes import RecipeConfig
+from megatron_snip.precision.recipes import Precision, RecipeConfig
 from megatron_snip.snip import policies
-from megatron_snip.snip.estimators import cost_tables, local_error_baselines
+from megatron_snip.snip.estimators import cost_tables, local_error_baselines, operand_error_baselines
 from megatron_snip.snip.ilp import InfeasibleBudgetError, Plan, SnipProblem, solve
 from megatron_snip.snip.planner import PlannerConfig, build_problem, linear_modules
-from megatron_snip.snip.statistics import ProbeStatistics
+from megatron_snip.snip.statistics import STATISTICS_SCHEMA_VERSION, ProbeStatistics
 
 
 @dataclass(frozen=True)
@@ -54,15 +54,24 @@ class StatisticsFile:
         """Raises ValueError naming the file when it is not a SNIP statistics file."""
         try:
             record = json.loads(Path(path).read_text())
+            version = record.get("schema_version", 0)
+        except (OSError, ValueError, AttributeError) as e:
+            raise ValueError(f"{path}: not a SNIP statistics file written by a --snip run "
+                             f"({type(e).__name__}: {e})") from e
+        if version > STATISTICS_SCHEMA_VERSION:
+            raise ValueError(f"{path}: statistics file schema version {version} is newer than this program's "
+                             f"{STATISTICS_SCHEMA_VERSION}; read it with the megatron-snip that wrote it")
+        try:
             return cls(str(path), ProbeStatistics.from_dict(record["statistics"], source=str(path)), record["run"])
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path}: not a SNIP statistics file written by a --snip run "
                              f"({type(e).__name__}: {e})") from e
 
     def problem(self, budget: Budget, *, formats: Sequence[str] | None = None, per_stage: bool | None = None,
                 loss_weight: float = 1.0, update_weight: float = 1.0, solver: str = "auto",
                 speed_model: str | None = None) -> SnipProblem:
-        """The ILP at ``budget`` with the run's candidates, budget scope and speeds unless given.
+        """The ILP at ``budget`` with the run's candidates, budget scope and speeds unless given, and
+        the run's pins (``--first-last-layers-bf16``, ``--te-precision-config-file`` under ``--snip``).
 
         Raises :class:`InfeasibleBudgetError` when no plan can meet the budget.
         """
@@ -73,7 +82,8 @@ class StatisticsFile:
                                  run.get("virtual_stages", 1))
         costs = cost_tables(self.stats, loss_weight, update_weight, formats=formats)
         config = PlannerConfig(formats=formats, fp4_target=budget.fp4_target, per_stage=per_stage, solver=solver,
-                               speed=self.speeds(formats, speed_model), time_target=budget.time_target)
+                               speed=self.speeds(formats, speed_model), time_target=budget.time_target,
+                               pins={n: Precision.parse(p) for n, p in run.get("pins", {}).items()})
         return build_problem(modules, costs, config)
 
     def speeds(self, formats: Sequence[str], speed_model: str | None = None) -> dict[str, float]:
@@ -97,9 +107,13 @@ def with_reference(table: dict, formats: Sequence[str]) -> dict:
     return {n: {f: (0.0 if f == "bf16" else per[f]) for f in formats} for n, per in table.items()}
 
 
-def _min_error(relative: bool) -> PolicyMaker:
+def _min_error(relative: bool, operands: bool = False) -> PolicyMaker:
+    """Minimum summed quantization error at the budget: of the forward output (this project's variant)
+    or, with ``operands``, of every operand X, W, dY (the SNIP paper's)."""
+    baselines = operand_error_baselines if operands else local_error_baselines
+
     def make(problem, stats, seed, solver):
-        table = local_error_baselines(stats)[1 if relative else 0]
+        table = baselines(stats)[1 if relative else 0]
         return policies.min_quant_error(problem, with_reference(table, problem.formats), solver=solver)
     return make
 
@@ -127,6 +141,8 @@ POLICIES: dict[str, PolicyMaker] = {
     "random": lambda problem, stats, seed, solver: policies.random_plan(problem, seed=seed),
     "min-quant-error": _min_error(relative=False),
     "min-relative-error": _min_error(relative=True),
+    "min-operand-error": _min_error(relative=False, operands=True),
+    "min-relative-operand-error": _min_error(relative=True, operands=True),
     "threshold": _threshold,
     "keep-ends-high": lambda problem, stats, seed, solver: policies.keep_ends_high(problem, first=1, last=1),
     "layer-type": lambda problem, stats, seed, solver: policies.layer_type_heuristic(problem),

@@ -7,10 +7,11 @@ Pure functions: the manager calls them on one rank with gathered statistics;
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from megatron_snip.precision.flops import LlamaLinearDims
 from megatron_snip.precision.gemm_speed import GemmSpeedModel
+from megatron_snip.precision.megatron_config import model_chunks
 from megatron_snip.precision.plan import LINEAR_MODULES, PrecisionPlan, module_name
 from megatron_snip.precision.recipes import Precision, RecipeConfig
 from megatron_snip.precision.registry import FP4_NAMES
@@ -29,6 +30,10 @@ class PlannerConfig:
     estimated GEMM time is then held to :func:`implied_time_target`, the time of the
     baselines' plans at the same FP4 share, so the non-FP4 remainder runs in FP8 unless
     BF16 pays for itself (docs/ilp.md, "Budgets").
+
+    ``pins`` (global module name -> precision: ``--first-last-layers-bf16``, the modules a
+    ``--te-precision-config-file`` fixes) are never re-planned: the ILP keeps them in their
+    precision, and their FLOPs and time count in the budgets like every other module's.
     """
 
     formats: tuple[str, ...]  # candidates, e.g. ("bf16", "fp8", "nvfp4")
@@ -39,21 +44,24 @@ class PlannerConfig:
     solver: str = "auto"
     speed: Mapping[str, float] | None = None  # precision -> GEMM throughput relative to bf16
     time_target: float | None = None  # max estimated GEMM time / all-BF16 time (None: implied)
+    pins: Mapping[str, Precision] = field(default_factory=dict)  # module -> the precision it keeps
 
     @classmethod
-    def from_snip(cls, snip: SnipConfig, recipe: RecipeConfig, speed_model: GemmSpeedModel) -> PlannerConfig:
-        """The settings of a run's ``--snip-*`` flags under its GEMM speed model."""
+    def from_snip(cls, snip: SnipConfig, recipe: RecipeConfig, speed_model: GemmSpeedModel,
+                  pins: Mapping[str, Precision] | None = None) -> PlannerConfig:
+        """The settings of a run's ``--snip-*`` flags under its GEMM speed model, with its ``pins``."""
         return cls(formats=snip.snip_formats, fp4_target=snip.snip_fp4_target,
                    per_stage=snip.snip_budget == "per-stage", split_passes=snip.snip_split_passes,
                    switch_penalty=snip.snip_switch_penalty, solver=snip.snip_solver,
-                   speed=speed_model.precision_speeds(recipe, snip.snip_formats), time_target=snip.snip_time_target)
+                   speed=speed_model.precision_speeds(recipe, snip.snip_formats), time_target=snip.snip_time_target,
+                   pins=dict(pins or {}))
 
 
 def pipeline_stage(layer: int, num_layers: int, pipeline_stages: int, virtual_stages: int = 1) -> int:
     """The pipeline rank (physical stage) that runs ``layer``: with virtual stages the layers are cut
     into ``pipeline_stages x virtual_stages`` chunks dealt out round-robin (chunk c on rank
-    c mod PP), as megatron-core's interleaved schedule places them."""
-    return (layer // (num_layers // (pipeline_stages * virtual_stages))) % pipeline_stages
+    c mod PP), as megatron-core's interleaved schedule places them (``model_chunks``)."""
+    return next(c.stage for c in model_chunks(num_layers, pipeline_stages, virtual_stages) if layer in c.layers)
 
 
 def linear_modules(dims: LlamaLinearDims, tokens: int, pipeline_stages: int,
@@ -80,7 +88,11 @@ def build_problem(modules: Sequence[LinearModule], costs: CostTables, config: Pl
     ``fixed`` (``PrecisionSchedule.fixed``: ``{"fwd": precision or None, "bwd": ...}``) names
     passes a precision schedule imposes on every module: the problem leaves them out (split
     mode, their FLOPs and costs zero), so the budgets apply to the GEMMs the plan decides.
+    ``config.pins`` become the problem's pins (:func:`unit_pins`).
     """
+    outside = sorted({f for p in config.pins.values() for f in (p.fwd, p.bwd)} - set(config.formats))
+    if outside:
+        raise ValueError(f"pins: {outside[0]} is not a candidate format {list(config.formats)}")
     fixed = {side: f for side, f in (fixed or {}).items() if f is not None}
     if fixed:
         if set(fixed) >= {"fwd", "bwd"}:
@@ -96,7 +108,8 @@ def build_problem(modules: Sequence[LinearModule], costs: CostTables, config: Pl
     if time_target is None and config.speed is not None:
         time_target = implied_time_target(modules, config)
     common = dict(modules=modules, formats=config.formats, target=config.fp4_target, per_stage=config.per_stage,
-                  switch_penalty=config.switch_penalty, speed=config.speed, time_target=time_target)
+                  switch_penalty=config.switch_penalty, speed=config.speed, time_target=time_target,
+                  pins=unit_pins(config.pins, config.split_passes))
     if config.split_passes:
         now = None if current is None else {
             **{(m.name, FWD): current[m.name].fwd for m in modules},
@@ -112,36 +125,56 @@ def build_problem(modules: Sequence[LinearModule], costs: CostTables, config: Pl
     return SnipProblem(cost=costs.joint, current=now, **common)
 
 
+def unit_pins(pins: Mapping[str, Precision], split: bool) -> dict[UnitKey, str]:
+    """Module -> precision pins as the ILP's unit -> format pins: in split mode one per pass, jointly
+    one per module (ValueError for a split precision, which a joint unit cannot hold)."""
+    if split:
+        return {key: fmt for name, p in pins.items() for key, fmt in (((name, FWD), p.fwd), ((name, BWD), p.bwd))}
+    split_pins = sorted(name for name, p in pins.items() if p.fwd != p.bwd)
+    if split_pins:
+        raise ValueError(f"pin {split_pins[0]} -> {pins[split_pins[0]]} gives its forward and backward GEMMs "
+                         "different precisions, which needs --snip-split-passes")
+    return {name: p.fwd for name, p in pins.items()}
+
+
 def implied_time_target(modules: Sequence[LinearModule], config: PlannerConfig) -> float:
     """The GEMM-time budget an FP4 target implies: the estimated time of the plans the baselines
     make at that target (``policies.baseline_formats``: FP4 units in nvfp4, the rest in fp8),
+    with the pinned units in their pinned formats. Per budget scope (a stage with per-stage
+    budgets, else the model), as a ratio to the scope's all-BF16 time (its FLOPs ``F``):
 
-        T = t / s_fp4 + (1 - t) / s_high      (a ratio to the all-BF16 time)
+        T = (pinned time + need / s_fp4 + (free - need) / s_high) / F,   need = t F - pinned FP4 FLOPs
 
-    plus, where FP4 is slower than the high format (FP4 emulated on Hopper), the time of one
-    unit's overshoot of the target, which discrete modules cannot avoid. Under it, BF16 can
-    replace FP8 only where extra FP4 pays for its time, so SNIP and the baselines are compared
-    at equal estimated cost.
+    (without pins ``t / s_fp4 + (1 - t) / s_high``), plus, where FP4 is slower than the high
+    format (FP4 emulated on Hopper), the time of one free unit's overshoot of the target, which
+    discrete modules cannot avoid. One target holds for every scope, so it is the largest
+    scope's. Under it, BF16 can replace FP8 only where extra FP4 pays for its time, so SNIP and
+    the baselines are compared at equal estimated cost.
     """
     fp4, high = baseline_formats(config.formats, set(FP4_NAMES) & set(config.formats))
     t = config.fp4_target if fp4 is not None else 0.0
-    inv_high = 1.0 / config.speed[high] if high is not None else 0.0
     inv_fp4 = 1.0 / config.speed[fp4] if fp4 is not None else 0.0
-    target = t * inv_fp4 + (1.0 - t) * inv_high
-    if fp4 is not None and high is not None and inv_fp4 > inv_high:
-        target += (inv_fp4 - inv_high) * _largest_unit_share(modules, config)
-    return target
-
-
-def _largest_unit_share(modules: Sequence[LinearModule], config: PlannerConfig) -> float:
-    """The largest FLOP share of one decision unit within its budget scope (stage or model)."""
-    units = [(m.stage, f) for m in modules
-             for f in ((m.fprop_flops, m.bwd_flops) if config.split_passes else (m.flops,))]
-    scope_flops: dict[int | None, float] = {}
-    for stage, flops in units:
-        key = stage if config.per_stage else None
-        scope_flops[key] = scope_flops.get(key, 0.0) + flops
-    return max(flops / scope_flops[stage if config.per_stage else None] for stage, flops in units)
+    inv_high = 1.0 / config.speed[high] if high is not None else inv_fp4  # no high candidate: all FP4
+    scopes: dict[int | None, list[tuple[float, str | None]]] = {}  # scope -> (FLOPs, pinned format) per unit
+    for m in modules:
+        pin = config.pins.get(m.name)
+        parts = (((m.fprop_flops, pin and pin.fwd), (m.bwd_flops, pin and pin.bwd)) if config.split_passes
+                 else ((m.flops, pin and pin.fwd),))
+        scopes.setdefault(m.stage if config.per_stage else None, []).extend(parts)
+    ratios = []
+    for units in scopes.values():
+        total = sum(flops for flops, _ in units)
+        if total <= 0:
+            continue
+        free = [flops for flops, pin in units if pin is None]
+        pinned_fp4 = sum(flops for flops, pin in units if pin in FP4_NAMES)
+        need = min(max(t * total - pinned_fp4, 0.0), sum(free))
+        time = (sum(flops / config.speed[pin] for flops, pin in units if pin is not None)
+                + need * inv_fp4 + (sum(free) - need) * inv_high)
+        if need > 0 and inv_fp4 > inv_high:
+            time += (inv_fp4 - inv_high) * max(free)
+        ratios.append(time / total)
+    return max(ratios, default=1.0)
 
 
 def _joint_format(precision: Precision) -> str:
@@ -152,13 +185,15 @@ def _joint_format(precision: Precision) -> str:
 def solve_plan(problem: SnipProblem, config: PlannerConfig,
                fixed: Mapping[str, str | None] | None = None) -> tuple[PrecisionPlan, Solution]:
     """Solve and turn the solution into a plan covering every module explicitly (with the
-    schedule's ``fixed`` passes, which the problem left out, in their fixed precisions)."""
+    schedule's ``fixed`` passes, which the problem left out, in their fixed precisions; pinned
+    modules keep their pins in the plan, the schedule still runs on top of them)."""
     solution = solve(problem, solver=config.solver)
     plan = to_precision_plan(solution.plan, problem.split)
     fixed = fixed or {}
     if any(fixed.values()):
-        plan = PrecisionPlan({n: Precision(fixed.get("fwd") or p.fwd, fixed.get("bwd") or p.bwd)
-                              for n, p in plan.modules.items()})
+        plan = PrecisionPlan({n: plan[n] if n in config.pins else Precision(fixed.get("fwd") or plan[n].fwd,
+                                                                             fixed.get("bwd") or plan[n].bwd)
+                              for n in (m.name for m in problem.modules)})
     return plan, solution
 
 

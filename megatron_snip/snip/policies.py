@@ -6,7 +6,9 @@ layer-type heuristics and keeping the first/last layers in high precision.
 Each function here builds that baseline for a :class:`SnipProblem`: it
 honours the problem's pins, meets its budgets (the FP4 share and, when the
 problem has one, the estimated GEMM time; globally and, with ``per_stage``,
-in every stage) and returns a plan ``unit key -> format``
+in every stage) and returns a plan ``unit key -> format``. :func:`min_fp4_cost`
+is the ILP on any per-unit FP4 cost, e.g. one measured by training (the
+comparison's oracle, ``megatron_snip/experiments/oracle.py``).
 that :func:`evaluate_plan` (re-exported here) scores under the problem's
 costs, so plans can be compared side by side (:func:`format_comparison`).
 
@@ -22,6 +24,7 @@ else the first non-FP4 candidate).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
@@ -29,6 +32,7 @@ import numpy as np
 
 from .ilp import (
     FRACTION_TOL,
+    FWD,
     TARGET_FLAG,
     CostTable,
     DecisionUnit,
@@ -52,6 +56,7 @@ __all__ = [
     "keep_ends_high",
     "keep_last_high",
     "layer_type_heuristic",
+    "min_fp4_cost",
     "min_quant_error",
     "min_relative_quant_error",
     "random_plan",
@@ -66,6 +71,11 @@ PREFERRED_HIGH = "fp8"
 # commonly reported as the most tolerant; the attention output projection,
 # which writes straight into the residual stream, goes last.
 DEFAULT_TYPE_ORDER = ("linear_fc1", "linear_fc2", "linear_qkv", "linear_proj")
+
+# random_plan's random weights: small enough that no draw outweighs a plan with fewer FP4 FLOPs
+# (the units' random parts sum to at most RANDOM_TIE * units * the largest unit's FLOPs), large
+# enough that the solver's 1e-9 objective tolerance tells the draws apart.
+RANDOM_TIE = 1e-6
 
 
 def uniform(problem: SnipProblem, fmt: str | None = None) -> dict[UnitKey, str]:
@@ -95,10 +105,35 @@ def uniform(problem: SnipProblem, fmt: str | None = None) -> dict[UnitKey, str]:
 
 
 def random_plan(problem: SnipProblem, seed: int = 0, *, fp4_format: str | None = None,
-                high_format: str | None = None) -> dict[UnitKey, str]:
-    """Units in a random order (numpy ``default_rng(seed)``) go FP4 until the budget is met."""
-    order = np.random.default_rng(seed).permutation(len(problem.units))
-    return _fill(problem, [problem.units[i] for i in order], fp4_format, high_format)
+                high_format: str | None = None, solver: str = "auto") -> dict[UnitKey, str]:
+    """A random choice of FP4 units that meets the budgets as tightly as discrete units allow.
+
+    Of the two-format plans that meet the budgets, those with the fewest FP4 FLOPs (in every
+    budget scope); among them the one whose FP4 units have the least ``flops * (1 + RANDOM_TIE * r)``,
+    ``r`` one ``numpy.random.default_rng(seed).random()`` draw per unit in the problem's unit order.
+    Units of equal FLOPs (a type's GEMMs in every layer) are so chosen uniformly at random, and so
+    is which of several equally tight mixes of types. (Filling in a random order instead overshoots
+    the target by up to the last unit's share: 80% FP4 at a 75% target on a 4-layer model.)
+    """
+    r = np.random.default_rng(seed).random(len(problem.units))
+    largest = max(u.flops for u in problem.units)
+    weight = {u.key: u.flops / largest * (1.0 + RANDOM_TIE * x) for u, x in zip(problem.units, r)}
+    return _two_format_ilp(problem, weight, fp4_format, high_format, solver, None, 0.0)
+
+
+def min_fp4_cost(problem: SnipProblem, fp4_cost: Mapping[UnitKey, float], *, fp4_format: str | None = None,
+                 high_format: str | None = None, solver: str = "auto",
+                 time_limit: float | None = None) -> dict[UnitKey, str]:
+    """The ILP over the two baseline formats with ``fp4_cost[unit key]`` (>= 0, any unit) the cost
+    of running that unit in FP4 and the high format free: the plan meeting the budgets whose
+    FP4 units cost least in total, solved to optimality (``mip_gap`` 0)."""
+    missing = [u.key for u in problem.units if u.pin is None and u.key not in fp4_cost]
+    if missing:
+        raise ValueError(f"min_fp4_cost: no FP4 cost for {len(missing)} unit(s), e.g. {missing[:3]}")
+    bad = {k: c for k, c in fp4_cost.items() if not (math.isfinite(c) and c >= 0)}
+    if bad:
+        raise ValueError(f"min_fp4_cost: costs must be finite and >= 0, got {dict(list(bad.items())[:3])}")
+    return _two_format_ilp(problem, fp4_cost, fp4_format, high_format, solver, time_limit, 0.0)
 
 
 def min_quant_error(problem: SnipProblem, error: CostTable, bwd_error: CostTable | None = None, *,
@@ -190,6 +225,35 @@ def format_comparison(problem: SnipProblem, plans: Mapping[str, Plan | Exception
                      "yes" if ev.meets_target else "NO"))
     widths = [max(len(r[c]) for r in rows if len(r[c]) < 40) for c in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def _two_format_ilp(problem: SnipProblem, fp4_cost: Mapping[UnitKey, float], fp4_format: str | None,
+                    high_format: str | None, solver: str, time_limit: float | None,
+                    mip_gap: float) -> dict[UnitKey, str]:
+    """The ILP whose candidates are the baseline's FP4 and high formats (plus the pinned units'
+    formats), a unit costing ``fp4_cost[key]`` in FP4 and nothing in the high format.
+
+    A pinned format offered to every unit (e.g. bf16 under ``--first-last-layers-bf16``) costs
+    twice the largest FP4 cost: it is slower than the high format and counts no FP4 FLOPs, so
+    it is never chosen.
+    """
+    fp4, high = _fp4_format(problem, fp4_format), _high_format(problem, high_format)
+    pinned = {u.pin for u in problem.units}
+    formats = tuple(f for f in problem.formats if f in (fp4, high) or f in pinned)
+    other = 2.0 * max((fp4_cost.get(u.key, 0.0) for u in problem.units), default=0.0) or 1.0
+
+    def cost(u: DecisionUnit, f: str) -> float:
+        if u.pin is not None:
+            return 0.0  # its only choice
+        return fp4_cost[u.key] if f == fp4 else 0.0 if f == high else other
+
+    tables: dict[str, dict[str, dict[str, float]]] = {}
+    for u in problem.units:
+        table = "cost" if not problem.split else ("fwd_cost" if u.key[1] == FWD else "bwd_cost")
+        tables.setdefault(table, {})[u.module] = {f: cost(u, f) for f in formats}
+    two = replace(problem, formats=formats, fp4_formats=problem.fp4_formats & set(formats), **tables, current=None,
+                  switch_penalty=0.0)
+    return solve(two, solver, time_limit, mip_gap=mip_gap).plan
 
 
 def _ilp_plan(problem, table, bwd_table, solver, time_limit) -> dict[UnitKey, str]:

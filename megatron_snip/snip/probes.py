@@ -17,7 +17,9 @@ masks:
    ``||E_f||^2, ||eX_f||^2, ||P~ * eW_f||^2``: the quantized GEMMs are
    re-run on the captured X, W, dY through
    :func:`megatron_snip.precision.linear.quantized_linear` (the layers' own
-   code);
+   code), and each operand's own quantization error ``||Q(T) - T||^2`` for
+   T = X, W (fprop's quantizers) and dY (dgrad's), what the SNIP paper's
+   quantization-error baselines sum;
 2. **Hutchinson passes** (K forward + backward): Rademacher noise
    ``+sigma_l Z_l`` at every module output at once; ``<Z_l, G(+) - G(0)>``, with
    ``<Z_l, G(0)>`` read in the clean pass's backward, gives ``tr(H_l)`` for every module;
@@ -57,7 +59,7 @@ from megatron.core.utils import get_pg_size
 from megatron_snip.model.step import LOSS_KEY, forward_step
 from megatron_snip.precision.controller import PrecisionController
 from megatron_snip.precision.layers import PlanLinear
-from megatron_snip.precision.linear import QuantState, quantized_linear
+from megatron_snip.precision.linear import LinearQuantization, QuantState, quantize_operand, quantized_linear
 from megatron_snip.precision.plan import parse_module_name
 from megatron_snip.precision.recipes import BF16, Precision
 
@@ -107,6 +109,9 @@ class ProbeConfig:
 
 
 # -- per-module measurement ------------------------------------------------------------------------
+
+# FormatErrors.operand_sq's operands -> the probe sums that hold them.
+OPERAND_KEYS = {"x": "x_quant_sq", "w": "w_quant_sq", "dy": "dy_quant_sq"}
 
 def squared_norm(t: torch.Tensor) -> torch.Tensor:
     """``||t||^2`` as an fp64 0-d tensor (no host sync)."""
@@ -202,6 +207,7 @@ class _Probe:
     adam: AdamSlice | None
     sensitivity: torch.Tensor | None = None  # Adam's du/dg on the weight's slice at the clean gradient
     states: dict[str, QuantState] = field(default_factory=dict)
+    operand_states: dict[str, QuantState] = field(default_factory=dict)  # for the operands' own errors
     sums: dict[str, torch.Tensor] = field(default_factory=dict)
     next_microbatch: MicrobatchCounter = field(default_factory=MicrobatchCounter)
     sigma: float = 0.0
@@ -232,6 +238,16 @@ class _Probe:
             dx, dw = torch.autograd.grad(y, (x, w), dy)
         return y.detach(), dx, dw
 
+    def operand_error_sq(self, fmt: str, gemm: str, operand: str, t: torch.Tensor) -> torch.Tensor:
+        """``||Q(t) - t||^2`` of a 2-D fp32 operand quantized as ``gemm`` quantizes ``operand`` in
+        ``fmt`` (the layer's quantizers and TP amax reduction, a private state: the GEMMs' random
+        draws are left as they were)."""
+        split = self.layout.tp > 1
+        quant = LinearQuantization(Precision.uniform(fmt), self.module.recipe, self.operand_states[fmt],
+                                   self.module.amax_all_reduce if split else None,
+                                   self.module.sharded_operands if split else frozenset())
+        return squared_norm(quantize_operand(t, quant.quantizer(gemm, operand), operand, quant) - t)
+
     def measure_errors(self, x: torch.Tensor, dy: torch.Tensor, loss_scale: float) -> None:
         """Clean-pass backward: ``||dY||^2`` and every format's exact GEMM errors, measured on the
         operands the GEMM quantizes (under sequence parallelism the all-gathered X / dY)."""
@@ -255,6 +271,8 @@ class _Probe:
             self.add(f"{fmt}.output_sq", self.layout.gemm_y_weight * squared_norm(e_out))
             self.add(f"{fmt}.first_order", self.layout.gemm_y_weight * (e_out * dy).sum(dtype=torch.float64))
             self.add(f"{fmt}.input_grad_sq", self.layout.gemm_x_weight * squared_norm(e_in))
+            self.add(f"{fmt}.x_quant_sq", self.layout.gemm_x_weight * self.operand_error_sq(fmt, "fprop", "x", x))
+            self.add(f"{fmt}.dy_quant_sq", self.layout.gemm_y_weight * self.operand_error_sq(fmt, "dgrad", "dy", dy))
             if self.sensitivity is not None:
                 self.add(f"{fmt}.update_sq", squared_norm(self.sensitivity * self.adam.flat(dw - dw_ref)))
 
@@ -371,7 +389,7 @@ def run_probe_cycle(
         loss = _clean_pass(runner, probes, loss_scale, curvature_keys, clean_inputs)
         clean_keys = ["input_numel", "output_numel", "input_sq", "weight_sq", "output_sq", "output_grad_sq",
                       *[f"{f}.{k}" for f in config.formats
-                        for k in ("output_sq", "first_order", "input_grad_sq", "update_sq")]]
+                        for k in ("output_sq", "first_order", "input_grad_sq", "update_sq", *OPERAND_KEYS.values())]]
         clean = _reduce(probes, clean_keys, adam.dp_sharded)
         for p in probes:
             rms = math.sqrt(clean[p.name]["output_sq"] / clean[p.name]["output_numel"])
@@ -409,9 +427,10 @@ def _make_probe(name: str, module: PlanLinear, formats: Sequence[str], adam: Ada
     # Private quantization states: the module's own RNG stream and delayed-scaling history stay
     # untouched; the same seed gives the same Hadamard signs the module uses.
     for fmt in supported:
-        state = QuantState(module.quant_state.seed, module.quant_state.stream)
-        state.delayed = copy.deepcopy(module.quant_state.delayed)
-        probe.states[fmt] = state
+        for states in (probe.states, probe.operand_states):
+            state = QuantState(module.quant_state.seed, module.quant_state.stream)
+            state.delayed = copy.deepcopy(module.quant_state.delayed)
+            states[fmt] = state
     return probe
 
 
@@ -442,6 +461,8 @@ def _clean_pass(runner: PassRunner, probes: list[_Probe], loss_scale: float, cur
 
     for p in probes:
         p.add("weight_sq", squared_norm(p.module.weight))
+        for fmt in p.formats:  # each rank's W is a distinct shard: its errors add over TP
+            p.add(f"{fmt}.w_quant_sq", p.operand_error_sq(fmt, "fprop", "w", p.module.weight.detach().float()))
         p.next_microbatch.reset()
     with _hooks(probes, hook):
         return runner.run(forward_only=False)
@@ -539,7 +560,8 @@ def _module_statistics(p: _Probe, sums: dict[str, float], config: ProbeConfig, p
         weight_sq=sums["weight_sq"], output_sq=sums["output_sq"], output_grad_sq=sums["output_grad_sq"],
         curvature=sum(curv) / len(curv), curvature_probes=curv, gain=sum(gains) / len(gains), gain_probes=gains,
         errors={f: FormatErrors(sums[f"{f}.output_sq"], sums[f"{f}.first_order"], sums[f"{f}.input_grad_sq"],
-                                sums[f"{f}.update_sq"]) for f in p.formats},
+                                sums[f"{f}.update_sq"], {o: sums[f"{f}.{k}"] for o, k in OPERAND_KEYS.items()})
+                for f in p.formats},
         unsupported=dict(p.unsupported),
     )
 

@@ -13,10 +13,11 @@ trainer.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -25,13 +26,18 @@ from megatron_snip.fileio import write_text_atomic
 from megatron_snip.precision.controller import PrecisionController
 from megatron_snip.precision.flops import LlamaLinearDims
 from megatron_snip.precision.gemm_speed import GemmSpeedModel
+from megatron_snip.precision.megatron_config import megatron_config_files
 from megatron_snip.precision.plan import PrecisionPlan, parse_module_name
+from megatron_snip.precision.recipes import RecipeConfig
 from megatron_snip.snip.config import SnipConfig
+from megatron_snip.snip.decisions import TABLE_MAX_ROWS, Decision, decision_summary, decision_table, decisions
 from megatron_snip.snip.estimators import cost_tables, divergences
 from megatron_snip.snip.ilp import InfeasibleBudgetError
 from megatron_snip.snip.planner import PlannerConfig, build_problem, linear_modules, solve_plan
 from megatron_snip.snip.probes import ProbeConfig, gather_across_pipeline, run_probe_cycle
-from megatron_snip.snip.statistics import ProbeStatistics
+from megatron_snip.snip.statistics import STATISTICS_SCHEMA_VERSION, ProbeStatistics
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -53,6 +59,7 @@ class CycleReport:
     loss_divergence: float  # sum over modules of alpha * dL/loss of the chosen formats
     update_divergence: float  # sum over modules of beta * dU/||u||^2 of the chosen formats
     layer_divergence: dict[int, float]  # per layer, both terms
+    decisions: list[dict] = field(default_factory=list)  # per module: decisions.Decision as a dict
 
 
 @dataclass(frozen=True)
@@ -75,8 +82,8 @@ class SnipReplanner:
 
     def __init__(self, snip: SnipConfig, planner: PlannerConfig, *, chunks: Sequence[torch.nn.Module], optimizer,
                  controller: PrecisionController, dims: LlamaLinearDims, speed_model: GemmSpeedModel,
-                 step: StepShape, pipeline_stages: int, virtual_stages: int, seed: int):
-        self.snip, self.planner = snip, planner
+                 step: StepShape, pipeline_stages: int, virtual_stages: int, seed: int, recipe: RecipeConfig):
+        self.snip, self.planner, self.recipe = snip, planner, recipe
         self.chunks, self.optimizer, self.controller = chunks, optimizer, controller
         self.dims, self.speed_model, self.step = dims, speed_model, step
         self.pipeline_stages, self.virtual_stages = pipeline_stages, virtual_stages
@@ -86,6 +93,7 @@ class SnipReplanner:
         self.modules = linear_modules(dims, step.tokens, pipeline_stages, virtual_stages)
         self.statistics: ProbeStatistics | None = None
         self.reports: list[CycleReport] = []
+        self._config_notice = False  # said once that plans have no Megatron-LM precision config
 
     def cycle(self, iteration: int, probe_data: Iterator[dict], current: PrecisionPlan,
               fixed: Mapping[str, str | None]) -> CycleReport:
@@ -139,14 +147,19 @@ class SnipReplanner:
             time_ratio=solution.time_ratio, stage_time_ratio=dict(solution.stage_time_ratio),
             time_target=problem.time_target,
             loss_divergence=sum(f for f, _ in chosen.values()),
-            update_divergence=sum(b for _, b in chosen.values()), layer_divergence=per_layer)
+            update_divergence=sum(b for _, b in chosen.values()), layer_divergence=per_layer,
+            decisions=[asdict(d) for d in decisions(plan, costs, self.planner.formats, speed=self.planner.speed,
+                                                    pins=self.planner.pins, fixed=fixed)])
 
     def write_statistics(self, directory: str, iteration: int) -> str | None:
-        """The last cycle's statistics and decision as one JSON file (rank 0 writes, atomically)."""
+        """The last cycle's statistics and decision as one JSON file, and its plan as megatron-core
+        per-module precision configs next to it (rank 0 writes, atomically): ``snip_iter_N.json``,
+        ``snip_iter_N.yaml`` (the plan at PP 1) and under PP > 1 ``snip_iter_N.pp<stage>[.vp<chunk>].yaml``
+        (megatron_config.megatron_config_files). Returns the JSON's path."""
         if self.statistics is None or dist.get_rank() != 0:
             return None
         os.makedirs(directory, exist_ok=True)
-        path = os.path.join(directory, f"snip_iter_{iteration:07d}.json")
+        stem = os.path.join(directory, f"snip_iter_{iteration:07d}")
         report = asdict(self.reports[-1]) if self.reports else None
         speed = self.speed_model
         run = {"dims": asdict(self.dims), "tokens": self.step.tokens,
@@ -155,12 +168,32 @@ class SnipReplanner:
                "budget": self.snip.snip_budget, "fp4_target": self.snip.snip_fp4_target,
                "time_target": self.snip.snip_time_target, "split_passes": self.snip.snip_split_passes,
                "speed_model": {"name": speed.name, "throughput": dict(speed.throughput), "source": speed.source},
-               "speeds": dict(self.planner.speed)}
-        write_text_atomic(path, json.dumps({
+               "speeds": dict(self.planner.speed), "recipe": asdict(self.recipe),
+               "pins": {n: str(p) for n, p in self.planner.pins.items()}}
+        write_text_atomic(stem + ".json", json.dumps({
+            "schema_version": STATISTICS_SCHEMA_VERSION,
             "run": run, "statistics": self.statistics.to_dict(), "cycle": report,
             "divergences": {n: {fmt: asdict(d) for fmt, d in per.items()}
                             for n, per in divergences(self.statistics).items()}}, indent=1))
-        return path
+        if report is not None:
+            write_text_atomic(stem + ".decisions.txt",
+                              decision_table([Decision(**d) for d in report["decisions"]]) + "\n")
+            self._write_megatron_configs(stem, PrecisionPlan.from_dict(report["plan"], source="cycle report"),
+                                         iteration)
+        return stem + ".json"
+
+    def _write_megatron_configs(self, stem: str, plan: PrecisionPlan, iteration: int) -> None:
+        try:
+            files = megatron_config_files(plan, self.recipe, self.dims.num_layers, self.pipeline_stages,
+                                          self.virtual_stages, source=f"the SNIP cycle at iteration {iteration}")
+        except ValueError as e:
+            if not self._config_notice:
+                logger.info("[snip] no Megatron-LM precision config (snip_iter_*.yaml) for this run's plans: %s",
+                               e)
+                self._config_notice = True
+            return
+        for suffix, text in files.items():
+            write_text_atomic(f"{stem}{suffix}.yaml", text)
 
 
 def log_cycle(logger, report: CycleReport, num_layers: int) -> None:
@@ -176,8 +209,17 @@ def log_cycle(logger, report: CycleReport, num_layers: int) -> None:
     }, prefix="snip")
     logger.scalars({f"snip/layer divergence/{layer:03d}": v for layer, v in report.layer_divergence.items()},
                    report.iteration)
-    logger.image("snip/plan (rows: layers; qkv, proj, fc1, fc2 x fwd|bwd)", plan_image(plan, num_layers),
-                 report.iteration)
+    logger.image("snip/plan", plan_image(plan, num_layers, title=f"iteration {report.iteration}: FP4 "
+                                                              f"{report.fp4_fraction:.1%}"), report.iteration)
+    rows = [Decision(**d) for d in report.decisions]
+    table = decision_table(rows)
+    logger.panel("snip/decisions", f"```\n{table}\n```", report.iteration)
+    if len(rows) <= TABLE_MAX_ROWS:
+        logger.text(f"[snip] iteration {report.iteration}: the plan, module by module\n{table}")
+    else:
+        logger.text(f"[snip] iteration {report.iteration}: the plan by module type (every module: "
+                    f"snip_iter_{report.iteration:07d}.decisions.txt beside the statistics, and TensorBoard's text "
+                    f"panel)\n{decision_summary(rows)}")
     logger.text(f"[snip] iteration {report.iteration}: solver {report.solver}, gap {report.gap:.2g}; per stage: FP4 "
                 f"fraction " + ", ".join(f"{s}: {v:.3f}" for s, v in report.stage_fp4_fraction.items())
                 + "; estimated GEMM time vs bf16 " + ", ".join(f"{s}: {v:.3f}" for s, v in report.stage_time_ratio.items())

@@ -155,6 +155,22 @@ def _import_gurobipy():
     return gurobipy
 
 
+def gurobi_unavailable() -> str | None:
+    """Why Gurobi cannot solve anything here (gurobipy does not import, or no license starts an
+    environment), or None; cheap (no model is built), for checking ``--snip-solver gurobi`` at start-up."""
+    try:
+        gp = _import_gurobipy()
+    except ImportError as err:
+        return f"gurobipy is not importable ({err})"
+    try:
+        with gp.Env(empty=True) as env:
+            env.setParam("OutputFlag", 0)  # before start(): no license banner
+            env.start()
+    except gp.GurobiError as err:
+        return f"Gurobi has no usable license (error {err.errno}: {err})"
+    return None
+
+
 @functools.cache
 def _gurobi_size_limited(gp) -> bool:
     """Whether the installed Gurobi license is size-limited.

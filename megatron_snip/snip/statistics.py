@@ -11,9 +11,9 @@ Units: X, Y, W in their own units; ``dY = dL/dY`` (loss / Y-unit) of the loss th
 schedule backpropagates (the micro-batch mean divided by the number of
 micro-batches, loss scaling removed). See ``docs/snip.md``.
 
-JSON form (``version`` 1)::
+JSON form (``version`` 2; version 1 lacks ``operand_sq``)::
 
-    {"version": 1, "iteration": 1200, "formats": ["fp8", "nvfp4", "mxfp4"],
+    {"version": 2, "iteration": 1200, "formats": ["fp8", "nvfp4", "mxfp4"],
      "loss": 3.21, "update_sq": 1.7e-3, "data_parallel_size": 8, ...,
      "modules": {"decoder.layers.0.self_attention.linear_qkv": {...}, ...}}
 """
@@ -30,7 +30,12 @@ from pathlib import Path
 from megatron_snip.fileio import write_text_atomic
 from megatron_snip.precision.plan import LINEAR_MODULES, parse_module_name
 
-STATS_VERSION = 1
+# Version of the snip_iter_N.json layout a --snip run writes (docs/snip.md, "The statistics file");
+# files without the field are version 0 (the same layout, without "decisions" in the cycle report).
+STATISTICS_SCHEMA_VERSION = 1
+
+STATS_VERSION = 2  # 2: FormatErrors.operand_sq (version 1 files still load)
+READABLE_STATS_VERSIONS = (1, 2)
 
 
 @dataclass
@@ -46,12 +51,18 @@ class FormatErrors:
         update_sq: ``||P~ * eW_f||^2``, ``eW_f = Q(dY)^T Q(X) - dY^T X`` (wgrad error) weighted
             by Adam's sensitivity ``P~``: the squared drift of this module's weight update
             (parameter^2).
+        operand_sq: the operands' own quantization errors, ``{"x": ||Q(X) - X||^2, "w": ||Q(W) - W||^2,
+            "dy": ||Q(dY) - dY||^2}`` with fprop's X and W quantizers and dgrad's dY quantizer
+            (X and dY summed over the probe micro-batches like ``input_sq`` and ``output_grad_sq``;
+            W once, like ``weight_sq``): what the SNIP paper's quantization-error baselines sum.
+            None in statistics version 1, which did not measure them.
     """
 
     output_sq: float
     first_order: float
     input_grad_sq: float
     update_sq: float
+    operand_sq: dict[str, float] | None = None
 
 
 @dataclass
@@ -136,9 +147,9 @@ class ProbeStatistics:
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "statistics") -> ProbeStatistics:
-        if data.get("version") != STATS_VERSION:
+        if data.get("version") not in READABLE_STATS_VERSIONS:
             raise ValueError(f"{source}: unsupported statistics version {data.get('version')!r} "
-                             f"(this program reads version {STATS_VERSION})")
+                             f"(this program reads versions {', '.join(map(str, READABLE_STATS_VERSIONS))})")
         data = dict(data)
         data["modules"] = {n: ModuleStatistics.from_dict(m) for n, m in data["modules"].items()}
         return cls(**data)

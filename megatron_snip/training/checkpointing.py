@@ -227,17 +227,19 @@ def _sharded_state(model, optimizer, scheduler, *, is_loading: bool, with_optim:
 
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extra: dict,
-                    quantization: dict | None = None) -> str:
+                    quantization: dict | None = None, *, save_optim: bool = True, save_rng: bool = True) -> str:
     """Write a complete checkpoint of ``iteration`` under ``root``; collective over all ranks.
 
     ``model`` is this rank's unwrapped megatron-core module, or its list of chunks; ``extra`` is
     replicated, JSON-like state (iteration bookkeeping, args, plans);
     ``quantization`` is this rank's module quantization state, saved with its RNG states.
+    ``save_optim=False`` / ``save_rng=False`` (``--no-save-optim`` / ``--no-save-rng``) leave out the
+    optimizer and scheduler / RNG and quantization states; loading such a checkpoint skips them.
     """
     check_finite(model, optimizer, iteration_dir(root, iteration))
-    state = _sharded_state(model, optimizer, scheduler, is_loading=False, with_optim=True, with_rng=True,
+    state = _sharded_state(model, optimizer, scheduler, is_loading=False, with_optim=save_optim, with_rng=save_rng,
                            quantization=quantization)
-    return _write(root, iteration, state, extra)
+    return _write(root, iteration, state, {**extra, NO_OPTIM: not save_optim, NO_RNG: not save_rng})
 
 
 def save_model_checkpoint(root: str, iteration: int, model_state: dict, extra: dict) -> str:
@@ -260,6 +262,8 @@ def save_model_checkpoint(root: str, iteration: int, model_state: dict, extra: d
 
 # Marks a checkpoint that holds no optimizer, scheduler or RNG state.
 MODEL_ONLY = "model_only"
+# Mark checkpoints saved without optimizer and scheduler state, or without RNG and quantization state.
+NO_OPTIM, NO_RNG = "no_optimizer_state", "no_rng_state"
 
 
 def _write(root: str, iteration: int, state: dict, extra: dict) -> str:
@@ -369,6 +373,8 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, load_optim: bool 
         raise _damaged(root, path, e) from e
     if common.get(MODEL_ONLY):
         load_optim = load_rng = False
+    load_optim = load_optim and not common.get(NO_OPTIM)
+    load_rng = load_rng and not common.get(NO_RNG)
     if load_optim:
         _check_optimizer_layout(common, optimizer, path)
     load_rng = load_rng and common.get("layout") == _layout()

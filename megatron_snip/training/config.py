@@ -29,7 +29,11 @@ class TrainingConfig:
     train_iters: int
     seed: int
     exit_interval: int | None
+    exit_duration_in_mins: float | None  # wall time since start-up
     skip_train: bool
+    manual_gc: bool  # Megatron-LM's: automatic GC off, collections at fixed iterations on every rank
+    manual_gc_interval: int  # iterations between collections (0: only around evaluations)
+    manual_gc_eval: bool  # collect before and after each evaluation
     optimizer: str
     lr: float
     min_lr: float
@@ -55,6 +59,8 @@ class CheckpointConfig:
     save_interval: int | None
     no_load_optim: bool
     no_load_rng: bool
+    no_save_optim: bool  # checkpoints without optimizer and LR-scheduler state
+    no_save_rng: bool  # checkpoints without RNG and quantization state
     finetune: bool  # load the weights only, start at iteration 0
 
     @property

@@ -78,6 +78,11 @@ class MetricsLogger:
         if self.writer is not None:
             self.writer.add_image(tag, image, step, dataformats="HWC")
 
+    def panel(self, tag: str, markdown: str, step: int) -> None:
+        """Text on TensorBoard's text panel (markdown)."""
+        if self.writer is not None:
+            self.writer.add_text(tag, markdown, step)
+
     def text(self, message: str) -> None:
         if self.active:
             print(message, flush=True)

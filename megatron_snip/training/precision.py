@@ -10,9 +10,17 @@ import torch
 
 from megatron_snip.precision.flops import LlamaLinearDims
 from megatron_snip.precision.gemm_speed import GemmSpeedModel, measure_gemm_speed, peak_speed_model
+from megatron_snip.precision.megatron_config import read_megatron_config
 from megatron_snip.precision.plan import LINEAR_MODULES as LINEAR_MODULE_TYPES
-from megatron_snip.precision.plan import PlanError, PrecisionPlan, module_names, parse_module_name
-from megatron_snip.precision.recipes import PRECISION_NAMES, Precision, RecipeConfig, misaligned_split
+from megatron_snip.precision.plan import (
+    PlanError,
+    PrecisionPlan,
+    end_layers,
+    module_name,
+    module_names,
+    parse_module_name,
+)
+from megatron_snip.precision.recipes import BF16, PRECISION_NAMES, Precision, RecipeConfig, misaligned_split
 from megatron_snip.precision.registry import is_fp4
 from megatron_snip.precision.schedule import PrecisionSchedule
 from megatron_snip.training.config import RunConfig
@@ -22,16 +30,23 @@ def initial_plan(config: RunConfig, resumed: dict | None = None) -> tuple[Precis
     """The plan training starts (or resumes) with, and where it comes from (for the start-up log).
 
     Precedence: ``--precision-plan FILE``, then ``--precision NAME`` (giving both is an error),
-    then, resuming (``resumed``: the checkpoint's replicated state), the checkpoint's plan, with
-    its FP4 modules in ``--fp4-recipe`` when that flag replaces the checkpoint's; then with
-    ``--snip`` the ``--snip-warmup-plan`` (not with ``--precision``); else bf16.
-    ``--first-last-layers-bf16`` applies on top. Raises PlanError (a ValueError) naming the
-    flags or the file.
+    then without ``--snip`` a ``--te-precision-config-file`` (over bf16: it replaces a checkpoint's
+    plan, as ``--precision-plan`` does; not with ``--precision-plan``), then, resuming (``resumed``:
+    the checkpoint's replicated state), the checkpoint's plan, with its FP4 modules in
+    ``--fp4-recipe`` when that flag replaces the checkpoint's; then with ``--snip`` the
+    ``--snip-warmup-plan`` (not with ``--precision``); else bf16. On top: without ``--snip``,
+    ``--first-last-layers-bf16`` and then the config file, as Megatron-LM applies them (a config
+    replaces a module's precision where it overrides that autocast); with ``--snip``, the pins
+    (:func:`snip_pins`). Raises PlanError (a ValueError) naming the flags or the file.
     """
     prec, snip, layers, load = config.precision, config.snip, config.model.num_layers, config.checkpoint.load
+    te_file = prec.te_precision_config_file
     if prec.precision is not None and prec.precision_plan is not None:
         raise PlanError(f"--precision {prec.precision} and --precision-plan {prec.precision_plan} both set the plan; "
                         "give one of them")
+    if not snip.enabled and te_file is not None and prec.precision_plan is not None:
+        raise PlanError(f"--te-precision-config-file {te_file} and --precision-plan {prec.precision_plan} both set "
+                        "the plan; give one of them (with --snip the config file's modules are pins instead)")
     if snip.enabled and prec.precision is not None and snip.snip_warmup_plan is not None:
         raise PlanError(f"--precision {prec.precision} and --snip-warmup-plan {snip.snip_warmup_plan} both set the "
                         "plan before the first SNIP cycle; give one of them")
@@ -40,6 +55,8 @@ def initial_plan(config: RunConfig, resumed: dict | None = None) -> tuple[Precis
             f"--precision-plan {prec.precision_plan}"
     elif prec.precision is not None:
         plan, source = PrecisionPlan.uniform(prec.alias(prec.precision)), f"--precision {prec.precision}"
+    elif te_file is not None and not snip.enabled:
+        plan, source = PrecisionPlan.uniform("bf16"), "bf16"
     elif resumed is not None and "precision_plan" in resumed:
         plan = PrecisionPlan.from_dict(resumed["precision_plan"], source=f"checkpoint {load}")
         source = (f"the checkpoint's (iteration {resumed['iteration']} in {load}; --precision or "
@@ -56,14 +73,98 @@ def initial_plan(config: RunConfig, resumed: dict | None = None) -> tuple[Precis
         source = f"--snip-warmup-plan {spec}"
     else:
         plan, source = PrecisionPlan.uniform("bf16"), "bf16 (the default)"
-    if prec.first_last_layers_bf16:
-        plan = plan.with_ends_bf16(layers, prec.num_layers_at_start_in_bf16, prec.num_layers_at_end_in_bf16)
-        source += ", --first-last-layers-bf16"
+    if snip.enabled:
+        pins, _ = snip_pins(config)
+        if pins:
+            plan = _with(plan, pins)
+            source += ", with the SNIP pins"
+    else:
+        if prec.first_last_layers_bf16:
+            plan = plan.with_ends_bf16(layers, prec.num_layers_at_start_in_bf16, prec.num_layers_at_end_in_bf16)
+            source += ", --first-last-layers-bf16"
+        if te_file is not None:
+            base = {n: plan[n] for n in module_names(layers)}
+            plan = _with(plan, _read_config_file(config, base))
+            source += f", --te-precision-config-file {te_file}"
     if config.model.transformer_impl == "transformer_engine":
         _check_te(plan, prec.recipe(), source)
     else:
         _check_tensor_parallel_blocks(plan, config, source)
     return plan, source
+
+
+def snip_pins(config: RunConfig) -> tuple[dict[str, Precision], str]:
+    """The modules SNIP never re-plans, by global name, and the start-up line naming them ("" without
+    any): with ``--first-last-layers-bf16`` the first ``--num-layers-at-start-in-bf16`` and last
+    ``--num-layers-at-end-in-bf16`` layers in bf16, and the modules a ``--te-precision-config-file``
+    sets (on those end layers, where its config overrides their bf16, as in Megatron-LM). PlanError
+    naming the flag for a pin SNIP cannot hold: a precision outside ``--snip-formats``, or a config
+    whose effect would depend on SNIP's own choice (``read_megatron_config``)."""
+    prec, layers = config.precision, config.model.num_layers
+    sources: list[tuple[str, dict[str, Precision]]] = []
+    ends: dict[str, Precision] = {}
+    if prec.first_last_layers_bf16:
+        ends = {module_name(i, m): BF16 for i in end_layers(layers, prec.num_layers_at_start_in_bf16,
+                                                             prec.num_layers_at_end_in_bf16)
+                for m in LINEAR_MODULE_TYPES}
+        sources.append(("--first-last-layers-bf16", ends))
+    if prec.te_precision_config_file is not None:
+        sources.append((f"--te-precision-config-file {prec.te_precision_config_file}",
+                        _read_config_file(config, ends)))
+    pins = {name: precision for _, set_ in sources for name, precision in set_.items()}
+    formats = config.snip.snip_formats
+    for flag, set_ in sources:
+        outside = sorted({f for p in set_.values() for f in (p.fwd, p.bwd)} - set(formats))
+        if outside:
+            raise PlanError(f"{flag} pins modules to {outside[0]}, which is not among --snip-formats "
+                            f"{' '.join(formats)}: SNIP holds pins in candidate precisions only; add {outside[0]} "
+                            "to --snip-formats")
+    return pins, describe_pins(sources)
+
+
+def describe_pins(sources: list[tuple[str, dict[str, Precision]]]) -> str:
+    """e.g. "SNIP pins: 8 modules (layers 0, 3) in bf16 (--first-last-layers-bf16)"; ``sources``: (flag,
+    module -> precision) in the order they apply, a later one taking a module from an earlier one."""
+    owner = {name: (flag, precision) for flag, set_ in sources for name, precision in set_.items()}
+    parts = []
+    for flag, _ in sources:
+        by_precision: dict[Precision, list[str]] = {}
+        for name, (f, precision) in owner.items():
+            if f == flag:
+                by_precision.setdefault(precision, []).append(name)
+        for precision, names in by_precision.items():
+            found = sorted({parse_module_name(n)[0] for n in names})
+            parts.append(f"{len(names)} module{'s' if len(names) > 1 else ''} "
+                         f"(layer{'s' if len(found) > 1 else ''} {_ranges(found)}) in {precision} ({flag})")
+    return "SNIP pins: " + "; ".join(parts) if parts else ""
+
+
+def _ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    runs: list[list[int]] = []
+    for layer in layers:
+        if runs and layer == runs[-1][-1] + 1:
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+
+
+def _read_config_file(config: RunConfig, base: dict[str, Precision]) -> dict[str, Precision]:
+    """The modules ``--te-precision-config-file`` sets, over ``base`` (Megatron-LM's reading: one file
+    for every pipeline stage, stage-local paths). PlanError naming the flag and the file."""
+    par = config.parallel
+    try:
+        return read_megatron_config(config.precision.te_precision_config_file, config.model.num_layers,
+                                    par.pipeline_model_parallel_size, par.chunks_per_stage,
+                                    recipe=config.precision.recipe(), base=base)
+    except PlanError as e:  # its message starts with the file name
+        raise PlanError(f"--te-precision-config-file {e}") from None
+
+
+def _with(plan: PrecisionPlan, modules: dict[str, Precision]) -> PrecisionPlan:
+    """``plan`` with ``modules`` set to their precisions."""
+    return PrecisionPlan({**plan.modules, **modules}, plan.default)
 
 
 def initial_schedule(config: RunConfig, resumed: dict | None = None) -> tuple[PrecisionSchedule, str]:
@@ -160,22 +261,28 @@ def speed_model(config: RunConfig, dims: LlamaLinearDims) -> GemmSpeedModel:
 
 
 def check_snip_budgets(config: RunConfig) -> None:
-    """Solve SNIP's ILP once at start-up with zero costs, so budgets no plan can meet (an FP4 share
-    the candidates cannot reach, a time target below what they can run at, or the two together)
-    fail before training instead of at the first cycle. PlanError naming the flags."""
+    """Solve SNIP's ILP once at start-up with zero costs and the run's pins (:func:`snip_pins`), so
+    budgets no plan can meet (an FP4 share the candidates and pins cannot reach, a time target below
+    what they can run at, or the two together) fail before training instead of at the first cycle.
+    With ``--gemm-speed-model measured`` the speeds are not known yet: only the FP4 share is checked
+    here, the first cycle's solve checks the time. PlanError naming the flags and the pins."""
+    from dataclasses import replace
+
     from megatron_snip.snip.estimators import CostTables
     from megatron_snip.snip.ilp import InfeasibleBudgetError
     from megatron_snip.snip.planner import PlannerConfig, build_problem, linear_modules, solve_plan
 
-    if config.precision.gemm_speed_model == "measured":
-        return  # measured at start-up; the first cycle's solve checks the budgets
     dims = LlamaLinearDims.from_config(config.model)
+    pins, described = snip_pins(config)
+    measured = config.precision.gemm_speed_model == "measured"
     planner = PlannerConfig.from_snip(config.snip, config.precision.recipe(),
-                                       peak_speed_model(config.precision.gemm_speed_model))
+                                       peak_speed_model("auto" if measured else config.precision.gemm_speed_model),
+                                       pins=pins)
+    if measured:
+        planner = replace(planner, speed=None, time_target=None)
     modules = linear_modules(dims, 1, config.parallel.pipeline_model_parallel_size, config.parallel.chunks_per_stage)
     zero = {m.name: dict.fromkeys(planner.formats, 0.0) for m in modules}
     try:
         solve_plan(build_problem(modules, CostTables(zero, zero, zero), planner), planner)
     except InfeasibleBudgetError as e:
-        raise PlanError(f"--snip budgets: {e}") from None
-
+        raise PlanError(f"--snip budgets: {e}" + (f" ({described})" if described else "")) from None

@@ -1,27 +1,33 @@
-"""SLURM preemption: on SIGTERM/SIGUSR1 finish the iteration, save, exit 0."""
+"""Stopping early with a checkpoint: on SIGTERM/SIGUSR1 (SLURM preemption, time limit) or when the
+run's wall time passes ``--exit-duration-in-mins``, every rank finishes its iteration, all save, exit 0."""
 
 from __future__ import annotations
 
 import signal
+import time
 
 import torch
 import torch.distributed as dist
 
 from megatron_snip.compat.device import current_device
+from megatron_snip.training.requeue import EXIT_DURATION
 
 
 class ExitSignalHandler:
-    """Records a termination signal; :meth:`should_exit` agrees on it across all ranks.
+    """Records a termination signal and watches a wall-clock deadline; :meth:`should_exit` agrees on
+    them across all ranks.
 
-    SLURM signals every task, but not at the same instant, so the decision is an
-    all-reduce (MAX) at an iteration boundary. It is started asynchronously at
-    one iteration and read at the next, so no iteration waits for it: all ranks
-    still stop after the same iteration, one later than the signal.
+    SLURM signals every task, but not at the same instant, and each rank reads its own clock, so the
+    decision is an all-reduce (MAX) at an iteration boundary, as Megatron-LM's. It is started
+    asynchronously at one iteration and read at the next, so no iteration waits for it: all ranks
+    still stop after the same iteration, one later than the signal or the deadline.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
-    def __init__(self):
+    def __init__(self, deadline: float | None = None):
+        """``deadline``: ``time.time()`` after which to stop (``--exit-duration-in-mins``), None for none."""
+        self.deadline = deadline
         self.received: int | None = None
         self._pending: tuple[torch.Tensor, dist.Work] | None = None
         for sig in self.SIGNALS:
@@ -30,16 +36,18 @@ class ExitSignalHandler:
     def _handle(self, signum, frame):
         self.received = signum
 
-    def should_exit(self) -> bool:
-        """True when any rank had received a signal by the previous call."""
-        decided = False
+    def should_exit(self) -> str | None:
+        """Why to stop, as decided by every rank by the previous call: a signal's name (any rank's;
+        the same on all) or ``"exit-duration"``; None to go on."""
+        decided = None
         if self._pending is not None:
-            flag, work = self._pending
+            flags, work = self._pending
             work.wait()
-            decided = bool(flag.item())
-        flag = torch.tensor([0 if self.received is None else 1], dtype=torch.int32,
-                            device=current_device())
-        self._pending = (flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True))
+            signum, late = (int(x) for x in flags.tolist())
+            decided = signal.Signals(signum).name if signum else EXIT_DURATION if late else None
+        late = self.deadline is not None and time.time() > self.deadline
+        flags = torch.tensor([self.received or 0, int(late)], dtype=torch.int32, device=current_device())
+        self._pending = (flags, dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True))
         return decided
 
     def close(self) -> None:

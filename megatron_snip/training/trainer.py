@@ -7,6 +7,7 @@ the pipeline schedule from ``get_forward_backward_func``, DDP, the optimizer,
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import math
@@ -36,11 +37,11 @@ from megatron_snip.precision.te_layers import describe_te_backend, prepare_te_en
 from megatron_snip.snip.plan_image import plan_image
 from megatron_snip.snip.planner import PlannerConfig
 from megatron_snip.snip.replanner import CycleReport, SnipReplanner, StepShape, log_cycle
-from megatron_snip.training import checkpointing
+from megatron_snip.training import checkpointing, requeue
 from megatron_snip.training.config import RunConfig
 from megatron_snip.training.data import build_datasets
 from megatron_snip.training.logger import MetricsLogger, peak_tflops, setup_console
-from megatron_snip.training.precision import initial_plan, initial_schedule, speed_model
+from megatron_snip.training.precision import initial_plan, initial_schedule, snip_pins, speed_model
 from megatron_snip.training.quant_health import HealthTable, gather_health, promote
 from megatron_snip.training.safety import NumericalGuard, Verdict
 from megatron_snip.training.setup import build_optimizer, build_scheduler, initialize_distributed, wrap_ddp
@@ -60,6 +61,7 @@ class Trainer:
 
     def __init__(self, config: RunConfig):
         self.config = c = config
+        self.start_time = time.time()  # --exit-duration-in-mins counts from start-up, as in Megatron-LM
         self.tokenizer = build_tokenizer(c.data.tokenizer_type, c.data.tokenizer_model)
         self.datasets = build_datasets(
             c.data, self.tokenizer, seq_length=c.model.seq_length, seed=c.training.seed,
@@ -82,13 +84,14 @@ class Trainer:
         self.set_plan(plan)
         self.optimizer = build_optimizer(c.training, c.model, c.parallel, self.model)
         self.scheduler = build_scheduler(c.training, self.optimizer)
+        pins, self.pins_text = snip_pins(c) if c.snip.enabled else ({}, "")
         self.snip = SnipReplanner(
-            c.snip, PlannerConfig.from_snip(c.snip, recipe, self.speed_model), chunks=self.model,
+            c.snip, PlannerConfig.from_snip(c.snip, recipe, self.speed_model, pins), chunks=self.model,
             optimizer=self.optimizer, controller=self.precision, dims=self.linear_dims, speed_model=self.speed_model,
             step=StepShape(c.training.num_microbatches, c.training.micro_batch_size, c.model.seq_length,
                            c.parallel.data_parallel_size),
             pipeline_stages=c.parallel.pipeline_model_parallel_size, virtual_stages=c.parallel.chunks_per_stage,
-            seed=c.training.seed) if c.snip.enabled else None
+            seed=c.training.seed, recipe=recipe) if c.snip.enabled else None
         self.forward_backward = get_forward_backward_func()
         self.logger = MetricsLogger(c.logging.tensorboard_dir)
         self.guard = NumericalGuard(c.safety)
@@ -150,7 +153,8 @@ class Trainer:
             extra={"consumed_samples": self.state.consumed_samples, "args": self.config.to_flags(),
                    "precision_plan": self.plan.to_dict(), "precision_schedule": self.schedule.to_list(),
                    "numerical_safety": self.guard.state_dict(), "precision_history": self.plan_history},
-            quantization=self.precision.quant_states())
+            quantization=self.precision.quant_states(), save_optim=not self.config.checkpoint.no_save_optim,
+            save_rng=not self.config.checkpoint.no_save_rng)
         self.logger.text(f"saved checkpoint {path}")
 
     # -- steps -------------------------------------------------------------
@@ -247,10 +251,15 @@ class Trainer:
 
     # -- the loop ----------------------------------------------------------
     def train(self, until: int | None = None) -> None:
-        """Train to ``--train-iters`` (or to iteration ``until``), evaluating, re-planning and saving on the way."""
+        """Train to ``--train-iters`` (or to iteration ``until``), evaluating, re-planning and saving on the way.
+        With --save, a run that stops (finished, a signal, --exit-duration-in-mins, --exit-interval) saves
+        and then leaves its exit record for the SLURM script (training/requeue.py)."""
         c = self.config
         last = c.training.train_iters if until is None else until
-        exit_signal = ExitSignalHandler()
+        duration = c.training.exit_duration_in_mins
+        exit_signal = ExitSignalHandler(None if duration is None else self.start_time + 60 * duration)
+        if c.checkpoint.save and dist.get_rank() == 0:
+            requeue.clear_record(c.checkpoint.save)  # an earlier run's: this run writes its own when it stops
         data = self.batches("train", self.state.consumed_samples)
         peak = peak_tflops(c.logging.peak_tflops)
         if peak is not None:
@@ -260,6 +269,10 @@ class Trainer:
         # otherwise deflate tokens/s.
         window_loss, window_iters, window_seconds = 0.0, 0, 0.0
         saved_at = self.state.iteration if c.checkpoint.load else None
+        reason = None  # why the run stops, once it does (requeue.ExitRecord)
+        if c.training.manual_gc:  # Megatron-LM's --manual-gc: every rank collects at the same iterations
+            gc.disable()
+            gc.collect()
         while self.state.iteration < last:
             if self.state.iteration + 1 in self.schedule.starts():
                 self.apply_precision()
@@ -281,18 +294,33 @@ class Trainer:
                 self._log_validation(it)
             if c.snip.due(it):
                 self._snip_cycle(it)
+            if c.training.manual_gc and c.training.manual_gc_interval and it % c.training.manual_gc_interval == 0:
+                gc.collect()
             if c.checkpoint.save and c.checkpoint.save_interval and it % c.checkpoint.save_interval == 0:
                 self.save()
                 saved_at = it
-            if exit_signal.should_exit():
-                self.logger.text(f"exit signal received: saving at iteration {it} and exiting")
+            reason = exit_signal.should_exit()
+            if reason == requeue.EXIT_DURATION:
+                self.logger.text(f"--exit-duration-in-mins {duration:g}: {(time.time() - self.start_time) / 60:.2f} "
+                                 f"minutes since start-up; saving at iteration {it} and exiting")
+                break
+            if reason is not None:
+                self.logger.text(f"exit signal received: saving at iteration {it} and exiting ({reason})")
                 break
             if c.training.exit_interval and it % c.training.exit_interval == 0:
                 self.logger.text(f"--exit-interval {c.training.exit_interval}: exiting at iteration {it}")
+                reason = requeue.EXIT_INTERVAL
                 break
         exit_signal.close()
+        if c.training.manual_gc:
+            gc.enable()  # for whatever runs in this process after training (tools, tests)
+        if self.state.iteration >= c.training.train_iters:  # whatever else asked to stop at the last one
+            reason = requeue.FINISHED
         if c.checkpoint.save and saved_at != self.state.iteration:
             self.save()
+        if c.checkpoint.save and reason is not None and dist.get_rank() == 0:  # the save above is complete
+            requeue.write_record(c.checkpoint.save, requeue.ExitRecord(
+                self.state.iteration, reason, c.training.train_iters, time.time()))
 
     def _log_precision(self, iteration: int) -> None:
         """TensorBoard: the last step's quantization health (collective) and the plan image when it changed."""
@@ -301,8 +329,9 @@ class Trainer:
             self._measured = (iteration, table)
             self.logger.scalars(table.scalars(), iteration)
         if self.effective_plan != self._logged_plan:
-            self.logger.image("precision/plan (rows: layers; qkv, proj, fc1, fc2 x fwd|bwd)",
-                              plan_image(self.effective_plan, self.linear_dims.num_layers), iteration)
+            self.logger.image("precision/plan", plan_image(
+                self.effective_plan, self.linear_dims.num_layers,
+                title=f"in force from iteration {iteration}: FP4 {self.flop_fractions.fp4:.1%}"), iteration)
             self._logged_plan = self.effective_plan
 
     def replan(self, iteration: int) -> CycleReport | None:
@@ -361,7 +390,13 @@ class Trainer:
         return m
 
     def _log_validation(self, iteration: int) -> None:
+        c = self.config
+        manual_gc = c.training.manual_gc and c.training.manual_gc_eval and c.logging.eval_iters > 0
+        if manual_gc:
+            gc.collect()
         val = self.evaluate()
+        if manual_gc:
+            gc.collect(generation=0)  # what the evaluation left, as in Megatron-LM
         if val is not None:
             self.logger.log(iteration, {"lm loss": val, "ppl": math.exp(min(val, 50.0)),
                                         "unigram entropy": self.datasets.unigram_entropy}, prefix="valid")
@@ -386,8 +421,9 @@ def pretrain(config: RunConfig, on_build: Callable[[Trainer], None] | None = Non
         on_build(trainer)
     log = trainer.logger
     par = c.parallel
+    dtype = "bf16 (fp32 masters in the optimizer)" if c.model.bf16 else "fp32 (no --bf16)"
     log.text(f"model: {c.model.model_preset} shape, {num_parameters(c.model, trainer.tokenizer.vocab_size) / 1e6:.2f}M "
-             f"parameters; TP={par.tensor_model_parallel_size} PP={par.pipeline_model_parallel_size} "
+             f"parameters in {dtype}; TP={par.tensor_model_parallel_size} PP={par.pipeline_model_parallel_size} "
              f"DP={par.data_parallel_size}; global batch {c.training.global_batch_size} x {c.model.seq_length} tokens; "
              f"device {'cuda' if has_cuda() else 'cpu (megatron_snip.compat.cpu)'}")
     log.text(f"unigram entropy of the training data: {trainer.datasets.unigram_entropy:.4f} nats/token "
@@ -405,6 +441,8 @@ def pretrain(config: RunConfig, on_build: Callable[[Trainer], None] | None = Non
     log.text(f"precision: plan {trainer.plan_source}: {fractions.fp4:.1%} of linear-layer FLOPs in FP4, "
              f"{fractions.fp8:.1%} in FP8; fp8 recipe {prec.fp8_recipe}/{prec.fp8_format}, fp4 {prec.fp4_recipe}"
              + "".join(f"; {note}" for note in prec.precision_notes))
+    if trainer.pins_text:
+        log.text(f"{trainer.pins_text}: never re-planned, counted in the budgets")
     if trainer.schedule:
         log.text(f"precision schedule ({trainer.schedule_source}): {' '.join(trainer.schedule.to_list())}")
     log.text(f"GEMM speed model {trainer.speed_model.describe()}"

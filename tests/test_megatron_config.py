@@ -1,0 +1,328 @@
+"""Plans as megatron-core per-module precision configs (Megatron-LM's --te-precision-config-file), read
+back with megatron-core's own parser: ``quantization.utils.get_quant_config_or_none`` on the module
+paths ``GPTModel.named_modules()`` gives them, and ``TEQuantizationParams.parse_from_config``."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, run_config, torchrun, train_args
+from megatron_snip.arguments import ArgumentError
+from megatron_snip.precision.megatron_config import (
+    megatron_config_files,
+    model_chunks,
+    read_megatron_config,
+    to_megatron_config,
+)
+from megatron_snip.precision.plan import LINEAR_MODULES, PlanError, PrecisionPlan, module_name, module_names
+from megatron_snip.precision.recipes import BF16, Precision, RecipeConfig
+from megatron_snip.training.precision import initial_plan
+
+RECIPE = RecipeConfig()
+
+
+def random_plan(num_layers: int, seed: int, formats=("bf16", "fp8", "nvfp4")) -> PrecisionPlan:
+    rng = random.Random(seed)
+    return PrecisionPlan({n: Precision.uniform(rng.choice(formats)) for n in module_names(num_layers)})
+
+
+def megatron_core_reads(path, local_path: str):
+    """What megatron-core resolves for the module at ``local_path``: (TEQuantizationParams or None, whether
+    the module then runs quantized inside a bf16 autocast, and inside a quantized one)."""
+    from megatron.core.extensions.transformer_engine import (
+        TEQuantizationParams,
+        _get_should_context_be_quantized_params,
+    )
+    from megatron.core.quantization.utils import get_quant_config_or_none, load_quantization_recipe
+
+    config = get_quant_config_or_none(local_path, load_quantization_recipe(str(path)))
+    if config is None:
+        return None, False, True
+    params = TEQuantizationParams.parse_from_config(config)
+    return params, *(_get_should_context_be_quantized_params(params, True, ctx) for ctx in (False, True))
+
+
+def assert_resolves_to(path, plan: PrecisionPlan, recipe: RecipeConfig, paths: dict[str, str]):
+    """Every global module in ``paths`` (global name -> path in its chunk) resolves, through megatron-core,
+    to the plan's format and the run's recipe, whatever autocast the run opens around it."""
+    for name, local in paths.items():
+        params, in_bf16, in_quantized = megatron_core_reads(path, local)
+        assert params is not None, name
+        want = plan[name].fwd
+        assert in_bf16 == in_quantized == (want != "bf16"), name
+        te = params.training_recipe
+        assert te.fp4_quantization_recipe == ("nvfp4" if want == "nvfp4" else None), name
+        assert te.fp8_quantization_recipe == (recipe.fp8_recipe if want == "fp8" else None), name
+        if want == "fp8":
+            assert te.fp8_format == recipe.fp8_format, name
+        assert params.evaluation_recipe is None
+
+
+@pytest.mark.parametrize("recipe", [RECIPE, RecipeConfig(fp8_recipe="mxfp8", fp8_format="e4m3")], ids=["tensorwise",
+                                                                                                     "mxfp8"])
+def test_megatron_core_resolves_every_module_to_the_plans_format_and_recipe(tmp_path, recipe):
+    plan = random_plan(12, seed=3)
+    path = tmp_path / "plan.yaml"
+    path.write_text(to_megatron_config(plan, recipe, 12))
+    assert_resolves_to(path, plan, recipe, {n: n for n in module_names(12)})  # one chunk: global = local paths
+
+
+@pytest.mark.parametrize("pp,vpp", [(2, 1), (2, 2), (4, 1)])
+def test_per_chunk_files_resolve_the_stage_local_paths(tmp_path, pp, vpp):
+    plan = random_plan(8, seed=pp * 10 + vpp)
+    files = megatron_config_files(plan, RECIPE, 8, pp, vpp, source="test")
+    expected = {""} | {f".pp{c.stage}" + (f".vp{c.virtual_stage}" if vpp > 1 else "")
+                       for c in model_chunks(8, pp, vpp)}
+    assert set(files) == expected
+    covered = set()
+    for chunk in model_chunks(8, pp, vpp):
+        suffix = f".pp{chunk.stage}" + (f".vp{chunk.virtual_stage}" if vpp > 1 else "")
+        path = tmp_path / f"plan{suffix}.yaml"
+        path.write_text(files[suffix])
+        paths = {module_name(layer, m): chunk.local_path(module_name(layer, m)) for layer in chunk.layers
+                 for m in LINEAR_MODULES}
+        assert all(p.startswith(f"decoder.layers.{i // 4}.") for i, p in enumerate(paths.values()))  # stage-local
+        assert_resolves_to(path, plan, RECIPE, paths)
+        assert read_megatron_config(path, 8, pp, vpp, recipe=RECIPE, chunk=(chunk.stage, chunk.virtual_stage)) \
+            == {n: plan[n] for n in paths}
+        covered |= set(paths)
+    assert covered == set(module_names(8))
+
+
+def test_model_chunks_follow_megatron_cores_interleaved_placement():
+    chunks = model_chunks(8, 2, 2)
+    assert [(c.stage, c.virtual_stage, list(c.layers)) for c in chunks] == [
+        (0, 0, [0, 1]), (1, 0, [2, 3]), (0, 1, [4, 5]), (1, 1, [6, 7])]
+    assert chunks[3].local_path("decoder.layers.7.mlp.linear_fc2") == "decoder.layers.1.mlp.linear_fc2"
+    with pytest.raises(ValueError, match="do not split"):
+        model_chunks(6, 4)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_round_trip(tmp_path, seed):
+    plan = random_plan(6, seed)
+    path = tmp_path / "plan.yaml"
+    path.write_text(to_megatron_config(plan, RECIPE, 6))
+    assert PrecisionPlan(read_megatron_config(path, 6, recipe=RECIPE)) == plan
+
+
+def test_matchers_are_compact_and_ordered():
+    """Uniform layers get one matcher, the most common precision is the default, last."""
+    import yaml
+
+    plan = PrecisionPlan({**{module_name(1, m): Precision.uniform("bf16") for m in LINEAR_MODULES},
+                          module_name(2, "mlp.linear_fc2"): Precision.uniform("fp8")}, Precision.uniform("nvfp4"))
+    data = yaml.safe_load(to_megatron_config(plan, RECIPE, 4))
+    assert [(m["pattern"], m["config"]) for m in data["matchers"].values()] == [
+        ("decoder.layers.1.*", "bf16"), ("decoder.layers.2.mlp.linear_fc2", "fp8"), ("decoder.layers.*", "nvfp4")]
+    assert data["configs"]["bf16"] == {"transformer_engine_config_type": "TEQuantizationParams",
+                                       "training_recipe": {}}
+    uniform = yaml.safe_load(to_megatron_config(PrecisionPlan.uniform("fp8"), RECIPE, 4))
+    assert list(uniform["matchers"]) == ["default"]
+
+
+def test_layer_glob_does_not_catch_two_digit_layers(tmp_path):
+    plan = PrecisionPlan({module_name(1, m): BF16 for m in LINEAR_MODULES}, Precision.uniform("nvfp4"))
+    path = tmp_path / "plan.yaml"
+    path.write_text(to_megatron_config(plan, RECIPE, 12))
+    assert_resolves_to(path, plan, RECIPE, {n: n for n in module_names(12)})  # layers 10, 11 stay nvfp4
+
+
+@pytest.mark.parametrize("plan,recipe,message", [
+    (PrecisionPlan({"decoder.layers.1.mlp.linear_fc1": Precision.uniform("mxfp4")}), RECIPE,
+     "decoder.layers.1.mlp.linear_fc1: mxfp4: Transformer Engine has no mxfp4 recipe"),
+    (PrecisionPlan({"decoder.layers.0.mlp.linear_fc2": Precision("nvfp4", "fp8")}), RECIPE,
+     "decoder.layers.0.mlp.linear_fc2: nvfp4/fp8 gives the forward and backward GEMMs different precisions"),
+    (PrecisionPlan.uniform("fp8"), RecipeConfig(fp8_recipe="delayed"),
+     "decoder.layers.0.self_attention.linear_qkv: fp8 with --fp8-recipe delayed"),
+])
+def test_what_te_cannot_state_is_refused(plan, recipe, message):
+    with pytest.raises(ValueError, match="cannot be stated in a Megatron-LM precision config") as e:
+        to_megatron_config(plan, recipe, 2, source="plan.json")
+    assert str(e.value).startswith(f"plan.json: {message}")
+
+
+# -- reading files written for Megatron-LM ---------------------------------------------------------------
+
+def config_file(tmp_path, configs: dict, matchers: list[tuple[str, str]] | dict, name="te.yaml"):
+    import yaml
+
+    if isinstance(matchers, list):
+        matchers = {f"m{i}": {"type": "glob", "pattern": p, "config": c, "enabled": True}
+                    for i, (p, c) in enumerate(matchers)}
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump({"configs": configs, "matchers": matchers}))
+    return path
+
+
+def te(**training):
+    return {"transformer_engine_config_type": "TEQuantizationParams", "training_recipe": training}
+
+
+def test_megatron_lms_override_rules_over_the_base(tmp_path):
+    """The documented Megatron-LM use: a quantized run (here fp8 mxfp8/e4m3, ends in bf16) with bf16 and
+    mxfp8 overrides at default override flags: bf16 overrides quantized modules, a quantized config
+    leaves the bf16 ends alone (override_nonquantized_autocast defaults to false)."""
+    recipe = RecipeConfig(fp8_recipe="mxfp8", fp8_format="e4m3")
+    path = config_file(tmp_path, {"bf16": te(), "mxfp8": te(fp8_quantization_recipe="mxfp8")},
+                       [("*.linear_proj", "bf16"), ("*.linear_fc1", "mxfp8")])
+    fp8 = Precision.uniform("fp8")
+    base = {n: (BF16 if n.startswith("decoder.layers.0.") else fp8) for n in module_names(2)}
+    got = read_megatron_config(path, 2, recipe=recipe, base=base)
+    # Layer 0 keeps its bf16 autocast: neither config overrides a non-quantized one.
+    assert got == {"decoder.layers.1.self_attention.linear_proj": BF16, "decoder.layers.1.mlp.linear_fc1": fp8}
+
+
+def test_a_config_that_depends_on_an_unknown_base_is_refused(tmp_path):
+    path = config_file(tmp_path, {"fp8": te(fp8_quantization_recipe="tensorwise", fp8_format="hybrid")},
+                       [("*.linear_fc2", "fp8")])
+    with pytest.raises(PlanError, match=r"override_nonquantized_autocast is false, so decoder.layers.0.mlp.linear_fc2 "
+                                        r"would run fp8 or keep .* set override_nonquantized_autocast: true"):
+        read_megatron_config(path, 2, recipe=RECIPE)
+
+
+@pytest.mark.parametrize("configs,message", [
+    ({"c": te(fp8_quantization_recipe="custom", custom_recipe_factory="x.y")},
+     "fp8_quantization_recipe 'custom' is not one this program runs per module (tensorwise, blockwise, mxfp8)"),
+    ({"c": te(fp4_quantization_recipe="custom", custom_recipe_factory="x.y")},
+     "fp4_quantization_recipe 'custom' is not one this program runs (nvfp4)"),
+    ({"c": te(fp8_quantization_recipe="delayed")}, "Delayed scaling not in scope"),
+    ({"c": te(fp8_quantization_recipe="blockwise", override_nonquantized_autocast=True)},
+     "fp8 blockwise / e4m3, but every fp8 module runs the run's --fp8-recipe tensorwise --fp8-format hybrid; give "
+     "--fp8-recipe blockwise --fp8-format e4m3"),
+    ({"c": {**te(), "evaluation_recipe": {"fp4_quantization_recipe": "nvfp4"}}}, "an evaluation_recipe other than"),
+    ({"c": te(fp8_recipe="tensorwise")}, "Field 'fp8_recipe' not valid"),
+    ({"c": {"training_recipe": {}}}, "must have 'transformer_engine_config_type' key"),
+])
+def test_recipes_this_program_cannot_run_are_refused_naming_the_file(tmp_path, configs, message):
+    path = config_file(tmp_path, configs, [("*", "c")])
+    with pytest.raises(PlanError) as e:
+        read_megatron_config(path, 2, recipe=RECIPE)
+    text = str(e.value)
+    assert text.startswith(f"{path}: config 'c'") and message in text and "\n" not in text
+
+
+def test_unreadable_files_and_unmatched_matchers_are_refused(tmp_path):
+    with pytest.raises(PlanError, match="file not found"):
+        read_megatron_config(tmp_path / "none.yaml", 2, recipe=RECIPE)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("configs: [\n")
+    with pytest.raises(PlanError, match=f"^{bad}: not valid YAML"):
+        read_megatron_config(bad, 2, recipe=RECIPE)
+    path = config_file(tmp_path, {"b": te()}, [("*.linear_kv_up_proj", "b")])
+    with pytest.raises(PlanError, match=r"matcher GlobMatcher\(pattern=\*.linear_kv_up_proj, config_key=b\) matches "
+                                        "none of this model's linear modules"):
+        read_megatron_config(path, 2, recipe=RECIPE)
+    path = config_file(tmp_path, {"b": te()}, {"m": {"type": "regex", "pattern": "x", "config": "b",
+                                                     "enabled": True}})
+    with pytest.raises(PlanError, match="Match type 'regex' not implemented"):
+        read_megatron_config(path, 2, recipe=RECIPE)
+
+
+def test_a_file_is_refused_under_another_layout(tmp_path):
+    """Stage-local paths: the one-chunk file of an 8-layer model would set stage 1's layers 4..7 from its
+    layers 0..3 at PP 2; a stage's file would set every stage from its own."""
+    plan = random_plan(8, seed=1)
+    files = megatron_config_files(plan, RECIPE, 8, 2)
+    whole, stage1 = tmp_path / "p.yaml", tmp_path / "p.pp1.yaml"
+    whole.write_text(files[""])
+    stage1.write_text(files[".pp1"])
+    with pytest.raises(PlanError, match=r"written for the whole model in one chunk of a 8-layer model at pipeline "
+                                        r"size 1 x virtual 1, but read here for every stage"):
+        read_megatron_config(whole, 8, 2, recipe=RECIPE)
+    with pytest.raises(PlanError, match="written for pipeline stage 1 of a 8-layer model at pipeline size 2"):
+        read_megatron_config(stage1, 8, 2, recipe=RECIPE)
+    with pytest.raises(PlanError, match="read here for chunk"):
+        read_megatron_config(stage1, 8, 2, recipe=RECIPE, chunk=(0, 0))
+    with pytest.raises(PlanError, match="of a 4-layer model"):
+        read_megatron_config(whole, 4, recipe=RECIPE)
+
+
+# -- the flag ----------------------------------------------------------------------------------------------
+
+def test_the_flag_sets_the_plan_over_precision_and_the_ends(tmp_path):
+    """Without --snip: the file over --precision and --first-last-layers-bf16, as Megatron-LM reads it."""
+    path = config_file(tmp_path, {"bf16": te(), "nvfp4": te(fp4_quantization_recipe="nvfp4")},
+                       [("*.linear_proj", "bf16"), ("*.linear_fc1", "nvfp4")])
+    plan, source = initial_plan(run_config("--precision", "fp8", "--first-last-layers-bf16",
+                                           "--te-precision-config-file", str(path)))
+    assert source == f"--precision fp8, --first-last-layers-bf16, --te-precision-config-file {path}"
+    want = {n: (BF16 if n.startswith(("decoder.layers.0.", "decoder.layers.3.")) or n.endswith("linear_proj")
+                else Precision.uniform("nvfp4") if n.endswith("linear_fc1") else Precision.uniform("fp8"))
+            for n in module_names(4)}
+    assert {n: plan[n] for n in module_names(4)} == want
+
+
+def test_the_flag_and_a_json_plan_both_setting_the_plan_is_an_error(tmp_path):
+    path = config_file(tmp_path, {"b": te()}, [("*", "b")])
+    PrecisionPlan.uniform("fp8").save(tmp_path / "plan.json")
+    with pytest.raises(PlanError, match=f"--te-precision-config-file {path} and --precision-plan .* both set the plan"):
+        initial_plan(run_config("--te-precision-config-file", str(path), "--precision-plan",
+                                str(tmp_path / "plan.json")))
+
+
+def test_a_bad_file_fails_at_start_up_naming_the_flag(tmp_path):
+    path = config_file(tmp_path, {"c": te(fp4_quantization_recipe="custom", custom_recipe_factory="x")},
+                       [("*", "c")])
+    with pytest.raises(ArgumentError, match=f"^--te-precision-config-file {path}: config 'c'"):
+        run_config("--snip", "--snip-interval", "2", "--snip-fp4-target", "0.5", "--te-precision-config-file",
+                   str(path))
+
+
+# -- in training (processes) -------------------------------------------------------------------------------
+
+@pytest.mark.integration
+def test_megatron_cores_module_paths_are_stage_local_and_the_chunk_files_match_them(tiny_data, tmp_path):
+    """In the real models of a PP2 x VPP2 run (4 layers, one per chunk), every linear module's path in
+    its chunk's ``GPTModel.named_modules()`` is ``decoder.layers.0...``; megatron-core's resolution of
+    the chunk's file on that path gives the plan's precision of the module's global name."""
+    plan = random_plan(4, seed=5)
+    plan.save(tmp_path / "plan.json")
+    torchrun(4, train_args(tiny_data, "--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size",
+                           "2", iters=2),
+             script="tests/drivers/megatron_paths.py", env={"PLAN": str(tmp_path / "plan.json"), "OUT": str(tmp_path)})
+    seen = {}
+    for rank in range(4):
+        seen.update(json.loads((tmp_path / f"rank{rank}.json").read_text()))
+    assert set(seen) == set(module_names(4))
+    for name, (path, resolved) in seen.items():
+        assert path == "decoder.layers.0." + name.split(".", 3)[3]
+        assert resolved == str(plan[name])
+
+
+@pytest.mark.integration
+def test_a_snip_run_writes_yaml_plans_megatron_core_reads_back_identically(tiny_data, tmp_path):
+    """A quickstart-style tiny SNIP run at PP 2 with the config file's modules as pins: every cycle writes
+    its plan as snip_iter_N.yaml (one chunk) and .pp0 / .pp1 files; megatron-core resolves every module of
+    them to the cycle's plan, and the pins (linear_proj in fp8) hold."""
+    pins = config_file(tmp_path, {"fp8": te(fp8_quantization_recipe="tensorwise", fp8_format="hybrid",
+                                             override_nonquantized_autocast=True)}, [("*.linear_proj", "fp8")])
+    save = tmp_path / "ckpt"
+    torchrun(2, train_args(tiny_data, "--pipeline-model-parallel-size", "2", "--snip", "--snip-fp4-target", "0.5",
+                           "--snip-interval", "2", "--snip-probe-passes", "1", "--te-precision-config-file", str(pins),
+                           "--save", str(save), "--save-interval", "4", iters=4))
+    for it in (2, 4):
+        stem = save / "snip" / f"snip_iter_{it:07d}"
+        plan = PrecisionPlan.from_dict(json.loads(stem.with_suffix(".json").read_text())["cycle"]["plan"])
+        assert all(plan[n] == Precision.uniform("fp8") for n in module_names(4) if n.endswith("linear_proj"))
+        assert_resolves_to(f"{stem}.yaml", plan, RECIPE, {n: n for n in module_names(4)})
+        assert PrecisionPlan(read_megatron_config(f"{stem}.yaml", 4, recipe=RECIPE)) == plan
+        for chunk in model_chunks(4, 2):
+            names = [module_name(layer, m) for layer in chunk.layers for m in LINEAR_MODULES]
+            assert_resolves_to(f"{stem}.pp{chunk.stage}.yaml", plan, RECIPE, {n: chunk.local_path(n) for n in names})
+    # Offline: tools/snip_solve.py writes each policy's plan in the same form, the pins held.
+    out = tmp_path / "offline"
+    subprocess.run([sys.executable, str(ROOT / "tools" / "snip_solve.py"), f"{stem}.json", "--targets", "0.5",
+                    "--policies", "snip", "uniform", "--write-plans", str(out), "--write-megatron-configs", str(out)],
+                   check=True, capture_output=True, timeout=120)
+    for policy in ("snip", "uniform"):
+        plan = PrecisionPlan.load(out / f"{policy}_fp4-0.50.json")
+        assert all(plan[n] == Precision.uniform("fp8") for n in module_names(4) if n.endswith("linear_proj"))
+        assert_resolves_to(out / f"{policy}_fp4-0.50.yaml", plan, RECIPE, {n: n for n in module_names(4)})
+        assert sorted(p.name for p in out.glob(f"{policy}_*.yaml")) == [
+            f"{policy}_fp4-0.50.pp0.yaml", f"{policy}_fp4-0.50.pp1.yaml", f"{policy}_fp4-0.50.yaml"]
