@@ -325,7 +325,7 @@ def attention_alone(seq_lengths: list[int], bf16: bool) -> dict:
     import torch
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_snip.arguments import build_parser, resolve
+    from megatron_snip.arguments import parse_args, resolve
     from megatron_snip.compat.device import current_device, setup_device
     from megatron_snip.compat.launch import default_to_one_process
     from megatron_snip.model.llama import LOCAL_CORE_ATTENTION, transformer_config
@@ -340,7 +340,7 @@ def attention_alone(seq_lengths: list[int], bf16: bool) -> dict:
         flags = ["--num-layers", "1", "--hidden-size", str(hidden), "--num-attention-heads", str(ATTENTION_HEADS),
                  "--num-query-groups", str(ATTENTION_HEADS), "--seq-length", str(seq),
                  "--max-position-embeddings", str(seq), "--train-iters", "0"] + (["--bf16"] if bf16 else [])
-        run = resolve(build_parser().parse_args(flags), world_size=1, check_files=False)
+        run = resolve(parse_args(flags), world_size=1, check_files=False)
         if not torch.distributed.is_initialized():
             initialize_distributed(run.parallel, run.training.seed)
         config = transformer_config(run.model, run.parallel)

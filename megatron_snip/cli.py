@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from megatron_snip.arguments import ArgumentError, build_parser, resolve
+from megatron_snip.arguments import ArgumentError, parse_args, resolve
 from megatron_snip.compat.launch import default_to_one_process
 
 if TYPE_CHECKING:
@@ -27,7 +27,7 @@ def _error(e: Exception) -> None:
 
 def _config(argv: list[str] | None) -> RunConfig:
     """Parse (argparse exits on --help or a syntax error), then validate; raises ArgumentError."""
-    parsed = build_parser().parse_args(argv)
+    parsed = parse_args(argv)
     from megatron_snip.compat.cpu import silence_cpu_warnings
 
     silence_cpu_warnings()  # before megatron-core's imports (checkpoint and data checks) print them

@@ -88,10 +88,10 @@ def train_args(data: TinyData, *extra: str, iters: int = 6) -> list[str]:
 def run_config(*flags: str, world_size: int = 1):
     """The validated ``RunConfig`` of TINY_MODEL with ``flags`` (data and files not checked): for tests
     that build the model in-process with the trainer's own builders."""
-    from megatron_snip.arguments import build_parser, resolve
+    from megatron_snip.arguments import parse_args, resolve
 
     argv = [*TINY_MODEL, "--train-iters", "1", *flags]
-    return resolve(build_parser().parse_args(argv), world_size=world_size, cuda=False, check_files=False)
+    return resolve(parse_args(argv), world_size=world_size, cuda=False, check_files=False)
 
 
 def torchrun_command(nproc: int, args: list[str], script: str = "pretrain_llama.py") -> list[str]:

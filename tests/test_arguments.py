@@ -203,12 +203,12 @@ def test_fp4_format_turns_fp4_on_as_megatron_does(tiny_data):
 
 
 def test_fp8_delayed_scaling_defaults_are_megatrons_and_a_checkpoint_keeps_its_own():
-    from megatron_snip import arguments
+    from megatron_snip.arguments import parse_args, validation
 
     def recipe(argv, resumed):
-        args = arguments.build_parser().parse_args(["--train-iters", "1", *argv])
-        arguments._apply_preset(args)
-        arguments._validate_precision(args, cuda=False, resumed=resumed)
+        args = parse_args(["--train-iters", "1", *argv])
+        validation._apply_preset(args)
+        validation._validate_precision(args, cuda=False, resumed=resumed)
         return args.fp8_amax_history_len, args.fp8_amax_compute_algo, args.precision_notes
 
     assert recipe([], None) == (1, "most_recent", [])
@@ -339,6 +339,9 @@ def test_a_megatron_nvfp4_script_trains_saves_lean_checkpoints_and_resumes(tiny_
     common = read_common_state(ckpt)
     assert (common["iteration"], common[NO_OPTIM], common[NO_RNG]) == (2, True, True)
     assert common["args"]["train_iters"] == 2 and common["args"]["lr_decay_iters"] == 4
+    written = os.path.join(ckpt, "iter_0000002", "run_config.yaml")  # the resolved flags, beside the checkpoint
+    again = parse_config(["--yaml-cfg", written], world_size=1, cuda=False)
+    assert (again.training.train_iters, again.precision.precision, again.checkpoint.no_save_optim) == (2, "fp4", True)
     second = torchrun(1, without_train_iters(tiny_data, *megatron, "--train-samples", "32",
                                              "--exit-on-missing-checkpoint"))
     assert "resumed from" in second.stdout and "continuing at 2" in second.stdout

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from megatron_snip.arguments import build_parser, resolve
+from megatron_snip.arguments import parse_args, resolve
 
 pytestmark = pytest.mark.integration  # every test here launches processes
 
@@ -58,5 +58,5 @@ def test_example_flags_are_accepted(script, tmp_path):
     assert launches, f"{script} launched nothing"
     for argv in launches:
         entry = argv.index("pretrain_llama.py")
-        resolve(build_parser().parse_args(argv[entry + 1:]), world_size=world_size(argv[:entry]), cuda=True,
+        resolve(parse_args(argv[entry + 1:]), world_size=world_size(argv[:entry]), cuda=True,
                 check_files=False)

@@ -184,6 +184,7 @@ def test_wheels_are_pinned_to_the_cpu_environments_versions(tmp_path):
     assert f'megatron-core=={wheels.WHEELS["megatron-core"]}' in requirements
     for name, version in wheels.WHEELS.items():
         assert re.fullmatch(r"\d+(\.\d+)+", version), (name, version)
+        assert f"\n{name}=={version}\n" in requirements, f"requirements-cpu.txt must pin {name}=={version}"
         try:
             installed = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:

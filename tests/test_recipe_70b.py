@@ -15,7 +15,7 @@ import shutil
 import pytest
 
 from conftest import ROOT, scalars, torchrun, train_args
-from megatron_snip.arguments import build_parser
+from megatron_snip.arguments import parse_args
 from test_examples import recorded_launches
 
 SCRIPT = ROOT / "examples" / "slurm" / "pretrain_llama.sbatch"
@@ -29,7 +29,7 @@ TINY_LAYOUT = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-s
 def recipe_flags(tmp_path) -> list[str]:
     """The sbatch script's feature flags, with the tiny layout instead of its parallel sizes."""
     (launch,) = recorded_launches(SCRIPT, tmp_path)
-    args = build_parser().parse_args(launch[launch.index("pretrain_llama.py") + 1:])
+    args = parse_args(launch[launch.index("pretrain_llama.py") + 1:])
     # The recipe this test stands for: TP with sequence parallelism, interleaved pipeline, SNIP.
     assert args.tensor_model_parallel_size > 1 and args.sequence_parallel and args.snip
     assert args.num_layers_per_virtual_pipeline_stage or args.virtual_pipeline_model_parallel_size

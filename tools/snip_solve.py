@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_snip.precision.gemm_speed import SPEED_MODELS  # noqa: E402
+from megatron_snip.precision.config import SPEED_MODELS  # noqa: E402
 from megatron_snip.precision.megatron_config import megatron_config_files  # noqa: E402
 from megatron_snip.precision.recipes import RecipeConfig  # noqa: E402
 from megatron_snip.snip import policies  # noqa: E402

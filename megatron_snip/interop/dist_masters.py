@@ -39,12 +39,9 @@ def _run_config(saved: dict):
     on this machine: gloo, megatron-core's local layers, data-parallel size 1."""
     from dataclasses import replace
 
-    from megatron_snip.arguments import build_parser
     from megatron_snip.training.config import RunConfig
 
-    # Flags added after the checkpoint was saved take their defaults.
-    defaults = vars(build_parser().parse_args(["--train-iters", "0"]))
-    run = RunConfig.from_flags({**defaults, **saved})
+    run = RunConfig.from_flags(saved)  # flags added after the checkpoint was saved take their defaults
     return replace(run, parallel=replace(run.parallel, distributed_backend="gloo", data_parallel_size=1),
                    model=replace(run.model, transformer_impl="local"))
 

@@ -1,49 +1,70 @@
-"""The model's shape and build options, and the parallel layout: validated once by ``arguments.py``."""
+"""The model's shape and build options, and the parallel layout: their flags, validated once by ``arguments.py``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+from megatron_snip.flags import derived, flag
+from megatron_snip.model.presets import PRESETS
+
+ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A Llama model (``--model-preset`` and the shape flags; a loaded checkpoint's shape wins)."""
+    """A Llama model (``--model-preset`` and the shape flags; a loaded checkpoint's shape wins).
 
-    model_preset: str  # a preset name, or the label of a loaded checkpoint's shape
-    num_layers: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    seq_length: int  # tokens per sample
-    max_position_embeddings: int
-    rotary_base: int
-    norm_epsilon: float
-    use_rope_scaling: bool
-    rope_scaling_factor: float
-    init_method_std: float
-    attention_dropout: float
-    hidden_dropout: float
-    make_vocab_size_divisible_by: int
-    transformer_impl: str  # "local" or "transformer_engine"
-    # --attention-backend (flash, fused, unfused, local, auto): the core attention; not part of the
-    # checkpoint's shape (it has no weights), so a run may resume with another.
-    attention_backend: str
-    recompute_granularity: str | None
-    recompute_method: str | None
-    recompute_num_layers: int | None
-    bf16: bool  # parameters, activations and pipeline messages in bf16 (masters stay fp32 in the optimizer)
+    The shape flags default to None: validation fills them from the preset (or the checkpoint),
+    and explicit flags win."""
+
+    model_preset: str | None = flag(
+        None, "Named Llama shape (default tiny, or with --load the checkpoint's shape); explicit shape flags override "
+        "its fields.", choices=sorted(PRESETS), ours=True)
+    num_layers: int | None = flag(None, "Transformer layers.")
+    hidden_size: int | None = flag(None, "Hidden size.")
+    ffn_hidden_size: int | None = flag(None, "MLP hidden size (SwiGLU's inner width).")
+    num_attention_heads: int | None = flag(None, "Attention heads.")
+    num_query_groups: int | None = flag(None, "Key/value heads (GQA).")
+    seq_length: int | None = flag(None, "Tokens per sample.")
+    max_position_embeddings: int | None = flag(None, "Longest sequence the position embedding serves.")
+    rotary_base: int | None = flag(None, "RoPE base.")
+    norm_epsilon: float | None = flag(None, "RMSNorm epsilon.")
+    use_rope_scaling: bool | None = flag(
+        None, "Llama 3.1's rope frequency scaling (megatron-core's: low/high frequency factors 1 and 4, original "
+        "context 8192).")
+    rope_scaling_factor: float | None = flag(None, "Its factor (default 8).")
+    init_method_std: float = flag(0.02, "Standard deviation of the weight initialisation.")
+    attention_dropout: float = flag(0.0, "Dropout on the attention probabilities.")
+    hidden_dropout: float = flag(0.0, "Dropout on the residual branches.")
+    make_vocab_size_divisible_by: int = flag(128, "Pad the vocabulary (embedding rows) to a multiple of this x TP.")
+    transformer_impl: str = flag(
+        "local", "Layer implementation: megatron-core's own modules or Transformer Engine's.",
+        choices=("local", "transformer_engine"))
+    # Not part of the checkpoint's shape (no weights), so a run may resume with another.
+    attention_backend: str = flag(
+        "auto", "Core attention. With --transformer-impl local: unfused and local keep megatron-core's "
+        "DotProductAttention (materialises the scores); auto, flash and fused use torch's "
+        "scaled_dot_product_attention (torch chooses its flash or memory-efficient kernel on GPU). With "
+        "transformer_engine: passed to megatron-core's TransformerConfig attention_backend (Transformer Engine "
+        "chooses). Not part of a checkpoint's shape.", choices=ATTENTION_BACKENDS)
+    recompute_granularity: str | None = flag(None, "Activation recomputation: full layers or the attention core.",
+                                             choices=("full", "selective"))
+    recompute_method: str | None = flag(None, "With --recompute-granularity full: how layers are chosen.",
+                                        choices=("uniform", "block"))
+    recompute_num_layers: int | None = flag(None, "With --recompute-granularity full: layers per recomputed group "
+                                            "(default 1).")
+    bf16: bool = flag(False, "Parameters, activations and pipeline messages in bf16 (fp32 masters in the optimizer).")
     # Set only by a loaded checkpoint (an HF import): the real and padded vocabulary, tied output
     # layer, and the Hugging Face files (tokenizer, generation config) the import kept.
-    vocab_size: int | None
-    padded_vocab_size: int | None
-    share_embeddings_and_output_weights: bool | None
-    hf_files: str | None
+    vocab_size: int | None = derived()
+    padded_vocab_size: int | None = derived()
+    share_embeddings_and_output_weights: bool | None = derived()
+    hf_files: str | None = derived()
 
     @property
-    def params_dtype(self) -> torch.dtype:
+    def params_dtype(self):
+        import torch  # not at the top: --help and flag errors import no torch
+
         return torch.bfloat16 if self.bf16 else torch.float32
 
     @property
@@ -59,17 +80,26 @@ class ModelConfig:
 class ParallelConfig:
     """How the processes split the model and the data (TP x PP x DP, Megatron's flags)."""
 
-    tensor_model_parallel_size: int
-    pipeline_model_parallel_size: int
-    data_parallel_size: int  # derived: world size / (TP x PP)
-    virtual_pipeline_model_parallel_size: int | None  # model chunks per pipeline rank; None: not interleaved
-    sequence_parallel: bool
-    context_parallel_size: int  # always 1 (validated)
-    use_distributed_optimizer: bool
-    overlap_grad_reduce: bool
-    overlap_param_gather: bool
-    distributed_backend: str  # "nccl" or "gloo"
-    distributed_timeout_minutes: int
+    tensor_model_parallel_size: int = flag(1, "Tensor-parallel size (TP).")
+    pipeline_model_parallel_size: int = flag(1, "Pipeline-parallel size (PP).")
+    data_parallel_size: int = derived(1)  # world size / (TP x PP)
+    num_layers_per_virtual_pipeline_stage: int | None = flag(
+        None, "Interleaved pipeline schedule: layers per virtual stage (model chunk); each pipeline rank holds "
+        "num-layers / (PP x this) chunks.")
+    # Model chunks per pipeline rank, from either flag; None: not interleaved.
+    virtual_pipeline_model_parallel_size: int | None = flag(
+        None, "Interleaved pipeline schedule: model chunks per pipeline rank (instead of "
+        "--num-layers-per-virtual-pipeline-stage).")
+    sequence_parallel: bool = flag(False, "Shard the norm/dropout activations along the sequence over TP ranks "
+                                   "(needs TP > 1).")
+    context_parallel_size: int = flag(1, "Accepted for Megatron scripts; only 1 (no context parallelism) is "
+                                      "supported.")
+    use_distributed_optimizer: bool = flag(False, "Shard the optimizer state over data-parallel ranks.")
+    overlap_grad_reduce: bool = flag(False, "Overlap the gradient reduce-scatter/all-reduce with the backward pass.")
+    overlap_param_gather: bool = flag(False, "Overlap the parameter all-gather with the forward pass (needs "
+                                      "--use-distributed-optimizer).")
+    distributed_backend: str | None = flag(None, "Default: nccl with CUDA, gloo without.", choices=("nccl", "gloo"))
+    distributed_timeout_minutes: int = flag(10, "Timeout of collectives, in minutes.")
 
     @property
     def chunks_per_stage(self) -> int:

@@ -1,107 +1,76 @@
-"""Low-precision numerics: element formats, quantizers, Hadamard transform, fake quantization.
+"""Low-precision numerics: element formats, quantizers, Hadamard transform, fake quantization;
+per-module precision: recipes, the quantized linear GEMMs, plans, FLOP accounting.
 
-See docs/numerics.md for the formats and the choices made where they leave freedom.
+See docs/numerics.md for the formats and the choices made where they leave freedom. The names below
+are imported on first use (PEP 562), so naming a format (``registry``, ``config``) needs no torch.
 """
 
-from .blocks import BlockScaled
-from .fake_quant import FORMATS, ROLES, element_bits, fake_quantize, is_fp4, is_fp8
-from .formats import (
-    E2M1,
-    E4M3,
-    E5M2,
-    FloatFormat,
-    decode_e2m1,
-    decode_e4m3,
-    decode_e5m2,
-    decode_e8m0,
-    encode_e2m1,
-    encode_e4m3,
-    encode_e5m2,
-    encode_e8m0,
-    round_e2m1_stochastic,
-    round_to_format,
-)
-from .fp8 import (
-    FP8DelayedScaling,
-    TensorScaled,
-    fp8_scale_from_amax,
-    quantize_fp8_block,
-    quantize_fp8_tensorwise,
-)
-from .hadamard import (
-    hadamard_matrix,
-    inverse_random_hadamard_transform,
-    random_hadamard_transform,
-    random_signs,
-)
-from .mx import quantize_mx, quantize_mxfp4, quantize_mxfp8
-from .nvfp4 import NVFP4Quantized, nvfp4_global_scale, quantize_nvfp4
+from importlib import import_module
 
-__all__ = [
-    "BlockScaled",
-    "E2M1",
-    "E4M3",
-    "E5M2",
-    "FORMATS",
-    "FP8DelayedScaling",
-    "FloatFormat",
-    "NVFP4Quantized",
-    "ROLES",
-    "TensorScaled",
-    "decode_e2m1",
-    "decode_e4m3",
-    "decode_e5m2",
-    "decode_e8m0",
-    "element_bits",
-    "encode_e2m1",
-    "encode_e4m3",
-    "encode_e5m2",
-    "encode_e8m0",
-    "fake_quantize",
-    "fp8_scale_from_amax",
-    "hadamard_matrix",
-    "inverse_random_hadamard_transform",
-    "is_fp4",
-    "is_fp8",
-    "nvfp4_global_scale",
-    "quantize_fp8_block",
-    "quantize_fp8_tensorwise",
-    "quantize_mx",
-    "quantize_mxfp4",
-    "quantize_mxfp8",
-    "quantize_nvfp4",
-    "random_hadamard_transform",
-    "random_signs",
-    "round_e2m1_stochastic",
-    "round_to_format",
-]
+# name -> the submodule that defines it
+_EXPORTS = {
+    "BlockScaled": "blocks",
+    "FORMATS": "fake_quant",
+    "ROLES": "fake_quant",
+    "element_bits": "fake_quant",
+    "fake_quantize": "fake_quant",
+    "is_fp4": "fake_quant",
+    "is_fp8": "fake_quant",
+    "FlopFractions": "flops",
+    "LlamaLinearDims": "flops",
+    "flop_fractions": "flops",
+    "flops_by_format": "flops",
+    "gemm_flops": "flops",
+    "E2M1": "formats",
+    "E4M3": "formats",
+    "E5M2": "formats",
+    "FloatFormat": "formats",
+    "decode_e2m1": "formats",
+    "decode_e4m3": "formats",
+    "decode_e5m2": "formats",
+    "decode_e8m0": "formats",
+    "encode_e2m1": "formats",
+    "encode_e4m3": "formats",
+    "encode_e5m2": "formats",
+    "encode_e8m0": "formats",
+    "round_e2m1_stochastic": "formats",
+    "round_to_format": "formats",
+    "FP8DelayedScaling": "fp8",
+    "TensorScaled": "fp8",
+    "fp8_scale_from_amax": "fp8",
+    "quantize_fp8_block": "fp8",
+    "quantize_fp8_tensorwise": "fp8",
+    "hadamard_matrix": "hadamard",
+    "inverse_random_hadamard_transform": "hadamard",
+    "random_hadamard_transform": "hadamard",
+    "random_signs": "hadamard",
+    "QuantState": "linear",
+    "hadamard_wgrad_operands": "linear",
+    "quantize_operand": "linear",
+    "quantized_linear": "linear",
+    "quantize_mx": "mx",
+    "quantize_mxfp4": "mx",
+    "quantize_mxfp8": "mx",
+    "NVFP4Quantized": "nvfp4",
+    "nvfp4_global_scale": "nvfp4",
+    "quantize_nvfp4": "nvfp4",
+    "LINEAR_MODULES": "plan",
+    "PlanError": "plan",
+    "PrecisionPlan": "plan",
+    "module_name": "plan",
+    "module_names": "plan",
+    "parse_module_name": "plan",
+    "BF16": "recipes",
+    "OperandQuantizer": "recipes",
+    "PRECISION_NAMES": "recipes",
+    "Precision": "recipes",
+    "RecipeConfig": "recipes",
+    "operand_quantizer": "recipes",
+}
+__all__ = sorted(_EXPORTS)
 
-# Per-module precision: recipes, the quantized linear GEMMs, plans, FLOP accounting.
-from .flops import FlopFractions, LlamaLinearDims, flop_fractions, flops_by_format, gemm_flops
-from .linear import QuantState, hadamard_wgrad_operands, quantize_operand, quantized_linear
-from .plan import LINEAR_MODULES, PlanError, PrecisionPlan, module_name, module_names, parse_module_name
-from .recipes import BF16, PRECISION_NAMES, OperandQuantizer, Precision, RecipeConfig, operand_quantizer
 
-__all__ += [
-    "BF16",
-    "FlopFractions",
-    "LINEAR_MODULES",
-    "LlamaLinearDims",
-    "OperandQuantizer",
-    "PRECISION_NAMES",
-    "PlanError",
-    "Precision",
-    "PrecisionPlan",
-    "QuantState",
-    "RecipeConfig",
-    "flop_fractions",
-    "flops_by_format",
-    "gemm_flops",
-    "hadamard_wgrad_operands",
-    "module_name",
-    "module_names",
-    "operand_quantizer",
-    "parse_module_name",
-    "quantize_operand",
-    "quantized_linear",
-]
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f".{_EXPORTS[name]}", __name__), name)

@@ -23,8 +23,8 @@ import torch
 
 from .blocks import BlockScaled, block_amax, blocked_result, tensor_amax, to_blocks
 from .formats import E4M3, FloatFormat, div_rn, round_to_format
+from .registry import FP8_BLOCK
 
-FP8_BLOCK = 128
 _FP32_MAX = torch.finfo(torch.float32).max
 _SIGN_AND_EXPONENT = -(1 << 23)  # int32 0xFF800000: keeps sign and exponent bits
 

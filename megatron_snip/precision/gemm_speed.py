@@ -35,10 +35,10 @@ import torch
 
 from megatron_snip.compat.device import has_cuda
 
+from .config import SPEED_MODELS
 from .recipes import PRECISION_NAMES, Precision, RecipeConfig, operand_quantizer
 from .registry import SCHEME_NAMES
 
-SPEED_MODELS = ("auto", "hopper", "blackwell", "ada", "ampere", "measured")
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,8 @@ import torch
 
 from .blocks import BlockScaled, block_amax, blocked_result, to_blocks
 from .formats import E2M1, E4M3, FloatFormat, decode_e8m0, round_e2m1_stochastic, round_to_format
+from .registry import MX_BLOCK
 
-MX_BLOCK = 32
 ScaleRule = Literal["ceil", "ocp"]
 
 _MANT_MASK = (1 << 23) - 1

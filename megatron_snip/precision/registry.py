@@ -17,9 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .fp8 import FP8_BLOCK
-from .mx import MX_BLOCK
-from .nvfp4 import NVFP4_BLOCK
+# Block lengths (elements along a GEMM's reduction dim) of the block-scaled formats; the quantizers
+# (fp8.py, mx.py, nvfp4.py) take them from here, so naming a format needs no torch.
+FP8_BLOCK = 128  # DeepSeek-V3 / TE Float8BlockScaling: 1x128 activations, 128x128 weights
+MX_BLOCK = 32  # OCP MX
+NVFP4_BLOCK = 16  # NVFP4: 1x16, or 16x16 weight tiles
 
 FAMILIES = ("bf16", "fp8", "fp4")
 

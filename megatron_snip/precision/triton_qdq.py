@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from .formats import E2M1, E4M3, FloatFormat
-from .fp8 import FP8_BLOCK
+from .registry import FP8_BLOCK
 from .nvfp4 import nvfp4_global_scale
 
 _FP32_MAX = 3.4028234663852886e38

@@ -2,26 +2,49 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from megatron_snip.flags import flag
+
+DEFAULT_FP4_TARGET = 0.75  # the paper's headline budget: 75% of the linear-layer FLOPs in FP4
 
 
 @dataclass(frozen=True)
 class SnipConfig:
     """Whether and how SNIP re-plans (docs/snip.md)."""
 
-    enabled: bool = field(metadata={"flag": "snip"})
-    snip_fp4_target: float | None  # share of linear FLOPs in FP4 (None without --snip)
-    snip_time_target: float | None  # estimated linear-GEMM time / all-bf16
-    snip_interval: int | None  # iterations between re-plans
-    snip_warmup_plan: str | None
-    snip_solver: str
-    snip_formats: tuple[str, ...]  # candidate precisions
-    snip_budget: str  # "per-stage" or "global"
-    snip_split_passes: bool
-    snip_loss_weight: float  # alpha
-    snip_update_weight: float  # beta
-    snip_switch_penalty: float
-    snip_probe_passes: int
+    enabled: bool = flag(False, "Re-plan the precision of every linear module at intervals from measured "
+                         "divergences.", dest="snip", ours=True)
+    snip_fp4_target: float | None = flag(
+        None, f"Fraction of linear-layer FLOPs to run in FP4 (the paper's budget; default {DEFAULT_FP4_TARGET}, or 0 "
+        "with --snip-time-target). Without --snip-time-target the plan's estimated GEMM time is also held to that of "
+        "the baselines at this share (FP4 + FP8 remainder), so the non-FP4 modules run in FP8 unless BF16 pays for "
+        "itself.", ours=True)
+    snip_time_target: float | None = flag(
+        None, "Budget in time: estimated linear-GEMM time / all-BF16 time <= T under --gemm-speed-model (per "
+        "pipeline stage with --snip-budget per-stage).", ours=True)
+    snip_interval: int | None = flag(None, "Iterations between re-plans (default: --save-interval).", ours=True)
+    snip_warmup_plan: str | None = flag(
+        None, "Plan before the first cycle: a precision name or a plan JSON file (default bf16; on resume the "
+        "checkpoint's plan).", ours=True)
+    snip_solver: str = flag("auto", "ILP solver: Gurobi when licensed and within its size limits, else HiGHS (auto).",
+                            choices=("auto", "gurobi", "highs"), ours=True)
+    snip_formats: tuple[str, ...] | None = flag(
+        None, "Candidate precisions (default: bf16 fp8 and --fp4-recipe).", ours=True)
+    snip_budget: str = flag(
+        "per-stage", "FP4 and time budgets for each pipeline stage (no stage becomes the bottleneck) or only overall.",
+        choices=("per-stage", "global"), ours=True)
+    snip_split_passes: bool = flag(False, "Choose the forward GEMM's and the backward GEMMs' precision separately.",
+                                   ours=True)
+    snip_loss_weight: float = flag(1.0, "Weight of the loss divergence (alpha).", ours=True)
+    snip_update_weight: float = flag(
+        1.0, "Weight of the update divergence (beta; 1 as in the paper). 0 plans by the loss divergence alone, which "
+        "trained better at 90%% FP4 and worse at 50%% in the CPU-scale comparisons (docs/quality.md).", ours=True)
+    snip_switch_penalty: float = flag(0.0, "Objective penalty per module whose precision changes from the current "
+                                      "plan.", ours=True)
+    snip_probe_passes: int = flag(
+        3, "Noise draws per estimator, each one pass differenced against the clean pass (default 3: a cycle runs 1 "
+        "gradient + 1 clean + 3 curvature + 3 perturbation passes, 8 in all; 2 + 2K).", ours=True)
 
     def due(self, iteration: int) -> bool:
         """Whether a cycle runs after ``iteration``."""

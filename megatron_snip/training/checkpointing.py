@@ -4,6 +4,7 @@ Layout (Megatron-LM's)::
 
     SAVE/latest_checkpointed_iteration.txt   the iteration of the newest complete checkpoint
     SAVE/iter_0000100/                        one checkpoint (dist_checkpointing format)
+    SAVE/iter_0000100/run_config.yaml         the run's resolved flags (--yaml-cfg reads it back)
 
 A checkpoint is written into ``iter_XXXXXXX.tmp`` and renamed when every rank
 has finished; the tracker file is replaced (``os.replace``) last. A crash at
@@ -18,6 +19,7 @@ adds (the precision plan, for instance).
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 import os
 import random
 import shutil
@@ -227,7 +229,8 @@ def _sharded_state(model, optimizer, scheduler, *, is_loading: bool, with_optim:
 
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extra: dict,
-                    quantization: dict | None = None, *, save_optim: bool = True, save_rng: bool = True) -> str:
+                    quantization: dict | None = None, *, save_optim: bool = True, save_rng: bool = True,
+                    files: Mapping[str, str] | None = None) -> str:
     """Write a complete checkpoint of ``iteration`` under ``root``; collective over all ranks.
 
     ``model`` is this rank's unwrapped megatron-core module, or its list of chunks; ``extra`` is
@@ -235,11 +238,13 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extr
     ``quantization`` is this rank's module quantization state, saved with its RNG states.
     ``save_optim=False`` / ``save_rng=False`` (``--no-save-optim`` / ``--no-save-rng``) leave out the
     optimizer and scheduler / RNG and quantization states; loading such a checkpoint skips them.
+    ``files``: text files (name -> content) written into the checkpoint's directory with it, such as
+    the run's resolved configuration.
     """
     check_finite(model, optimizer, iteration_dir(root, iteration))
     state = _sharded_state(model, optimizer, scheduler, is_loading=False, with_optim=save_optim, with_rng=save_rng,
                            quantization=quantization)
-    return _write(root, iteration, state, {**extra, NO_OPTIM: not save_optim, NO_RNG: not save_rng})
+    return _write(root, iteration, state, {**extra, NO_OPTIM: not save_optim, NO_RNG: not save_rng}, files)
 
 
 def save_model_checkpoint(root: str, iteration: int, model_state: dict, extra: dict) -> str:
@@ -266,8 +271,9 @@ MODEL_ONLY = "model_only"
 NO_OPTIM, NO_RNG = "no_optimizer_state", "no_rng_state"
 
 
-def _write(root: str, iteration: int, state: dict, extra: dict) -> str:
-    """Save ``state`` + ``extra`` as ``root/iter_<iteration, 7 digits>`` atomically (see the module docstring)."""
+def _write(root: str, iteration: int, state: dict, extra: dict, files: Mapping[str, str] | None = None) -> str:
+    """Save ``state`` + ``extra`` (and the text ``files``) as ``root/iter_<iteration, 7 digits>`` atomically
+    (see the module docstring)."""
     final = iteration_dir(root, iteration)
     tmp = final + ".tmp"
     if dist.get_rank() == 0:
@@ -289,6 +295,9 @@ def _write(root: str, iteration: int, state: dict, extra: dict) -> str:
                               f"names; free space under {root} or point --save elsewhere") from e
     dist.barrier()
     if dist.get_rank() == 0:
+        for name, text in (files or {}).items():
+            with open(os.path.join(tmp, name), "w") as f:
+                f.write(text)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         write_text_atomic(os.path.join(root, TRACKER), str(iteration))

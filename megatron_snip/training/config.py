@@ -1,67 +1,93 @@
-"""The whole run's configuration: one frozen section per concern, built once by ``arguments.py``.
+"""The whole run's configuration: one frozen section per concern, each field defined once.
 
+Every section's fields are its command-line flags (``megatron_snip.flags``): ``arguments.py``
+generates the command line from them and validates the values once into a :class:`RunConfig`.
 Components receive their own section (the model builder a :class:`ModelConfig`, SNIP a
 :class:`SnipConfig`, ...); only the trainer, which wires them together, holds the
-:class:`RunConfig`.
+:class:`RunConfig`. Light on purpose (no torch): ``--help`` imports it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_snip.data.config import DataConfig
-from megatron_snip.flags import from_flags, to_flags
+from megatron_snip.flags import derived, flag, from_flags, sections_to_yaml, to_flags
 from megatron_snip.model.config import ModelConfig, ParallelConfig
 from megatron_snip.precision.config import PrecisionConfig
 from megatron_snip.snip.config import SnipConfig
-from megatron_snip.training.safety import SafetyConfig
+
+if TYPE_CHECKING:
+    from megatron_snip.precision.plan import PrecisionPlan
+    from megatron_snip.precision.schedule import PrecisionSchedule
 
 
 @dataclass(frozen=True)
 class TrainingConfig:
     """Batches, iterations, optimizer and LR / weight-decay schedules."""
 
-    micro_batch_size: int
-    global_batch_size: int
-    num_microbatches: int  # derived: global batch / (micro batch x DP)
-    train_iters: int
-    seed: int
-    exit_interval: int | None
-    exit_duration_in_mins: float | None  # wall time since start-up
-    skip_train: bool
-    manual_gc: bool  # Megatron-LM's: automatic GC off, collections at fixed iterations on every rank
-    manual_gc_interval: int  # iterations between collections (0: only around evaluations)
-    manual_gc_eval: bool  # collect before and after each evaluation
-    optimizer: str
-    lr: float
-    min_lr: float
-    lr_decay_style: str
-    lr_decay_iters: int
-    lr_warmup_iters: int  # --lr-warmup-fraction resolved
-    lr_wsd_decay_iters: int | None
-    lr_wsd_decay_style: str
-    weight_decay: float
-    start_weight_decay: float
-    end_weight_decay: float
-    weight_decay_incr_style: str
-    clip_grad: float
-    adam_beta1: float
-    adam_beta2: float
-    adam_eps: float
+    micro_batch_size: int = flag(4, "Samples per micro-batch on each rank.")
+    global_batch_size: int | None = flag(None, "Samples per optimizer step. Default: micro-batch-size x "
+                                         "data-parallel size.")
+    num_microbatches: int = derived(1)  # global batch / (micro batch x DP)
+    train_iters: int | None = flag(None, "Iterations (global batches) to train; required unless --train-samples is "
+                                   "given.")
+    seed: int = flag(1234, "Seed of initialisation, data order, dropout and SNIP's probes.")
+    exit_interval: int | None = flag(None, "Save (if --save) and exit after an iteration divisible by this value.")
+    exit_duration_in_mins: float | None = flag(
+        None, "Save (if --save) and exit once the run's wall time since start-up passes this many minutes (fractions "
+        "accepted). Checked at every iteration; all ranks agree (an all-reduce) and stop one iteration after it "
+        "passes. The run's exit record (SAVE/exit_record.json) then asks the SLURM script for a requeue (python -m "
+        "megatron_snip.training.requeue).")
+    skip_train: bool = flag(False, "Bypass the training loop: only evaluate the (loaded) model on the validation "
+                            "data.")
+    manual_gc: bool = flag(
+        False, "Disable Python's automatic garbage collector (collections then happen at the same iterations on "
+        "every rank): collect every --manual-gc-interval iterations and around evaluations.")
+    manual_gc_interval: int = flag(0, "With --manual-gc: iterations between collections (0: only around "
+                                   "evaluations).")
+    manual_gc_eval: bool = flag(True, "With --manual-gc: no collection before and after each evaluation.",
+                                option="--no-manual-gc-eval")
+    optimizer: str = flag("adam", "Optimizer (adam: AdamW with decoupled weight decay).", choices=("adam", "sgd"))
+    lr: float = flag(3e-4, "Peak learning rate.")
+    min_lr: float = flag(0.0, "Learning rate at the end of the decay.")
+    lr_decay_style: str = flag("cosine", "Shape of the decay after warm-up.",
+                               choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"))
+    lr_decay_iters: int | None = flag(None, "Iterations over which the learning rate decays. Default: --train-iters.")
+    lr_warmup_iters: int = flag(0, "Linear warm-up iterations.")
+    lr_warmup_fraction: float | None = flag(None, "Warm-up as a fraction of --lr-decay-iters (instead of "
+                                            "--lr-warmup-iters).")
+    lr_wsd_decay_iters: int | None = flag(None, "WSD: iterations of the final decay.")
+    lr_wsd_decay_style: str = flag("linear", "WSD: shape of the final decay.",
+                                   choices=("linear", "cosine", "exponential", "minus_sqrt"))
+    weight_decay: float = flag(0.01, "Decoupled weight decay.")
+    start_weight_decay: float | None = flag(None, "Weight decay at the start (default: --weight-decay).")
+    end_weight_decay: float | None = flag(None, "Weight decay at the end (default: --weight-decay).")
+    weight_decay_incr_style: str = flag("constant", "How weight decay moves from start to end.",
+                                        choices=("constant", "linear", "cosine"))
+    clip_grad: float = flag(1.0, "Clip the global gradient norm to this value.")
+    adam_beta1: float = flag(0.9, "Adam's beta1.")
+    adam_beta2: float = flag(0.999, "Adam's beta2.")
+    adam_eps: float = flag(1e-8, "Adam's epsilon.")
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    save: str | None
-    load: str | None
-    save_interval: int | None
-    no_load_optim: bool
-    no_load_rng: bool
-    no_save_optim: bool  # checkpoints without optimizer and LR-scheduler state
-    no_save_rng: bool  # checkpoints without RNG and quantization state
-    finetune: bool  # load the weights only, start at iteration 0
+    """Where checkpoints go and what they hold."""
+
+    save: str | None = flag(None, "Directory to save checkpoints in.")
+    load: str | None = flag(
+        None, "Checkpoint directory to resume from. If it equals --save and holds no checkpoint yet, training starts "
+        "fresh (the resume-or-start pattern).")
+    save_interval: int | None = flag(None, "Iterations between checkpoints.")
+    no_load_optim: bool = flag(False, "Do not load the optimizer and LR-scheduler state.")
+    no_load_rng: bool = flag(False, "Do not load the RNG state.")
+    no_save_optim: bool = flag(False, "Save no optimizer or LR-scheduler state (a run resuming from it starts them "
+                               "afresh, as with --no-load-optim).")
+    no_save_rng: bool = flag(False, "Save no RNG or quantization state (a run resuming from it keeps its own).")
+    finetune: bool = flag(False, "Load model weights only and start at iteration 0.")
 
     @property
     def resumes(self) -> bool:
@@ -71,11 +97,59 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    eval_interval: int
-    eval_iters: int  # global batches per evaluation
-    log_interval: int
-    tensorboard_dir: str | None
-    peak_tflops: float | None  # per GPU, for MFU
+    """Evaluation, console and TensorBoard."""
+
+    eval_interval: int = flag(1000, "Iterations between evaluations.")
+    eval_iters: int = flag(10, "Global batches per evaluation.")
+    log_interval: int = flag(10, "Iterations between log lines.")
+    tensorboard_dir: str | None = flag(None, "Write TensorBoard events here.")
+    peak_tflops: float | None = flag(None, "Peak dense TFLOP/s per GPU for MFU (default: looked up from the GPU "
+                                     "name).", ours=True)
+
+
+@dataclass(frozen=True)
+class SafetyConfig:
+    """What a non-finite step or a loss spike does (README: Faults and numerical safety)."""
+
+    check_nan: bool = flag(
+        True, "Before every optimizer step, all ranks check the loss and every gradient for NaN/Inf and act together "
+        "by --non-finite-grad-policy (default on, as in Megatron-LM).", dest="check_for_nan_in_loss_and_grad",
+        negatable=True)
+    policy: str = flag(
+        "fail", "fail: every rank raises at that iteration, naming the parameters and ranks; nothing is applied or "
+        "saved. skip: the update is skipped (weights, optimizer state and LR schedule untouched, the batch consumed) "
+        "and counted.", choices=("fail", "skip"), dest="non_finite_grad_policy", ours=True)
+    max_consecutive_skips: int = flag(
+        10, "With --non-finite-grad-policy skip: raise after this many skipped iterations in a row.", ours=True)
+    check_spiky_loss: bool = flag(
+        False, "Report a loss above --spiky-loss-factor x the median of the last --spiky-loss-window applied losses "
+        "(not fatal, as in Megatron-LM).", dest="check_for_spiky_loss")
+    spiky_loss_factor: float = flag(2.0, "A loss above this factor x the recent median is a spike.", ours=True)
+    spiky_loss_window: int = flag(10, "Applied losses the spike median is taken over.", ours=True)
+    # Per-operand health scalars in the quantized linears (off on --transformer-impl transformer_engine).
+    quant_health: bool = flag(
+        True, "Quantized linears keep per-operand health scalars on the device (non-finite count, amax, saturated "
+        "and flushed-to-zero fractions, relative quantization MSE), logged to TensorBoard every --log-interval and "
+        "used to name the modules behind a non-finite step or a spike (--transformer-impl local only).",
+        negatable=True, ours=True)
+    promote_on_fault: bool | None = flag(
+        None, "On a non-finite step or a loss spike, raise the precision of the quantized module the health numbers "
+        "name (FP4 -> FP8 -> BF16) until the next SNIP cycle (for the rest of the run without --snip); a non-finite "
+        "step is then skipped instead of failing. Default: on with --snip. Needs --quant-health.", negatable=True,
+        ours=True)
+
+
+@dataclass(frozen=True)
+class StartPoint:
+    """What the run starts from, decided once by validation: the replicated state of the checkpoint it
+    resumes (None: a fresh start or --finetune), the plan and precision schedule of its first step,
+    and where each comes from (for the start-up log)."""
+
+    resumed: Mapping[str, Any] | None
+    plan: PrecisionPlan
+    plan_source: str
+    schedule: PrecisionSchedule
+    schedule_source: str
 
 
 @dataclass(frozen=True)
@@ -89,21 +163,28 @@ class RunConfig:
     checkpoint: CheckpointConfig
     logging: LoggingConfig
     safety: SafetyConfig
+    start: StartPoint | None = None  # None only for configurations built without files (converters, checks)
 
     @classmethod
-    def from_flags(cls, flags: Mapping[str, Any]) -> RunConfig:
-        """Every section from validated flat flag values (``arguments.parse_config`` is the one caller
+    def from_flags(cls, flags: Mapping[str, Any], start: StartPoint | None = None) -> RunConfig:
+        """Every section from validated flat flag values (``arguments.resolve`` is the one caller
         with a command line; tests and tools pass a checkpoint's saved values)."""
-        return cls(**{name: from_flags(section, flags) for name, section in _SECTIONS.items()})
+        return cls(**{name: from_flags(section, flags) for name, section in SECTIONS.items()}, start=start)
 
     def to_flags(self) -> dict[str, Any]:
         """The flat flag values of every section: what a checkpoint saves as its arguments."""
         out: dict[str, Any] = {}
-        for name in _SECTIONS:
+        for name in SECTIONS:
             out.update(to_flags(getattr(self, name)))
         return out
 
+    def to_yaml(self, header: str = "") -> str:
+        """The run's flag values, resolved, one mapping per section: ``--yaml-cfg`` reads this back
+        into the same configuration (given the same launch and files)."""
+        return sections_to_yaml({name: getattr(self, name) for name in SECTIONS}, header)
 
-_SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "training": TrainingConfig,
-             "precision": PrecisionConfig, "snip": SnipConfig, "data": DataConfig,
-             "checkpoint": CheckpointConfig, "logging": LoggingConfig, "safety": SafetyConfig}
+
+# The sections, in the order of the command line's help and of the written configuration.
+SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "training": TrainingConfig,
+            "precision": PrecisionConfig, "snip": SnipConfig, "data": DataConfig,
+            "checkpoint": CheckpointConfig, "logging": LoggingConfig, "safety": SafetyConfig}

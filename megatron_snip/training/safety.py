@@ -38,25 +38,11 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from megatron_snip.training.config import SafetyConfig
+
 
 class NonFiniteError(FloatingPointError):
     """Raised on every rank at the same iteration; the message names iteration, parameters and ranks."""
-
-
-@dataclass(frozen=True)
-class SafetyConfig:
-    """``--check-for-nan-in-loss-and-grad``, ``--non-finite-grad-policy``, ``--max-consecutive-skips``,
-    ``--check-for-spiky-loss`` / ``--spiky-loss-factor`` / ``--spiky-loss-window``, ``--quant-health``,
-    ``--promote-on-fault``."""
-
-    check_nan: bool = field(default=True, metadata={"flag": "check_for_nan_in_loss_and_grad"})
-    policy: str = field(default="fail", metadata={"flag": "non_finite_grad_policy"})
-    max_consecutive_skips: int = 10
-    check_spiky_loss: bool = field(default=False, metadata={"flag": "check_for_spiky_loss"})
-    spiky_loss_factor: float = 2.0
-    spiky_loss_window: int = 10
-    quant_health: bool = False  # per-operand health scalars in the quantized linears
-    promote_on_fault: bool = False  # promote the blamed module instead of failing
 
 
 @dataclass(frozen=True)

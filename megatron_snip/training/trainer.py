@@ -41,11 +41,14 @@ from megatron_snip.training import checkpointing, requeue
 from megatron_snip.training.config import RunConfig
 from megatron_snip.training.data import build_datasets
 from megatron_snip.training.logger import MetricsLogger, peak_tflops, setup_console
-from megatron_snip.training.precision import initial_plan, initial_schedule, snip_pins, speed_model
+from megatron_snip.training.precision import snip_pins, speed_model
 from megatron_snip.training.quant_health import HealthTable, gather_health, promote
 from megatron_snip.training.safety import NumericalGuard, Verdict
 from megatron_snip.training.setup import build_optimizer, build_scheduler, initialize_distributed, wrap_ddp
 from megatron_snip.training.signals import ExitSignalHandler
+
+
+RUN_CONFIG_FILE = "run_config.yaml"  # in every checkpoint's directory
 
 
 @dataclass
@@ -78,10 +81,10 @@ class Trainer:
         self.speed_model = speed_model(c, self.linear_dims)
         self.speeds = self.speed_model.precision_speeds(recipe)
         self.state = TrainState()
-        resumed = checkpointing.read_common_state(c.checkpoint.load) if c.checkpoint.resumes else None
-        self.schedule, self.schedule_source = initial_schedule(c, resumed)
-        plan, self.plan_source = initial_plan(c, resumed)
-        self.set_plan(plan)
+        start = c.start  # decided once by arguments.resolve
+        self.schedule, self.schedule_source = start.schedule, start.schedule_source
+        self.plan_source = start.plan_source
+        self.set_plan(start.plan)
         self.optimizer = build_optimizer(c.training, c.model, c.parallel, self.model)
         self.scheduler = build_scheduler(c.training, self.optimizer)
         pins, self.pins_text = snip_pins(c) if c.snip.enabled else ({}, "")
@@ -99,9 +102,12 @@ class Trainer:
         if c.safety.quant_health:
             self.precision.enable_health()
         # Plan changes with their reasons (SNIP cycles, promotions), saved in checkpoints.
-        self.plan_history: list[dict] = list((resumed or {}).get("precision_history", []))
+        self.plan_history: list[dict] = list((start.resumed or {}).get("precision_history", []))
         self._logged_plan: PrecisionPlan | None = None
         self._measured: tuple[int, HealthTable] | None = None  # the last fully measured health, and when
+        # The resolved flags, beside every checkpoint and on TensorBoard's text panel.
+        self.config_yaml = c.to_yaml(f"pretrain_llama.py's flags, resolved at start-up. Rerun with --yaml-cfg "
+                                     f"{RUN_CONFIG_FILE} (flags given on the command line override it).")
         self.tokens_per_iteration = c.training.global_batch_size * c.model.seq_length
         self.flops_per_iteration = flops_per_token(c.model, self.tokenizer.vocab_size) * self.tokens_per_iteration
 
@@ -154,7 +160,7 @@ class Trainer:
                    "precision_plan": self.plan.to_dict(), "precision_schedule": self.schedule.to_list(),
                    "numerical_safety": self.guard.state_dict(), "precision_history": self.plan_history},
             quantization=self.precision.quant_states(), save_optim=not self.config.checkpoint.no_save_optim,
-            save_rng=not self.config.checkpoint.no_save_rng)
+            save_rng=not self.config.checkpoint.no_save_rng, files={RUN_CONFIG_FILE: self.config_yaml})
         self.logger.text(f"saved checkpoint {path}")
 
     # -- steps -------------------------------------------------------------
@@ -430,6 +436,7 @@ def pretrain(config: RunConfig, on_build: Callable[[Trainer], None] | None = Non
              f"(a model without context cannot beat this)")
     if c.checkpoint.load:
         trainer.resume()
+    log.panel("config", "    " + trainer.config_yaml.replace("\n", "\n    "), trainer.state.iteration)  # preformatted
     if c.model.transformer_impl == "transformer_engine":
         log.text(f"precision backend {describe_te_backend()}")
     else:

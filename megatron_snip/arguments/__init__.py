@@ -1,0 +1,9 @@
+"""The command line's edge: flags generated from the configuration sections, ``--yaml-cfg``, and
+validation into the run's typed :class:`~megatron_snip.training.config.RunConfig`."""
+
+from .errors import ArgumentError
+from .parser import build_parser, parse_args
+from .validation import RECIPE_DEFAULTS, checkpoint_config, parse_config, resolve
+
+__all__ = ["RECIPE_DEFAULTS", "ArgumentError", "build_parser", "checkpoint_config", "parse_args", "parse_config",
+           "resolve"]

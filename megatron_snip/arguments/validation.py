@@ -1,0 +1,457 @@
+"""Validation of ``pretrain_llama.py``'s flags into the run's typed configuration.
+
+:func:`resolve` checks everything that can be checked before any process-group work (the flags
+against each other, the launch, the files and the checkpoint, read once), raising
+:class:`ArgumentError` naming the flag and the fix. It fills what the flags leave open (the shape
+from ``--model-preset`` or the checkpoint, batch arithmetic, Megatron-LM's sample counts, recipe
+values a resumed checkpoint keeps, SNIP's defaults), decides the start point (the checkpoint state
+resumed, the first plan and precision schedule) and returns the frozen
+:class:`~megatron_snip.training.config.RunConfig`. This is the edge: nothing below it reads an
+argparse ``Namespace``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import math
+import os
+from typing import TYPE_CHECKING, Any
+
+from megatron_snip.model import checkpoint_shape
+from megatron_snip.model.presets import PRESETS
+from megatron_snip.precision.registry import FP4_NAMES, PRECISION_NAMES
+from megatron_snip.snip.config import DEFAULT_FP4_TARGET
+
+from .errors import ArgumentError, require
+from .megatron_lm import validate_megatron_lm
+from .parser import parse_args
+
+if TYPE_CHECKING:  # imported where used: --help and flag errors need no megatron-core (seconds of imports)
+    from megatron_snip.training.config import RunConfig, StartPoint
+
+
+def _validate_safety(args: argparse.Namespace) -> None:
+    require(args.max_consecutive_skips >= 0, "--max-consecutive-skips must be >= 0")
+    require(args.spiky_loss_factor > 1.0, f"--spiky-loss-factor {args.spiky_loss_factor} must be > 1")
+    require(args.spiky_loss_window >= 3, f"--spiky-loss-window {args.spiky_loss_window} must be >= 3")
+    require(args.check_for_nan_in_loss_and_grad or args.non_finite_grad_policy == "fail",
+            "--non-finite-grad-policy skip needs the check: drop --no-check-for-nan-in-loss-and-grad")
+    if args.transformer_impl != "local":
+        args.quant_health = False  # Transformer Engine's GEMMs keep no health numbers of ours
+    if args.promote_on_fault is None:
+        args.promote_on_fault = args.snip and args.quant_health
+    require(not args.promote_on_fault or args.quant_health,
+            "--promote-on-fault needs --quant-health (with --transformer-impl local) to know which module to promote")
+
+
+def _apply_preset(args: argparse.Namespace) -> None:
+    """Fill unset model-shape fields from ``--model-preset`` (default tiny; a loaded checkpoint's
+    label, e.g. hf-import, names no preset: its shape is complete)."""
+    args.model_preset = args.model_preset or "tiny"
+    for key, value in (PRESETS[args.model_preset].as_args() if args.model_preset in PRESETS else {}).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.use_rope_scaling is None:
+        args.use_rope_scaling = False
+    if args.rope_scaling_factor is None:
+        args.rope_scaling_factor = 8.0
+
+
+def _read_checkpoint(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The replicated state of the checkpoint in ``--load`` (None: no --load, or a resume-or-start
+    directory without a checkpoint yet), read once; its model shape fills the shape flags, and flags or
+    a ``--model-preset`` that disagree are refused."""
+    if args.load is None:
+        return None
+    from megatron_snip.training.checkpointing import CheckpointError, read_common_state
+
+    try:
+        common = read_common_state(args.load)
+        if common is not None:
+            _fill_from_checkpoint(args, common.get("args", {}), args.load)
+        else:
+            _refuse_hf_directory(args.load)
+    except (CheckpointError, ValueError) as e:
+        raise ArgumentError(str(e)) from e
+    return common
+
+
+def _fill_from_checkpoint(args: argparse.Namespace, saved: dict, where: str) -> None:
+    """Fill the shape flags from ``saved`` (a checkpoint's arguments, :mod:`checkpoint_shape`);
+    ValueError on a disagreement, naming both values."""
+    preset = PRESETS[args.model_preset].as_args() if args.model_preset else {}
+    for key in checkpoint_shape.FIXED:
+        if saved.get(key) is None:
+            continue
+        flag = "--" + key.replace("_", "-")
+        given = getattr(args, key)
+        if given is not None and given != saved[key]:
+            raise ValueError(f"{flag} {given} disagrees with the checkpoint in {where}, which has {saved[key]}; "
+                             f"drop {flag} (the checkpoint defines the model's shape)")
+        if given is None and key in preset and preset[key] != saved[key]:
+            raise ValueError(f"--model-preset {args.model_preset} sets {flag} {preset[key]} but the checkpoint in "
+                             f"{where} has {saved[key]}; drop --model-preset (the checkpoint defines the shape)")
+        setattr(args, key, saved[key])
+    for key in checkpoint_shape.DEFAULTS:
+        if getattr(args, key) is None and saved.get(key) is not None:
+            setattr(args, key, saved[key])
+    for key in checkpoint_shape.CARRIED:
+        if saved.get(key) is not None:
+            setattr(args, key, saved[key])
+    if args.model_preset is None:
+        args.model_preset = saved.get("model_preset") or "checkpoint"
+
+
+def checkpoint_config(saved: dict, *, bf16: bool, tokenizer: tuple[str | None, str | None] = (None, None)) -> RunConfig:
+    """A one-process configuration of the model a checkpoint's saved arguments describe (no data, no
+    training: for the Hugging Face converters). ``tokenizer``: (type, model) to record, if known."""
+    args = parse_args(["--train-iters", "0"])
+    _fill_from_checkpoint(args, saved, "the conversion")
+    args.bf16 = bf16
+    args.tokenizer_type = tokenizer[0] or args.tokenizer_type
+    args.tokenizer_model = tokenizer[1]
+    return resolve(args, world_size=1, cuda=False, check_files=False)
+
+
+def resolve(parsed: argparse.Namespace, world_size: int | None = None, cuda: bool | None = None,
+            check_files: bool = True) -> RunConfig:
+    """Check the parsed flags against each other and the launch, derive the dependent values and
+    build the run's configuration; ``parsed`` is left as it is.
+
+    ``world_size`` defaults to ``$WORLD_SIZE``, ``cuda`` to whether torch sees a GPU.
+    ``check_files=False`` skips the data/tokenizer/checkpoint paths and the optional
+    packages the flags need (for checking launch scripts on a machine without their
+    data or GPU software).
+
+    Derived: the data-parallel size, ``global_batch_size`` (if unset), the number of
+    micro-batches, ``train_iters`` / ``lr_decay_iters`` / ``lr_warmup_iters`` (also from Megatron-LM's
+    sample counts), the virtual pipeline size, ``eval_iters`` 0 for a ``--split`` without validation,
+    the recipe values a resumed checkpoint keeps, SNIP's defaults and the distributed backend.
+    """
+
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if cuda is None:
+        from megatron_snip.compat.device import has_cuda
+
+        cuda = has_cuda()
+    args = argparse.Namespace(**{**dict.fromkeys(checkpoint_shape.CARRIED), **vars(parsed)})  # the working copy
+    checkpoint = _read_checkpoint(args) if check_files else None
+    _apply_preset(args)
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    require(tp >= 1 and pp >= 1, "--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
+    require(world_size % (tp * pp) == 0,
+            f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp} = {tp * pp}; launch a multiple of {tp * pp} "
+            f"processes (e.g. torchrun --nproc-per-node {tp * pp}) or change the parallel sizes")
+    args.data_parallel_size = dp = world_size // (tp * pp)
+    require(args.num_attention_heads % tp == 0,
+            f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+            f"--tensor-model-parallel-size {tp}; choose a TP size that divides the head count")
+    require(args.num_attention_heads % args.num_query_groups == 0,
+            f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+            f"--num-query-groups {args.num_query_groups}")
+    require(args.num_query_groups % tp == 0,
+            f"--num-query-groups {args.num_query_groups} is not divisible by "
+            f"--tensor-model-parallel-size {tp}; choose a TP size that divides the query-group count")
+    require(args.padded_vocab_size is None or args.padded_vocab_size % tp == 0,
+            f"the checkpoint's vocabulary of {args.padded_vocab_size} rows (padded) is not divisible by "
+            f"--tensor-model-parallel-size {tp}; re-import it with --make-vocab-size-divisible-by a multiple "
+            f"of {tp}, or choose a TP size that divides {args.padded_vocab_size}")
+    require(args.num_layers % pp == 0,
+            f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}; "
+            f"choose a PP size that divides the layer count")
+    require(args.hidden_size % args.num_attention_heads == 0,
+            f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {args.num_attention_heads}")
+    require(args.seq_length <= args.max_position_embeddings,
+            f"--seq-length {args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings}")
+    require(args.micro_batch_size >= 1, "--micro-batch-size must be >= 1")
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * dp
+    per_step = args.micro_batch_size * dp
+    require(args.global_batch_size % per_step == 0,
+            f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+            f"{args.micro_batch_size} x data-parallel size {dp} = {per_step}; use a multiple of {per_step}")
+    args.num_microbatches = args.global_batch_size // per_step
+    _validate_virtual_pipeline(args)
+    validate_megatron_lm(args)
+    require(not args.overlap_param_gather or args.use_distributed_optimizer,
+            "--overlap-param-gather needs --use-distributed-optimizer (it overlaps the all-gather of the "
+            "optimizer's parameter shards); add it, or drop --overlap-param-gather")
+    require(args.context_parallel_size == 1,
+            f"--context-parallel-size {args.context_parallel_size}: context parallelism is not supported (the local "
+            "layers' attention has no ring attention, and SNIP's probes measure whole sequences per rank); "
+            "use --sequence-parallel to split activations over TP, or --context-parallel-size 1")
+    require(args.train_iters >= 0, "--train-iters must be >= 0")
+    require(args.sequence_parallel is False or tp > 1,
+            "--sequence-parallel needs --tensor-model-parallel-size > 1")
+    require(args.transformer_impl == "local" or cuda,
+            "--transformer-impl transformer_engine needs a GPU with Transformer Engine; use --transformer-impl local")
+    if args.recompute_granularity == "full":
+        require(args.recompute_method is not None,
+                "--recompute-granularity full needs --recompute-method uniform|block")
+        if args.recompute_num_layers is None:
+            args.recompute_num_layers = 1
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_fraction is not None:
+        require(0.0 <= args.lr_warmup_fraction <= 1.0, "--lr-warmup-fraction must lie in [0, 1]")
+        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
+    require(args.train_iters == 0 or args.lr_warmup_iters < args.lr_decay_iters,
+            f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --lr-decay-iters "
+            f"{args.lr_decay_iters} (default: --train-iters)")
+    require(args.min_lr <= args.lr, f"--min-lr {args.min_lr} exceeds --lr {args.lr}")
+    for flag in ("log_interval", "eval_interval"):
+        require(getattr(args, flag) >= 1, f"--{flag.replace('_', '-')} must be >= 1")
+    require(args.eval_iters >= 0, "--eval-iters must be >= 0")
+    if args.num_workers is None:
+        args.num_workers = 2 if cuda else 0
+    require(args.num_workers >= 0, "--num-workers must be >= 0")
+    require(args.exit_duration_in_mins is None or args.exit_duration_in_mins > 0,
+            f"--exit-duration-in-mins {args.exit_duration_in_mins} must be > 0 (minutes of wall time)")
+    if args.save_interval is not None:
+        require(args.save_interval >= 1, "--save-interval must be >= 1")
+        require(args.save is not None, "--save-interval needs --save DIR")
+    if args.start_weight_decay is None:
+        args.start_weight_decay = args.weight_decay
+    if args.end_weight_decay is None:
+        args.end_weight_decay = args.weight_decay
+    resumed = None if args.finetune else checkpoint  # --finetune takes the weights only
+    _validate_precision(args, cuda, resumed)
+    _validate_snip(args)
+    _validate_safety(args)
+    _validate_split(args)
+    if check_files:
+        _validate_solver(args)
+        _validate_files(args, resumed)
+    if args.distributed_backend is None:
+        args.distributed_backend = "nccl" if cuda else "gloo"
+    require(args.distributed_backend == "gloo" or cuda,
+            "--distributed-backend nccl needs CUDA; use --distributed-backend gloo on CPU")
+    args.precision_notes = tuple(args.precision_notes)
+    from megatron_snip.training.config import RunConfig
+
+    config = RunConfig.from_flags(vars(args))
+    return dataclasses.replace(config, start=_start_point(config, resumed, check_files))
+
+
+def _start_point(config: RunConfig, resumed: dict | None, check_files: bool) -> StartPoint | None:
+    """The plan and precision schedule the run starts with, decided here once (None without
+    ``check_files``: plan files are not read then). Budgets no plan can meet, a bad plan file or
+    schedule, or conflicting plan flags fail here, before any process group."""
+    from megatron_snip.precision.plan import PlanError
+    from megatron_snip.training.config import StartPoint
+    from megatron_snip.training.precision import check_snip_budgets, initial_plan, initial_schedule
+
+    try:
+        if config.snip.enabled:
+            check_snip_budgets(config)
+        if not check_files:
+            return None
+        plan, plan_source = initial_plan(config, resumed)
+        schedule, schedule_source = initial_schedule(config, resumed)
+    except (FileNotFoundError, PlanError) as e:
+        raise ArgumentError(str(e)) from e
+    return StartPoint(resumed, plan, plan_source, schedule, schedule_source)
+
+
+def _validate_virtual_pipeline(args: argparse.Namespace) -> None:
+    """Set ``virtual_pipeline_model_parallel_size`` (None: no interleaving) from either flag; the
+    configuration keeps that one (``num_layers_per_virtual_pipeline_stage`` becomes None)."""
+    layers, vpp = args.num_layers_per_virtual_pipeline_stage, args.virtual_pipeline_model_parallel_size
+    if layers is None and vpp is None:
+        return
+    pp = args.pipeline_model_parallel_size
+    require(layers is None or vpp is None, "give --num-layers-per-virtual-pipeline-stage or "
+            "--virtual-pipeline-model-parallel-size, not both")
+    require(pp > 1, "virtual pipeline stages need --pipeline-model-parallel-size > 1")
+    if layers is not None:
+        require(layers >= 1 and args.num_layers % (pp * layers) == 0,
+                f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
+                f"--num-layers-per-virtual-pipeline-stage {layers}")
+        vpp = args.num_layers // (pp * layers)
+    require(vpp >= 1 and args.num_layers % (pp * vpp) == 0,
+            f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
+            f"--virtual-pipeline-model-parallel-size {vpp}")
+    require(args.num_microbatches % pp == 0,
+            f"the interleaved schedule runs micro-batches in groups of --pipeline-model-parallel-size {pp}, "
+            f"but there are {args.num_microbatches} per step; make --global-batch-size / (--micro-batch-size x "
+            f"data-parallel size) a multiple of {pp}")
+    args.virtual_pipeline_model_parallel_size = vpp if vpp > 1 else None
+    args.num_layers_per_virtual_pipeline_stage = None
+
+
+# Defaults of the flags that say how each precision is realised; on resume the checkpoint's
+# values stand in for flags that are not given.
+RECIPE_DEFAULTS = {"fp8_recipe": "tensorwise", "fp8_format": "hybrid", "fp8_amax_history_len": 1,
+                   "fp8_amax_compute_algo": "most_recent", "fp8_margin": 0, "fp4_recipe": "nvfp4",
+                   "fp4_disable_stochastic_rounding": False, "nvfp4_disable_rht": False,
+                   "nvfp4_disable_2d_quantization": False}
+
+
+def _validate_precision(args: argparse.Namespace, cuda: bool, resumed: dict | None) -> None:
+    """Fill the recipe flags (given > the resumed checkpoint's > defaults), noting for the start-up
+    log where a given flag replaces the checkpoint's value (``args.precision_notes``)."""
+    require(args.fp4_format is None or args.fp8_format is None,
+            "--fp4-format and --fp8-format cannot be used together (as in Megatron-LM): choose one")
+    if args.precision is None and args.fp8_format is not None:
+        args.precision = "fp8"  # as in Megatron: --fp8-format alone turns fp8 on
+    if args.fp4_format is not None:  # Megatron-LM's switch for NVFP4 (with --fp4-recipe)
+        require(args.precision in (None, "fp4", *FP4_NAMES),
+                f"--fp4-format {args.fp4_format} turns FP4 on but --precision is {args.precision}; drop one of them")
+        args.precision = args.precision or "fp4"
+    saved = (resumed or {}).get("args", {})
+    args.precision_notes = []
+    for key, default in RECIPE_DEFAULTS.items():
+        given, kept = getattr(args, key), saved.get(key)
+        if given is None:
+            setattr(args, key, kept if kept is not None else default)
+        elif kept is not None and kept != given:
+            args.precision_notes.append(f"--{key.replace('_', '-')} {given} replaces the checkpoint's {kept}")
+    for flag in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+        require(0 <= getattr(args, flag) <= args.num_layers,
+                f"--{flag.replace('_', '-')} must lie in [0, --num-layers {args.num_layers}]")
+    require(args.fp8_amax_history_len >= 1, "--fp8-amax-history-len must be >= 1")
+    if args.quant_kernels == "triton":
+        require(importlib.util.find_spec("triton") is not None,
+                "--quant-kernels triton needs the triton package (pip install triton); use --quant-kernels torch")
+        require(cuda or os.environ.get("TRITON_INTERPRET") == "1",
+                "--quant-kernels triton needs CUDA (or TRITON_INTERPRET=1 to run the kernels in Triton's "
+                "slow CPU interpreter); use --quant-kernels torch or auto")
+
+
+def _validate_snip(args: argparse.Namespace) -> None:
+    if args.snip_formats is None:
+        args.snip_formats = ["bf16", "fp8", args.fp4_recipe]
+    if not args.snip:
+        return
+    if args.snip_fp4_target is None:
+        args.snip_fp4_target = 0.0 if args.snip_time_target is not None else DEFAULT_FP4_TARGET
+    require(0.0 <= args.snip_fp4_target <= 1.0, f"--snip-fp4-target {args.snip_fp4_target} must lie in [0, 1]")
+    require(args.snip_time_target is None or args.snip_time_target > 0,
+            f"--snip-time-target {args.snip_time_target} must be > 0 (a ratio to the all-bf16 GEMM time)")
+    if args.snip_interval is None:
+        require(args.save_interval is not None,
+                "--snip needs --snip-interval N or --save-interval N (SNIP re-plans at checkpoint intervals)")
+        args.snip_interval = args.save_interval
+    require(args.snip_interval >= 1, "--snip-interval must be >= 1")
+    bad = [f for f in args.snip_formats if f not in PRECISION_NAMES]
+    require(not bad, f"--snip-formats: unknown {bad}; choose from {list(PRECISION_NAMES)}")
+    require(any(f in FP4_NAMES for f in args.snip_formats) or args.snip_fp4_target == 0,
+            "--snip-formats has no FP4 format (nvfp4 or mxfp4) but --snip-fp4-target is above 0")
+    require(args.snip_probe_passes >= 1, "--snip-probe-passes must be >= 1")
+    for flag in ("snip_loss_weight", "snip_update_weight", "snip_switch_penalty"):
+        value = getattr(args, flag)
+        require(math.isfinite(value) and value >= 0,
+                f"--{flag.replace('_', '-')} {value} must be a finite number >= 0 (a weight of the ILP's objective)")
+    require(args.snip_loss_weight > 0 or args.snip_update_weight > 0,
+            "--snip-loss-weight and --snip-update-weight are both 0: the ILP would have nothing to minimise; "
+            "keep one of them above 0 (defaults 1, 1)")
+    if args.transformer_impl == "transformer_engine":
+        _te_snip_candidates(args)
+
+
+def _te_snip_candidates(args: argparse.Namespace) -> None:
+    """SNIP on the te backend: candidates no TE recipe can run are dropped from the ILP, and forward
+    and backward are planned together (one TE recipe covers a module's three GEMMs), each with a
+    notice for the start-up log (``args.precision_notes``)."""
+    from megatron_snip.precision.recipes import RecipeConfig
+    from megatron_snip.precision.te_layers import te_runnable
+
+    import torch
+
+    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    kept, dropped = te_runnable(args.snip_formats, RecipeConfig(fp8_recipe=args.fp8_recipe, fp8_format=args.fp8_format),
+                                capability)
+    for fmt, why in dropped.items():
+        args.precision_notes.append(f"SNIP candidate {fmt} dropped on --transformer-impl transformer_engine ({why})")
+    args.snip_formats = kept
+    require(any(f in FP4_NAMES for f in kept) or args.snip_fp4_target == 0,
+            f"--snip-fp4-target {args.snip_fp4_target} needs an FP4 candidate, but Transformer Engine runs none of "
+            f"--snip-formats {' '.join(dropped)}: use --fp4-recipe nvfp4 (or --transformer-impl local for mxfp4)")
+    if args.snip_split_passes:
+        args.snip_split_passes = False
+        args.precision_notes.append("--snip-split-passes ignored on --transformer-impl transformer_engine (one TE "
+                                    "recipe covers a module's forward and backward GEMMs): SNIP plans them together")
+
+
+def _validate_split(args: argparse.Namespace) -> None:
+    """``--split`` parsed as megatron-core parses it; as in Megatron-LM, no validation share means no
+    evaluation (``--eval-iters`` becomes 0)."""
+    from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
+
+    try:
+        train, valid, _ = parse_and_normalize_split(args.split)
+    except (AssertionError, ValueError, ZeroDivisionError) as e:
+        raise ArgumentError(f"--split {args.split!r}: expected up to three shares >= 0, not all 0, "
+                            f"train,valid,test (e.g. 969,30,1)") from e
+    require(train > 0 or args.skip_train or args.train_iters == 0,
+            f"--split {args.split} gives training no documents; give its first field a share")
+    if valid == 0:
+        args.eval_iters = 0
+
+
+def _validate_solver(args: argparse.Namespace) -> None:
+    """``--snip-solver gurobi`` needs a Gurobi that starts (a bad license would fail at the first re-plan)."""
+    if not (args.snip and args.snip_solver == "gurobi"):
+        return
+    from megatron_snip.snip.solvers import gurobi_unavailable
+
+    reason = gurobi_unavailable()
+    require(reason is None, f"--snip-solver gurobi: {reason}; use --snip-solver highs, or auto (Gurobi when usable, "
+            f"else HiGHS)")
+
+
+def _validate_files(args: argparse.Namespace, resumed: dict | None) -> None:
+    require(args.data_path is not None,
+            "--data-path is required: the prefix of a preprocessed dataset (tools/preprocess_data.py)")
+    require(args.tokenizer_model is not None,
+            "--tokenizer-model is required: a sentencepiece .model file (tools/train_tokenizer.py) or, with "
+            "--tokenizer-type HuggingFaceTokenizer, a tokenizer.json or the model directory holding it")
+    from megatron_snip.data.datasets import (
+        check_data_prefixes,
+        check_splits_have_documents,
+        check_vocab_covers_data,
+        parse_data_path,
+    )
+    from megatron_snip.data.tokenizer import build_tokenizer
+    from megatron_snip.training.checkpointing import CheckpointError, verify_latest
+
+    try:
+        prefixes = parse_data_path(args.data_path)[0]
+        check_data_prefixes(prefixes)
+        check_splits_have_documents(prefixes, args.split)
+        tokens = build_tokenizer(args.tokenizer_type, args.tokenizer_model).vocab_size
+        check_vocab_covers_data(prefixes, tokens)
+        require(args.vocab_size is None or tokens <= args.vocab_size,
+                f"--tokenizer-model {args.tokenizer_model} has {tokens} ids but the model in --load {args.load} "
+                f"has a vocabulary of {args.vocab_size}; use the model's own tokenizer")
+        latest = verify_latest(args.load) if args.load is not None else None
+    except (FileNotFoundError, ValueError, CheckpointError) as e:
+        raise ArgumentError(str(e)) from e
+    if args.load is not None and latest is None:
+        require(not args.exit_on_missing_checkpoint,
+                f"--load {args.load!r} holds no checkpoint (no latest_checkpointed_iteration.txt) and "
+                f"--exit-on-missing-checkpoint is given; fix the path, or drop the flag to start fresh")
+        require(os.path.abspath(args.load) == os.path.abspath(args.save or ""),
+                f"--load {args.load!r} holds no checkpoint (no latest_checkpointed_iteration.txt); "
+                f"fix the path, or pass the same directory to --save and --load to resume-or-start")
+
+
+def _refuse_hf_directory(path: str) -> None:
+    """A Hugging Face model directory given to --load (a common mistake) is named as such, with the converter."""
+    import glob
+
+    if os.path.isfile(os.path.join(path, "config.json")) or glob.glob(os.path.join(path, "*.safetensors")):
+        raise ArgumentError(
+            f"--load {path!r} is a Hugging Face model directory (config.json / *.safetensors), not a checkpoint; "
+            f"convert it once with python tools/convert_hf_llama.py import --load-dir {path} --save-dir CKPT_DIR "
+            f"and pass --load CKPT_DIR")
+
+
+def parse_config(argv: list[str] | None = None, world_size: int | None = None,
+                 cuda: bool | None = None) -> RunConfig:
+    """Parse ``argv`` (default: the command line), fill presets and checkpoint shapes, validate."""
+    return resolve(parse_args(argv), world_size, cuda)
