@@ -145,8 +145,8 @@ def to_flags(section) -> dict[str, Any]:
 
 
 def flag_rows(cls: type) -> list[tuple[str, str, str, bool]]:
-    """(option, default, first sentence of the help, Megatron-LM's flag) for every flag of ``cls``,
-    for the README's flag table."""
+    """(option, default as text, help text, Megatron-LM's flag) for every flag of ``cls``, for the
+    generated flag documentation."""
     rows = []
     for f in flag_fields(cls):
         default = f.default
@@ -156,9 +156,7 @@ def flag_rows(cls: type) -> list[tuple[str, str, str, bool]]:
             shown = " ".join(map(str, default))
         else:
             shown = str(default)
-        text = (f.metadata["help"] or "").replace("%%", "%")
-        first = text.split(". ")[0].rstrip(".")
-        rows.append((option_of(f), shown, first, not f.metadata["ours"]))
+        rows.append((option_of(f), shown, (f.metadata["help"] or "").replace("%%", "%"), not f.metadata["ours"]))
     return rows
 
 

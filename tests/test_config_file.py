@@ -103,3 +103,12 @@ def test_a_bad_file_is_one_line_naming_it(tmp_path, text, message):
 def test_a_missing_file_is_named(tmp_path):
     with pytest.raises(ArgumentError, match="--yaml-cfg .*nope.yaml: no such file"):
         parse_args(["--yaml-cfg", str(tmp_path / "nope.yaml")])
+
+
+def test_the_flag_reference_is_generated_from_the_sections():
+    """docs/flags.md is what the configuration dataclasses say (regenerate: python -m
+    megatron_snip.arguments.flag_docs --write)."""
+    from megatron_snip.arguments.flag_docs import REFERENCE, reference
+
+    assert REFERENCE.read_text() == reference()
+    assert "| `--snip-fp4-target` |" in reference() and "*(ours)*" in reference()

@@ -243,18 +243,19 @@ def _start_point(config: RunConfig, resumed: dict | None, check_files: bool) -> 
     schedule, or conflicting plan flags fail here, before any process group."""
     from megatron_snip.precision.plan import PlanError
     from megatron_snip.training.config import StartPoint
-    from megatron_snip.training.precision import check_snip_budgets, initial_plan, initial_schedule
+    from megatron_snip.training.precision import check_snip_budgets, initial_plan, initial_schedule, snip_pins
 
     try:
+        pins = snip_pins(config) if config.snip.enabled else ({}, "")
         if config.snip.enabled:
-            check_snip_budgets(config)
+            check_snip_budgets(config, pins)
         if not check_files:
             return None
-        plan, plan_source = initial_plan(config, resumed)
+        plan, plan_source = initial_plan(config, resumed, pins)
         schedule, schedule_source = initial_schedule(config, resumed)
     except (FileNotFoundError, PlanError) as e:
         raise ArgumentError(str(e)) from e
-    return StartPoint(resumed, plan, plan_source, schedule, schedule_source)
+    return StartPoint(resumed, plan, plan_source, schedule, schedule_source, *pins)
 
 
 def _validate_virtual_pipeline(args: argparse.Namespace) -> None:

@@ -21,6 +21,7 @@ from megatron_snip.snip.config import SnipConfig
 
 if TYPE_CHECKING:
     from megatron_snip.precision.plan import PrecisionPlan
+    from megatron_snip.precision.recipes import Precision
     from megatron_snip.precision.schedule import PrecisionSchedule
 
 
@@ -143,13 +144,16 @@ class SafetyConfig:
 class StartPoint:
     """What the run starts from, decided once by validation: the replicated state of the checkpoint it
     resumes (None: a fresh start or --finetune), the plan and precision schedule of its first step,
-    and where each comes from (for the start-up log)."""
+    where each comes from (for the start-up log), and the modules SNIP never re-plans (by global
+    name) with the start-up line naming them ("" without)."""
 
     resumed: Mapping[str, Any] | None
     plan: PrecisionPlan
     plan_source: str
     schedule: PrecisionSchedule
     schedule_source: str
+    pins: Mapping[str, Precision]
+    pins_text: str
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,8 @@ from megatron_snip.precision.schedule import PrecisionSchedule
 from megatron_snip.training.config import RunConfig
 
 
-def initial_plan(config: RunConfig, resumed: dict | None = None) -> tuple[PrecisionPlan, str]:
+def initial_plan(config: RunConfig, resumed: dict | None = None,
+                 pins: tuple[dict[str, Precision], str] | None = None) -> tuple[PrecisionPlan, str]:
     """The plan training starts (or resumes) with, and where it comes from (for the start-up log).
 
     Precedence: ``--precision-plan FILE``, then ``--precision NAME`` (giving both is an error),
@@ -37,7 +38,8 @@ def initial_plan(config: RunConfig, resumed: dict | None = None) -> tuple[Precis
     ``--snip-warmup-plan`` (not with ``--precision``); else bf16. On top: without ``--snip``,
     ``--first-last-layers-bf16`` and then the config file, as Megatron-LM applies them (a config
     replaces a module's precision where it overrides that autocast); with ``--snip``, the pins
-    (:func:`snip_pins`). Raises PlanError (a ValueError) naming the flags or the file.
+    (``pins``, :func:`snip_pins`'s result, computed here if not given). Raises PlanError (a ValueError)
+    naming the flags or the file.
     """
     prec, snip, layers, load = config.precision, config.snip, config.model.num_layers, config.checkpoint.load
     te_file = prec.te_precision_config_file
@@ -74,9 +76,9 @@ def initial_plan(config: RunConfig, resumed: dict | None = None) -> tuple[Precis
     else:
         plan, source = PrecisionPlan.uniform("bf16"), "bf16 (the default)"
     if snip.enabled:
-        pins, _ = snip_pins(config)
-        if pins:
-            plan = _with(plan, pins)
+        pinned, _ = pins if pins is not None else snip_pins(config)
+        if pinned:
+            plan = _with(plan, pinned)
             source += ", with the SNIP pins"
     else:
         if prec.first_last_layers_bf16:
@@ -260,8 +262,9 @@ def speed_model(config: RunConfig, dims: LlamaLinearDims) -> GemmSpeedModel:
                           f"{model.source}, mean over {dist.get_world_size()} ranks")
 
 
-def check_snip_budgets(config: RunConfig) -> None:
-    """Solve SNIP's ILP once at start-up with zero costs and the run's pins (:func:`snip_pins`), so
+def check_snip_budgets(config: RunConfig, pins: tuple[dict[str, Precision], str] | None = None) -> None:
+    """Solve SNIP's ILP once at start-up with zero costs and the run's ``pins`` (:func:`snip_pins`'s
+    result, computed here if not given), so
     budgets no plan can meet (an FP4 share the candidates and pins cannot reach, a time target below
     what they can run at, or the two together) fail before training instead of at the first cycle.
     With ``--gemm-speed-model measured`` the speeds are not known yet: only the FP4 share is checked
@@ -273,7 +276,7 @@ def check_snip_budgets(config: RunConfig) -> None:
     from megatron_snip.snip.planner import PlannerConfig, build_problem, linear_modules, solve_plan
 
     dims = LlamaLinearDims.from_config(config.model)
-    pins, described = snip_pins(config)
+    pins, described = pins if pins is not None else snip_pins(config)
     measured = config.precision.gemm_speed_model == "measured"
     planner = PlannerConfig.from_snip(config.snip, config.precision.recipe(),
                                        peak_speed_model("auto" if measured else config.precision.gemm_speed_model),

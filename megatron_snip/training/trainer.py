@@ -41,7 +41,7 @@ from megatron_snip.training import checkpointing, requeue
 from megatron_snip.training.config import RunConfig
 from megatron_snip.training.data import build_datasets
 from megatron_snip.training.logger import MetricsLogger, peak_tflops, setup_console
-from megatron_snip.training.precision import snip_pins, speed_model
+from megatron_snip.training.precision import speed_model
 from megatron_snip.training.quant_health import HealthTable, gather_health, promote
 from megatron_snip.training.safety import NumericalGuard, Verdict
 from megatron_snip.training.setup import build_optimizer, build_scheduler, initialize_distributed, wrap_ddp
@@ -87,9 +87,9 @@ class Trainer:
         self.set_plan(start.plan)
         self.optimizer = build_optimizer(c.training, c.model, c.parallel, self.model)
         self.scheduler = build_scheduler(c.training, self.optimizer)
-        pins, self.pins_text = snip_pins(c) if c.snip.enabled else ({}, "")
+        self.pins_text = start.pins_text
         self.snip = SnipReplanner(
-            c.snip, PlannerConfig.from_snip(c.snip, recipe, self.speed_model, pins), chunks=self.model,
+            c.snip, PlannerConfig.from_snip(c.snip, recipe, self.speed_model, dict(start.pins)), chunks=self.model,
             optimizer=self.optimizer, controller=self.precision, dims=self.linear_dims, speed_model=self.speed_model,
             step=StepShape(c.training.num_microbatches, c.training.micro_batch_size, c.model.seq_length,
                            c.parallel.data_parallel_size),
