@@ -112,3 +112,10 @@ def test_the_flag_reference_is_generated_from_the_sections():
 
     assert REFERENCE.read_text() == reference()
     assert "| `--snip-fp4-target` |" in reference() and "*(ours)*" in reference()
+
+
+def test_the_recipe_flags_defaults_are_the_recipes_own():
+    from megatron_snip.precision.config import RECIPE_DEFAULTS, PrecisionConfig
+    from megatron_snip.precision.recipes import RecipeConfig
+
+    assert PrecisionConfig(**RECIPE_DEFAULTS).recipe() == RecipeConfig()

@@ -3,7 +3,7 @@ validation into the run's typed :class:`~megatron_snip.training.config.RunConfig
 
 from .errors import ArgumentError
 from .parser import build_parser, parse_args
-from .validation import RECIPE_DEFAULTS, checkpoint_config, parse_config, resolve
+from .validation import checkpoint_config, parse_config, resolve
 
-__all__ = ["RECIPE_DEFAULTS", "ArgumentError", "build_parser", "checkpoint_config", "parse_args", "parse_config",
+__all__ = ["ArgumentError", "build_parser", "checkpoint_config", "parse_args", "parse_config",
            "resolve"]

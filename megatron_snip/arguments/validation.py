@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_snip.model import checkpoint_shape
 from megatron_snip.model.presets import PRESETS
+from megatron_snip.precision.config import RECIPE_DEFAULTS
 from megatron_snip.precision.registry import FP4_NAMES, PRECISION_NAMES
 from megatron_snip.snip.config import DEFAULT_FP4_TARGET
 
@@ -282,14 +283,6 @@ def _validate_virtual_pipeline(args: argparse.Namespace) -> None:
             f"data-parallel size) a multiple of {pp}")
     args.virtual_pipeline_model_parallel_size = vpp if vpp > 1 else None
     args.num_layers_per_virtual_pipeline_stage = None
-
-
-# Defaults of the flags that say how each precision is realised; on resume the checkpoint's
-# values stand in for flags that are not given.
-RECIPE_DEFAULTS = {"fp8_recipe": "tensorwise", "fp8_format": "hybrid", "fp8_amax_history_len": 1,
-                   "fp8_amax_compute_algo": "most_recent", "fp8_margin": 0, "fp4_recipe": "nvfp4",
-                   "fp4_disable_stochastic_rounding": False, "nvfp4_disable_rht": False,
-                   "nvfp4_disable_2d_quantization": False}
 
 
 def _validate_precision(args: argparse.Namespace, cuda: bool, resumed: dict | None) -> None:

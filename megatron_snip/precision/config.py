@@ -15,13 +15,20 @@ if TYPE_CHECKING:  # precision.recipes imports torch; --help does not
 # --gemm-speed-model: whose GEMM throughputs the estimated time uses (gemm_speed.py).
 SPEED_MODELS = ("auto", "hopper", "blackwell", "ada", "ampere", "measured")
 
+# What the recipe flags mean when neither given nor kept by a resumed checkpoint (validation fills
+# them in); the same as RecipeConfig's own defaults (tests/test_config_file.py checks).
+RECIPE_DEFAULTS = {"fp8_recipe": "tensorwise", "fp8_format": "hybrid", "fp8_amax_history_len": 1,
+                   "fp8_amax_compute_algo": "most_recent", "fp8_margin": 0, "fp4_recipe": "nvfp4",
+                   "fp4_disable_stochastic_rounding": False, "nvfp4_disable_rht": False,
+                   "nvfp4_disable_2d_quantization": False}
+
 
 @dataclass(frozen=True)
 class PrecisionConfig:
     """``--precision``, the recipe flags (Megatron / Transformer Engine names), plans and schedules.
 
     The recipe flags default to None: on resume the checkpoint's values are kept unless a flag is
-    given (then it wins, and the start-up log says so); otherwise ``arguments.RECIPE_DEFAULTS``."""
+    given (then it wins, and the start-up log says so); otherwise :data:`RECIPE_DEFAULTS`."""
 
     precision: str | None = flag(
         None, "Uniform precision of every linear module's GEMMs (default bf16, or on resume the checkpoint's plan; "

@@ -119,8 +119,8 @@ class RecipeConfig:
 
     fp8_recipe: str = "tensorwise"
     fp8_format: str = "hybrid"
-    fp8_amax_history_len: int = 1024
-    fp8_amax_compute_algo: str = "max"
+    fp8_amax_history_len: int = 1  # Megatron-LM's defaults (--fp8-amax-history-len, --fp8-amax-compute-algo)
+    fp8_amax_compute_algo: str = "most_recent"
     fp8_margin: int = 0
     fp4_stochastic_rounding: bool = True
     nvfp4_random_hadamard: bool = True
