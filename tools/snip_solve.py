@@ -10,10 +10,12 @@ A budget is an FP4 target (``--targets``: at least that share of linear-layer FL
 and the estimated GEMM time of the baselines at that share, as the training run does) or a
 time target (``--time-targets``: estimated linear-GEMM time / all-BF16 time at most T). For
 each budget it prints, side by side, every policy's predicted divergence under SNIP's
-estimates, the FP4 FLOP fraction it reaches and its estimated GEMM time: SNIP's ILP, uniform
-FP4, NVIDIA's recipe (last layers high), random, min quantization error, min relative
-quantization error, an error threshold (TE AutoswitchGemm-like), keep first/last layer high,
-and the layer-type heuristic, all at that budget (megatron_snip/snip/offline.py). Times are estimates under the run's
+estimates, the FP4 FLOP fraction it reaches and its estimated GEMM time: SNIP's ILP (also on
+its loss term alone), uniform FP4, NVIDIA's recipe (last layers high), random, min (relative)
+output quantization error, min (relative) operand quantization error (the paper's
+best_quant_err / best_rel_quant_err), an error-threshold switch (a GEMM goes high precision when its measured relative quantization
+error crosses a threshold, the lowest threshold that meets the budget), keep first/last layer
+high, and the layer-type heuristic, all at that budget (megatron_snip/snip/offline.py). Times are estimates under the run's
 GEMM speed model (``--gemm-speed-model`` to choose another). ``--write-plans`` saves each
 plan as a file for ``--precision-plan``; ``--write-megatron-configs`` as megatron-core's per-module
 precision config for Megatron-LM's ``--te-precision-config-file`` (docs/snip.md, "Plans as Megatron-LM

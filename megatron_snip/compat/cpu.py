@@ -1,6 +1,6 @@
 """Run megatron-core on a machine without CUDA.
 
-megatron-core assumes CUDA in three ways (see shared/notes/megatron-core-on-cpu.md):
+megatron-core assumes CUDA in three ways:
 
 1. it calls ``torch.cuda`` for the device index, RNG states, streams, events,
    memory statistics and synchronisation;

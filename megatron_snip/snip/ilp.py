@@ -1,13 +1,13 @@
 """SNIP's integer linear program: one number format per linear module.
 
-The precision manager measures, for every linear module and every candidate
-format, how much quality would be lost (a normalised divergence, lower is
-better). This module picks one format per module (or, in *split* mode, one
-for the forward GEMM and one for the backward GEMMs) that minimises the total
-divergence while at least a ``target`` fraction of the linear-layer FLOPs run
-in an FP4 format and, with a GEMM speed table, the estimated GEMM time stays
-within ``time_target`` of the all-BF16 time, globally and optionally per
-pipeline stage.
+SNIP's probe cycle (``snip/probes.py``, costed by ``snip/estimators.py``)
+measures, for every linear module and every candidate format, how much quality
+would be lost (a normalised divergence, lower is better). This module picks one
+format per module (or, in *split* mode, one for the forward GEMM and one for the
+backward GEMMs) that minimises the total divergence while at least a
+``target`` fraction of the linear-layer FLOPs run in an FP4 format and, with a
+GEMM speed table, the estimated GEMM time stays within ``time_target`` of the
+all-BF16 time, globally and optionally per pipeline stage.
 
 Everything here is plain data and pure functions; no torch.distributed. The
 formulation is written out in ``docs/ilp.md``.

@@ -1,7 +1,9 @@
 """From per-module divergences to a precision plan: build the ILP, solve it, read the plan.
 
-Pure functions: the manager calls them on one rank with gathered statistics;
-``tools/snip_solve.py`` calls them offline on a statistics JSON.
+Pure functions. :class:`~megatron_snip.snip.replanner.SnipReplanner` calls them on rank 0 with a
+cycle's gathered statistics; ``training/precision.py`` at start-up, on zero costs, to check that the
+budgets are feasible under the pins; ``snip/offline.py`` (``tools/snip_solve.py``, the comparisons)
+on a statistics file.
 """
 
 from __future__ import annotations
