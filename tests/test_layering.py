@@ -2,12 +2,14 @@
 
 Every ``import`` in the package counts, including the ones inside functions (a lazy import that
 goes up is still a cycle in the design). A package may import its own modules and any lower layer;
-packages on the same layer do not import each other.
+packages on the same layer do not import each other. The package map, docs/architecture.md,
+lists every module and tool by path (checked here too).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from conftest import ROOT
@@ -15,8 +17,8 @@ from conftest import ROOT
 # Lower number = lower layer. Every top-level module or package of megatron_snip must be listed.
 LAYERS = {
     "fileio": 0, "flags": 0, "compat": 0,  # leaves: atomic files, config plumbing, the device
-    "precision": 1, "data": 1,             # formats, quantizers, plans; tokenizers and datasets
-    "model": 2,                            # the Llama model, its quantized layers, the step function
+    "precision": 1, "data": 1,             # formats, quantizers, quantized linears, plans; tokenizers, datasets
+    "model": 2,                            # the Llama model (built with precision's layer spec), the step function
     "snip": 3,                             # probes, estimators, ILP, the re-planner
     "training": 4,                         # the trainer and its run configuration
     "arguments": 5,                        # the command line -> RunConfig (the edge)
@@ -77,11 +79,34 @@ def test_the_check_sees_an_upward_import(tmp_path):
     assert layer_violations(fake) == ["megatron_snip/snip/passes.py:2: snip (layer 3) imports training (layer 4)"]
 
 
-def test_readme_layout_names_every_module_and_tool():
-    """The README's layout section is the map of the tree: every module and tool is on it."""
-    readme = (ROOT / "README.md").read_text()
-    layout = readme[readme.index("## Layout"):]
-    modules = {p.name for p in PACKAGE.rglob("*.py")} - {"__init__.py"}
-    tools = {p.stem for p in (ROOT / "tools").glob("*.py")}
-    missing = sorted(m for m in modules if m not in layout) + sorted(t for t in tools if t not in layout)
-    assert missing == [], f"README.md's Layout section lacks {missing}"
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+MAPPED_DIRS = ("megatron_snip", "tools", "bench", "examples", "scripts")
+_PATH = re.compile(r"`((?:%s)/[\w./-]+|pretrain_llama\.py)`" % "|".join(MAPPED_DIRS))
+
+
+def map_problems(text: str, root: Path = ROOT) -> list[str]:
+    """What the package map (docs/architecture.md) gets wrong about the tree under ``root``: a module of
+    megatron_snip/ or a tool in tools/ that it does not list by path, or a listed path that does not exist."""
+    listed = set(_PATH.findall(text))
+    required = {p.relative_to(root).as_posix() for p in (root / "megatron_snip").rglob("*.py")
+                if p.name != "__init__.py"} | {p.relative_to(root).as_posix() for p in (root / "tools").glob("*.py")}
+    return ([f"unlisted: {p}" for p in sorted(required - listed)]
+            + [f"listed but missing: {p}" for p in sorted(listed) if not (root / p).exists()])
+
+
+def test_architecture_map_lists_every_module_and_tool():
+    """docs/architecture.md is the map of the tree: every module and tool is on it by path, and every
+    path on it exists."""
+    assert map_problems(ARCHITECTURE.read_text()) == []
+
+
+def test_the_map_check_sees_an_unlisted_and_a_gone_module(tmp_path):
+    (tmp_path / "megatron_snip" / "snip").mkdir(parents=True)
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "megatron_snip" / "snip" / "planner.py").touch()
+    (tmp_path / "megatron_snip" / "snip" / "config.py").touch()
+    (tmp_path / "tools" / "snip_solve.py").touch()
+    text = ("| `megatron_snip/snip/planner.py` | plans |\n| `megatron_snip/snip/gone.py` | removed |\n"
+            "| `tools/snip_solve.py` | offline |\n")
+    assert map_problems(text, tmp_path) == ["unlisted: megatron_snip/snip/config.py",
+                                            "listed but missing: megatron_snip/snip/gone.py"]
