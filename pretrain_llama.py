@@ -5,7 +5,7 @@
         --pipeline-model-parallel-size 2 --data-path DATA_text_document \
         --tokenizer-model TOK.model --train-iters 200 ...
 
-See README.md for the flags.
+Flags: python pretrain_llama.py --help, or docs/flags.md.
 """
 
 import sys

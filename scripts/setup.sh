@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv (Python 3.11+) with the pinned CPU torch, megatron-core and this package.
 # Idempotent: a second call only re-checks. On a GPU cluster install your CUDA torch
-# into the environment first; see README.md.
+# into the environment first; see docs/running.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

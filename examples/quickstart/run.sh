@@ -5,7 +5,7 @@
 # stop as a preempted job would, and resume. Outputs under runs/quickstart/ (OUT=... to move).
 # Parameters in fp32, not --bf16: on this 2-core CPU bf16 GEMMs are ~10x slower than fp32 (5.1 vs
 # 0.54 s per iteration here); on a GPU add --bf16. SNIP=0 runs the same without SNIP (every linear
-# GEMM unquantized), the README's comparison: SNIP=0 OUT=runs/quickstart-nosnip bash ...
+# GEMM unquantized), docs/quickstart.md's comparison: SNIP=0 OUT=runs/quickstart-nosnip bash ...
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 bash scripts/setup.sh

@@ -1,4 +1,4 @@
-"""The run's data flags, validated once by ``arguments.py``."""
+"""The run's data flags, validated once by ``megatron_snip.arguments``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The model's shape and build options, and the parallel layout: their flags, validated once by ``arguments.py``."""
+"""The model's shape and build options, and the parallel layout: their flags, validated once by ``megatron_snip.arguments``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""SNIP's flags (``--snip-*``), validated once by ``arguments.py``."""
+"""SNIP's flags (``--snip-*``), validated once by ``megatron_snip.arguments``."""
 
 from __future__ import annotations
 

@@ -110,7 +110,7 @@ class LoggingConfig:
 
 @dataclass(frozen=True)
 class SafetyConfig:
-    """What a non-finite step or a loss spike does (README: Faults and numerical safety)."""
+    """What a non-finite step or a loss spike does (docs/faults.md)."""
 
     check_nan: bool = flag(
         True, "Before every optimizer step, all ranks check the loss and every gradient for NaN/Inf and act together "
