@@ -45,7 +45,7 @@ def ci95(std: float, n: int) -> float:
     return T975[min(n - 1, len(T975)) - 1] * std / math.sqrt(n)
 
 
-def paired(results: dict[tuple[str, int], BranchResult], a: str, b: str, seeds) -> dict:
+def paired_difference(results: dict[tuple[str, int], BranchResult], a: str, b: str, seeds) -> dict:
     """Branch ``a`` minus branch ``b`` per seed, on the final validation loss and the training window:
     mean, sample std, 95% half-width, over the seeds that have both."""
     both = [s for s in seeds if (a, s) in results and (b, s) in results]
@@ -96,14 +96,14 @@ def summarize(config: ComparisonConfig, results: dict[tuple[str, int], BranchRes
     noise = mean_std(ref_valid)[1]
     return {"rows": rows, "bf16_seed_std": noise, "train_iters": config.train_iters,
             "trunk_iters": config.trunk_iters, "window": config.branch_window,
-            "noise_floor": paired(results, NOISE, REFERENCE, config.seeds) if config.noise_floor else None,
+            "noise_floor": paired_difference(results, NOISE, REFERENCE, config.seeds) if config.noise_floor else None,
             "versus_snip": _versus_focus(config, results),
             "ablation": _ablation(rows, predicted or {}), "oracle": (oracle or {}).get("costs"),
             "complete": len(results) == len(every)}
 
 
 def _versus_focus(config: ComparisonConfig, results: dict[tuple[str, int], BranchResult]) -> list[dict]:
-    """At each budget, every other arm minus SNIP's (:data:`FOCUS`), paired per seed (:func:`paired`)."""
+    """At each budget, every other arm minus SNIP's (:data:`FOCUS`), paired per seed (:func:`paired_difference`)."""
     focus = next((f for f in FOCUS if f in config.policies), None)
     if focus is None:
         return []
@@ -112,7 +112,7 @@ def _versus_focus(config: ComparisonConfig, results: dict[tuple[str, int], Branc
         mine = f"{focus}_{budget.tag}"
         for arm in config.policies:
             if arm != focus:
-                diff = paired(results, f"{arm}_{budget.tag}", mine, config.seeds)
+                diff = paired_difference(results, f"{arm}_{budget.tag}", mine, config.seeds)
                 if diff["seeds"]:
                     rows.append({"budget": budget.label, "arm": arm, "focus": focus, **diff})
     return rows
@@ -229,9 +229,9 @@ def _noise_line(summary: dict) -> list[str]:
     if not floor or not floor["seeds"]:
         return []
     return [f"Noise floor ({NOISE}: BF16 again on another order of the training documents, minus bf16, "
-            f"{len(floor['seeds'])} seeds): val {_pm(floor['val'], floor['val_std'])}, train "
-            f"{_pm(floor['train'], floor['train_std'])}; an arm that differs from another by less than these "
-            "spreads differs by nothing measured."]
+            f"{len(floor['seeds'])} seeds): val {_pm(floor['val'], floor['val_std'])} on the same validation "
+            f"samples (its training window, {_pm(floor['train'], floor['train_std'])}, is over other batches: "
+            "not a floor for the train gaps, which every other arm measures on bf16's batches)."]
 
 
 def write_report(config: ComparisonConfig, summary: dict, results: dict[tuple[str, int], BranchResult],
