@@ -12,7 +12,7 @@ time target (``--time-targets``: estimated linear-GEMM time / all-BF16 time at m
 each budget it prints, side by side, every policy's predicted divergence under SNIP's
 estimates, the FP4 FLOP fraction it reaches and its estimated GEMM time: SNIP's ILP, uniform
 FP4, NVIDIA's recipe (last layers high), random, min quantization error, min relative
-quantization error, an error threshold (TE AutoswitchGemm-like), keep first/last layer high,
+quantization error, an error-threshold switch, keep first/last layer high,
 and the layer-type heuristic, all at that budget (megatron_snip/snip/offline.py). Times are estimates under the run's
 GEMM speed model (``--gemm-speed-model`` to choose another). ``--write-plans`` saves each
 plan as a file for ``--precision-plan``; ``--write-megatron-configs`` as megatron-core's per-module
