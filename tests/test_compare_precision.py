@@ -11,13 +11,14 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from conftest import ROOT, TINY_MODEL, scalars, torchrun
 from megatron_snip.experiments.comparison import (BranchResult, Comparison, ComparisonConfig, Runs, Stopped, branches,
                                                   devices, run_all)
-from megatron_snip.experiments.report import markdown, summarize
+from megatron_snip.experiments.report import ci95, markdown, summarize
 from megatron_snip.precision.plan import PrecisionPlan
 from megatron_snip.snip.offline import Budget
 
@@ -385,9 +386,10 @@ def test_regret_to_the_oracle_and_the_additive_prediction_by_hand():
     assert rows["oracle"]["regret"] == 0.0 and rows["uniform"]["additive_prediction"] == pytest.approx(0.025)
     table = markdown(s)
     assert "layers x types ablations of seeds [1, 2]" in table
-    assert "| FP4 target 0.75 | oracle | +0.0120 | +0.0100 ± 0.0000 | +0.0000 ± 0.0000 |" in table
-    assert ("| FP4 target 0.75 | uniform | +0.0250 | +0.0350 ± 0.0071 | +0.0250 ± 0.0071 | +0.0200 ± 0.0141 |"
-            in table)
+    assert "| FP4 target 0.75 | oracle | +0.0120 | +0.0100 ± 0.0000 | +0.0000 [+0.0000, +0.0000] |" in table
+    # 95% intervals over 2 seeds: 12.706 x std / sqrt(2).
+    assert ("| FP4 target 0.75 | uniform | +0.0250 | +0.0350 ± 0.0071 | +0.0250 [-0.0385, +0.0885] | "
+            "+0.0200 [-0.1071, +0.1471] |" in table)
 
 
 def test_the_oracle_arm_trains_its_plan_and_needs_the_ablations(tmp_path, capsys, monkeypatch):
@@ -418,3 +420,71 @@ def test_the_oracle_arm_trains_its_plan_and_needs_the_ablations(tmp_path, capsys
     assert "--policies oracle plans with the costs the ablations measure" in capsys.readouterr().err
     assert compare_precision.main([*base, "--ablations", "modules", "--", "--seed", "1"]) == 1
     assert "['--seed'] are set by the comparison" in capsys.readouterr().err  # parsed, refused at the flags after --
+
+
+# -- statistical power: the noise floor, fewer seeds for the ablations, paired differences with 95% intervals ------
+
+def test_the_noise_floor_reorders_only_the_training_documents(tmp_path, tiny_data):
+    """The noise-floor arm trains BF16 on a copy of the data whose training documents are permuted, so the
+    same --seed draws the same validation samples (megatron-core splits by contiguous document ranges)."""
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from megatron_snip.experiments.reorder import training_documents
+
+    c = config(out=str(tmp_path), policies=("uniform",), seeds=(1, 2), noise_floor=True,
+               train_args=("--lr", "1e-3", "--data-path", tiny_data.prefix, "--split", "80,20,0", "--eval-iters", "2"))
+    noise = [b for b in branches(c) if b.arm == "bf16-reorder"]
+    assert [b.seed for b in noise] == [1, 2] and all(b.budget is None for b in noise)
+    args = Comparison(c, log=lambda *_: None).branch_args(noise[0])
+    copy = args[args.index("--data-path") + 1]
+    assert copy == str(tmp_path / "reordered" / f"0_{Path(tiny_data.prefix).name}")
+    assert args[args.index("--precision") + 1] == "bf16" and args[args.index("--seed") + 1] == "1"
+    assert args[args.index("--split") + 1] == "80,20,0" and args[args.index("--eval-iters") + 1] == "2"
+
+    source, reordered = IndexedDataset(tiny_data.prefix), IndexedDataset(copy)
+    n = len(source)
+    train = training_documents(n, "80,20,0")
+    assert train == round(0.8 * n) and len(reordered) == n
+    assert all(np.array_equal(source[i], reordered[i]) for i in range(train, n))  # validation as it was
+    moved = [i for i in range(train) if not np.array_equal(source[i], reordered[i])]
+    assert len(moved) > train // 2  # the training documents in another order, none lost:
+    assert sorted(map(bytes, (source[i] for i in range(train)))) == sorted(
+        map(bytes, (reordered[i] for i in range(train))))
+
+
+def test_ablations_train_on_their_seeds_only():
+    c = config(policies=("uniform",), seeds=(1, 2, 3), ablations=("types",), ablation_seeds=(2, 3))
+    ablations = [(b.arm, b.seed) for b in branches(c, ["ablate-linear_fc2"]) if b.arm.startswith("ablate-")]
+    assert ablations == [("ablate-linear_fc2", 2), ("ablate-linear_fc2", 3)]
+    assert {b.seed for b in branches(c) if b.arm == "uniform"} == {1, 2, 3}
+    with pytest.raises(ValueError, match=r"--ablation-seeds \[4\] are not among --seeds \[1, 2, 3\]"):
+        config(seeds=(1, 2, 3), ablation_seeds=(3, 4))
+
+
+def test_every_arm_against_snip_with_95_percent_intervals_and_the_noise_floor_by_hand():
+    c = config(policies=("snip-fixed", "uniform", "threshold"), seeds=(1, 2, 3), noise_floor=True)
+    r = lambda v, t: BranchResult(final_valid_loss=v, mean_train_loss=t, fp4_fraction=0.75, time_ratio=0.3)
+    bf16 = {1: (5.0, 4.0), 2: (5.2, 4.1), 3: (5.1, 4.3)}
+    # Differences to bf16 (val, train) per seed: snip .010/.010, .012/.012, .014/.014; uniform +.010 on top of
+    # snip on every seed; threshold +.001, +.003, +.005 on top (mean .003, std .002); the noise arm -.002, 0, +.002.
+    offsets = {"snip-fixed_fp4-0.75": (0.010, 0.012, 0.014), "bf16-reorder": (-0.002, 0.0, 0.002)}
+    offsets["uniform_fp4-0.75"] = tuple(x + 0.010 for x in offsets["snip-fixed_fp4-0.75"])
+    offsets["threshold_fp4-0.75"] = tuple(x + d for x, d in zip(offsets["snip-fixed_fp4-0.75"], (0.001, 0.003, 0.005)))
+    results = {("bf16", s): r(*bf16[s]) for s in bf16}
+    for name, off in offsets.items():
+        results.update({(name, s): r(bf16[s][0] + d, bf16[s][1] + d) for s, d in zip(bf16, off)})
+    summary = summarize(c, results)
+    versus = {v["arm"]: v for v in summary["versus_snip"]}
+    assert set(versus) == {"uniform", "threshold"} and versus["uniform"]["focus"] == "snip-fixed"
+    assert versus["uniform"]["val"] == pytest.approx(0.010) and versus["uniform"]["val_std"] == pytest.approx(0, abs=1e-9)
+    t = versus["threshold"]
+    assert t["val"] == pytest.approx(0.003) and t["val_std"] == pytest.approx(0.002)
+    assert t["val_ci"] == pytest.approx(4.303 * 0.002 / math.sqrt(3))  # Student's t, 2 degrees of freedom
+    assert t["train_ci"] == pytest.approx(t["val_ci"]) and t["seeds"] == [1, 2, 3]
+    floor = summary["noise_floor"]
+    assert floor["val"] == pytest.approx(0.0, abs=1e-9) and floor["val_std"] == pytest.approx(0.002)
+    table = markdown(summary)
+    assert "| FP4 target 0.75 | threshold | 3 | +0.0030 [-0.0020, +0.0080] | +1.5 |" in table
+    assert "Noise floor (bf16-reorder" in table and "val +0.0000 ± 0.0020 on the same validation samples" in table
+    assert math.isnan(ci95(0.002, 1)) and ci95(1.0, 100) == pytest.approx(2.042 / 10)

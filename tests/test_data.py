@@ -155,6 +155,60 @@ def test_corpus_skips_non_utf8_third_party_and_tests(tmp_path):
     assert len(list_sources(root, exclude_tests=False)) == 5
 
 
+HANDBOOK_PAGE = """<?xml version="1.0" encoding="UTF-8"?><html><head><title>6.2. apt</title></head><body>
+<div id="banner"><a href="x"><span class="text">Download the ebook</span></a></div>
+<p id="title"><a class="left" href="y"><img alt="Product Site" src="i.png" /></a></p>
+<ul class="docnav top"><li class="previous"><a href="a.html"><strong>Prev</strong></a></li></ul>
+<div class="section"><h2 class="title">6.2. <code class="command">apt</code> Commands</h2><div class="para">
+			APT is a  vast project,
+			whose plans &amp; goals grew.
+		</div><pre class="screen"><code>$ apt update
+  done</code></pre></div><ul class="docnav"><li class="next"><a href="b.html">Next</a></li></ul></body></html>"""
+
+
+def test_prose_corpus_is_the_handbook_text_and_the_fortunes_in_a_seeded_order(tmp_path):
+    from megatron_snip.data.corpus import html_to_text, split_fortunes
+
+    # A Publican page: the page furniture (head, banner, navigation) goes, paragraphs become lines with
+    # their whitespace collapsed, a <pre> keeps its line breaks, entities are decoded.
+    assert html_to_text(HANDBOOK_PAGE) == ("6.2. apt Commands\nAPT is a vast project, whose plans & goals grew.\n"
+                                           "$ apt update\ndone")
+    assert split_fortunes("One.\n%\nTwo\n\tlines.  \n%\n%\n") == ["One.", "Two\n\tlines."]
+
+    handbook, fortunes = tmp_path / "hb", tmp_path / "fortunes"
+    handbook.mkdir()
+    fortunes.mkdir()
+    (handbook / "apt.html").write_text(HANDBOOK_PAGE)
+    (handbook / "style.css").write_text("body {}")
+    (fortunes / "food").write_text("Eat.\n%\nDrink.\n%\n")
+    (fortunes / "food.dat").write_bytes(b"\x00\x02")  # strfile's index, not text
+    (fortunes / "food.u8").symlink_to(fortunes / "food")  # the UTF-8 link to the same file
+    (fortunes / "ascii-art").write_text(" /\\_/\\\n( o.o )\n%\n")  # drawings, not prose
+    out = tmp_path / "prose.jsonl"
+    cfg = dict(output=str(out), source="prose", handbook_dir=str(handbook), fortunes_dir=str(fortunes), seed=5)
+    summary = build_corpus(CorpusConfig(**cfg))
+    docs = {d["path"]: d["text"] for d in read_jsonl(out)}
+    assert docs == {"handbook/apt.html": html_to_text(HANDBOOK_PAGE), "fortunes/food/0": "Eat.",
+                    "fortunes/food/1": "Drink."}
+    assert (summary.documents, summary.skipped) == (3, 0)
+    # The order is seeded (megatron's --split takes contiguous document ranges: path order would put the last
+    # fortune files alone in the validation split) and reproducible.
+    orders = set()
+    for seed in range(6):
+        build_corpus(CorpusConfig(**{**cfg, "seed": seed}))
+        orders.add(tuple(d["path"] for d in read_jsonl(out)))
+    assert len(orders) > 1
+    again = tmp_path / "again.jsonl"
+    build_corpus(CorpusConfig(**{**cfg, "output": str(again), "seed": 5}))
+    build_corpus(CorpusConfig(**cfg))
+    assert again.read_bytes() == out.read_bytes()
+
+    with pytest.raises(FileNotFoundError, match="apt-get install debian-handbook fortunes"):
+        build_corpus(CorpusConfig(**{**cfg, "handbook_dir": str(tmp_path / "missing")}))
+    with pytest.raises(ValueError, match="unknown corpus source 'poetry'"):
+        CorpusConfig(output=str(out), source="poetry")
+
+
 def test_select_documents_respects_limits(corpus):
     from megatron_snip.data.corpus import Document
 

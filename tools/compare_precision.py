@@ -24,6 +24,11 @@ arm per module.
 with the costs the ablation arms measured, trained after them at every budget, and each policy's
 regret to it (megatron_snip/experiments/oracle.py; it adds the all-high arm ablate-none).
 
+--noise-floor adds the noise floor: BF16 again from each trunk on another order of the training
+documents (the validation documents and samples unchanged; megatron_snip/experiments/reorder.py),
+whose paired gap to BF16 is what arms differ by when nothing but the batches differs. The report
+sets every arm at a budget against SNIP's with the paired difference's 95% interval.
+
 --jobs N trains N runs at once (on a 2-core CPU, --jobs 2: every run is single-threaded; on a GPU
 node, each run gets its own --nproc-per-node GPUs); the results do not depend on it.
 
@@ -61,7 +66,9 @@ def main(argv=None) -> int:
                    help="FP4 budgets (share of linear FLOPs; default 0.75 when no --time-targets)")
     p.add_argument("--time-targets", type=float, nargs="*", default=[],
                    help="time budgets (estimated linear-GEMM time / all-bf16)")
-    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5],
+                   help="one trunk and one branch per arm each (default: 5; with 3, most paired differences between "
+                        "good plans stayed within noise)")
     p.add_argument("--trunk-iters", type=int, required=True, help="BF16 iterations before the branch point")
     p.add_argument("--train-iters", type=int, required=True, help="total iterations of every branch")
     p.add_argument("--snip-interval", type=int, default=None,
@@ -78,6 +85,11 @@ def main(argv=None) -> int:
                    help="also train one arm per layer ('layers') / module type ('types') / module ('modules') "
                         "with only that group in FP4 (no budget), and rank-correlate the estimators' predictions "
                         "with the gaps")
+    p.add_argument("--noise-floor", action="store_true",
+                   help="also train BF16 on another order of the training documents from each trunk (the noise floor)")
+    p.add_argument("--ablation-seeds", type=int, nargs="+", default=[],
+                   help="train the ablation arms on these of the --seeds only (default: all); the oracle's costs "
+                        "come from them, its branch trains on every seed")
     a = p.parse_args(argv)
     fp4_targets = a.fp4_targets if a.fp4_targets is not None else ([] if a.time_targets or a.ablations else [0.75])
     try:
@@ -86,7 +98,7 @@ def main(argv=None) -> int:
             budgets=parse_budgets(fp4_targets, a.time_targets), seeds=tuple(a.seeds), trunk_iters=a.trunk_iters,
             train_iters=a.train_iters, snip_interval=a.snip_interval or a.trunk_iters, formats=tuple(a.formats),
             nproc=a.nproc_per_node, window=a.window, solver=a.solver, ablations=tuple(a.ablations),
-            jobs=a.jobs)
+            jobs=a.jobs, noise_floor=a.noise_floor, ablation_seeds=tuple(a.ablation_seeds))
         comparison = Comparison(config, log=lambda m: print(m, flush=True))
         for sig in (signal.SIGTERM, signal.SIGUSR1):  # kill, SLURM's --signal: the runs save and stop
             signal.signal(sig, comparison.stop)

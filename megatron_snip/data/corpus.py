@@ -1,7 +1,12 @@
-"""Text corpora: the Python-stdlib source corpus, and reading documents from JSONL or text.
+"""Text corpora: the Python-stdlib source corpus, an English prose corpus, and reading documents
+from JSONL or text.
 
 The quickstart trains on the interpreter's own standard library because it is real text that
 exists on every machine with Python, needs no network, and is a few MB of well-formed code.
+The prose corpus (``source="prose"``) is text of another kind, for checking that what was
+measured on code holds elsewhere: The Debian Administrator's Handbook (English HTML, stripped to
+text, one document per page) and the fortune-cookie collections (one document per fortune),
+both from Debian packages (``apt-get install debian-handbook fortunes``), about 3.7 MB.
 
 Two input formats are understood by every tool of the pipeline (tokenizer training,
 preprocessing):
@@ -12,9 +17,11 @@ preprocessing):
   document. Multi-line documents (code) therefore need JSONL.
 """
 
+import html.parser
 import json
 import os
 import random
+import re
 import sysconfig
 import time
 from dataclasses import dataclass
@@ -30,6 +37,15 @@ TEST_DIR_NAMES = frozenset({"test", "tests", "idle_test"})
 # Third-party code lives under these names inside the stdlib directory; it is not stdlib text.
 THIRD_PARTY_DIR_NAMES = frozenset({"site-packages", "dist-packages"})
 
+SOURCES = ("stdlib", "prose")
+# Where Debian's packages put the prose corpus's sources.
+HANDBOOK_DIR = "/usr/share/doc/debian-handbook/html/en-US"  # package debian-handbook
+FORTUNES_DIR = "/usr/share/games/fortunes"  # packages fortunes, fortunes-min
+PROSE_PACKAGES = "apt-get install debian-handbook fortunes"
+# Fortune files that are not prose (drawings), and the index / encoding-link companions of each file.
+FORTUNE_SKIP = frozenset({"ascii-art"})
+FORTUNE_SKIP_SUFFIXES = (".dat", ".u8")
+
 
 @dataclass(frozen=True)
 class CorpusConfig:
@@ -44,6 +60,8 @@ class CorpusConfig:
         seed: seed of the random subset drawn when a limit applies.
         exclude_tests: skip the stdlib's test directories (``TEST_DIR_NAMES``).
         root: directory to collect from; None means the running interpreter's stdlib.
+        source: "stdlib" (Python source) or "prose" (the handbook and the fortunes).
+        handbook_dir, fortunes_dir: where the prose corpus's sources are (Debian's paths).
     """
 
     output: str
@@ -52,6 +70,13 @@ class CorpusConfig:
     seed: int = 1234
     exclude_tests: bool = False
     root: Optional[str] = None
+    source: str = "stdlib"
+    handbook_dir: str = HANDBOOK_DIR
+    fortunes_dir: str = FORTUNES_DIR
+
+    def __post_init__(self):
+        if self.source not in SOURCES:
+            raise ValueError(f"unknown corpus source {self.source!r}; choose from {list(SOURCES)}")
 
 
 @dataclass(frozen=True)
@@ -130,14 +155,8 @@ def select_documents(
     return [documents[i] for i in sorted(kept)]
 
 
-def build_corpus(config: CorpusConfig) -> CorpusSummary:
-    """Write the stdlib (or ``config.root``) ``*.py`` files as JSONL, one
-    ``{"text": ..., "path": ...}`` object per line, sorted by path.
-
-    The output is a pure function of the source tree and the config, so two runs give
-    byte-identical files.
-    """
-    start = time.perf_counter()
+def stdlib_documents(config: CorpusConfig) -> tuple[list[Document], int]:
+    """The stdlib (or ``config.root``) ``*.py`` files, sorted by path, and how many were unusable."""
     root = Path(config.root) if config.root is not None else stdlib_root()
     documents, skipped = [], 0
     for path in list_sources(root, config.exclude_tests):
@@ -146,6 +165,113 @@ def build_corpus(config: CorpusConfig) -> CorpusSummary:
             skipped += 1
         elif text:  # empty files (package markers) are not documents
             documents.append(Document(path.relative_to(root).as_posix(), text))
+    return documents, skipped
+
+
+class _HtmlText(html.parser.HTMLParser):
+    """The readable text of a DocBook/Publican HTML page: block elements end a line, whitespace
+    inside a line collapses (the source indents with tabs), ``<pre>`` keeps its line breaks, and
+    the page furniture (head, banner, title images, the prev/next navigation) is left out."""
+
+    BLOCKS = frozenset({"p", "div", "br", "li", "dt", "dd", "tr", "pre", "h1", "h2", "h3", "h4", "h5", "h6",
+                        "title", "table", "blockquote"})
+    SKIPPED = frozenset({"head", "script", "style"})
+    FURNITURE = (("id", "banner"), ("id", "title"), ("class", "docnav"))
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.parts: list[str] = []
+        self.skip_depth = 0  # > 0 inside a skipped element (counted by its own tag name)
+        self.skip_tag: Optional[str] = None
+        self.pre = 0
+
+    def handle_starttag(self, tag, attrs):
+        if self.skip_depth:
+            self.skip_depth += tag == self.skip_tag
+            return
+        attrs = dict(attrs)
+        if tag in self.SKIPPED or any((attrs.get(k) or "").split()[:1] == [v] for k, v in self.FURNITURE):
+            self.skip_tag, self.skip_depth = tag, 1
+            return
+        if tag == "pre":
+            self.pre += 1
+        if tag in self.BLOCKS:
+            self.parts.append("\n")
+
+    def handle_endtag(self, tag):
+        if self.skip_depth:
+            self.skip_depth -= tag == self.skip_tag
+            return
+        if tag == "pre":
+            self.pre = max(0, self.pre - 1)
+        if tag in self.BLOCKS:
+            self.parts.append("\n")
+
+    def handle_data(self, data):
+        if not self.skip_depth:
+            self.parts.append(data if self.pre else re.sub(r"\s+", " ", data))
+
+
+def html_to_text(page: str) -> str:
+    """A page's text, one paragraph (or ``<pre>`` line) per line, no blank lines, spaces collapsed."""
+    parser = _HtmlText()
+    parser.feed(page)
+    parser.close()
+    lines = (re.sub(r"[ \t\r\f\v]+", " ", line).strip() for line in "".join(parser.parts).split("\n"))
+    return "\n".join(line for line in lines if line)
+
+
+def split_fortunes(text: str) -> list[str]:
+    """The fortunes of one strfile source (entries separated by a line holding only ``%``), each
+    with trailing whitespace removed; empty entries dropped."""
+    entries = re.split(r"^%[ \t]*$", text.replace("\r\n", "\n"), flags=re.MULTILINE)
+    return [e for e in (entry.strip("\n").rstrip() for entry in entries) if e.strip()]
+
+
+def prose_documents(config: CorpusConfig) -> tuple[list[Document], int]:
+    """The handbook's pages (``handbook/<page>.html``) and every fortune (``fortunes/<file>/<n>``),
+    in a seeded random order (``config.seed``), and how many files were unusable (unreadable or not
+    UTF-8). The order matters: megatron-core's ``--split`` takes contiguous ranges of documents, so
+    in path order the validation split would be the last fortune files alone.
+
+    Raises FileNotFoundError naming the Debian packages when a source directory is missing.
+    """
+    handbook, fortunes = Path(config.handbook_dir), Path(config.fortunes_dir)
+    for directory in (handbook, fortunes):
+        if not directory.is_dir():
+            raise FileNotFoundError(f"{directory}: not found; the prose corpus is built from Debian packages "
+                                    f"({PROSE_PACKAGES})")
+    documents, skipped = [], 0
+    for page in sorted(handbook.glob("*.html")):
+        page_html = read_source(page)
+        text = html_to_text(page_html) if page_html is not None else None
+        if text is None:
+            skipped += 1
+        elif text:
+            documents.append(Document(f"handbook/{page.name}", text))
+    for path in sorted(fortunes.iterdir()):
+        if (path.name in FORTUNE_SKIP or path.name.endswith(FORTUNE_SKIP_SUFFIXES) or path.is_symlink()
+                or not path.is_file()):
+            continue
+        text = read_source(path)
+        if text is None:
+            skipped += 1
+            continue
+        documents += [Document(f"fortunes/{path.name}/{i}", f) for i, f in enumerate(split_fortunes(text))]
+    random.Random(config.seed).shuffle(documents)
+    return documents, skipped
+
+
+def build_corpus(config: CorpusConfig) -> CorpusSummary:
+    """Write the corpus of ``config.source`` as JSONL, one ``{"text": ..., "path": ...}`` object per
+    line (stdlib: the ``*.py`` files sorted by path; prose: :func:`prose_documents`' seeded order).
+
+    The output is a pure function of the source tree and the config, so two runs give
+    byte-identical files.
+    """
+    start = time.perf_counter()
+    collect = prose_documents if config.source == "prose" else stdlib_documents
+    documents, skipped = collect(config)
     documents = select_documents(documents, config.max_docs, config.max_bytes, config.seed)
 
     Path(config.output).parent.mkdir(parents=True, exist_ok=True)

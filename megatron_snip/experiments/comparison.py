@@ -12,6 +12,7 @@ Layout of ``out/``::
     seed<S>/trunk/                  trunk checkpoint and its snip/snip_iter_*.json
     seed<S>/plans/<policy>_<budget>.json
     seed<S>/<arm>/ckpt/, log.txt, result.json   one branch (result.json: finished)
+    reordered/                      the noise-floor arm's data: training documents permuted (reorder.py)
     tensorboard/seed<S>/<arm>/     every branch side by side in TensorBoard
     results.json, results.md, gap_to_bf16.png
 
@@ -44,6 +45,7 @@ from megatron_snip.compat.launch import free_port
 from megatron_snip.experiments.ablation import KINDS, NONE_ARM, ablation_groups, ablation_plans, predictions
 from megatron_snip.experiments.oracle import (NEEDS, ORACLE, OracleCosts, group_costs, module_costs, oracle_plan,
                                               predicted_gap)
+from megatron_snip.experiments.reorder import reordered_data_args
 from megatron_snip.fileio import write_text_atomic
 from megatron_snip.precision.plan import PrecisionPlan
 from megatron_snip.precision.registry import FP4_NAMES
@@ -52,6 +54,11 @@ from megatron_snip.snip.offline import POLICIES, Budget, StatisticsFile, policy_
 from megatron_snip.snip.planner import to_precision_plan
 
 REFERENCE = "bf16"
+# The noise floor: BF16 again from the same trunk on another order of the training documents (reorder.py);
+# its paired gap to REFERENCE is what arms differ by when nothing but the batches differs.
+NOISE = "bf16-reorder"
+NOISE_ORDER_SEED = 1  # the permutation of the training documents (the same for every seed: each seed's
+#                       dataset shuffle then draws its own order from it)
 # Arms re-planned by SNIP at every --snip-interval from the branch point: arm -> (offline policy of the
 # first plan, extra pretrain_llama.py flags). "snip-loss-term-replanned" plans by the loss term alone.
 REPLANNED = {"snip": ("snip", ()), "snip-loss-term-replanned": ("snip-loss-term", ("--snip-update-weight", "0"))}
@@ -84,6 +91,8 @@ class ComparisonConfig:
     solver: str = "auto"
     ablations: tuple[str, ...] = ()  # per-module ablation arms: "layers" and/or "types" (ablation.py)
     jobs: int = 1  # runs training at once (how the work is scheduled, not what it measures)
+    noise_floor: bool = False  # train the NOISE arm for every seed
+    ablation_seeds: tuple[int, ...] = ()  # seeds that train the ablation arms (default: every seed)
 
     def __post_init__(self):
         unknown = sorted(set(self.policies) - set(ARMS))
@@ -101,6 +110,9 @@ class ComparisonConfig:
                              f"{' or --ablations '.join(' '.join(n) for n in NEEDS)} (got {list(self.ablations)})")
         if not self.seeds:
             raise ValueError("give at least one --seeds value")
+        if set(self.ablation_seeds) - set(self.seeds):
+            raise ValueError(f"--ablation-seeds {sorted(set(self.ablation_seeds) - set(self.seeds))} are not among "
+                             f"--seeds {list(self.seeds)}")
         if self.jobs < 1:
             raise ValueError(f"--jobs {self.jobs}: give 1 or more runs at once")
         visible = _visible_devices()
@@ -117,6 +129,10 @@ class ComparisonConfig:
     @property
     def branch_window(self) -> int:
         return self.window or max(1, (self.train_iters - self.trunk_iters) // 5)
+
+    @property
+    def seeds_of_ablations(self) -> tuple[int, ...]:
+        return tuple(s for s in self.seeds if s in self.ablation_seeds) if self.ablation_seeds else self.seeds
 
 
 @dataclass(frozen=True)
@@ -145,11 +161,13 @@ class BranchResult:
 
 
 def branches(config: ComparisonConfig, ablation_arms: Sequence[str] = ()) -> list[Branch]:
-    """Every branch, the BF16 reference of each seed first, the ablation arms (budget-free) last;
-    an arm's seeds one after the other, so a comparison cut short has whole arms."""
+    """Every branch, the BF16 reference of each seed first (then the noise floor), the ablation arms
+    (budget-free, on their seeds) last; an arm's seeds one after the other, so a comparison cut short
+    has whole arms."""
     out = [Branch(REFERENCE, None, s) for s in config.seeds]
+    out += [Branch(NOISE, None, s) for s in config.seeds if config.noise_floor]
     out += [Branch(arm, b, s) for b in config.budgets for arm in config.policies for s in config.seeds]
-    out += [Branch(arm, None, s) for arm in ablation_arms for s in config.seeds]
+    out += [Branch(arm, None, s) for arm in ablation_arms for s in config.seeds_of_ablations]
     return out
 
 
@@ -225,7 +243,8 @@ class Comparison:
         mine = _settings(self.config)
         if path.exists():
             theirs = json.loads(path.read_text())
-            free = ("policies", "budgets", "seeds", "ablations", "jobs")  # may change between reruns
+            # may change between reruns (arms and seeds added; how the work is scheduled)
+            free = ("policies", "budgets", "seeds", "ablations", "jobs", "noise_floor", "ablation_seeds")
             differ = sorted(k for k in set(mine) | set(theirs) if k not in free and mine.get(k) != theirs.get(k))
             if differ:
                 raise ValueError(f"{self.out} holds a comparison with other settings ({', '.join(differ)} differ); "
@@ -240,6 +259,9 @@ class Comparison:
         run_all([lambda slot, s=s: self._trunk(s, slot) for s in c.seeds], c.jobs)
         for seed in c.seeds:
             self._plans(seed)
+        if c.noise_floor:
+            self.log(f"noise floor: the training documents reordered under {self.out / 'reordered'}")
+            reordered_data_args(c.train_args, self.out / "reordered", NOISE_ORDER_SEED)
         every = branches(c, self.ablation_arms)
         run_all([lambda slot, b=b: self._branch(b, slot) for b in every if b.arm != ORACLE], c.jobs)
         if ORACLE in c.policies:  # its plan needs every ablation branch's result
@@ -370,7 +392,9 @@ class Comparison:
         c = self.config
         ckpt = self.out / f"seed{b.seed}" / b.name / "ckpt"
         resumed = (ckpt / TRACKER).exists()
-        args = [*c.train_args, "--seed", str(b.seed), "--train-iters", str(c.train_iters), "--save", str(ckpt),
+        train_args = (reordered_data_args(c.train_args, self.out / "reordered", NOISE_ORDER_SEED) if b.arm == NOISE
+                      else c.train_args)
+        args = [*train_args, "--seed", str(b.seed), "--train-iters", str(c.train_iters), "--save", str(ckpt),
                 "--load", str(ckpt if resumed else self.out / f"seed{b.seed}" / "trunk" / "ckpt"),
                 "--save-interval", str(c.snip_interval),
                 "--tensorboard-dir", str(self.out / "tensorboard" / f"seed{b.seed}" / b.name)]
@@ -381,7 +405,7 @@ class Comparison:
         return args
 
     def _precision_flags(self, b: Branch) -> list[str]:
-        if b.arm == REFERENCE:
+        if b.arm in (REFERENCE, NOISE):
             return ["--precision", "bf16"]
         plan = self.plan_path(b)
         if b.budget is not None and not plan.exists():

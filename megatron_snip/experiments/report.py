@@ -2,9 +2,12 @@
 
 Gaps are paired: for each seed, a branch's loss minus the BF16 branch's loss of the same
 seed (same trunk, same batches), then the mean and the sample standard deviation over seeds.
-The seed-to-seed noise is the standard deviation of the BF16 branches' losses. With the oracle
-arm (``oracle.py``), each arm's regret at a budget is paired the same way: its loss minus the
-oracle branch's of the same seed.
+The seed-to-seed noise is the standard deviation of the BF16 branches' losses; the noise floor
+(``comparison.NOISE``, BF16 again on another data order) is the gap of an arm that differs from
+BF16 in nothing but its batches. With the oracle arm (``oracle.py``), each arm's regret at a budget
+is paired the same way: its loss minus the oracle branch's of the same seed. At each budget every
+arm is also set against SNIP's (the first of :data:`FOCUS` trained): the paired difference, its
+95% confidence interval (Student's t over the seeds) and its size in paired standard deviations.
 """
 
 from __future__ import annotations
@@ -17,8 +20,14 @@ from pathlib import Path
 from megatron_snip.fileio import write_text_atomic
 
 from .ablation import ESTIMATORS, NONE_ARM, spearman
-from .comparison import REFERENCE, Branch, BranchResult, ComparisonConfig, branches
+from .comparison import NOISE, REFERENCE, Branch, BranchResult, ComparisonConfig, branches
 from .oracle import ORACLE
+
+# The arm every other arm at a budget is set against: SNIP's, re-planned or its first plan kept.
+FOCUS = ("snip", "snip-fixed", "snip-loss-term")
+# Student's t, 97.5% quantile, by degrees of freedom (1-30): the 95% interval of a mean over few seeds.
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
@@ -26,6 +35,25 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     if not values:
         return math.nan, math.nan
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else math.nan)
+
+
+def ci95(std: float, n: int) -> float:
+    """Half-width of the 95% confidence interval of a mean of ``n`` values with sample std ``std``
+    (Student's t; beyond 30 degrees of freedom the 30's quantile, slightly wide; nan below 2 values)."""
+    if n < 2 or math.isnan(std):
+        return math.nan
+    return T975[min(n - 1, len(T975)) - 1] * std / math.sqrt(n)
+
+
+def paired_difference(results: dict[tuple[str, int], BranchResult], a: str, b: str, seeds) -> dict:
+    """Branch ``a`` minus branch ``b`` per seed, on the final validation loss and the training window:
+    mean, sample std, 95% half-width, over the seeds that have both."""
+    both = [s for s in seeds if (a, s) in results and (b, s) in results]
+    out = {"seeds": both}
+    for key, attr in (("val", "final_valid_loss"), ("train", "mean_train_loss")):
+        mean, std = mean_std([getattr(results[(a, s)], attr) - getattr(results[(b, s)], attr) for s in both])
+        out.update({key: mean, f"{key}_std": std, f"{key}_ci": ci95(std, len(both))})
+    return out
 
 
 def summarize(config: ComparisonConfig, results: dict[tuple[str, int], BranchResult],
@@ -68,8 +96,26 @@ def summarize(config: ComparisonConfig, results: dict[tuple[str, int], BranchRes
     noise = mean_std(ref_valid)[1]
     return {"rows": rows, "bf16_seed_std": noise, "train_iters": config.train_iters,
             "trunk_iters": config.trunk_iters, "window": config.branch_window,
+            "noise_floor": paired_difference(results, NOISE, REFERENCE, config.seeds) if config.noise_floor else None,
+            "versus_snip": _versus_focus(config, results),
             "ablation": _ablation(rows, predicted or {}), "oracle": (oracle or {}).get("costs"),
             "complete": len(results) == len(every)}
+
+
+def _versus_focus(config: ComparisonConfig, results: dict[tuple[str, int], BranchResult]) -> list[dict]:
+    """At each budget, every other arm minus SNIP's (:data:`FOCUS`), paired per seed (:func:`paired_difference`)."""
+    focus = next((f for f in FOCUS if f in config.policies), None)
+    if focus is None:
+        return []
+    rows = []
+    for budget in config.budgets:
+        mine = f"{focus}_{budget.tag}"
+        for arm in config.policies:
+            if arm != focus:
+                diff = paired_difference(results, f"{arm}_{budget.tag}", mine, config.seeds)
+                if diff["seeds"]:
+                    rows.append({"budget": budget.label, "arm": arm, "focus": focus, **diff})
+    return rows
 
 
 def _regret(results: dict[tuple[str, int], BranchResult], per_seed: dict[int, BranchResult], oracle: str,
@@ -79,7 +125,8 @@ def _regret(results: dict[tuple[str, int], BranchResult], per_seed: dict[int, Br
     paired = [s for s in seeds if s in per_seed and (oracle, s) in results]
     val = mean_std([per_seed[s].final_valid_loss - results[(oracle, s)].final_valid_loss for s in paired])
     train = mean_std([per_seed[s].mean_train_loss - results[(oracle, s)].mean_train_loss for s in paired])
-    return {"regret": val[0], "regret_std": val[1], "train_regret": train[0], "train_regret_std": train[1]}
+    return {"regret": val[0], "regret_std": val[1], "regret_ci": ci95(val[1], len(paired)),
+            "train_regret": train[0], "train_regret_std": train[1], "train_regret_ci": ci95(train[1], len(paired))}
 
 
 def _ablation(rows: list[dict], predicted: dict[int, dict]) -> dict | None:
@@ -108,12 +155,24 @@ def _pm(mean: float, std: float, digits: int = 4) -> str:
     return f"{mean:+.{digits}f}" + ("" if math.isnan(std) else f" ± {std:.{digits}f}")
 
 
+def _ci(mean: float, half: float, digits: int = 4) -> str:
+    """A mean and its 95% interval: ``+0.0012 [-0.0003, +0.0027]``."""
+    if math.isnan(mean):
+        return "-"
+    return f"{mean:+.{digits}f}" + ("" if math.isnan(half) else f" [{mean - half:+.{digits}f}, {mean + half:+.{digits}f}]")
+
+
+def _sigmas(mean: float, std: float) -> str:
+    """A paired difference in paired standard deviations."""
+    return "-" if math.isnan(mean) or math.isnan(std) or std == 0 else f"{mean / std:+.1f}"
+
+
 def markdown(summary: dict) -> str:
     lines = [f"Branches from iteration {summary['trunk_iters']} to {summary['train_iters']}; gap = loss - bf16 loss "
              f"of the same seed, mean ± sample std over seeds; train gap over the last {summary['window']} "
              f"iterations. BF16 seed-to-seed std of the validation loss: "
              + ("n/a (one seed)" if math.isnan(summary["bf16_seed_std"]) else f"{summary['bf16_seed_std']:.4f}")
-             + ". Estimated GEMM time: under the run's speed model (an estimate).", "",
+             + ". Estimated GEMM time: under the run's speed model (an estimate).", *_noise_line(summary), "",
              "| budget | policy | seeds | FP4 FLOPs | est. GEMM time | val loss | gap to bf16 | train gap |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in summary["rows"]:
@@ -134,23 +193,45 @@ def markdown(summary: dict) -> str:
                              + f" | {_pm(r['gap'], r['gap_std'])} | {_pm(r['train_gap'], r['train_gap_std'])} |")
         lines += ["", "Spearman rank correlation with the measured gap: " + "; ".join(
             f"{k} {v:+.2f}" for k, v in summary["ablation"]["spearman"].items()) + "."]
+    versus = summary.get("versus_snip") or []
+    if versus:
+        lines += ["", f"Paired differences to {versus[0]['focus']} at each budget (arm minus {versus[0]['focus']}, same "
+                  "seed; negative: the arm's loss is lower): mean [95% confidence interval, Student's t over the "
+                  "seeds] and the mean in paired standard deviations.", "",
+                  "| budget | arm | seeds | val difference [95% CI] | val / std | train difference [95% CI] | "
+                  "train / std |", "|---|---|---:|---:|---:|---:|---:|"]
+        for v in versus:
+            lines.append(f"| {v['budget']} | {v['arm']} | {len(v['seeds'])} | {_ci(v['val'], v['val_ci'])} | "
+                         f"{_sigmas(v['val'], v['val_std'])} | {_ci(v['train'], v['train_ci'])} | "
+                         f"{_sigmas(v['train'], v['train_std'])} |")
     regret = [r for r in summary["rows"] if not math.isnan(r.get("regret", math.nan))]
     if regret:
         costs = summary.get("oracle") or {}
         lines += ["", "Regret to the oracle (the ILP on the costs the ablations measured"
                   + (f", {costs['source']} ablations of seeds {costs['seeds']}" if costs else "")
-                  + "): loss minus the oracle branch's of the same seed, mean ± sample std over seeds. Additive "
+                  + "): loss minus the oracle branch's of the same seed, mean over seeds [95% confidence interval]. Additive "
                   "prediction: the all-high arm's gap plus the measured costs of the plan's FP4 modules (the "
                   "oracle's own row tests additivity: prediction vs measured gap).", "",
-                  "| budget | policy | additive prediction | gap to bf16 | regret (val) | regret (train) |",
-                  "|---|---|---:|---:|---:|---:|"]
+                  "| budget | policy | additive prediction | gap to bf16 | regret (val) [95% CI] | "
+                  "regret (train) [95% CI] |", "|---|---|---:|---:|---:|---:|"]
         for r in regret:
             lines.append(f"| {r['budget']} | {r['arm']} | {_pm(r['additive_prediction'], math.nan)} | "
-                         f"{_pm(r['gap'], r['gap_std'])} | {_pm(r['regret'], r['regret_std'])} | "
-                         f"{_pm(r['train_regret'], r['train_regret_std'])} |")
+                         f"{_pm(r['gap'], r['gap_std'])} | {_ci(r['regret'], r['regret_ci'])} | "
+                         f"{_ci(r['train_regret'], r['train_regret_ci'])} |")
     if not summary["complete"]:
         lines += ["", "**Incomplete**: some branches have not finished; rerun the same command to finish them."]
     return "\n".join(lines) + "\n"
+
+
+def _noise_line(summary: dict) -> list[str]:
+    """The noise floor's sentence for the report's head (nothing without the noise-floor arm)."""
+    floor = summary.get("noise_floor")
+    if not floor or not floor["seeds"]:
+        return []
+    return [f"Noise floor ({NOISE}: BF16 again on another order of the training documents, minus bf16, "
+            f"{len(floor['seeds'])} seeds): val {_pm(floor['val'], floor['val_std'])} on the same validation "
+            f"samples (its training window, {_pm(floor['train'], floor['train_std'])}, is over other batches: "
+            "not a floor for the train gaps, which every other arm measures on bf16's batches)."]
 
 
 def write_report(config: ComparisonConfig, summary: dict, results: dict[tuple[str, int], BranchResult],

@@ -6,11 +6,11 @@ layer-type heuristics and keeping the first/last layers in high precision.
 Each function here builds that baseline for a :class:`SnipProblem`: it
 honours the problem's pins, meets its budgets (the FP4 share and, when the
 problem has one, the estimated GEMM time; globally and, with ``per_stage``,
-in every stage) and returns a plan ``unit key -> format``. :func:`min_fp4_cost`
-is the ILP on any per-unit FP4 cost, e.g. one measured by training (the
-comparison's oracle, ``megatron_snip/experiments/oracle.py``).
-that :func:`evaluate_plan` (re-exported here) scores under the problem's
-costs, so plans can be compared side by side (:func:`format_comparison`).
+in every stage) and returns a plan ``unit key -> format`` that
+:func:`evaluate_plan` (re-exported here) scores under the problem's costs, so
+plans can be compared side by side (:func:`format_comparison`).
+:func:`min_fp4_cost` is the ILP on any per-unit FP4 cost, e.g. one measured
+by training (the comparison's oracle, ``megatron_snip/experiments/oracle.py``).
 
 A target that no plan can meet already fails when the problem is built
 (:class:`InfeasibleTargetError`); :func:`uniform` raises the same error when
@@ -184,9 +184,10 @@ def keep_last_high(problem: SnipProblem, *, fp4_format: str | None = None,
 
 def error_threshold(problem: SnipProblem, rel_error: CostTable, *, fp4_format: str | None = None,
                     high_format: str | None = None) -> dict[UnitKey, str]:
-    """A GEMM runs FP4 unless its measured relative quantization error crosses a threshold, in
-    the manner of Transformer Engine's ``AutoswitchGemm``; the threshold is the lowest that meets
-    the budget, i.e. units go FP4 in increasing order of ``rel_error[module][fp4 format]``."""
+    """An error-threshold switch: a GEMM runs FP4 unless its measured relative quantization error
+    crosses a threshold (no production stack ships this as a named feature; Transformer Engine's
+    debug tools can disable quantization per GEMM by configuration); the threshold is the lowest
+    that meets the budget, i.e. units go FP4 in increasing order of ``rel_error[module][fp4 format]``."""
     fp4 = _fp4_format(problem, fp4_format)
     order = sorted(problem.units, key=lambda u: rel_error[u.module][fp4])
     return _fill(problem, order, fp4, high_format)
