@@ -42,7 +42,6 @@ def test_preset_fills_shape_and_flags_override(tiny_data):
     (("--global-batch-size", "6", "--micro-batch-size", "4"), 1, "--global-batch-size 6 is not divisible"),
     (("--tensor-model-parallel-size", "2"), 3, "world size 3 is not divisible"),
     (("--seq-length", "128"), 1, "--seq-length 128 exceeds --max-position-embeddings 64"),
-    (("--sequence-parallel",), 1, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
     (("--lr-warmup-iters", "6"), 1, "--lr-warmup-iters 6 must be smaller than --lr-decay-iters 6"),
     (("--save-interval", "2"), 1, "--save-interval needs --save"),
     (("--recompute-granularity", "full"), 1, "--recompute-method"),
@@ -204,10 +203,11 @@ def test_fp4_format_turns_fp4_on_as_megatron_does(tiny_data):
 
 def test_fp8_delayed_scaling_defaults_are_megatrons_and_a_checkpoint_keeps_its_own():
     from megatron_snip.arguments import parse_args, validation
+    from megatron_snip.arguments.architecture import resolve_architecture
 
     def recipe(argv, resumed):
-        args = parse_args(["--train-iters", "1", *argv])
-        validation._apply_preset(args)
+        args = parse_args(["--model-preset", "tiny", "--train-iters", "1", *argv])
+        resolve_architecture(args)
         validation._validate_precision(args, cuda=False, resumed=resumed)
         return args.fp8_amax_history_len, args.fp8_amax_compute_algo, args.precision_notes
 

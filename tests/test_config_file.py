@@ -33,7 +33,7 @@ def test_every_flag_field_is_one_flag_with_its_default():
 
 def test_derived_fields_are_not_flags():
     derived = {f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls) if not f.metadata.get("flag")}
-    assert {"data_parallel_size", "num_microbatches", "precision_notes", "vocab_size"} <= derived
+    assert {"data_parallel_size", "num_microbatches", "precision_notes", "padded_vocab_size"} <= derived
     options = {o for a in build_parser()._actions for o in a.option_strings}
     assert not {"--data-parallel-size", "--num-microbatches", "--precision-notes"} & options
 

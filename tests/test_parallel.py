@@ -7,6 +7,9 @@ makes layouts comparable) and reads the same global batches.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 import torch
@@ -158,3 +161,37 @@ def test_bf16_run_saves_and_resumes_exactly(tiny_data, tmp_path):
                            "--tensorboard-dir", str(tb_resumed), iters=4))
     want = scalars(tb_full, LOSS)
     assert scalars(tb_resumed, LOSS) == {3: want[3], 4: want[4]}
+
+
+def test_tied_embeddings_train_at_pp2_as_at_tp1_resume_and_export(tiny_data, tmp_path):
+    """A Megatron-LM script without --untie-embeddings-and-output-weights gets a tied output layer: from the
+    same initial weights, PP2 (the last stage's copy of the embedding kept equal by megatron-core) trains
+    as one process does, resumes bit for bit, and exports with tie_word_embeddings and no lm_head."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from conftest import TINY_MEGATRON
+    from megatron_snip.training.checkpointing import read_common_state
+
+    def run(nproc, *extra, iters=3):
+        torchrun(nproc, train_args(tiny_data, *extra, model=TINY_MEGATRON, iters=iters))
+
+    init, pp2 = tmp_path / "init", ("--pipeline-model-parallel-size", "2")
+    run(1, "--save", str(init), iters=0)
+    assert read_common_state(str(init))["args"]["share_embeddings_and_output_weights"] is True
+    start = ("--load", str(init), "--no-load-optim", "--no-load-rng")
+    run(1, *start, "--tensorboard-dir", str(tmp_path / "tb1"))
+    run(2, *pp2, *start, "--save", str(tmp_path / "full"), "--save-interval", "2",
+        "--tensorboard-dir", str(tmp_path / "tb2"))
+    assert_close(scalars(tmp_path / "tb2", LOSS), scalars(tmp_path / "tb1", LOSS), rel=2e-5)
+    ckpt = resume_from(tmp_path / "full", 2, tmp_path / "resumed")
+    run(2, *pp2, "--load", str(ckpt), "--tensorboard-dir", str(tmp_path / "tb_res"))
+    full, resumed = scalars(tmp_path / "tb2", LOSS), scalars(tmp_path / "tb_res", LOSS)
+    assert sorted(resumed) == [3] and {k: full[k] for k in resumed} == resumed
+    subprocess.run([sys.executable, str(ROOT / "tools" / "convert_hf_llama.py"), "export", "--load-dir",
+                    str(tmp_path / "full"), "--save-dir", str(tmp_path / "hf"), "--no-progress"],
+                   cwd=ROOT, check=True, capture_output=True, timeout=300)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["tie_word_embeddings"] is True
+    names = {name for f in (tmp_path / "hf").glob("*.safetensors") for name in load_file(str(f))}
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names

@@ -31,12 +31,11 @@ class MegatronLMFlags:
     rotary_percent: float = flag(1.0, "Fraction of each head's dimension rotary embeddings rotate; only 1.0 "
                                  "(Llama).")
     recompute_activations: bool = flag(False, "As in Megatron-LM: --recompute-granularity selective.")
-    group_query_attention: bool = flag(False, "Accepted for Megatron compatibility; GQA follows --num-query-groups.")
-    swiglu: bool = flag(False, "Always on for Llama (accepted).")
-    disable_bias_linear: bool = flag(False, "Always on for Llama (accepted).")
-    untie_embeddings_and_output_weights: bool = flag(False, "Always on for Llama (accepted).")
-    normalization: str = flag("RMSNorm", "Llama's RMSNorm (the only choice).", choices=("RMSNorm",))
-    position_embedding_type: str = flag("rope", "Llama's rotary embeddings (the only choice).", choices=("rope",))
+    use_rotary_position_embeddings: bool = flag(False, "Megatron-LM's deprecated spelling of "
+                                                "--position-embedding-type rope.")
+    add_position_embedding: bool = flag(True, "Accepted with rotary embeddings (Megatron-LM's deprecated flag): "
+                                        "there is no learned position embedding to drop.",
+                                        option="--no-position-embedding")
     exit_signal_handler: bool = flag(
         False, "Accepted for Megatron-LM scripts: here the handler is always on. SIGTERM or SIGUSR1 make every rank "
         "finish its iteration, save (if --save) and exit 0.")
@@ -46,9 +45,42 @@ class MegatronLMFlags:
     use_checkpoint_args: bool = flag(False, "Accepted: the model's shape always comes from the checkpoint in --load.")
     ckpt_format: str = flag("torch_dist", "Only torch_dist (megatron-core dist_checkpointing) is written and read.",
                             choices=("torch", "torch_dist", "torch_dcp", "fsdp_dtensor"))
+    ckpt_fully_parallel_save_deprecated: bool = flag(
+        False, "Megatron-LM's deprecated flag, without effect there and here: saves are spread over data-parallel "
+        "ranks unless --no-ckpt-fully-parallel-save.", option="--ckpt-fully-parallel-save")
+    use_mcore_models: bool = flag(False, "Accepted (deprecated in Megatron-LM): megatron-core models are the only "
+                                  "ones, there and here.")
+    use_flash_attn: bool = flag(False, "Accepted: Megatron-LM parses and ignores it; choose the kernel with "
+                                "--attention-backend.")
+    apply_rope_fusion: bool = flag(True, "Accepted: rotary embeddings are applied unfused here (the fused kernel is "
+                                   "Transformer Engine's).", option="--no-rope-fusion")
+    bias_swiglu_fusion: bool = flag(True, "Accepted: the SwiGLU activation runs unfused here.",
+                                    option="--no-bias-swiglu-fusion")
+    gradient_accumulation_fusion: bool = flag(
+        True, "Accepted: weight gradients accumulate unfused here (the fusion is an APEX / Transformer Engine "
+        "kernel).", option="--no-gradient-accumulation-fusion")
+    accumulate_allreduce_grads_in_fp32: bool = flag(
+        False, "Accepted: gradients accumulate and all-reduce in fp32 here (Megatron-LM's default with --bf16) unless "
+        "--grad-reduce-in-bf16.")
+    create_attention_mask_in_dataloader: bool = flag(
+        True, "Accepted: the data loader builds an attention mask only for --reset-attention-mask (the attention "
+        "kernels build the causal mask).", option="--no-create-attention-mask-in-dataloader")
+    dataloader_type: str | None = flag(None, "single (Megatron-LM's default): each sample once per pass, in order of "
+                                       "consumed samples; cyclic and external are refused.",
+                                       choices=("single", "cyclic", "external"))
+    tiktoken_pattern: str | None = flag(None, "Accepted, unused: only --tokenizer-type TikTokenizer (refused) reads "
+                                        "it.", choices=("v1", "v2"))
+    profile_step_start: int = flag(10, "With --profile (refused).")
+    profile_step_end: int = flag(12, "With --profile (refused).")
     async_save: bool = flag(False, "Refused: checkpoints are saved synchronously.")
     no_fp8_wgrad: bool = flag(False, "Refused: wgrad runs in the backward's precision.")
     fp8_param_gather: bool = flag(False, "Refused: parameters are never stored in fp8.")
+    fp16: bool = flag(False, "Refused: fp16 needs loss scaling; use --bf16.")
+    apply_layernorm_1p: bool = flag(False, "Refused: the norms store their scale, not scale - 1.")
+    calculate_per_token_loss: bool = flag(False, "Refused: each micro-batch's loss is the mean over its tokens.")
+    use_torch_fsdp2: bool = flag(False, "Refused: megatron-core DDP only.")
+    use_megatron_fsdp: bool = flag(False, "Refused: megatron-core DDP only.")
+    profile: bool = flag(False, "Refused: no nsys capture range is marked.")
 
 
 # Megatron-LM flags refused with the reason and what to do instead (dest -> message).
@@ -59,6 +91,20 @@ _REFUSED = {
                     "wgrad); keep the backward out of fp8 with --precision-schedule bwd=bf16@1, or drop the flag",
     "fp8_param_gather": "--fp8-param-gather: parameters stay in bf16/fp32 and are quantized at each GEMM, so there "
                         "are no fp8 parameters to all-gather; drop the flag",
+    "fp16": "--fp16: fp16 training needs loss scaling, which this program does not set up; use --bf16",
+    "apply_layernorm_1p": "--apply-layernorm-1p: the norms here store their scale, not scale - 1 (zero-centred); drop "
+                          "the flag (norm weights get no weight decay, as in megatron-core, so training differs only "
+                          "in rounding)",
+    "calculate_per_token_loss": "--calculate-per-token-loss: each micro-batch's loss is the mean over its tokens "
+                                "(Megatron-LM's default), not normalised over the global batch's tokens; drop the flag "
+                                "(the two agree when every micro-batch has as many loss tokens, as without "
+                                "--eod-mask-loss)",
+    "use_torch_fsdp2": "--use-torch-fsdp2: FSDP is not supported (megatron-core DDP only); shard the optimizer state "
+                       "with --use-distributed-optimizer instead",
+    "use_megatron_fsdp": "--use-megatron-fsdp: FSDP is not supported (megatron-core DDP only); shard the optimizer "
+                         "state with --use-distributed-optimizer instead",
+    "profile": "--profile: no nsys capture range (cudaProfilerStart/Stop) is marked here; profile the whole run with "
+               "nsys profile without --capture-range, or drop the flag",
 }
 
 
@@ -77,6 +123,13 @@ def validate_megatron_lm(args: argparse.Namespace) -> None:
         require(not getattr(args, key), message)
     require(args.ckpt_format == "torch_dist", f"--ckpt-format {args.ckpt_format}: checkpoints are megatron-core "
             "dist_checkpointing (torch_dist) only; use --ckpt-format torch_dist (Megatron-LM's default)")
+    require(args.dataloader_type in (None, "single"), f"--dataloader-type {args.dataloader_type}: samples are read "
+            "once per pass in the order of consumed samples (Megatron-LM's single); use --dataloader-type single")
+    require(args.create_attention_mask_in_dataloader or not args.reset_attention_mask,
+            "--no-create-attention-mask-in-dataloader drops the mask --reset-attention-mask needs (attention across "
+            "document boundaries); drop one of the two")
+    require(not (args.accumulate_allreduce_grads_in_fp32 and args.grad_reduce_in_bf16),
+            "--accumulate-allreduce-grads-in-fp32 and --grad-reduce-in-bf16 contradict each other; drop one")
     head_dim = args.hidden_size // args.num_attention_heads
     require(args.kv_channels in (None, head_dim),
             f"--kv-channels {args.kv_channels} differs from --hidden-size {args.hidden_size} / "

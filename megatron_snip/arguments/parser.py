@@ -17,7 +17,7 @@ from .megatron_lm import MegatronLMFlags
 
 # Help-group titles of the sections, in SECTIONS' order.
 TITLES = {
-    "model": "model (defaults come from --model-preset)",
+    "model": "model (defaults: --model-preset, the checkpoint in --load, else Megatron-LM's)",
     "parallel": "parallelism",
     "training": "training",
     "precision": "precision of the linear layers (docs/numerics.md)",

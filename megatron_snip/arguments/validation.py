@@ -2,8 +2,8 @@
 
 :func:`resolve` checks everything that can be checked before any process-group work (the flags
 against each other, the launch, the files and the checkpoint, read once), raising
-:class:`ArgumentError` naming the flag and the fix. It fills what the flags leave open (the shape
-from ``--model-preset`` or the checkpoint, batch arithmetic, Megatron-LM's sample counts, recipe
+:class:`ArgumentError` naming the flag and the fix. It fills what the flags leave open (the architecture
+from ``--model-preset``, the checkpoint or Megatron-LM's flags, batch arithmetic, Megatron-LM's sample counts, recipe
 values a resumed checkpoint keeps, SNIP's defaults), decides the start point (the checkpoint state
 resumed, the first plan and precision schedule) and returns the frozen
 :class:`~megatron_snip.training.config.RunConfig`. This is the edge: nothing below it reads an
@@ -19,12 +19,14 @@ import math
 import os
 from typing import TYPE_CHECKING, Any
 
+from megatron_snip.data.config import NULL_TOKENIZER, REFUSED_TOKENIZER_TYPES
 from megatron_snip.model import checkpoint_shape
 from megatron_snip.model.presets import PRESETS
 from megatron_snip.precision.config import RECIPE_DEFAULTS
 from megatron_snip.precision.registry import FP4_NAMES, PRECISION_NAMES
 from megatron_snip.snip.config import DEFAULT_FP4_TARGET
 
+from .architecture import resolve_architecture
 from .errors import ArgumentError, require
 from .megatron_lm import validate_megatron_lm
 from .parser import parse_args
@@ -45,19 +47,6 @@ def _validate_safety(args: argparse.Namespace) -> None:
         args.promote_on_fault = args.snip and args.quant_health
     require(not args.promote_on_fault or args.quant_health,
             "--promote-on-fault needs --quant-health (with --transformer-impl local) to know which module to promote")
-
-
-def _apply_preset(args: argparse.Namespace) -> None:
-    """Fill unset model-shape fields from ``--model-preset`` (default tiny; a loaded checkpoint's
-    label, e.g. hf-import, names no preset: its shape is complete)."""
-    args.model_preset = args.model_preset or "tiny"
-    for key, value in (PRESETS[args.model_preset].as_args() if args.model_preset in PRESETS else {}).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    if args.use_rope_scaling is None:
-        args.use_rope_scaling = False
-    if args.rope_scaling_factor is None:
-        args.rope_scaling_factor = 8.0
 
 
 def _read_checkpoint(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -140,7 +129,9 @@ def resolve(parsed: argparse.Namespace, world_size: int | None = None, cuda: boo
         cuda = has_cuda()
     args = argparse.Namespace(**{**dict.fromkeys(checkpoint_shape.CARRIED), **vars(parsed)})  # the working copy
     checkpoint = _read_checkpoint(args) if check_files else None
-    _apply_preset(args)
+    if args.load is not None and args.model_preset is None and not check_files:
+        args.model_preset = "tiny"  # a stand-in for the shape of the checkpoint, which is not read here
+    resolve_architecture(args)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     require(tp >= 1 and pp >= 1, "--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
     require(world_size % (tp * pp) == 0,
@@ -186,8 +177,8 @@ def resolve(parsed: argparse.Namespace, world_size: int | None = None, cuda: boo
             "layers' attention has no ring attention, and SNIP's probes measure whole sequences per rank); "
             "use --sequence-parallel to split activations over TP, or --context-parallel-size 1")
     require(args.train_iters >= 0, "--train-iters must be >= 0")
-    require(args.sequence_parallel is False or tp > 1,
-            "--sequence-parallel needs --tensor-model-parallel-size > 1")
+    if tp == 1:
+        args.sequence_parallel = False  # Megatron-LM's rule: nothing to shard over, so no change in numerics
     require(args.transformer_impl == "local" or cuda,
             "--transformer-impl transformer_engine needs a GPU with Transformer Engine; use --transformer-impl local")
     if args.recompute_granularity == "full":
@@ -215,6 +206,9 @@ def resolve(parsed: argparse.Namespace, world_size: int | None = None, cuda: boo
     if args.save_interval is not None:
         require(args.save_interval >= 1, "--save-interval must be >= 1")
         require(args.save is not None, "--save-interval needs --save DIR")
+    _validate_retention(args)
+    require(args.decoupled_min_lr is None or args.decoupled_lr is not None,
+            "--decoupled-min-lr goes with --decoupled-lr (the embedding and output layer's own schedule)")
     if args.start_weight_decay is None:
         args.start_weight_decay = args.weight_decay
     if args.end_weight_decay is None:
@@ -223,10 +217,11 @@ def resolve(parsed: argparse.Namespace, world_size: int | None = None, cuda: boo
     _validate_precision(args, cuda, resumed)
     _validate_snip(args)
     _validate_safety(args)
+    _validate_data_source(args)
     _validate_split(args)
     if check_files:
         _validate_solver(args)
-        _validate_files(args, resumed)
+        _validate_files(args, checkpoint is not None)
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if cuda else "gloo"
     require(args.distributed_backend == "gloo" or cuda,
@@ -236,6 +231,18 @@ def resolve(parsed: argparse.Namespace, world_size: int | None = None, cuda: boo
 
     config = RunConfig.from_flags(vars(args))
     return dataclasses.replace(config, start=_start_point(config, resumed, check_files))
+
+
+def _validate_retention(args: argparse.Namespace) -> None:
+    """Megatron-LM's --save-retain-interval: a positive multiple of --save-interval, with --save."""
+    keep = args.save_retain_interval
+    if keep is None:
+        return
+    require(args.save is not None and args.save_interval is not None,
+            f"--save-retain-interval {keep} needs --save DIR and --save-interval N (it thins out those checkpoints)")
+    require(keep >= 1 and keep % args.save_interval == 0,
+            f"--save-retain-interval {keep} must be a positive multiple of --save-interval {args.save_interval} "
+            f"(the iterations whose checkpoints are kept)")
 
 
 def _start_point(config: RunConfig, resumed: dict | None, check_files: bool) -> StartPoint | None:
@@ -371,9 +378,24 @@ def _te_snip_candidates(args: argparse.Namespace) -> None:
                                     "recipe covers a module's forward and backward GEMMs): SNIP plans them together")
 
 
+def _validate_data_source(args: argparse.Namespace) -> None:
+    """One data source (--data-path or --mock-data, as in Megatron-LM), a tokenizer type read here,
+    and NullTokenizer's size."""
+    refused = REFUSED_TOKENIZER_TYPES.get(args.tokenizer_type)
+    require(refused is None, f"--tokenizer-type {args.tokenizer_type} is not supported: {refused}")
+    require(not (args.mock_data and args.data_path),
+            "--mock-data and --data-path: give one data source (as Megatron-LM requires)")
+    if args.tokenizer_type == NULL_TOKENIZER:
+        require(args.vocab_size is not None and args.vocab_size >= 2,
+                f"--tokenizer-type NullTokenizer needs --vocab-size N >= 2 (ids 0..N-1, the last the end-of-document "
+                f"token), not {args.vocab_size}")
+
+
 def _validate_split(args: argparse.Namespace) -> None:
     """``--split`` parsed as megatron-core parses it; as in Megatron-LM, no validation share means no
-    evaluation (``--eval-iters`` becomes 0)."""
+    evaluation (``--eval-iters`` becomes 0). Mock data ignores it (megatron-core splits it 1,1,1)."""
+    if args.mock_data:
+        return
     from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
 
     try:
@@ -398,33 +420,29 @@ def _validate_solver(args: argparse.Namespace) -> None:
             f"else HiGHS)")
 
 
-def _validate_files(args: argparse.Namespace, resumed: dict | None) -> None:
-    require(args.data_path is not None,
-            "--data-path is required: the prefix of a preprocessed dataset (tools/preprocess_data.py)")
-    require(args.tokenizer_model is not None,
+def _validate_files(args: argparse.Namespace, from_checkpoint: bool) -> None:
+    require(args.data_path is not None or args.mock_data,
+            "--data-path is required: the prefix of a preprocessed dataset (tools/preprocess_data.py), or "
+            "--mock-data for megatron-core's synthetic data")
+    require(args.tokenizer_model is not None or args.tokenizer_type == NULL_TOKENIZER,
             "--tokenizer-model is required: a sentencepiece .model file (tools/train_tokenizer.py) or, with "
             "--tokenizer-type HuggingFaceTokenizer, a tokenizer.json or the model directory holding it")
-    from megatron_snip.data.datasets import (
-        check_data_prefixes,
-        check_splits_have_documents,
-        check_vocab_covers_data,
-        parse_data_path,
-    )
-    from megatron_snip.data.tokenizer import build_tokenizer
     from megatron_snip.training.checkpointing import CheckpointError, verify_latest
 
     try:
-        prefixes = parse_data_path(args.data_path)[0]
-        check_data_prefixes(prefixes)
-        check_splits_have_documents(prefixes, args.split)
-        tokens = build_tokenizer(args.tokenizer_type, args.tokenizer_model).vocab_size
-        check_vocab_covers_data(prefixes, tokens)
-        require(args.vocab_size is None or tokens <= args.vocab_size,
-                f"--tokenizer-model {args.tokenizer_model} has {tokens} ids but the model in --load {args.load} "
-                f"has a vocabulary of {args.vocab_size}; use the model's own tokenizer")
+        tokens = _validate_data_files(args)
         latest = verify_latest(args.load) if args.load is not None else None
     except (FileNotFoundError, ValueError, CheckpointError) as e:
         raise ArgumentError(str(e)) from e
+    if from_checkpoint:
+        require(args.vocab_size is None or tokens <= args.vocab_size,
+                f"--tokenizer-model {args.tokenizer_model} has {tokens} ids but the model in --load {args.load} "
+                f"has a vocabulary of {args.vocab_size}; use the model's own tokenizer")
+    else:
+        require(args.vocab_size in (None, tokens),
+                f"--vocab-size {args.vocab_size} differs from the {tokens} ids of --tokenizer-model "
+                f"{args.tokenizer_model}, which define the vocabulary here (Megatron-LM ignores --vocab-size for "
+                f"this tokenizer type); drop --vocab-size or pass {tokens}")
     if args.load is not None and latest is None:
         require(not args.exit_on_missing_checkpoint,
                 f"--load {args.load!r} holds no checkpoint (no latest_checkpointed_iteration.txt) and "
@@ -432,6 +450,25 @@ def _validate_files(args: argparse.Namespace, resumed: dict | None) -> None:
         require(os.path.abspath(args.load) == os.path.abspath(args.save or ""),
                 f"--load {args.load!r} holds no checkpoint (no latest_checkpointed_iteration.txt); "
                 f"fix the path, or pass the same directory to --save and --load to resume-or-start")
+
+
+def _validate_data_files(args: argparse.Namespace) -> int:
+    """Check the tokenizer and the data against each other; returns the tokenizer's size."""
+    from megatron_snip.data.datasets import (
+        check_data_prefixes,
+        check_splits_have_documents,
+        check_vocab_covers_data,
+        parse_data_path,
+    )
+    from megatron_snip.data.tokenizer import build_tokenizer
+
+    prefixes = [] if args.mock_data else parse_data_path(args.data_path)[0]
+    check_data_prefixes(prefixes)
+    if prefixes:  # mock data ignores --split
+        check_splits_have_documents(prefixes, args.split)
+    tokens = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size).vocab_size
+    check_vocab_covers_data(prefixes, tokens)
+    return tokens
 
 
 def _refuse_hf_directory(path: str) -> None:

@@ -6,7 +6,26 @@ from dataclasses import dataclass
 
 from megatron_snip.flags import flag
 
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "HuggingFaceTokenizer")
+# Megatron-LM's --tokenizer-type values read here: its three SentencePiece names read one .model file alike
+# (megatron-core's tokenizers build all three from the same library), and NullTokenizer (no file).
+SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+HUGGINGFACE_TOKENIZER = "HuggingFaceTokenizer"
+NULL_TOKENIZER = "NullTokenizer"
+# Megatron-LM's other types, refused with what to use instead.
+REFUSED_TOKENIZER_TYPES = {
+    "TikTokenizer": "Llama 3's tiktoken vocabulary ships as a tokenizer.json: use --tokenizer-type "
+                    "HuggingFaceTokenizer --tokenizer-model that file or its model directory",
+    "GPT2BPETokenizer": "vocab.json + merges.txt files are not read here; use --tokenizer-type HuggingFaceTokenizer "
+                        "with the model's tokenizer.json",
+    "BertWordPieceLowerCase": "a BERT vocabulary is not a Llama tokenizer; use SentencePieceTokenizer or "
+                              "HuggingFaceTokenizer",
+    "BertWordPieceCase": "a BERT vocabulary is not a Llama tokenizer; use SentencePieceTokenizer or "
+                         "HuggingFaceTokenizer",
+    "MultimodalTokenizer": "multimodal training is not supported (text only)",
+    "NullMultimodalTokenizer": "multimodal training is not supported (text only); use NullTokenizer",
+    "SFTTokenizer": "supervised fine-tuning formats are not supported (pretraining only)",
+}
+TOKENIZER_TYPES = (*SENTENCEPIECE_TYPES, HUGGINGFACE_TOKENIZER, NULL_TOKENIZER)
 
 
 @dataclass(frozen=True)
@@ -18,10 +37,15 @@ class DataConfig:
         None, "Prefix of a .bin/.idx pair, or a blend 'W1 PREFIX1 W2 PREFIX2 ...'.")
     split: str = flag("969,30,1", "Train,valid,test proportions. A validation share of 0 turns evaluation off (as in "
                       "Megatron-LM: --eval-iters is then 0).")
+    mock_data: bool = flag(
+        False, "Synthetic data instead of --data-path: megatron-core's MockGPTDataset (documents of random length, "
+        "each 1, 2, 3, ... modulo the vocabulary, then end-of-document), split 1,1,1 whatever --split says, as in "
+        "Megatron-LM. Usually with --tokenizer-type NullTokenizer --vocab-size N.")
     tokenizer_type: str = flag(
-        "SentencePieceTokenizer", "SentencePieceTokenizer (a .model file: TinyLlama, Llama 2) or "
-        "HuggingFaceTokenizer (a tokenizer.json, or the model directory holding it: Llama 3).",
-        choices=TOKENIZER_TYPES)
+        "SentencePieceTokenizer", "SentencePieceTokenizer, GPTSentencePieceTokenizer or Llama2Tokenizer (a "
+        "SentencePiece .model file: TinyLlama, Llama 2), HuggingFaceTokenizer (a tokenizer.json, or the model "
+        "directory holding it: Llama 3), or NullTokenizer (no file: --vocab-size ids, for --mock-data). Megatron-LM's "
+        "other types are refused.", choices=(*TOKENIZER_TYPES, *REFUSED_TOKENIZER_TYPES))
     tokenizer_model: str | None = flag(None, "The tokenizer file (or, for HuggingFaceTokenizer, a model directory).")
     data_cache_path: str | None = flag(None, "Where megatron-core caches the dataset indices (default: beside the "
                                        "data).")

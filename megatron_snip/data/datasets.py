@@ -1,5 +1,6 @@
 """Megatron indexed datasets: writing them from text (``tools/preprocess_data.py``) and building
-the train/valid/test ``GPTDataset``s the training loop reads from them.
+the train/valid/test ``GPTDataset``s the training loop reads from them (or, for ``--mock-data``,
+megatron-core's synthetic ``MockGPTDataset``s).
 
 An indexed dataset is megatron-core's pair ``<prefix>.bin`` (all token ids, back to back, in the
 index's dtype) and ``<prefix>.idx`` (lengths and offsets of the documents). Preprocessing names
@@ -25,7 +26,7 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
     convert_split_vector_to_split_matrix,
     parse_and_normalize_split,
 )
-from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import (  # the index reader and header: to check a file's integrity
     _INDEX_HEADER,
     DType,
@@ -389,7 +390,8 @@ class GPTDataConfig:
     """Where the GPT training data comes from and how samples are cut (Megatron-LM flag names).
 
     Attributes:
-        data_path: ``--data-path``: ``[prefix, ...]`` or ``[w1, prefix1, w2, prefix2, ...]``.
+        data_path: ``--data-path``: ``[prefix, ...]`` or ``[w1, prefix1, w2, prefix2, ...]``; None:
+            megatron-core's mock data (``--mock-data``), which splits 1,1,1 whatever ``split`` says.
         seq_length: ``--seq-length``, tokens per sample (each sample reads one extra token for
             the shifted labels).
         split: ``--split``, relative document shares of train,valid,test, e.g. ``"969,30,1"``.
@@ -404,7 +406,7 @@ class GPTDataConfig:
         mmap_bin_files: memory-map the ``.bin`` files (``--no-mmap-bin-files`` turns it off).
     """
 
-    data_path: tuple[str, ...]
+    data_path: Optional[tuple[str, ...]]
     seq_length: int
     split: str = "969,30,1"
     seed: int = 1234
@@ -441,8 +443,9 @@ def build_gpt_datasets(
     num_samples: tuple[Optional[int], Optional[int], Optional[int]],
     is_built_on_rank: Callable[[], bool] = lambda: True,
 ) -> tuple[Optional[Dataset], Optional[Dataset], Optional[Dataset]]:
-    """Train, valid and test datasets (a ``GPTDataset``, or a ``BlendedDataset`` over several)
-    through megatron-core's ``BlendedMegatronDatasetBuilder``, as Megatron-LM's pretrain_gpt does.
+    """Train, valid and test datasets (a ``GPTDataset``, a ``BlendedDataset`` over several, or without
+    ``config.data_path`` a ``MockGPTDataset``) through megatron-core's ``BlendedMegatronDatasetBuilder``,
+    as Megatron-LM's pretrain_gpt does.
 
     Each item is a dict of int64/float tensors: tokens, labels, loss_mask, position_ids
     (and attention_mask), each ``seq_length`` long. A split with no documents is None.
@@ -461,14 +464,17 @@ def build_gpt_datasets(
         ValueError: bad blend weights, data with ids beyond the tokenizer's vocabulary, or a
             split left without documents.
     """
-    prefixes, weights = parse_data_path(config.data_path)
-    check_data_prefixes(prefixes)
-    check_vocab_covers_data(prefixes, tokenizer.vocab_size)
-    check_splits_have_documents(prefixes, config.split)
+    blend = None  # megatron-core's mock data: no blend (its config then sets mock and split 1,1,1)
+    if config.data_path is not None:
+        prefixes, weights = parse_data_path(config.data_path)
+        check_data_prefixes(prefixes)
+        check_vocab_covers_data(prefixes, tokenizer.vocab_size)
+        check_splits_have_documents(prefixes, config.split)
+        blend = (prefixes, weights)
     gpt_config = GPTDatasetConfig(
         random_seed=config.seed,
         sequence_length=config.seq_length,
-        blend=(prefixes, weights),
+        blend=blend,
         split=config.split,
         path_to_cache=config.path_to_cache,
         mmap_bin_files=config.mmap_bin_files,
@@ -478,6 +484,6 @@ def build_gpt_datasets(
         eod_mask_loss=config.eod_mask_loss,
         create_attention_mask=config.create_attention_mask,
     )
-    builder = _Builder(GPTDataset, list(num_samples), is_built_on_rank, gpt_config)
+    builder = _Builder(GPTDataset if blend else MockGPTDataset, list(num_samples), is_built_on_rank, gpt_config)
     train, valid, test = builder.build()
     return train, valid, test

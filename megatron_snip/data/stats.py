@@ -46,3 +46,19 @@ def data_unigram_entropy(data_path: Sequence[str]) -> float:
         return entropy_from_counts(sum(counts))
     mixture = sum(w / sum(weights) * c / c.sum() for w, c in zip(weights, counts))
     return entropy_from_counts(mixture)
+
+
+def mock_unigram_entropy(tokenizer) -> float:
+    """Unigram entropy in nats/token of megatron-core's mock data (``--mock-data``) for ``tokenizer``,
+    exactly, over all its documents: document ``d`` of length ``L_d`` is the ids ``1, 2, ..., L_d - 1``
+    modulo the vocabulary, then the end-of-document id."""
+    from megatron.core.datasets.gpt_dataset import MockGPTLowLevelDataset
+
+    docs = MockGPTLowLevelDataset(tokenizer)
+    body = np.sort(docs.sequence_lengths.astype(np.int64) - 1)  # ids before each end-of-document
+    positions = np.arange(1, body.max() + 1)
+    reach = len(body) - np.searchsorted(body, positions, side="left")  # documents with an id at each position
+    counts = np.bincount(positions % docs.vocab_size, weights=reach, minlength=docs.vocab_size)
+    counts[docs.eod_token] += len(body)
+    return entropy_from_counts(counts)
+

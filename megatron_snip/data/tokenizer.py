@@ -34,10 +34,11 @@ from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
 
 from megatron_snip.data.corpus import iter_documents
 
-# Megatron-LM's --tokenizer-type values: this module's, and data/hf_tokenizer.py's.
-SENTENCEPIECE_TOKENIZER = "SentencePieceTokenizer"
-HUGGINGFACE_TOKENIZER = "HuggingFaceTokenizer"
-TOKENIZER_TYPES = (SENTENCEPIECE_TOKENIZER, HUGGINGFACE_TOKENIZER)
+from megatron_snip.data.config import HUGGINGFACE_TOKENIZER, NULL_TOKENIZER, SENTENCEPIECE_TYPES
+
+# Megatron-LM's --tokenizer-type values of tokenizer files: this module's, and data/hf_tokenizer.py's.
+SENTENCEPIECE_TOKENIZER = SENTENCEPIECE_TYPES[0]
+TOKENIZER_TYPES = (*SENTENCEPIECE_TYPES, HUGGINGFACE_TOKENIZER)
 
 # --------------------------------------------------------------------------------------------
 # Using a model
@@ -142,16 +143,19 @@ class SentencePieceTokenizer(MegatronLegacyTokenizer):
         return self._sp.get_score(token_id)
 
 
-def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str]) -> MegatronLegacyTokenizer:
+def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str], vocab_size: Optional[int] = None):
     """The tokenizer named by Megatron's ``--tokenizer-type`` / ``--tokenizer-model`` flags:
-    a SentencePiece ``.model`` file, or for ``HuggingFaceTokenizer`` a Hugging Face model
-    directory or ``tokenizer.json`` (data/hf_tokenizer.py).
+    a SentencePiece ``.model`` file, for ``HuggingFaceTokenizer`` a Hugging Face model
+    directory or ``tokenizer.json`` (data/hf_tokenizer.py), or ``NullTokenizer`` of
+    ``vocab_size`` ids (no file).
 
     Raises:
-        ValueError: unknown ``tokenizer_type``, no ``tokenizer_model`` given, or the file is not
-            a tokenizer of that type.
+        ValueError: unknown ``tokenizer_type``, no ``tokenizer_model`` (or ``vocab_size``) given, or
+            the file is not a tokenizer of that type.
         FileNotFoundError: ``tokenizer_model`` does not exist.
     """
+    if tokenizer_type == NULL_TOKENIZER:
+        return null_tokenizer(vocab_size)
     if tokenizer_type not in TOKENIZER_TYPES:
         raise ValueError(
             f"--tokenizer-type {tokenizer_type!r} is not supported; "
@@ -172,6 +176,17 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str]) -> Mega
         raise ValueError(
             f"--tokenizer-model {tokenizer_model}: not a SentencePiece model ({e})"
         ) from None
+
+
+def null_tokenizer(vocab_size: Optional[int]):
+    """megatron-core's NullTokenizer with current Megatron-LM's meaning of ``--vocab-size N``: ids 0..N-1,
+    the last (N-1) the end-of-document token. megatron-core 0.16.1's NullTokenizer appends the
+    end-of-document id to the ids it is given, so it is given N-1."""
+    if vocab_size is None or vocab_size < 2:
+        raise ValueError(f"--tokenizer-type NullTokenizer needs --vocab-size N >= 2 (its ids), not {vocab_size}")
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    return MegatronTokenizer.from_pretrained(metadata_path={"library": "null"}, vocab_size=vocab_size - 1)
 
 
 def _build_hf_tokenizer(path: str) -> MegatronLegacyTokenizer:

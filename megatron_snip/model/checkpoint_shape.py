@@ -11,8 +11,9 @@ from __future__ import annotations
 
 # Fields the weights fix: a different value cannot load or changes the model's function.
 FIXED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-         "rotary_base", "norm_epsilon", "use_rope_scaling", "rope_scaling_factor")
+         "rotary_base", "norm_epsilon", "use_rope_scaling", "rope_scaling_factor", "vocab_size")
 # Fields taken from the checkpoint when not given, and free to change.
 DEFAULTS = ("seq_length", "max_position_embeddings")
 # Fields without flags, always the checkpoint's (arguments.py gives them a None default).
-CARRIED = ("vocab_size", "padded_vocab_size", "share_embeddings_and_output_weights", "hf_files")
+# share_embeddings_and_output_weights is absent (None) in checkpoints written before it was saved: untied.
+CARRIED = ("padded_vocab_size", "share_embeddings_and_output_weights", "hf_files")

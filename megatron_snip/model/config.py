@@ -18,13 +18,19 @@ class ModelConfig:
     and explicit flags win."""
 
     model_preset: str | None = flag(
-        None, "Named Llama shape (default tiny, or with --load the checkpoint's shape); explicit shape flags override "
-        "its fields.", choices=sorted(PRESETS), ours=True)
+        None, "Named Llama architecture (with --load: the checkpoint's); explicit shape flags override its fields. "
+        "Without a preset or checkpoint the architecture flags mean what they mean in Megatron-LM, with its "
+        "defaults (docs/megatron_compat.md).", choices=sorted(PRESETS), ours=True)
     num_layers: int | None = flag(None, "Transformer layers.")
     hidden_size: int | None = flag(None, "Hidden size.")
-    ffn_hidden_size: int | None = flag(None, "MLP hidden size (SwiGLU's inner width).")
+    ffn_hidden_size: int | None = flag(None, "MLP hidden size (SwiGLU's inner width). Without a preset: Megatron-LM's "
+                                       "default for SwiGLU, int(4 x hidden x 2/3 / 64) x 64.")
     num_attention_heads: int | None = flag(None, "Attention heads.")
-    num_query_groups: int | None = flag(None, "Key/value heads (GQA).")
+    group_query_attention: bool | None = flag(
+        None, "Grouped-query attention with --num-query-groups key/value heads. Without a preset, as in Megatron-LM, "
+        "attention is multi-head unless this is given.")
+    num_query_groups: int | None = flag(None, "Key/value heads (with --group-query-attention; Megatron-LM's default "
+                                        "1 there).")
     seq_length: int | None = flag(None, "Tokens per sample.")
     max_position_embeddings: int | None = flag(None, "Longest sequence the position embedding serves.")
     rotary_base: int | None = flag(None, "RoPE base.")
@@ -33,6 +39,26 @@ class ModelConfig:
         None, "Llama 3.1's rope frequency scaling (megatron-core's: low/high frequency factors 1 and 4, original "
         "context 8192).")
     rope_scaling_factor: float | None = flag(None, "Its factor (default 8).")
+    # Megatron-LM's architecture switches. None: not given, so the preset's, the checkpoint's or (neither)
+    # Megatron-LM's default; validation resolves them and refuses what this program cannot build.
+    swiglu: bool | None = flag(None, "SwiGLU MLP. Without a preset or checkpoint it is required: Megatron-LM builds a "
+                               "GELU MLP without it, which this program cannot build.")
+    disable_bias_linear: bool | None = flag(
+        None, "No biases in the linear layers. Without a preset or checkpoint it is required: Megatron-LM adds biases "
+        "without it, which Llama has none of.")
+    normalization: str | None = flag(None, "RMSNorm; Megatron-LM's default LayerNorm is refused (Llama).",
+                                     choices=("LayerNorm", "RMSNorm"))
+    position_embedding_type: str | None = flag(
+        None, "rope; Megatron-LM's default learned_absolute and its other types are refused (Llama).",
+        choices=("learned_absolute", "rope", "yarn", "mrope", "relative", "none"))
+    untie_embeddings_and_output_weights: bool | None = flag(
+        None, "Give the output layer its own weight. Not given: as in Megatron-LM, the output layer shares the input "
+        "embedding's weight (tied), except with --model-preset (every preset is untied, as the models it names) or "
+        "--load (the checkpoint's; checkpoints that do not say are untied).")
+    vocab_size: int | None = flag(
+        None, "Vocabulary size before padding. Required with --tokenizer-type NullTokenizer (N ids, the last the "
+        "end-of-document token, as in Megatron-LM); with a tokenizer file it must equal the tokenizer's size "
+        "(Megatron-LM ignores it there); with --load, the checkpoint's.")
     init_method_std: float = flag(0.02, "Standard deviation of the weight initialisation.")
     attention_dropout: float = flag(0.0, "Dropout on the attention probabilities.")
     hidden_dropout: float = flag(0.0, "Dropout on the residual branches.")
@@ -53,12 +79,24 @@ class ModelConfig:
                                         choices=("uniform", "block"))
     recompute_num_layers: int | None = flag(None, "With --recompute-granularity full: layers per recomputed group "
                                             "(default 1).")
+    # Megatron-LM's kernel switches (no weights: a run may resume with others).
+    masked_softmax_fusion: bool = flag(
+        True, "Do not fuse scaling, masking and softmax of --attention-backend unfused/local (the fusion needs CUDA "
+        "and megatron's compiled softmax kernels; without them it is off anyway).", option="--no-masked-softmax-fusion")
+    bias_dropout_fusion: bool = flag(True, "Do not fuse the residual add with dropout (a CUDA fusion; off without "
+                                     "CUDA).", option="--no-bias-dropout-fusion")
+    attention_softmax_in_fp32: bool = flag(
+        False, "--attention-backend unfused/local: masking and softmax in fp32 under --bf16 (the fused backends "
+        "accumulate in fp32 anyway).")
+    cross_entropy_loss_fusion: bool = flag(
+        False, "megatron-core's fused vocabulary-parallel cross entropy (its native implementation, which hands the "
+        "logits a bf16 gradient, as in Megatron-LM).")
     bf16: bool = flag(False, "Parameters, activations and pipeline messages in bf16 (fp32 masters in the optimizer).")
-    # Set only by a loaded checkpoint (an HF import): the real and padded vocabulary, tied output
-    # layer, and the Hugging Face files (tokenizer, generation config) the import kept.
-    vocab_size: int | None = derived()
-    padded_vocab_size: int | None = derived()
+    # Whether the output layer shares the embedding's weight: resolved by validation, saved in checkpoints.
     share_embeddings_and_output_weights: bool | None = derived()
+    # Set only by a loaded checkpoint (an HF import): the padded vocabulary and the Hugging Face files
+    # (tokenizer, generation config) the import kept.
+    padded_vocab_size: int | None = derived()
     hf_files: str | None = derived()
 
     @property
@@ -90,14 +128,16 @@ class ParallelConfig:
     virtual_pipeline_model_parallel_size: int | None = flag(
         None, "Interleaved pipeline schedule: model chunks per pipeline rank (instead of "
         "--num-layers-per-virtual-pipeline-stage).")
-    sequence_parallel: bool = flag(False, "Shard the norm/dropout activations along the sequence over TP ranks "
-                                   "(needs TP > 1).")
+    sequence_parallel: bool = flag(False, "Shard the norm/dropout activations along the sequence over TP ranks (off "
+                                   "at TP 1, as in Megatron-LM).")
     context_parallel_size: int = flag(1, "Accepted for Megatron scripts; only 1 (no context parallelism) is "
                                       "supported.")
     use_distributed_optimizer: bool = flag(False, "Shard the optimizer state over data-parallel ranks.")
     overlap_grad_reduce: bool = flag(False, "Overlap the gradient reduce-scatter/all-reduce with the backward pass.")
     overlap_param_gather: bool = flag(False, "Overlap the parameter all-gather with the forward pass (needs "
                                       "--use-distributed-optimizer).")
+    grad_reduce_in_bf16: bool = flag(False, "With --bf16: accumulate and reduce gradients in bf16 (default: fp32, as "
+                                     "Megatron-LM with --bf16).")
     distributed_backend: str | None = flag(None, "Default: nccl with CUDA, gloo without.", choices=("nccl", "gloo"))
     distributed_timeout_minutes: int = flag(10, "Timeout of collectives, in minutes.")
 

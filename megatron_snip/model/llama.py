@@ -1,4 +1,4 @@
-"""Llama (RMSNorm, SwiGLU, RoPE, GQA, untied embeddings, no biases) as a megatron-core GPTModel."""
+"""Llama (RMSNorm, SwiGLU, RoPE, GQA, no biases; tied or untied embeddings) as a megatron-core GPTModel."""
 
 from __future__ import annotations
 
@@ -78,8 +78,11 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Transfor
         # starts from the same weights (TP parity); on GPU initialise in place.
         use_cpu_initialization=not cuda,
         # Fusions that need CUDA kernels stay off without a GPU; the softmax one also without its kernels.
-        bias_dropout_fusion=cuda,
-        masked_softmax_fusion=cuda and fused_softmax_available(),
+        bias_dropout_fusion=model.bias_dropout_fusion and cuda,
+        masked_softmax_fusion=model.masked_softmax_fusion and cuda and fused_softmax_available(),
+        attention_softmax_in_fp32=model.attention_softmax_in_fp32,
+        cross_entropy_loss_fusion=model.cross_entropy_loss_fusion,
+        cross_entropy_fusion_impl="native",  # Megatron-LM's default; megatron-core's TE one is off for instability
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         apply_rope_fusion=False,
@@ -144,7 +147,8 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, config: Transforme
         max_sequence_length=model.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vpp is None, vp_stage=vp_stage),
         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=vpp is None, vp_stage=vp_stage),
-        # Tied only for checkpoints imported from tied models (Llama 3.2 1B/3B).
+        # Tied: the output layer uses the embedding's weight; with PP > 1 megatron-core keeps a copy on the
+        # last stage, equal at start and kept equal by finalize_model_grads (the embedding group's all-reduce).
         share_embeddings_and_output_weights=bool(model.share_embeddings_and_output_weights),
         position_embedding_type="rope",
         rotary_base=model.rotary_base,
@@ -160,9 +164,10 @@ def _linear_weights_per_layer(model: ModelConfig) -> int:
 
 
 def num_parameters(model: ModelConfig, vocab_size: int) -> int:
-    """Total parameters of the full model (all stages and shards; untied embedding and output layer)."""
+    """Total parameters of the full model (all stages and shards; a tied output layer counted once)."""
     h = model.hidden_size
-    return model.num_layers * (_linear_weights_per_layer(model) + 2 * h) + 2 * vocab_size * h + h
+    vocab_matrices = 1 if model.share_embeddings_and_output_weights else 2
+    return model.num_layers * (_linear_weights_per_layer(model) + 2 * h) + vocab_matrices * vocab_size * h + h
 
 
 def flops_per_token(model: ModelConfig, vocab_size: int) -> float:

@@ -1,4 +1,10 @@
-"""Named Llama shapes. Explicit command-line flags override any field."""
+"""Named Llama architectures. Explicit command-line flags override any shape field.
+
+Each preset is the architecture of the model it names (SwiGLU, RMSNorm, rotary embeddings, no
+biases, and the real model's embedding tying: TinyLlama, Llama 2 and Llama 3 8B set
+``tie_word_embeddings: false``), so a run with ``--model-preset`` needs none of Megatron-LM's
+architecture switches.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ class LlamaShape:
     max_position_embeddings: int
     rotary_base: int = 10000
     norm_epsilon: float = 1e-5
+    share_embeddings_and_output_weights: bool = False  # every preset's model has its own output layer
 
     def as_args(self) -> dict:
         return asdict(self)

@@ -10,6 +10,13 @@ A checkpoint is written into ``iter_XXXXXXX.tmp`` and renamed when every rank
 has finished; the tracker file is replaced (``os.replace``) last. A crash at
 any point therefore leaves the previous checkpoint and tracker intact.
 
+Retention (``--save-retain-interval N``, Megatron-LM's rule): once the tracker
+names the new checkpoint, rank 0 deletes the one it named before, unless that
+iteration is 0 or divisible by N. Only that checkpoint is ever a candidate, only
+after a newer complete one replaced it, and it is first renamed to
+``iter_XXXXXXX.deleting`` (no longer an ``iter_*`` checkpoint even if the
+deletion is cut short; a later deletion finishes it).
+
 What is saved: the model (sharded, so it reloads into another TP/PP layout),
 the optimizer, the LR scheduler, the iteration, consumed samples (the data
 position), per-rank RNG states, the arguments and any extra state a caller
@@ -18,6 +25,7 @@ adds (the precision plan, for instance).
 
 from __future__ import annotations
 
+import glob
 import logging
 from collections.abc import Mapping
 import os
@@ -50,6 +58,30 @@ class CheckpointError(RuntimeError):
 
 def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def _save_strategy(fully_parallel: bool):
+    """megatron-core's torch_dist writer; fully parallel: the shards that data-parallel ranks hold alike
+    are written by different ranks (Megatron-LM's --ckpt-fully-parallel-save, its default)."""
+    if not fully_parallel:
+        return None  # dist_checkpointing's default: each shard from the rank with replica_id 0
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(),
+                                            parallel_state.get_data_parallel_group(with_context_parallel=True))
+
+
+def _load_strategy(path: str, fully_parallel: bool):
+    """megatron-core's reader for ``path``; fully parallel: each data-parallel rank reads part of the
+    shards and they exchange them (Megatron-LM's --ckpt-fully-parallel-load)."""
+    if not fully_parallel:
+        return None
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+
+    return FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(path),
+                                            parallel_state.get_data_parallel_group(with_context_parallel=True))
 
 
 def find_latest(root: str) -> int | None:
@@ -230,7 +262,8 @@ def _sharded_state(model, optimizer, scheduler, *, is_loading: bool, with_optim:
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extra: dict,
                     quantization: dict | None = None, *, save_optim: bool = True, save_rng: bool = True,
-                    files: Mapping[str, str] | None = None) -> str:
+                    files: Mapping[str, str] | None = None, fully_parallel: bool = True,
+                    retain_interval: int | None = None) -> str:
     """Write a complete checkpoint of ``iteration`` under ``root``; collective over all ranks.
 
     ``model`` is this rank's unwrapped megatron-core module, or its list of chunks; ``extra`` is
@@ -239,12 +272,15 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extr
     ``save_optim=False`` / ``save_rng=False`` (``--no-save-optim`` / ``--no-save-rng``) leave out the
     optimizer and scheduler / RNG and quantization states; loading such a checkpoint skips them.
     ``files``: text files (name -> content) written into the checkpoint's directory with it, such as
-    the run's resolved configuration.
+    the run's resolved configuration. ``fully_parallel``: spread the writes over data-parallel ranks.
+    ``retain_interval``: delete the checkpoint this one replaces as the newest unless its iteration is
+    0 or a multiple (see the module docstring); None keeps every checkpoint.
     """
     check_finite(model, optimizer, iteration_dir(root, iteration))
     state = _sharded_state(model, optimizer, scheduler, is_loading=False, with_optim=save_optim, with_rng=save_rng,
                            quantization=quantization)
-    return _write(root, iteration, state, {**extra, NO_OPTIM: not save_optim, NO_RNG: not save_rng}, files)
+    return _write(root, iteration, state, {**extra, NO_OPTIM: not save_optim, NO_RNG: not save_rng}, files,
+                  _save_strategy(fully_parallel), retain_interval)
 
 
 def save_model_checkpoint(root: str, iteration: int, model_state: dict, extra: dict) -> str:
@@ -271,9 +307,11 @@ MODEL_ONLY = "model_only"
 NO_OPTIM, NO_RNG = "no_optimizer_state", "no_rng_state"
 
 
-def _write(root: str, iteration: int, state: dict, extra: dict, files: Mapping[str, str] | None = None) -> str:
+def _write(root: str, iteration: int, state: dict, extra: dict, files: Mapping[str, str] | None = None,
+           strategy=None, retain_interval: int | None = None) -> str:
     """Save ``state`` + ``extra`` (and the text ``files``) as ``root/iter_<iteration, 7 digits>`` atomically
-    (see the module docstring)."""
+    with the sharded ``strategy`` (None: dist_checkpointing's default), then apply retention (see the
+    module docstring)."""
     final = iteration_dir(root, iteration)
     tmp = final + ".tmp"
     if dist.get_rank() == 0:
@@ -286,7 +324,7 @@ def _write(root: str, iteration: int, state: dict, extra: dict, files: Mapping[s
     state["layout"] = _layout()
     save_helper.install()  # before the writer spawns its own helper, which a SIGTERM would kill
     try:
-        dist_checkpointing.save(state, tmp)
+        dist_checkpointing.save(state, tmp, sharded_strategy=strategy)
     except _READ_ERRORS as e:  # a failed write (full disk, quota) raises on every rank, after all wrote
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # give a full disk its space back
@@ -298,11 +336,41 @@ def _write(root: str, iteration: int, state: dict, extra: dict, files: Mapping[s
         for name, text in (files or {}).items():
             with open(os.path.join(tmp, name), "w") as f:
                 f.write(text)
+        replaced = _tracked_iteration(root)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         write_text_atomic(os.path.join(root, TRACKER), str(iteration))
+        if retain_interval is not None:
+            retire(root, replaced, iteration, retain_interval)
     dist.barrier()
     return final
+
+
+def _tracked_iteration(root: str) -> int | None:
+    """The iteration the tracker names now (None: none, or unreadable: then nothing is retired)."""
+    try:
+        return find_latest(root)
+    except CheckpointError:
+        return None
+
+
+def retire(root: str, replaced: int | None, newest: int, retain_interval: int) -> str | None:
+    """Megatron-LM's --save-retain-interval on rank 0, after the tracker names ``newest``: delete the
+    checkpoint ``replaced`` (the one the tracker named before) unless it is 0, divisible by
+    ``retain_interval``, or not older than ``newest`` (a directory that already held later checkpoints
+    keeps them). Returns the deleted directory, if any."""
+    if replaced is None or replaced == 0 or replaced >= newest or replaced % retain_interval == 0:
+        return None
+    path = iteration_dir(root, replaced)
+    if os.path.islink(path) or not os.path.isdir(path):  # Megatron-LM leaves links alone too
+        return None
+    for cut_short in glob.glob(os.path.join(root, "iter_*.deleting")):
+        shutil.rmtree(cut_short, ignore_errors=True)
+    doomed = path + ".deleting"
+    os.replace(path, doomed)  # no longer a checkpoint, whatever happens below
+    shutil.rmtree(doomed)
+    log.info("deleted checkpoint %s (--save-retain-interval %d)", path, retain_interval)
+    return path
 
 
 def _optimizer_tensors(optimizer):
@@ -362,7 +430,7 @@ def _damaged(root: str, path: str, error: BaseException) -> CheckpointError:
 
 
 def load_checkpoint(root: str, model, optimizer, scheduler, *, load_optim: bool = True,
-                    load_rng: bool = True) -> dict | None:
+                    load_rng: bool = True, fully_parallel: bool = False) -> dict | None:
     """Load the newest checkpoint under ``root`` into model/optimizer/scheduler.
 
     Returns the checkpoint's replicated state (iteration, consumed samples,
@@ -370,7 +438,8 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, load_optim: bool 
     quantization state ({} when not loaded), or None if ``root`` holds no
     checkpoint. Optimizer and RNG states are skipped when asked, and RNG and
     quantization states also when the parallel layout differs from the saved
-    one (they are per rank).
+    one (they are per rank). ``fully_parallel``: spread the reads over
+    data-parallel ranks.
     """
     iteration = find_latest(root)
     if iteration is None:
@@ -392,7 +461,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, load_optim: bool 
         with warnings.catch_warnings():
             # megatron-core 0.16 calls torch APIs that torch marks deprecated; nothing for a user to do.
             warnings.simplefilter("ignore", FutureWarning)
-            loaded = dist_checkpointing.load(state, path)
+            loaded = dist_checkpointing.load(state, path, sharded_strategy=_load_strategy(path, fully_parallel))
     except _READ_ERRORS as e:
         raise _damaged(root, path, e) from e
     chunks = _chunks(model)

@@ -56,6 +56,9 @@ class TrainingConfig:
     min_lr: float = flag(0.0, "Learning rate at the end of the decay.")
     lr_decay_style: str = flag("cosine", "Shape of the decay after warm-up.",
                                choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"))
+    decoupled_lr: float | None = flag(None, "Peak learning rate of the input embedding and output layer (their own "
+                                      "schedule; default: --lr).")
+    decoupled_min_lr: float | None = flag(None, "With --decoupled-lr: their minimum learning rate (default: --min-lr).")
     lr_decay_iters: int | None = flag(None, "Iterations over which the learning rate decays. Default: --train-iters.")
     lr_warmup_iters: int = flag(0, "Linear warm-up iterations.")
     lr_warmup_fraction: float | None = flag(None, "Warm-up as a fraction of --lr-decay-iters (instead of "
@@ -72,6 +75,9 @@ class TrainingConfig:
     adam_beta1: float = flag(0.9, "Adam's beta1.")
     adam_beta2: float = flag(0.999, "Adam's beta2.")
     adam_eps: float = flag(1e-8, "Adam's epsilon.")
+    empty_unused_memory_level: int = flag(
+        0, "Release the CUDA caching allocator's unused memory: 1 after each forward-backward and evaluation step, 2 "
+        "also after each optimizer step (nothing to release without CUDA).", choices=(0, 1, 2))
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,16 @@ class CheckpointConfig:
         None, "Checkpoint directory to resume from. If it equals --save and holds no checkpoint yet, training starts "
         "fresh (the resume-or-start pattern).")
     save_interval: int | None = flag(None, "Iterations between checkpoints.")
+    save_retain_interval: int | None = flag(
+        None, "Keep only the newest checkpoint and those of iterations divisible by this (a multiple of "
+        "--save-interval): once a save is complete, the checkpoint it replaces as the newest is deleted unless its "
+        "iteration is divisible by this or is 0 (Megatron-LM's rule). Default: keep every checkpoint.")
+    ckpt_fully_parallel_save: bool = flag(
+        True, "Write every shard from the first data-parallel rank instead of spreading the writes over the "
+        "data-parallel ranks (megatron-core's fully parallel save, Megatron-LM's default).",
+        option="--no-ckpt-fully-parallel-save")
+    ckpt_fully_parallel_load: bool = flag(False, "Spread the checkpoint reads over the data-parallel ranks and "
+                                          "exchange the shards (megatron-core's fully parallel load).")
     no_load_optim: bool = flag(False, "Do not load the optimizer and LR-scheduler state.")
     no_load_rng: bool = flag(False, "Do not load the RNG state.")
     no_save_optim: bool = flag(False, "Save no optimizer or LR-scheduler state (a run resuming from it starts them "

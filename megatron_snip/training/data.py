@@ -8,7 +8,7 @@ from torch.utils.data import Dataset
 
 from megatron_snip.data.config import DataConfig
 from megatron_snip.data.datasets import GPTDataConfig, build_gpt_datasets
-from megatron_snip.data.stats import data_unigram_entropy
+from megatron_snip.data.stats import data_unigram_entropy, mock_unigram_entropy
 
 
 @dataclass
@@ -21,9 +21,10 @@ class Datasets:
 
 def build_datasets(data: DataConfig, tokenizer, *, seq_length: int, seed: int,
                    num_samples: tuple[int, int, int]) -> Datasets:
-    """Train/valid/test GPT datasets of ``num_samples`` samples each (``megatron_num_samples``)."""
+    """Train/valid/test GPT datasets of ``num_samples`` samples each (``megatron_num_samples``), from
+    ``--data-path`` or megatron-core's mock data (``--mock-data``)."""
     config = GPTDataConfig(
-        data_path=data.data_path,
+        data_path=None if data.mock_data else data.data_path,
         seq_length=seq_length,
         split=data.split,
         seed=seed,
@@ -42,4 +43,5 @@ def build_datasets(data: DataConfig, tokenizer, *, seq_length: int, seed: int,
     if num_samples[1] > 0 and valid is None:
         raise ValueError(f"--split {data.split} leaves no validation documents but --eval-iters is "
                          "above 0; give the second field a share or pass --eval-iters 0")
-    return Datasets(train, valid, test, data_unigram_entropy(list(data.data_path)))
+    entropy = mock_unigram_entropy(tokenizer) if data.mock_data else data_unigram_entropy(list(data.data_path))
+    return Datasets(train, valid, test, entropy)

@@ -48,7 +48,9 @@ def wrap_ddp(parallel: ParallelConfig, config: TransformerConfig,
     """Wrap this rank's model chunks (one, or one per virtual pipeline stage) in megatron-core DDP
     and hook their gradient and parameter syncs into the schedules."""
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
+        # Gradient buffers in fp32 (Megatron-LM's --accumulate-allreduce-grads-in-fp32, its default with
+        # --bf16), or in the parameters' dtype with --grad-reduce-in-bf16.
+        grad_reduce_in_fp32=not parallel.grad_reduce_in_bf16,
         overlap_grad_reduce=parallel.overlap_grad_reduce,
         overlap_param_gather=parallel.overlap_param_gather,
         use_distributed_optimizer=parallel.use_distributed_optimizer,
@@ -86,6 +88,9 @@ def build_optimizer(training: TrainingConfig, model: ModelConfig, parallel: Para
             adam_beta2=training.adam_beta2,
             adam_eps=training.adam_eps,
             clip_grad=training.clip_grad,
+            # Megatron-LM's --decoupled-lr: the embedding and output layer's own peak (and minimum) learning rate.
+            decoupled_lr=training.decoupled_lr,
+            decoupled_min_lr=training.decoupled_min_lr,
             bf16=model.bf16,
             params_dtype=model.params_dtype,
             use_distributed_optimizer=parallel.use_distributed_optimizer,

@@ -65,7 +65,7 @@ class Trainer:
     def __init__(self, config: RunConfig):
         self.config = c = config
         self.start_time = time.time()  # --exit-duration-in-mins counts from start-up, as in Megatron-LM
-        self.tokenizer = build_tokenizer(c.data.tokenizer_type, c.data.tokenizer_model)
+        self.tokenizer = build_tokenizer(c.data.tokenizer_type, c.data.tokenizer_model, c.model.vocab_size)
         self.datasets = build_datasets(
             c.data, self.tokenizer, seq_length=c.model.seq_length, seed=c.training.seed,
             num_samples=megatron_num_samples(max(c.training.train_iters, 1), c.logging.eval_iters,
@@ -139,7 +139,8 @@ class Trainer:
         ckpt = self.config.checkpoint
         loaded = checkpointing.load_checkpoint(
             ckpt.load, [chunk.module for chunk in self.model], self.optimizer, self.scheduler,
-            load_optim=not (ckpt.no_load_optim or ckpt.finetune), load_rng=not (ckpt.no_load_rng or ckpt.finetune))
+            load_optim=not (ckpt.no_load_optim or ckpt.finetune), load_rng=not (ckpt.no_load_rng or ckpt.finetune),
+            fully_parallel=ckpt.ckpt_fully_parallel_load)
         if loaded is None:
             self.logger.text(f"no checkpoint in {ckpt.load}: starting from scratch")
             return
@@ -153,14 +154,16 @@ class Trainer:
                          f"(consumed samples {loaded['consumed_samples']}); continuing at {self.state.iteration}")
 
     def save(self) -> None:
+        ckpt = self.config.checkpoint
         path = checkpointing.save_checkpoint(
-            self.config.checkpoint.save, self.state.iteration, [chunk.module for chunk in self.model],
+            ckpt.save, self.state.iteration, [chunk.module for chunk in self.model],
             self.optimizer, self.scheduler,
             extra={"consumed_samples": self.state.consumed_samples, "args": self.config.to_flags(),
                    "precision_plan": self.plan.to_dict(), "precision_schedule": self.schedule.to_list(),
                    "numerical_safety": self.guard.state_dict(), "precision_history": self.plan_history},
-            quantization=self.precision.quant_states(), save_optim=not self.config.checkpoint.no_save_optim,
-            save_rng=not self.config.checkpoint.no_save_rng, files={RUN_CONFIG_FILE: self.config_yaml})
+            quantization=self.precision.quant_states(), save_optim=not ckpt.no_save_optim,
+            save_rng=not ckpt.no_save_rng, files={RUN_CONFIG_FILE: self.config_yaml},
+            fully_parallel=ckpt.ckpt_fully_parallel_save, retain_interval=ckpt.save_retain_interval)
         self.logger.text(f"saved checkpoint {path}")
 
     # -- steps -------------------------------------------------------------
@@ -193,6 +196,7 @@ class Trainer:
         if self.config.safety.quant_health:  # everything on logged steps, else only the non-finite flags
             self.precision.reset_health(full=(self.state.iteration + 1) % self.config.logging.log_interval == 0)
         losses = self._run(data, forward_only=False)
+        self._release_memory(1)
         loss = mean_loss(losses)
         verdict = self.guard.check(self.model, loss, self.state.iteration + 1)
         self.last_verdict = verdict
@@ -217,7 +221,14 @@ class Trainer:
             self._promote(promoted, changes, verdict)
         self.state.iteration += 1
         self.state.consumed_samples += self.config.training.global_batch_size
+        self._release_memory(2)
         return loss, float(grad_norm or 0.0)
+
+    def _release_memory(self, level: int) -> None:
+        """Megatron-LM's --empty-unused-memory-level: at ``level`` and above, hand the CUDA caching
+        allocator's unused blocks back (for other processes on the GPU, or against fragmentation)."""
+        if self.config.training.empty_unused_memory_level >= level and has_cuda():
+            torch.cuda.empty_cache()
 
     def _blame(self, verdict: Verdict) -> tuple[list[str], str]:
         """On a non-finite step or a spike (all ranks): the quantized modules the health numbers blame, and
@@ -249,7 +260,10 @@ class Trainer:
         for chunk in self.model:
             chunk.eval()
         data = self.batches("valid", 0)
-        losses = [self._run(data, forward_only=True) for _ in range(eval_iters)]
+        losses = []
+        for _ in range(eval_iters):
+            losses.append(self._run(data, forward_only=True))
+            self._release_memory(1)
         for chunk in self.model:
             chunk.train()
         per_batch = [mean_loss(x) for x in losses]
