@@ -136,7 +136,7 @@ def resume_from(src: Path, iteration: int, dst: Path) -> Path:
 
 def scalars(tensorboard_dir: str | Path, tag: str) -> dict[int, float]:
     """step -> value of one TensorBoard scalar tag (as the user's TensorBoard would show it)."""
-    from megatron_snip.experiments.comparison import tensorboard_scalars
+    from megatron_snip.research.comparison import tensorboard_scalars
 
     return tensorboard_scalars(Path(tensorboard_dir), tag)
 

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, TINY_MODEL, scalars, torchrun
-from megatron_snip.experiments.comparison import (BranchResult, Comparison, ComparisonConfig, Runs, Stopped, branches,
+from megatron_snip.research.comparison import (BranchResult, Comparison, ComparisonConfig, Runs, Stopped, branches,
                                                   devices, run_all)
-from megatron_snip.experiments.report import ci95, markdown, summarize
+from megatron_snip.research.report import ci95, markdown, summarize
 from megatron_snip.precision.plan import PrecisionPlan
-from megatron_snip.snip.offline import Budget
+from megatron_snip.snip.statistics_file import Budget
 
 BUDGET = Budget(0.75)
 
@@ -204,7 +204,7 @@ def test_compare_precision_branches_resume_and_report(tiny_data, tmp_path):
 
 
 def test_ablation_plans_put_exactly_one_group_in_fp4():
-    from megatron_snip.experiments.ablation import ablation_plans
+    from megatron_snip.research.ablation import ablation_plans
     from megatron_snip.snip.ilp import LinearModule, SnipProblem
 
     types = ("self_attention.linear_qkv", "mlp.linear_fc2")
@@ -222,7 +222,7 @@ def test_ablation_plans_put_exactly_one_group_in_fp4():
 
 
 def test_spearman_by_hand():
-    from megatron_snip.experiments.ablation import spearman
+    from megatron_snip.research.ablation import spearman
 
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
@@ -299,8 +299,8 @@ ABLATION_LOSSES = {
 
 
 def oracle_costs(losses=ABLATION_LOSSES, kinds=("layers", "types")):
-    from megatron_snip.experiments.ablation import ablation_groups
-    from megatron_snip.experiments.oracle import OracleCosts, group_costs, module_costs
+    from megatron_snip.research.ablation import ablation_groups
+    from megatron_snip.research.oracle import OracleCosts, group_costs, module_costs
 
     groups = ablation_groups(two_by_two_problem(), kinds)
     arm_costs, seeds = group_costs(losses, list(groups))
@@ -329,7 +329,7 @@ def test_oracle_module_costs_are_the_layer_share_times_the_type_share_of_the_mea
 
 
 def test_oracle_module_ablations_are_the_costs_and_missing_ablations_are_refused():
-    from megatron_snip.experiments.oracle import group_costs
+    from megatron_snip.research.oracle import group_costs
 
     modules = {"ablate-layer0-linear_qkv": 0.004, "ablate-layer0-linear_fc2": 0.009,
                "ablate-layer1-linear_qkv": -0.002, "ablate-layer1-linear_fc2": 0.001}
@@ -347,7 +347,7 @@ def test_oracle_plan_is_the_brute_force_optimum_of_the_measured_costs():
     """The ILP on the product-model costs picks, of the 16 plans, the cheapest that meets the budget."""
     import itertools
 
-    from megatron_snip.experiments.oracle import oracle_plan, predicted_gap
+    from megatron_snip.research.oracle import oracle_plan, predicted_gap
     from megatron_snip.snip.ilp import evaluate_plan
 
     costs = oracle_costs()
@@ -393,7 +393,7 @@ def test_regret_to_the_oracle_and_the_additive_prediction_by_hand():
 
 
 def test_the_oracle_arm_trains_its_plan_and_needs_the_ablations(tmp_path, capsys, monkeypatch):
-    from megatron_snip.experiments.ablation import ablation_plans
+    from megatron_snip.research.ablation import ablation_plans
 
     with pytest.raises(ValueError, match="add --ablations modules or --ablations layers types"):
         config(policies=("oracle",), ablations=("types",))
@@ -430,7 +430,7 @@ def test_the_noise_floor_reorders_only_the_training_documents(tmp_path, tiny_dat
     import numpy as np
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from megatron_snip.experiments.reorder import training_documents
+    from megatron_snip.research.reorder import training_documents
 
     c = config(out=str(tmp_path), policies=("uniform",), seeds=(1, 2), noise_floor=True,
                train_args=("--lr", "1e-3", "--data-path", tiny_data.prefix, "--split", "80,20,0", "--eval-iters", "2"))

@@ -1,4 +1,4 @@
-"""Imports only go down: compat <- precision <- model <- snip <- training <- entry points and tools.
+"""Imports only go down: compat <- precision <- model <- snip <- training <- arguments <- interop, research <- entry points and tools.
 
 Every ``import`` in the package counts, including the ones inside functions (a lazy import that
 goes up is still a cycle in the design). A package may import its own modules and any lower layer;
@@ -22,7 +22,7 @@ LAYERS = {
     "snip": 3,                             # probes, estimators, ILP, the re-planner
     "training": 4,                         # the trainer and its run configuration
     "arguments": 5,                        # the command line -> RunConfig (the edge)
-    "interop": 6, "experiments": 6,        # Hugging Face conversion, precision comparisons (tool libraries)
+    "interop": 6, "research": 6,           # Hugging Face conversion; baselines, ground truth, comparisons
     "cli": 7,                              # pretrain_llama.py's main
 }
 PACKAGE = ROOT / "megatron_snip"

@@ -1,11 +1,11 @@
-"""Tests of the baseline precision plans (megatron_snip.snip.policies)."""
+"""Tests of the baseline precision plans (megatron_snip.research.policies)."""
 
 from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from megatron_snip.snip import policies
+from megatron_snip.research import policies
 from megatron_snip.snip.ilp import (
     BWD,
     FWD,

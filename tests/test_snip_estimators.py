@@ -28,7 +28,7 @@ from megatron_snip.snip.estimators import (
     perturbation_gain,
     propagated_update_divergence,
 )
-from megatron_snip.snip.ground_truth import rank_correlations, rank_with_ties, spearman
+from megatron_snip.research.ground_truth import rank_correlations, rank_with_ties, spearman
 from megatron_snip.snip.noise import noise_key, rademacher
 from megatron_snip.snip.statistics import FormatErrors, ModuleStatistics, ProbeStatistics
 
@@ -344,7 +344,7 @@ def test_operand_error_baselines_sum_every_quantized_tensor_and_rank_unlike_the_
     """The SNIP paper's baselines: X, W and dY errors summed (absolute, and each over its tensor's
     norm: X 80, W 1, dY 1e-4 in _module). Layer 0's output error is the smaller, its operands' the larger."""
     from megatron_snip.snip.estimators import operand_error_baselines
-    from megatron_snip.snip.offline import POLICIES
+    from megatron_snip.research.offline import POLICIES
     from megatron_snip.snip.ilp import SnipProblem
     from megatron_snip.snip.planner import linear_modules
     from megatron_snip.precision.flops import LlamaLinearDims
@@ -404,7 +404,7 @@ def test_rank_correlations_overall_and_per_format():
 def test_ablation_predictions_split_snips_divergence_into_its_two_terms():
     """What the ablation report scores against training: SNIP's loss and update terms of a plan are the
     summed forward and backward divergences of its modules' formats, and add up to the ILP's objective."""
-    from megatron_snip.experiments.ablation import predictions
+    from megatron_snip.research.ablation import predictions
     from megatron_snip.snip.ilp import LinearModule, SnipProblem
 
     stats = _stats()
@@ -425,7 +425,7 @@ def test_the_loss_term_policy_plans_by_the_loss_divergence_alone():
     """``snip-loss-term`` (offline.POLICIES): the ILP over alpha * dL/loss only; with one of two equal
     modules in FP4 it is the one whose FP4 loss divergence is smaller, whatever the update term says."""
     from megatron_snip.snip.ilp import LinearModule, SnipProblem
-    from megatron_snip.snip.offline import POLICIES
+    from megatron_snip.research.offline import POLICIES
 
     stats = _stats()
     names = sorted(stats.modules)

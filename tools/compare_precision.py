@@ -11,7 +11,7 @@ For each seed a trunk trains in BF16 to --trunk-iters and runs one SNIP cycle; f
 checkpoint every arm trains to --train-iters on the same batches: the BF16 reference, SNIP
 re-planning every --snip-interval ("snip", and "snip-loss-term-replanned" with
 --snip-update-weight 0), SNIP's first plan fixed ("snip-fixed"), and the baselines, each at
-exactly the same budget (plans from the trunk's statistics, megatron_snip/snip/offline.py).
+exactly the same budget (plans from the trunk's statistics, megatron_snip/research/offline.py).
 Flags after "--" go to every pretrain_llama.py run (model, data, optimizer, layout: add
 --tensor-model-parallel-size etc. with --nproc-per-node).
 
@@ -22,10 +22,10 @@ arm per module.
 
 --policies ... oracle (with --ablations layers types, or modules) adds the oracle: the same ILP
 with the costs the ablation arms measured, trained after them at every budget, and each policy's
-regret to it (megatron_snip/experiments/oracle.py; it adds the all-high arm ablate-none).
+regret to it (megatron_snip/research/oracle.py; it adds the all-high arm ablate-none).
 
 --noise-floor adds the noise floor: BF16 again from each trunk on another order of the training
-documents (the validation documents and samples unchanged; megatron_snip/experiments/reorder.py),
+documents (the validation documents and samples unchanged; megatron_snip/research/reorder.py),
 whose paired gap to BF16 is what arms differ by when nothing but the batches differs. The report
 sets every arm at a budget against SNIP's with the paired difference's 95% interval.
 
@@ -47,10 +47,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_snip.experiments.ablation import KINDS  # noqa: E402
-from megatron_snip.experiments.comparison import (  # noqa: E402
+from megatron_snip.research.ablation import KINDS  # noqa: E402
+from megatron_snip.research.comparison import (  # noqa: E402
     ARMS, Comparison, ComparisonConfig, Stopped, parse_budgets)
-from megatron_snip.experiments.oracle import ORACLE  # noqa: E402
+from megatron_snip.research.oracle import ORACLE  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -27,7 +27,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from megatron_snip.precision.plan import PrecisionPlan  # noqa: E402
-from megatron_snip.snip.offline import StatisticsFile  # noqa: E402
+from megatron_snip.snip.statistics_file import StatisticsFile  # noqa: E402
 from megatron_snip.snip.plan_image import FORMAT_COLOURS, draw_plan, legend_handles, plan_cells  # noqa: E402
 
 

@@ -16,7 +16,7 @@ output quantization error, min (relative) operand quantization error (the paper'
 best_quant_err / best_rel_quant_err), an error-threshold switch (a GEMM goes high precision when
 its measured relative quantization error crosses a threshold, the lowest threshold that meets the
 budget), keep first/last layer high, and the layer-type heuristic, all at that budget
-(megatron_snip/snip/offline.py). Times are estimates under the run's
+(megatron_snip/research/offline.py). Times are estimates under the run's
 GEMM speed model (``--gemm-speed-model`` to choose another). ``--write-plans`` saves each
 plan as a file for ``--precision-plan``; ``--write-megatron-configs`` as megatron-core's per-module
 precision config for Megatron-LM's ``--te-precision-config-file`` (docs/snip.md, "Plans as Megatron-LM
@@ -36,9 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_snip.precision.config import SPEED_MODELS  # noqa: E402
 from megatron_snip.precision.megatron_config import megatron_config_files  # noqa: E402
 from megatron_snip.precision.recipes import RecipeConfig  # noqa: E402
-from megatron_snip.snip import policies  # noqa: E402
+from megatron_snip.research import policies  # noqa: E402
 from megatron_snip.snip.ilp import InfeasibleBudgetError  # noqa: E402
-from megatron_snip.snip.offline import POLICIES, Budget, StatisticsFile, policy_plans  # noqa: E402
+from megatron_snip.research.offline import POLICIES, policy_plans
+from megatron_snip.snip.statistics_file import Budget, StatisticsFile  # noqa: E402
 from megatron_snip.snip.planner import to_precision_plan  # noqa: E402
 
 

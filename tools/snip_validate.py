@@ -42,7 +42,7 @@ def main() -> int:
     from megatron_snip.arguments import ArgumentError
     from megatron_snip.cli import trainer_from_command_line
     from megatron_snip.snip.estimators import divergences, local_error_baselines
-    from megatron_snip.snip.ground_truth import backward_ground_truth, forward_ground_truth, rank_correlations
+    from megatron_snip.research.ground_truth import backward_ground_truth, forward_ground_truth, rank_correlations
     from megatron_snip.snip.probes import ProbeConfig, gather_across_pipeline, run_probe_cycle
 
     own = argparse.ArgumentParser(add_help=False)

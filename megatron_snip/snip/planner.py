@@ -2,13 +2,13 @@
 
 Pure functions. :class:`~megatron_snip.snip.replanner.SnipReplanner` calls them on rank 0 with a
 cycle's gathered statistics; ``training/precision.py`` at start-up, on zero costs, to check that the
-budgets are feasible under the pins; ``snip/offline.py`` (``tools/snip_solve.py``, the comparisons)
-on a statistics file.
+budgets are feasible under the pins; ``snip/statistics_file.py`` (``tools/snip_solve.py``, the
+comparisons in ``megatron_snip/research/``) on a statistics file.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from megatron_snip.precision.flops import LlamaLinearDims
@@ -20,7 +20,11 @@ from megatron_snip.precision.registry import FP4_NAMES
 from megatron_snip.snip.config import SnipConfig
 from megatron_snip.snip.estimators import CostTables
 from megatron_snip.snip.ilp import BWD, FWD, LinearModule, SnipProblem, Solution, UnitKey, solve
-from megatron_snip.snip.policies import baseline_formats
+
+# The formats the planner's implied time budget and every baseline plan assume: FP4 units in nvfp4, the rest
+# in fp8, where those are candidates.
+PREFERRED_FP4 = "nvfp4"
+PREFERRED_HIGH = "fp8"
 
 
 @dataclass(frozen=True)
@@ -141,7 +145,7 @@ def unit_pins(pins: Mapping[str, Precision], split: bool) -> dict[UnitKey, str]:
 
 def implied_time_target(modules: Sequence[LinearModule], config: PlannerConfig) -> float:
     """The GEMM-time budget an FP4 target implies: the estimated time of the plans the baselines
-    make at that target (``policies.baseline_formats``: FP4 units in nvfp4, the rest in fp8),
+    make at that target (:func:`baseline_formats`: FP4 units in nvfp4, the rest in fp8),
     with the pinned units in their pinned formats. Per budget scope (a stage with per-stage
     budgets, else the model), as a ratio to the scope's all-BF16 time (its FLOPs ``F``):
 
@@ -205,3 +209,14 @@ def to_precision_plan(units: Mapping[UnitKey, str], split: bool) -> PrecisionPla
         return PrecisionPlan({name: Precision.uniform(fmt) for name, fmt in units.items()})
     names = {key[0] for key in units}
     return PrecisionPlan({n: Precision(units[(n, FWD)], units[(n, BWD)]) for n in names})
+
+
+def baseline_formats(formats: Sequence[str], fp4_formats: Iterable[str]) -> tuple[str | None, str | None]:
+    """(fp4, high): the formats a baseline gives its FP4 units and the rest by default: "nvfp4" if
+    a candidate, else the first FP4 candidate; "fp8" if a candidate, else the first non-FP4 one
+    (None where the candidates have none)."""
+    fp4_formats = set(fp4_formats)
+    fp4 = [f for f in formats if f in fp4_formats]
+    high = [f for f in formats if f not in fp4_formats]
+    return (PREFERRED_FP4 if PREFERRED_FP4 in fp4 else next(iter(fp4), None),
+            PREFERRED_HIGH if PREFERRED_HIGH in high else next(iter(high), None))

@@ -38,10 +38,10 @@ from megatron_snip.precision.layers import QuantizedLinearMixin
 from megatron_snip.precision.linear import QuantState
 from megatron_snip.precision.recipes import BF16, Precision
 
-from .adam_view import AdamView
-from .noise import noise_key
-from .passes import ForwardStep, PassRunner, preserved_training_state
-from .probes import MicrobatchCounter, ModuleLayout, needs_grad, squared_norm
+from megatron_snip.snip.adam_view import AdamView
+from megatron_snip.snip.noise import noise_key
+from megatron_snip.snip.passes import ForwardStep, PassRunner, preserved_training_state
+from megatron_snip.snip.probes import MicrobatchCounter, ModuleLayout, needs_grad, squared_norm
 
 Table = dict[str, dict[str, float]]  # module -> format -> value
 

@@ -33,7 +33,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from megatron_snip.snip.ilp import Plan, SnipProblem
-from megatron_snip.snip.policies import min_fp4_cost
+from megatron_snip.research.policies import min_fp4_cost
 
 from .ablation import NONE_ARM
 

@@ -10,7 +10,7 @@ in every stage) and returns a plan ``unit key -> format`` that
 :func:`evaluate_plan` (re-exported here) scores under the problem's costs, so
 plans can be compared side by side (:func:`format_comparison`).
 :func:`min_fp4_cost` is the ILP on any per-unit FP4 cost, e.g. one measured
-by training (the comparison's oracle, ``megatron_snip/experiments/oracle.py``).
+by training (the comparison's oracle, ``megatron_snip/research/oracle.py``).
 
 A target that no plan can meet already fails when the problem is built
 (:class:`InfeasibleTargetError`); :func:`uniform` raises the same error when
@@ -30,7 +30,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from .ilp import (
+from megatron_snip.snip.ilp import (
     FRACTION_TOL,
     FWD,
     TARGET_FLAG,
@@ -46,6 +46,7 @@ from .ilp import (
     evaluate_plan,
     solve,
 )
+from megatron_snip.snip.planner import baseline_formats
 
 __all__ = [
     "DEFAULT_TYPE_ORDER",
@@ -62,9 +63,6 @@ __all__ = [
     "random_plan",
     "uniform",
 ]
-
-PREFERRED_FP4 = "nvfp4"
-PREFERRED_HIGH = "fp8"
 
 # Layer-type heuristic: module types put in FP4 first to last. The MLP GEMMs
 # hold most of the FLOPs (so the fewest modules need converting) and are
@@ -264,16 +262,6 @@ def _ilp_plan(problem, table, bwd_table, solver, time_limit) -> dict[UnitKey, st
     baseline = replace(problem, **costs, current=None, switch_penalty=0.0)
     return solve(baseline, solver, time_limit).plan
 
-
-def baseline_formats(formats: Sequence[str], fp4_formats: Iterable[str]) -> tuple[str | None, str | None]:
-    """(fp4, high): the formats a baseline gives its FP4 units and the rest by default: "nvfp4" if
-    a candidate, else the first FP4 candidate; "fp8" if a candidate, else the first non-FP4 one
-    (None where the candidates have none)."""
-    fp4_formats = set(fp4_formats)
-    fp4 = [f for f in formats if f in fp4_formats]
-    high = [f for f in formats if f not in fp4_formats]
-    return (PREFERRED_FP4 if PREFERRED_FP4 in fp4 else next(iter(fp4), None),
-            PREFERRED_HIGH if PREFERRED_HIGH in high else next(iter(high), None))
 
 
 def _fp4_format(problem: SnipProblem, fmt: str | None) -> str:

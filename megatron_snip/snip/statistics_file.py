@@ -1,23 +1,22 @@
-"""SNIP offline: a cycle's statistics file -> the ILP at a budget -> every policy's plan.
+"""A SNIP cycle's statistics file (``snip_iter_N.json``) and the ILP it defines at a budget.
 
-``tools/snip_solve.py`` prints the policies side by side; ``tools/compare_precision.py``
-trains one branch per plan. Both read the ``snip_iter_*.json`` a ``--snip`` run writes next
-to its checkpoints and build every plan here, so a policy means the same thing in both.
+A ``--snip`` run writes one file per cycle next to its checkpoints (docs/snip.md, "The statistics
+file"). ``tools/snip_report.py`` plots it, ``tools/snip_solve.py`` re-solves it at other budgets, and
+the comparisons in ``megatron_snip/research/`` build every policy's plan from it.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_snip.precision.flops import LlamaLinearDims
 from megatron_snip.precision.gemm_speed import peak_speed_model
 from megatron_snip.precision.recipes import Precision, RecipeConfig
-from megatron_snip.snip import policies
-from megatron_snip.snip.estimators import cost_tables, local_error_baselines, operand_error_baselines
-from megatron_snip.snip.ilp import InfeasibleBudgetError, Plan, SnipProblem, solve
+from megatron_snip.snip.estimators import cost_tables
+from megatron_snip.snip.ilp import SnipProblem
 from megatron_snip.snip.planner import PlannerConfig, build_problem, linear_modules
 from megatron_snip.snip.statistics import STATISTICS_SCHEMA_VERSION, ProbeStatistics
 
@@ -97,69 +96,3 @@ class StatisticsFile:
         if speed_model is None and "speed_model" in self.run:
             return self.run["speed_model"]["name"]
         return peak_speed_model(speed_model or "auto").name
-
-
-PolicyMaker = Callable[[SnipProblem, ProbeStatistics, int, str], Plan]
-
-
-def with_reference(table: dict, formats: Sequence[str]) -> dict:
-    """A module -> format table with bf16, the reference, at zero error."""
-    return {n: {f: (0.0 if f == "bf16" else per[f]) for f in formats} for n, per in table.items()}
-
-
-def _min_error(relative: bool, operands: bool = False) -> PolicyMaker:
-    """Minimum summed quantization error at the budget: of the forward output (this project's variant)
-    or, with ``operands``, of every operand X, W, dY (the SNIP paper's)."""
-    baselines = operand_error_baselines if operands else local_error_baselines
-
-    def make(problem, stats, seed, solver):
-        table = baselines(stats)[1 if relative else 0]
-        return policies.min_quant_error(problem, with_reference(table, problem.formats), solver=solver)
-    return make
-
-
-def _snip_loss_term(problem, stats, seed, solver):
-    """SNIP's ILP with the loss divergence alone (``--snip-update-weight 0``): it orders the module types
-    as the training ablations do, the update term the layers (docs/quality.md)."""
-    loss_only = cost_tables(stats, 1.0, 0.0, formats=problem.formats)
-    if problem.split:
-        return solve(replace(problem, fwd_cost=loss_only.forward, bwd_cost=loss_only.backward), solver=solver).plan
-    return solve(replace(problem, cost=loss_only.joint), solver=solver).plan
-
-
-def _threshold(problem, stats, seed, solver):
-    relative = local_error_baselines(stats)[1]
-    return policies.error_threshold(problem, relative)
-
-
-# Every policy, by the name both tools use (docs/quality.md describes each).
-POLICIES: dict[str, PolicyMaker] = {
-    "snip": lambda problem, stats, seed, solver: solve(problem, solver=solver).plan,
-    "snip-loss-term": _snip_loss_term,
-    "uniform": lambda problem, stats, seed, solver: policies.uniform(problem),
-    "nvidia-recipe": lambda problem, stats, seed, solver: policies.keep_last_high(problem),
-    "random": lambda problem, stats, seed, solver: policies.random_plan(problem, seed=seed),
-    "min-quant-error": _min_error(relative=False),
-    "min-relative-error": _min_error(relative=True),
-    "min-operand-error": _min_error(relative=False, operands=True),
-    "min-relative-operand-error": _min_error(relative=True, operands=True),
-    "threshold": _threshold,
-    "keep-ends-high": lambda problem, stats, seed, solver: policies.keep_ends_high(problem, first=1, last=1),
-    "layer-type": lambda problem, stats, seed, solver: policies.layer_type_heuristic(problem),
-}
-
-
-def policy_plans(problem: SnipProblem, stats: ProbeStatistics, names: Sequence[str] | None = None, *,
-                 seed: int = 0, solver: str = "auto") -> dict[str, Plan | InfeasibleBudgetError]:
-    """Each named policy's unit -> format plan at the problem's budget, or the error saying why
-    that policy cannot meet it (e.g. uniform FP4 under a time target FP4 cannot reach)."""
-    unknown = sorted(set(names or ()) - set(POLICIES))
-    if unknown:
-        raise ValueError(f"unknown policies {unknown}; known: {sorted(POLICIES)}")
-    plans: dict[str, Plan | InfeasibleBudgetError] = {}
-    for name in names or POLICIES:
-        try:
-            plans[name] = POLICIES[name](problem, stats, seed, solver)
-        except InfeasibleBudgetError as e:
-            plans[name] = e
-    return plans

@@ -4,7 +4,7 @@ Every branch is a normal ``pretrain_llama.py`` run (any TP x PP x DP layout) sta
 same trunk checkpoint of its seed, so all branches of a seed share the weights, optimizer state
 and data order up to the branch point and train the same iterations on the same batches. The
 trunk runs BF16 with ``--snip`` until its first cycle, whose statistics give every policy its
-plan (``megatron_snip/snip/offline.py``) at exactly the same budget.
+plan (``megatron_snip/research/offline.py``) at exactly the same budget.
 
 Layout of ``out/``::
 
@@ -42,15 +42,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from megatron_snip.compat.launch import free_port
-from megatron_snip.experiments.ablation import KINDS, NONE_ARM, ablation_groups, ablation_plans, predictions
-from megatron_snip.experiments.oracle import (NEEDS, ORACLE, OracleCosts, group_costs, module_costs, oracle_plan,
+from megatron_snip.research.ablation import KINDS, NONE_ARM, ablation_groups, ablation_plans, predictions
+from megatron_snip.research.oracle import (NEEDS, ORACLE, OracleCosts, group_costs, module_costs, oracle_plan,
                                               predicted_gap)
-from megatron_snip.experiments.reorder import reordered_data_args
+from megatron_snip.research.reorder import reordered_data_args
 from megatron_snip.fileio import write_text_atomic
 from megatron_snip.precision.plan import PrecisionPlan
 from megatron_snip.precision.registry import FP4_NAMES
 from megatron_snip.snip.ilp import InfeasibleBudgetError, evaluate_plan
-from megatron_snip.snip.offline import POLICIES, Budget, StatisticsFile, policy_plans
+from megatron_snip.research.offline import POLICIES, policy_plans
+from megatron_snip.snip.statistics_file import Budget, StatisticsFile
 from megatron_snip.snip.planner import to_precision_plan
 
 REFERENCE = "bf16"
@@ -435,7 +436,7 @@ class Comparison:
 
     # -- the report ------------------------------------------------------
     def report(self) -> dict:
-        from megatron_snip.experiments.report import summarize, write_report
+        from megatron_snip.research.report import summarize, write_report
 
         every = branches(self.config, self.ablation_arms)
         results = self._results(every)

@@ -1,1 +1,0 @@
-"""Experiments that train several runs and compare them (``tools/compare_precision.py``)."""
