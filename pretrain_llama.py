@@ -12,6 +12,6 @@ import sys
 
 # Entry scripts need this guard: dist_checkpointing's 'spawn' workers re-import __main__.
 if __name__ == "__main__":
-    from megatron_snip.cli import main  # light: megatron-core is imported once the flags parse
+    from megatron_snip.cli.pretrain import main  # light: megatron-core is imported once the flags parse
 
     sys.exit(main())

@@ -23,22 +23,18 @@ Quantizing the operands is not timed here (``bench/quantize_bench.py`` does).
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
+from results import goal, write_json
+from timing import device_name, median_seconds
+
+from megatron_snip.model.presets import PRESETS
+from megatron_snip.precision.flops import LINEAR_MODULES, LlamaLinearDims, gemm_flops
+from megatron_snip.precision.linear import LinearQuantization, QuantState, _matmul, _quantize
+from megatron_snip.precision.recipes import Precision, RecipeConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from results import goal, write_json  # noqa: E402
-from timing import device_name, median_seconds  # noqa: E402
-
-from megatron_snip.model.presets import PRESETS  # noqa: E402
-from megatron_snip.precision.flops import LINEAR_MODULES, LlamaLinearDims, gemm_flops  # noqa: E402
-from megatron_snip.precision.linear import LinearQuantization, QuantState, _matmul, _quantize  # noqa: E402
-from megatron_snip.precision.recipes import Precision, RecipeConfig  # noqa: E402
 
 GEMMS = ("fprop", "dgrad", "wgrad")
 LABELS = {"llama3-8b": "Llama-3-8B", "llama2-70b": "Llama-3-70B (llama2-70b preset: same linear shapes)"}

@@ -1,6 +1,6 @@
 """Everything of the GPU path, checked and timed in one command on a lent CUDA machine.
 
-    python tools/prepare_gpu_wheels.py        # here: the wheels the machine lacks, into .gpu_wheels/
+    python bench/prepare_gpu_wheels.py        # here: the wheels the machine lacks, into .gpu_wheels/
     # then, through the device tool (docs/benchmarks.md):
     #   run(command="PYTHONUNBUFFERED=1 python3 bench/gpu_suite.py --wheels .gpu_wheels --out $OUT",
     #       carry=[".gpu_wheels"], timeout_s=600)
@@ -39,10 +39,9 @@ import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
+from prepare_gpu_wheels import TOP_LEVEL, WHEELS
 
-from prepare_gpu_wheels import TOP_LEVEL, WHEELS  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 CUDA_MARK = "pytest.mark.cuda"
 
@@ -238,7 +237,7 @@ def print_environment() -> None:
                  "tensorboard", "transformers", "apex", "transformer_engine"):
         try:
             print(f"{name}: {getattr(importlib.import_module(name), '__version__', 'imports')}")
-        except Exception as e:  # noqa: BLE001 - reporting what fails to import is the point
+        except Exception as e:
             print(f"{name}: not importable ({type(e).__name__}: {e})")
     try:
         print(subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=20).stdout)
@@ -248,7 +247,7 @@ def print_environment() -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--wheels", type=Path, help="folder of wheels to install first (tools/prepare_gpu_wheels.py)")
+    p.add_argument("--wheels", type=Path, help="folder of wheels to install first (bench/prepare_gpu_wheels.py)")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "runs" / "gpu_suite")),
                    help="report folder (default $OUT, the device tool's output folder)")
     p.add_argument("--budget", type=float, default=560, help="seconds for all steps together")
@@ -264,7 +263,7 @@ def main() -> int:
         return install(args.install)
     wheels = args.wheels.resolve() if args.wheels else None
     if wheels is not None and not wheels.is_dir():
-        p.error(f"--wheels {args.wheels}: no such folder; run python tools/prepare_gpu_wheels.py first")
+        p.error(f"--wheels {args.wheels}: no such folder; run python bench/prepare_gpu_wheels.py first")
     steps = plan(wheels, args.out.resolve())
     if args.only:
         unknown = set(args.only) - {s.name for s in steps}
@@ -283,7 +282,7 @@ def main() -> int:
     out = args.out.resolve()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "PYTHONUNBUFFERED": "1", "PIP_BREAK_SYSTEM_PACKAGES": "1"}
-    header = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    header = {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
               "device": torch.cuda.get_device_name(), "command": " ".join(sys.argv)}
     deadline = time.monotonic() + args.budget
     records = [Record(s.name, s.what, s.cmd, s.cap_s) for s in steps]

@@ -18,19 +18,15 @@ that moves the same bytes.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
+from results import goal, write_json
+from timing import device_name, median_seconds
+
+from megatron_snip.precision import FORMATS, fake_quantize
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from results import goal, write_json  # noqa: E402
-from timing import device_name, median_seconds  # noqa: E402
-
-from megatron_snip.precision import FORMATS, fake_quantize  # noqa: E402
 
 KERNEL_GOAL = 0.5  # fused kernel throughput / copy throughput, on a GPU
 

@@ -29,9 +29,9 @@ One ``torchrun`` launch builds the model once; every rank then runs these phases
 ``--compare-attention SEQ [SEQ ...]`` asks another question and runs alone: at each sequence
 length, (a) forward+backward of the core attention alone (batch 2, 8 heads of 64, causal, fp32 or
 ``--bf16``; this process, a world of one), megatron-core's ``DotProductAttention`` against the SDPA
-module, called in turn (median of 7 each), time and memory: on CPU the bytes autograd saves for backward (distinct storages seen by
-``torch.autograd.graph.saved_tensors_hooks``: analytic, the allocator's peak is not observable), on a
-GPU also the peak allocated; (b) one launch at that ``--seq-length`` whose phases alternate the
+module, called in turn (median of 7 each), time and memory: on CPU the bytes autograd saves for backward
+(distinct storages seen by ``torch.autograd.graph.saved_tensors_hooks``: analytic, the allocator's peak
+is not observable), on a GPU also the peak allocated; (b) one launch at that ``--seq-length`` whose phases alternate the
 two core attentions (swapped in place in every layer: they hold no weights) ``--repeats`` times,
 the SDPA step as a ratio of the DotProductAttention step. Goal: SDPA >= 3x faster alone at the
 longest sequence, with less memory.
@@ -54,12 +54,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+from results import goal, write_json
+from timing import StepClock, device_name, peak_memory_gib, peak_memory_reset, synchronize
 
-from results import goal, write_json  # noqa: E402
-from timing import StepClock, device_name, peak_memory_gib, peak_memory_reset, synchronize  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 OVERHEAD_GOAL, SNIP_CYCLE_GOAL, HEALTH_GOAL = 1.03, 10.0, 1.02
 ATTENTION_SPEEDUP_GOAL = 3.0  # SDPA over DotProductAttention, attention alone at the longest sequence
@@ -103,11 +101,11 @@ def worker(plan_file: str, argv: list[str]) -> None:
     from megatron_snip.compat.cpu import silence_cpu_warnings
 
     silence_cpu_warnings()
-    import torch.distributed as dist
-
     from dataclasses import replace
 
-    from megatron_snip.cli import trainer_from_command_line
+    import torch.distributed as dist
+
+    from megatron_snip.cli.pretrain import trainer_from_command_line
     from megatron_snip.compat.device import has_cuda
     from megatron_snip.precision.plan import PrecisionPlan
     from megatron_snip.training.logger import peak_tflops

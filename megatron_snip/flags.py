@@ -167,7 +167,8 @@ def flag_values(section) -> dict[str, Any]:
     for f in flag_fields(type(section)):
         value = getattr(section, f.name)
         choices = f.metadata["choices"]
-        if value is not None and choices is not None and not set(value if isinstance(value, tuple) else [value]) <= set(choices):
+        values = set(value if isinstance(value, tuple) else [value])
+        if value is not None and choices is not None and not values <= set(choices):
             continue
         out[dest_of(f)] = list(value) if isinstance(value, tuple) else value
     return out

@@ -10,7 +10,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 . .venv/bin/activate
 stamp=.venv/.megatron-snip-installed
-if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ] || [ requirements-cpu.txt -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ requirements-cpu.txt -nt "$stamp" ]; then
   python -m pip install -q --upgrade pip
   python -m pip install -q -r requirements-cpu.txt
   python -m pip install -q --no-build-isolation -e '.[test]'

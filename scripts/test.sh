@@ -11,4 +11,5 @@ args=()
 for a in "$@"; do
   if [ "$a" = "--fast" ]; then args+=(-m "not integration"); else args+=("$a"); fi
 done
-exec python -m pytest -q "${args[@]}"
+ruff check --quiet .  # the lint rules: pyproject.toml [tool.ruff]
+exec python -m pytest -q --durations=15 "${args[@]}"

@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT, torchrun, train_args
+
 from megatron_snip.arguments import ArgumentError, parse_config
 
 
@@ -48,7 +48,8 @@ def test_preset_fills_shape_and_flags_override(tiny_data):
     (("--overlap-param-gather",), 1, "--overlap-param-gather needs --use-distributed-optimizer"),
     (("--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2", "--global-batch-size", "2"),
      2, "the interleaved schedule runs micro-batches in groups of --pipeline-model-parallel-size 2"),
-    (("--virtual-pipeline-model-parallel-size", "2"), 1, "virtual pipeline stages need --pipeline-model-parallel-size > 1"),
+    (("--virtual-pipeline-model-parallel-size", "2"), 1,
+     "virtual pipeline stages need --pipeline-model-parallel-size > 1"),
     (("--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"), 2,
      "--num-layers 4 is not divisible by --pipeline-model-parallel-size 2 x --num-layers-per-virtual-pipeline-stage 3"),
     (("--snip", "--snip-interval", "2", "--snip-update-weight", "-1"), 1,
@@ -110,7 +111,8 @@ def test_tokenizer_smaller_than_data(tiny_data, tmp_path):
 
     train_tokenizer(TokenizerTrainingConfig(input=tiny_data.corpus, model_prefix=str(tmp_path / "small"),
                                             vocab_size=512))
-    with pytest.raises(ArgumentError, match=r"holds token id \d+, but the tokenizer \(--tokenizer-model\) has only 512"):
+    with pytest.raises(ArgumentError,
+                       match=r"holds token id \d+, but the tokenizer \(--tokenizer-model\) has only 512"):
         parse_config(train_args(tiny_data) + ["--tokenizer-model", str(tmp_path / "small.model")],
                    world_size=1, cuda=False)
 

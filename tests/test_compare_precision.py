@@ -14,12 +14,20 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, TINY_MODEL, scalars, torchrun
-from megatron_snip.research.comparison import (BranchResult, Comparison, ComparisonConfig, Runs, Stopped, branches,
-                                                  devices, run_all)
-from megatron_snip.research.report import ci95, markdown, summarize
+
 from megatron_snip.precision.plan import PrecisionPlan
+from megatron_snip.research.comparison import (
+    BranchResult,
+    Comparison,
+    ComparisonConfig,
+    Runs,
+    Stopped,
+    branches,
+    devices,
+    run_all,
+)
+from megatron_snip.research.report import ci95, markdown, summarize
 from megatron_snip.snip.statistics_file import Budget
 
 BUDGET = Budget(0.75)
@@ -34,7 +42,8 @@ def config(**kw) -> ComparisonConfig:
 def test_paired_gaps_and_noise_by_hand():
     """gap = loss - bf16 loss of the same seed; mean and sample std over seeds."""
     c = config()
-    r = lambda v, t=0.0: BranchResult(final_valid_loss=v, mean_train_loss=t, fp4_fraction=0.8, time_ratio=0.3)
+    def r(v, t=0.0):
+        return BranchResult(final_valid_loss=v, mean_train_loss=t, fp4_fraction=0.8, time_ratio=0.3)
     results = {("bf16", 1): r(5.0, 4.0), ("bf16", 2): r(5.2, 4.2),
                ("snip_fp4-0.75", 1): r(5.01, 4.02), ("snip_fp4-0.75", 2): r(5.23, 4.22),
                ("uniform_fp4-0.75", 1): r(5.1, 4.1)}
@@ -371,7 +380,8 @@ def test_oracle_plan_is_the_brute_force_optimum_of_the_measured_costs():
 
 def test_regret_to_the_oracle_and_the_additive_prediction_by_hand():
     c = config(policies=("oracle", "uniform"), ablations=("layers", "types"))
-    r = lambda v, t: BranchResult(final_valid_loss=v, mean_train_loss=t, fp4_fraction=0.75, time_ratio=0.3)
+    def r(v, t):
+        return BranchResult(final_valid_loss=v, mean_train_loss=t, fp4_fraction=0.75, time_ratio=0.3)
     results = {("bf16", 1): r(5.0, 4.0), ("bf16", 2): r(5.2, 4.2),
                ("oracle_fp4-0.75", 1): r(5.01, 4.01), ("oracle_fp4-0.75", 2): r(5.21, 4.22),
                ("uniform_fp4-0.75", 1): r(5.03, 4.04), ("uniform_fp4-0.75", 2): r(5.24, 4.23)}
@@ -411,8 +421,7 @@ def test_the_oracle_arm_trains_its_plan_and_needs_the_ablations(tmp_path, capsys
     assert {m for m, f in plans["ablate-layer1-linear_qkv"].items() if f == "nvfp4"} == {QKV1}
 
     # The command line: the arm and the kind are accepted, the missing ablations named (no run starts).
-    monkeypatch.syspath_prepend(str(ROOT / "tools"))
-    import compare_precision
+    from megatron_snip.cli import compare_precision
 
     base = ["--out", str(tmp_path / "cli"), "--trunk-iters", "4", "--train-iters", "8",
             "--policies", "oracle", "random"]
@@ -464,7 +473,8 @@ def test_ablations_train_on_their_seeds_only():
 
 def test_every_arm_against_snip_with_95_percent_intervals_and_the_noise_floor_by_hand():
     c = config(policies=("snip-fixed", "uniform", "threshold"), seeds=(1, 2, 3), noise_floor=True)
-    r = lambda v, t: BranchResult(final_valid_loss=v, mean_train_loss=t, fp4_fraction=0.75, time_ratio=0.3)
+    def r(v, t):
+        return BranchResult(final_valid_loss=v, mean_train_loss=t, fp4_fraction=0.75, time_ratio=0.3)
     bf16 = {1: (5.0, 4.0), 2: (5.2, 4.1), 3: (5.1, 4.3)}
     # Differences to bf16 (val, train) per seed: snip .010/.010, .012/.012, .014/.014; uniform +.010 on top of
     # snip on every seed; threshold +.001, +.003, +.005 on top (mean .003, std .002); the noise arm -.002, 0, +.002.
@@ -477,7 +487,8 @@ def test_every_arm_against_snip_with_95_percent_intervals_and_the_noise_floor_by
     summary = summarize(c, results)
     versus = {v["arm"]: v for v in summary["versus_snip"]}
     assert set(versus) == {"uniform", "threshold"} and versus["uniform"]["focus"] == "snip-fixed"
-    assert versus["uniform"]["val"] == pytest.approx(0.010) and versus["uniform"]["val_std"] == pytest.approx(0, abs=1e-9)
+    assert versus["uniform"]["val"] == pytest.approx(0.010)
+    assert versus["uniform"]["val_std"] == pytest.approx(0, abs=1e-9)
     t = versus["threshold"]
     assert t["val"] == pytest.approx(0.003) and t["val_std"] == pytest.approx(0.002)
     assert t["val_ci"] == pytest.approx(4.303 * 0.002 / math.sqrt(3))  # Student's t, 2 degrees of freedom

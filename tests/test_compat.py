@@ -10,7 +10,6 @@ import sys
 import textwrap
 
 import pytest
-
 from conftest import ROOT
 
 pytestmark = pytest.mark.integration  # every test here launches processes

@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
 from conftest import train_args
+
 from megatron_snip.arguments import ArgumentError, build_parser, parse_args, parse_config
 from megatron_snip.arguments.megatron_lm import MegatronLMFlags
 from megatron_snip.flags import dest_of, flag_fields, option_of
@@ -46,8 +46,9 @@ def _roundtrip(tmp_path, config, world_size, *extra):
 
 # Flags whose presence implies others (Megatron-LM's switches), or that validation rewrites.
 @pytest.mark.parametrize("flags", [
-    ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
-     "1", "--snip", "--snip-interval", "2", "--fp4-recipe", "mxfp4", "--precision-schedule", "fwd=bf16@0.9",
+    ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+     "--num-layers-per-virtual-pipeline-stage", "1", "--snip", "--snip-interval", "2", "--fp4-recipe", "mxfp4",
+     "--precision-schedule", "fwd=bf16@0.9",
      "--lr-warmup-fraction", "0.5", "--nvfp4-disable-rht", "--no-quant-health", "--data-path", "1", "PREFIX"),
     ("--fp4-format", "e2m1", "--recompute-activations"),
     ("--fp8-format", "e4m3"),

@@ -4,7 +4,7 @@ Everything runs on a 40-file slice of the stdlib and an 800-piece tokenizer buil
 under pytest's tmp directories.
 """
 
-import importlib.util
+import importlib
 import json
 import math
 import subprocess
@@ -38,12 +38,9 @@ VOCAB_SIZE = 800
 
 
 def load_tool(name: str):
-    """A tools/ script as a module, so its ``main(argv)`` runs in this process (no new
+    """A tool's module (megatron_snip/cli/), so its ``main(argv)`` runs in this process (no new
     interpreter, i.e. no second multi-second megatron import)."""
-    spec = importlib.util.spec_from_file_location(f"tool_{name}", ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(f"megatron_snip.cli.{name}")
 
 
 def read_jsonl(path) -> list[dict]:

@@ -13,8 +13,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT
+
 from megatron_snip.arguments import parse_args, resolve
 
 pytestmark = pytest.mark.integration  # every test here launches processes

@@ -13,9 +13,9 @@ import subprocess
 import time
 
 import pytest
-
 from conftest import ROOT, scalars, torchrun, torchrun_command, torchrun_env, train_args
 from drivers.faults import signal_group
+
 from megatron_snip.arguments import ArgumentError, parse_config
 
 DRIVER = "tests/drivers/faults.py"
@@ -98,6 +98,7 @@ def test_the_checkpoint_writer_helper_survives_stop_signals():
     import os
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
+
     from megatron_snip.training import save_helper
 
     save_helper.install()

@@ -1,5 +1,5 @@
 """bench/gpu_suite.py and what it carries: its CPU mode, its step runner and report, the benchmarks'
-figures it reports, the CUDA test selection, and the pinned wheels (tools/prepare_gpu_wheels.py)."""
+figures it reports, the CUDA test selection, and the pinned wheels (bench/prepare_gpu_wheels.py)."""
 
 from __future__ import annotations
 
@@ -13,14 +13,12 @@ import time
 
 import pytest
 import torch
-
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT / "tools"))
 
-import gpu_suite  # noqa: E402
-import prepare_gpu_wheels as wheels  # noqa: E402
+import gpu_suite
+import prepare_gpu_wheels as wheels
 
 CUDA_FILES = {"tests/test_triton_qdq.py", "tests/test_fp8_gemm.py", "tests/test_quantizers.py",
               "tests/test_gpu_training.py"}
@@ -178,7 +176,7 @@ def test_step_time_ratios_are_against_the_same_runs_baseline():
 
 
 def test_wheels_are_pinned_to_the_cpu_environments_versions(tmp_path):
-    setup = (ROOT / "setup.py").read_text()
+    setup = (ROOT / "pyproject.toml").read_text()
     requirements = (ROOT / "requirements-cpu.txt").read_text()
     assert f'"megatron-core=={wheels.WHEELS["megatron-core"]}"' in setup
     assert f'megatron-core=={wheels.WHEELS["megatron-core"]}' in requirements

@@ -10,8 +10,8 @@ import math
 
 import pytest
 import torch
-
 from conftest import scalars, torchrun, train_args
+
 from megatron_snip.arguments import parse_config
 from megatron_snip.model import llama
 

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ROOT, free_port, tiny_hf_llama
 
 # fp32 end to end; only the order of floating-point operations differs from transformers.

@@ -12,8 +12,8 @@ import sys
 
 import numpy as np
 import pytest
-
 from conftest import ROOT, TINY_MEGATRON, free_port, torchrun_env, train_args
+
 from megatron_snip.arguments import ArgumentError, parse_config
 
 

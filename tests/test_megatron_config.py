@@ -10,8 +10,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT, run_config, torchrun, train_args
+
 from megatron_snip.arguments import ArgumentError
 from megatron_snip.precision.megatron_config import (
     megatron_config_files,

@@ -12,9 +12,9 @@ import re
 import numpy as np
 import pytest
 import torch
+from conftest import resume_from, scalars, torchrun, train_args
 from megatron.core import dist_checkpointing
 
-from conftest import resume_from, scalars, torchrun, train_args
 from megatron_snip.arguments import ArgumentError, parse_config
 from megatron_snip.precision.fp8 import fp8_scale_from_amax
 from megatron_snip.precision.health import FIELDS, POINTS, HealthStats, combine, operand_health, summarize

@@ -11,9 +11,7 @@ import subprocess
 import sys
 
 import pytest
-
 import torch
-
 from conftest import ROOT, resume_from, scalars, torchrun, train_args
 
 pytestmark = pytest.mark.integration  # every test here launches processes
@@ -169,9 +167,9 @@ def test_tied_embeddings_train_at_pp2_as_at_tp1_resume_and_export(tiny_data, tmp
     as one process does, resumes bit for bit, and exports with tie_word_embeddings and no lm_head."""
     import json
 
+    from conftest import TINY_MEGATRON
     from safetensors.torch import load_file
 
-    from conftest import TINY_MEGATRON
     from megatron_snip.training.checkpointing import read_common_state
 
     def run(nproc, *extra, iters=3):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import shutil
 
 import pytest
-
 from conftest import scalars, torchrun, train_args
+
 from megatron_snip.arguments import ArgumentError, parse_config
 from megatron_snip.precision.plan import PrecisionPlan
 from megatron_snip.training.checkpointing import read_common_state

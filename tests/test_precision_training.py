@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT, free_port, scalars, torchrun, train_args
+
 from megatron_snip.precision.flops import LlamaLinearDims, flop_fractions
 from megatron_snip.precision.plan import PrecisionPlan
 from megatron_snip.precision.recipes import Precision

@@ -13,10 +13,10 @@ import json
 import shutil
 
 import pytest
-
 from conftest import ROOT, scalars, torchrun, train_args
-from megatron_snip.arguments import parse_args
 from test_examples import recorded_launches
+
+from megatron_snip.arguments import parse_args
 
 SCRIPT = ROOT / "examples" / "slurm" / "pretrain_llama.sbatch"
 SWITCHES = ("sequence_parallel", "use_distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather", "bf16",

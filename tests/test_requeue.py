@@ -7,8 +7,8 @@ import subprocess
 import time
 
 import pytest
-
 from conftest import ROOT, run_config, torchrun, torchrun_command, torchrun_env, train_args
+
 from megatron_snip.arguments import ArgumentError
 from megatron_snip.training import requeue
 from megatron_snip.training.requeue import ExitRecord, decide

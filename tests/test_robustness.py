@@ -10,7 +10,6 @@ import sys
 
 import psutil
 import pytest
-
 from conftest import ROOT, free_port, scalars, torchrun, train_args
 
 pytestmark = pytest.mark.integration  # every test here launches processes

@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 
+from megatron_snip.research.ground_truth import rank_correlations, rank_with_ties, spearman
 from megatron_snip.snip.estimators import (
     AdamHyper,
     adam_sensitivity,
@@ -28,7 +29,6 @@ from megatron_snip.snip.estimators import (
     perturbation_gain,
     propagated_update_divergence,
 )
-from megatron_snip.research.ground_truth import rank_correlations, rank_with_ties, spearman
 from megatron_snip.snip.noise import noise_key, rademacher
 from megatron_snip.snip.statistics import FormatErrors, ModuleStatistics, ProbeStatistics
 
@@ -343,11 +343,11 @@ def test_local_error_baselines():
 def test_operand_error_baselines_sum_every_quantized_tensor_and_rank_unlike_the_output_error():
     """The SNIP paper's baselines: X, W and dY errors summed (absolute, and each over its tensor's
     norm: X 80, W 1, dY 1e-4 in _module). Layer 0's output error is the smaller, its operands' the larger."""
-    from megatron_snip.snip.estimators import operand_error_baselines
+    from megatron_snip.precision.flops import LlamaLinearDims
     from megatron_snip.research.offline import POLICIES
+    from megatron_snip.snip.estimators import operand_error_baselines
     from megatron_snip.snip.ilp import SnipProblem
     from megatron_snip.snip.planner import linear_modules
-    from megatron_snip.precision.flops import LlamaLinearDims
 
     stats = _stats()
     operands = {"decoder.layers.0.mlp.linear_fc1": {"x": 0.8, "w": 0.02, "dy": 2e-7},
@@ -360,7 +360,8 @@ def test_operand_error_baselines_sum_every_quantized_tensor_and_rank_unlike_the_
     assert relative["decoder.layers.0.mlp.linear_fc1"]["nvfp4"] == pytest.approx(0.8 / 80 + 0.02 / 1 + 2e-7 / 1e-4)
     assert relative["decoder.layers.1.mlp.linear_fc1"]["fp8"] == pytest.approx((0.4 / 80 + 0.01 + 1e-3) / 16)
     # at a budget of one module's FLOPs in FP4 the paper's baseline picks layer 1, the output-error one layer 0
-    modules = [m for m in linear_modules(LlamaLinearDims(num_layers=2, hidden_size=8, ffn_hidden_size=8, kv_channels=8, num_query_groups=1), 10, 1) if m.name in operands]
+    dims = LlamaLinearDims(num_layers=2, hidden_size=8, ffn_hidden_size=8, kv_channels=8, num_query_groups=1)
+    modules = [m for m in linear_modules(dims, 10, 1) if m.name in operands]
     zero = {m.name: {"bf16": 0.0, "fp8": 0.0, "nvfp4": 0.0} for m in modules}
     problem = SnipProblem(modules, ("bf16", "fp8", "nvfp4"), 0.5, cost=zero, per_stage=False)
     for policy, fp4_layer in (("min-operand-error", 1), ("min-relative-operand-error", 1), ("min-quant-error", 0)):
@@ -424,8 +425,8 @@ def test_ablation_predictions_split_snips_divergence_into_its_two_terms():
 def test_the_loss_term_policy_plans_by_the_loss_divergence_alone():
     """``snip-loss-term`` (offline.POLICIES): the ILP over alpha * dL/loss only; with one of two equal
     modules in FP4 it is the one whose FP4 loss divergence is smaller, whatever the update term says."""
-    from megatron_snip.snip.ilp import LinearModule, SnipProblem
     from megatron_snip.research.offline import POLICIES
+    from megatron_snip.snip.ilp import LinearModule, SnipProblem
 
     stats = _stats()
     names = sorted(stats.modules)

@@ -10,8 +10,8 @@ from dataclasses import replace
 
 import pytest
 import yaml
-
 from conftest import run_config, scalars, torchrun, train_args
+
 from megatron_snip.arguments import ArgumentError
 from megatron_snip.precision.flops import LlamaLinearDims, flop_fractions
 from megatron_snip.precision.plan import LINEAR_MODULES, PrecisionPlan, end_layers, module_name, module_names

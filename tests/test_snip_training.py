@@ -6,8 +6,8 @@ import json
 import shutil
 
 import pytest
-
 from conftest import scalars, torchrun, train_args
+
 from megatron_snip.precision.plan import PrecisionPlan, module_names
 
 pytestmark = pytest.mark.integration  # every test here launches processes
@@ -94,10 +94,6 @@ def test_probe_cycles_leave_training_unchanged(tiny_data, tmp_path):
 def test_each_cycle_says_what_it_decided_module_by_module(snip_run, tmp_path):
     """The decisions (choice, its costs, the next faster format) in the statistics file and beside it, the
     file's schema version, TensorBoard's text panel, and tools/snip_report.py's pictures of the run."""
-    import sys
-
-    from conftest import ROOT
-
     snip = snip_run / "ckpt" / "snip"
     record = json.loads((snip / "snip_iter_0000006.json").read_text())
     assert record["schema_version"] == 1
@@ -109,8 +105,7 @@ def test_each_cycle_says_what_it_decided_module_by_module(snip_run, tmp_path):
         assert (r["faster"] is None) == (r["precision"] == "nvfp4")  # nvfp4 is the fastest candidate
     text = (snip / "snip_iter_0000006.decisions.txt").read_text()
     assert all(name in text for name in module_names(4))
-    sys.path.insert(0, str(ROOT / "tools"))
-    import snip_report
+    from megatron_snip.cli import snip_report
 
     assert snip_report.main([str(snip), "--out", str(tmp_path)]) == 0
     assert (tmp_path / "plans.png").stat().st_size > 0 and (tmp_path / "divergences_iter_0000006.png").exists()

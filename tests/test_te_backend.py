@@ -152,13 +152,15 @@ def test_snip_on_the_te_backend_drops_what_te_cannot_run(tiny_data):
 def test_snip_on_the_te_backend_needs_an_fp4_format_te_runs(tiny_data):
     argv = train_args(tiny_data, "--transformer-impl", "transformer_engine", "--snip", "--snip-interval", "5",
                       "--fp4-recipe", "mxfp4")
-    with pytest.raises(ArgumentError, match="Transformer Engine runs none of --snip-formats mxfp4: use --fp4-recipe nvfp4"):
+    with pytest.raises(ArgumentError,
+                       match="Transformer Engine runs none of --snip-formats mxfp4: use --fp4-recipe nvfp4"):
         parse_config(argv, world_size=1, cuda=True)
 
 
 def test_snip_on_the_te_backend_without_a_gpu_says_what_it_needs(tiny_data):
     argv = train_args(tiny_data, "--transformer-impl", "transformer_engine", "--snip", "--snip-interval", "5")
-    with pytest.raises(ArgumentError, match="--transformer-impl transformer_engine needs a GPU with Transformer Engine"):
+    with pytest.raises(ArgumentError,
+                       match="--transformer-impl transformer_engine needs a GPU with Transformer Engine"):
         parse_config(argv, world_size=1, cuda=False)
 
 

@@ -1,79 +1,11 @@
-"""Build a JSONL corpus: the running interpreter's standard-library ``*.py`` files, or English prose.
+#!/usr/bin/env python
+"""``python tools/build_corpus.py ...`` = the console command ``megatron-snip-build-corpus ...``
+(megatron_snip/cli/build_corpus.py; ``--help`` for its usage)."""
 
-Examples (the quickstart's corpus, about 4 MB; the prose corpus, 3.7 MB, from Debian's packages
-debian-handbook and fortunes)::
-
-    python tools/build_corpus.py --output data/stdlib.jsonl --exclude-tests
-    python tools/build_corpus.py --source prose --output data/prose.jsonl
-"""
-
-import argparse
-import os
 import sys
 
-# Like Megatron-LM's tools: runnable from a checkout without `pip install -e .`.
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
-
-from megatron_snip.data.corpus import (  # noqa: E402
-    FORTUNES_DIR, HANDBOOK_DIR, SOURCES, CorpusConfig, build_corpus, stdlib_root)
-
-
-def get_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--output", required=True, help="JSONL file to write")
-    parser.add_argument(
-        "--source",
-        choices=SOURCES,
-        default="stdlib",
-        help="stdlib: this Python's standard-library source (the quickstart's); prose: The Debian "
-        f"Administrator's Handbook ({HANDBOOK_DIR}) and the fortunes ({FORTUNES_DIR}), from "
-        "`apt-get install debian-handbook fortunes`",
-    )
-    parser.add_argument(
-        "--max-docs", type=int, default=None, help="keep at most this many files (default: all)"
-    )
-    parser.add_argument(
-        "--max-bytes",
-        type=int,
-        default=CorpusConfig.max_bytes,
-        help="keep at most this many bytes of text (default: %(default)s; 0: no limit)",
-    )
-    parser.add_argument(
-        "--seed",
-        type=int,
-        default=CorpusConfig.seed,
-        help="seed of the random subset drawn under the limits",
-    )
-    parser.add_argument(
-        "--exclude-tests",
-        action="store_true",
-        help="skip the stdlib's test directories (test, tests, idle_test; --source stdlib)",
-    )
-    return parser.parse_args(argv)
-
-
-def main(argv=None) -> None:
-    args = get_args(argv)
-    try:
-        summary = build_corpus(
-            CorpusConfig(
-                output=args.output,
-                max_docs=args.max_docs,
-                max_bytes=args.max_bytes or None,
-                seed=args.seed,
-                exclude_tests=args.exclude_tests,
-                source=args.source,
-            )
-        )
-    except FileNotFoundError as e:  # the prose corpus's Debian packages are not installed
-        sys.exit(f"build_corpus.py: error: {e}")
-    origin = stdlib_root() if args.source == "stdlib" else f"{HANDBOOK_DIR} and {FORTUNES_DIR}"
-    print(
-        f"Wrote {args.output} from {origin}: {summary.documents} documents, "
-        f"{summary.bytes / 1e6:.2f} MB ({summary.bytes} bytes), "
-        f"{summary.skipped} unreadable or non-UTF-8 files skipped, {summary.seconds:.2f} s"
-    )
-
-
+# Entry scripts need this guard: dist_checkpointing's 'spawn' workers re-import __main__.
 if __name__ == "__main__":
-    main()
+    from megatron_snip.cli.build_corpus import main
+
+    sys.exit(main())

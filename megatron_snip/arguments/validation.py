@@ -358,10 +358,10 @@ def _te_snip_candidates(args: argparse.Namespace) -> None:
     """SNIP on the te backend: candidates no TE recipe can run are dropped from the ILP, and forward
     and backward are planned together (one TE recipe covers a module's three GEMMs), each with a
     notice for the start-up log (``args.precision_notes``)."""
+    import torch
+
     from megatron_snip.precision.recipes import RecipeConfig
     from megatron_snip.precision.te_layers import te_runnable
-
-    import torch
 
     capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
     kept, dropped = te_runnable(args.snip_formats, RecipeConfig(fp8_recipe=args.fp8_recipe, fp8_format=args.fp8_format),

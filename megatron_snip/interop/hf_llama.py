@@ -28,7 +28,13 @@ from megatron_snip.compat.launch import default_to_one_process, free_port
 from megatron_snip.fileio import write_text_atomic
 from megatron_snip.interop import hf_files
 from megatron_snip.interop.convert import (
-    LlamaLayout, export_part, hf_names, import_part, megatron_target, part_view, zero_padding_rows,
+    LlamaLayout,
+    export_part,
+    hf_names,
+    import_part,
+    megatron_target,
+    part_view,
+    zero_padding_rows,
 )
 from megatron_snip.interop.hf_files import HFFormatError, HFLlamaConfig
 

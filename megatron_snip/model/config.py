@@ -1,4 +1,5 @@
-"""The model's shape and build options, and the parallel layout: their flags, validated once by ``megatron_snip.arguments``."""
+"""The model's shape and build options, and the parallel layout: their flags, validated once by
+``megatron_snip.arguments``."""
 
 from __future__ import annotations
 

@@ -40,7 +40,6 @@ from .recipes import PRECISION_NAMES, Precision, RecipeConfig, operand_quantizer
 from .registry import SCHEME_NAMES
 
 
-
 @dataclass(frozen=True)
 class GemmSpeedModel:
     """GEMM throughput per quantization scheme, relative to BF16 (= 1).

@@ -42,17 +42,24 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from megatron_snip.compat.launch import free_port
-from megatron_snip.research.ablation import KINDS, NONE_ARM, ablation_groups, ablation_plans, predictions
-from megatron_snip.research.oracle import (NEEDS, ORACLE, OracleCosts, group_costs, module_costs, oracle_plan,
-                                              predicted_gap)
-from megatron_snip.research.reorder import reordered_data_args
 from megatron_snip.fileio import write_text_atomic
 from megatron_snip.precision.plan import PrecisionPlan
 from megatron_snip.precision.registry import FP4_NAMES
-from megatron_snip.snip.ilp import InfeasibleBudgetError, evaluate_plan
+from megatron_snip.research.ablation import KINDS, NONE_ARM, ablation_groups, ablation_plans, predictions
 from megatron_snip.research.offline import POLICIES, policy_plans
-from megatron_snip.snip.statistics_file import Budget, StatisticsFile
+from megatron_snip.research.oracle import (
+    NEEDS,
+    ORACLE,
+    OracleCosts,
+    group_costs,
+    module_costs,
+    oracle_plan,
+    predicted_gap,
+)
+from megatron_snip.research.reorder import reordered_data_args
+from megatron_snip.snip.ilp import InfeasibleBudgetError, evaluate_plan
 from megatron_snip.snip.planner import to_precision_plan
+from megatron_snip.snip.statistics_file import Budget, StatisticsFile
 
 REFERENCE = "bf16"
 # The noise floor: BF16 again from the same trunk on another order of the training documents (reorder.py);

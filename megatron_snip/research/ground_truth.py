@@ -37,7 +37,6 @@ from megatron_snip.precision.controller import PrecisionController
 from megatron_snip.precision.layers import QuantizedLinearMixin
 from megatron_snip.precision.linear import QuantState
 from megatron_snip.precision.recipes import BF16, Precision
-
 from megatron_snip.snip.adam_view import AdamView
 from megatron_snip.snip.noise import noise_key
 from megatron_snip.snip.passes import ForwardStep, PassRunner, preserved_training_state

@@ -15,7 +15,6 @@ from megatron_snip.snip.estimators import cost_tables, local_error_baselines, op
 from megatron_snip.snip.ilp import InfeasibleBudgetError, Plan, SnipProblem, solve
 from megatron_snip.snip.statistics import ProbeStatistics
 
-
 PolicyMaker = Callable[[SnipProblem, ProbeStatistics, int, str], Plan]
 
 

@@ -32,8 +32,8 @@ import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from megatron_snip.snip.ilp import Plan, SnipProblem
 from megatron_snip.research.policies import min_fp4_cost
+from megatron_snip.snip.ilp import Plan, SnipProblem
 
 from .ablation import NONE_ARM
 

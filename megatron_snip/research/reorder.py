@@ -25,8 +25,10 @@ DEFAULT_SPLIT = "969,30,1"  # pretrain_llama.py's --split default (Megatron-LM's
 
 def training_documents(num_documents: int, split: str) -> int:
     """How many leading documents megatron-core's dataset builder gives the training split."""
-    from megatron.core.datasets.blended_megatron_dataset_config import (convert_split_vector_to_split_matrix,
-                                                                        parse_and_normalize_split)
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
 
     train = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))[0]
     return 0 if train is None else int(round(train[1] * float(num_documents)))

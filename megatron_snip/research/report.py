@@ -159,7 +159,8 @@ def _ci(mean: float, half: float, digits: int = 4) -> str:
     """A mean and its 95% interval: ``+0.0012 [-0.0003, +0.0027]``."""
     if math.isnan(mean):
         return "-"
-    return f"{mean:+.{digits}f}" + ("" if math.isnan(half) else f" [{mean - half:+.{digits}f}, {mean + half:+.{digits}f}]")
+    interval = "" if math.isnan(half) else f" [{mean - half:+.{digits}f}, {mean + half:+.{digits}f}]"
+    return f"{mean:+.{digits}f}" + interval
 
 
 def _sigmas(mean: float, std: float) -> str:
@@ -195,7 +196,8 @@ def markdown(summary: dict) -> str:
             f"{k} {v:+.2f}" for k, v in summary["ablation"]["spearman"].items()) + "."]
     versus = summary.get("versus_snip") or []
     if versus:
-        lines += ["", f"Paired differences to {versus[0]['focus']} at each budget (arm minus {versus[0]['focus']}, same "
+        focus = versus[0]['focus']
+        lines += ["", f"Paired differences to {focus} at each budget (arm minus {focus}, same "
                   "seed; negative: the arm's loss is lower): mean [95% confidence interval, Student's t over the "
                   "seeds] and the mean in paired standard deviations.", "",
                   "| budget | arm | seeds | val difference [95% CI] | val / std | train difference [95% CI] | "
@@ -209,7 +211,8 @@ def markdown(summary: dict) -> str:
         costs = summary.get("oracle") or {}
         lines += ["", "Regret to the oracle (the ILP on the costs the ablations measured"
                   + (f", {costs['source']} ablations of seeds {costs['seeds']}" if costs else "")
-                  + "): loss minus the oracle branch's of the same seed, mean over seeds [95% confidence interval]. Additive "
+                  + "): loss minus the oracle branch's of the same seed, mean over seeds [95% confidence interval]. "
+                  "Additive "
                   "prediction: the all-high arm's gap plus the measured costs of the plan's FP4 modules (the "
                   "oracle's own row tests additivity: prediction vs measured gap).", "",
                   "| budget | policy | additive prediction | gap to bf16 | regret (val) [95% CI] | "

@@ -222,5 +222,6 @@ def log_cycle(logger, report: CycleReport, num_layers: int) -> None:
                     f"panel)\n{decision_summary(rows)}")
     logger.text(f"[snip] iteration {report.iteration}: solver {report.solver}, gap {report.gap:.2g}; per stage: FP4 "
                 f"fraction " + ", ".join(f"{s}: {v:.3f}" for s, v in report.stage_fp4_fraction.items())
-                + "; estimated GEMM time vs bf16 " + ", ".join(f"{s}: {v:.3f}" for s, v in report.stage_time_ratio.items())
+                + "; estimated GEMM time vs bf16 "
+                + ", ".join(f"{s}: {v:.3f}" for s, v in report.stage_time_ratio.items())
                 + f" (budget {report.time_target:.3f})")

@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import glob
 import logging
-from collections.abc import Mapping
 import os
 import random
 import shutil
 import warnings
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -93,7 +93,7 @@ def find_latest(root: str) -> int | None:
     try:
         iteration = int(text)
     except ValueError:
-        raise CheckpointError(f"{tracker} is corrupt: expected an iteration number, found {text[:40]!r}")
+        raise CheckpointError(f"{tracker} is corrupt: expected an iteration number, found {text[:40]!r}") from None
     if not os.path.isdir(iteration_dir(root, iteration)):
         raise CheckpointError(f"{tracker} names iteration {iteration} but {iteration_dir(root, iteration)} "
                               f"is missing; restore it or point the tracker at an existing iter_* directory")

@@ -104,7 +104,8 @@ def _grad(param: torch.nn.Parameter) -> torch.Tensor | None:
 def _local_grads_finite(chunks: Sequence[torch.nn.Module]) -> bool:
     """Whether every gradient of this rank is finite: one max-abs reduction per DDP buffer (NaN propagates
     through max, which cannot overflow) and one host sync."""
-    tensors = [b.grad_data for c in chunks for b in getattr(c, "buffers", []) + getattr(c, "expert_parallel_buffers", [])]
+    tensors = [b.grad_data for c in chunks
+               for b in getattr(c, "buffers", []) + getattr(c, "expert_parallel_buffers", [])]
     if not tensors:  # not wrapped in megatron-core DDP
         tensors = [g for c in chunks for p in c.parameters() if (g := _grad(p)) is not None]
     if not tensors:

@@ -28,8 +28,8 @@ from megatron_snip.data.tokenizer import build_tokenizer
 from megatron_snip.model.llama import build_model, flops_per_token, num_parameters, transformer_config
 from megatron_snip.model.step import forward_step, mean_loss
 from megatron_snip.precision.controller import PrecisionController
-from megatron_snip.precision.flops import LlamaLinearDims, estimated_time_ratio, flop_fractions
 from megatron_snip.precision.execution import describe_execution, gemm_execution
+from megatron_snip.precision.flops import LlamaLinearDims, estimated_time_ratio, flop_fractions
 from megatron_snip.precision.linear import describe_backend
 from megatron_snip.precision.plan import PrecisionPlan
 from megatron_snip.precision.registry import PRECISION_NAMES
@@ -46,7 +46,6 @@ from megatron_snip.training.quant_health import HealthTable, gather_health, prom
 from megatron_snip.training.safety import NumericalGuard, Verdict
 from megatron_snip.training.setup import build_optimizer, build_scheduler, initialize_distributed, wrap_ddp
 from megatron_snip.training.signals import ExitSignalHandler
-
 
 RUN_CONFIG_FILE = "run_config.yaml"  # in every checkpoint's directory
 

@@ -14,7 +14,7 @@ if __name__ == "__main__":
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_snip.cli import trainer_from_command_line
+    from megatron_snip.cli.pretrain import trainer_from_command_line
     from megatron_snip.snip.adam_view import global_parameter_names
     from megatron_snip.snip.noise import param_global_index
 

@@ -136,6 +136,6 @@ if __name__ == "__main__":
     from megatron_snip.compat.cpu import silence_cpu_warnings
 
     silence_cpu_warnings()
-    from megatron_snip.cli import main
+    from megatron_snip.cli.pretrain import main
 
     sys.exit(main(on_build=instrument))

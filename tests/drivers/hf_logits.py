@@ -14,7 +14,7 @@ if __name__ == "__main__":
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    from megatron_snip.cli import trainer_from_command_line
+    from megatron_snip.cli.pretrain import trainer_from_command_line
 
     trainer = trainer_from_command_line(sys.argv[1:])
     trainer.resume()

@@ -7,7 +7,7 @@ import os
 import sys
 
 if __name__ == "__main__":
-    from megatron_snip.cli import trainer_from_command_line
+    from megatron_snip.cli.pretrain import trainer_from_command_line
     from megatron_snip.precision.plan import PrecisionPlan
 
     trainer = trainer_from_command_line(sys.argv[1:])

@@ -1,6 +1,6 @@
 """Download the wheels a lent GPU machine lacks into ``.gpu_wheels/``, for bench/gpu_suite.py to install there.
 
-    python tools/prepare_gpu_wheels.py            # then the device call it prints (docs/benchmarks.md)
+    python bench/prepare_gpu_wheels.py            # then the device call it prints (docs/benchmarks.md)
 
 The lent machines (H100 / H200) have Python 3.12 on x86-64 with torch (CUDA), triton,
 sentencepiece, tensorboard and transformers, and no network. What the project needs
@@ -68,7 +68,7 @@ def check_folder(dest: Path) -> float:
     missing, extra = want - set(found), set(found) - want
     if missing or extra:
         raise SystemExit(f"{dest}: missing {sorted(missing)}, unpinned {sorted(extra)}; run "
-                         "python tools/prepare_gpu_wheels.py again")
+                         "python bench/prepare_gpu_wheels.py again")
     mib = sum(p.stat().st_size for p in found.values()) / 2**20
     if mib > CARRY_LIMIT_MIB:
         raise SystemExit(f"{dest}: {mib:.1f} MiB of wheels exceeds the {CARRY_LIMIT_MIB} MiB a device call carries")
