@@ -93,6 +93,14 @@ def train_args(data: TinyData, *extra: str, iters: int = 6, model: list[str] = T
             "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "2", *extra]
 
 
+def running_plan(controller):
+    """The precisions this rank's quantized linears run now (modules of other stages: the bf16 default)."""
+    from megatron_snip.precision.plan import PrecisionPlan
+    from megatron_snip.precision.recipes import BF16
+
+    return PrecisionPlan({name: m.precision for name, m in controller.modules().items()}, BF16)
+
+
 def run_config(*flags: str, world_size: int = 1):
     """The validated ``RunConfig`` of TINY_MODEL with ``flags`` (data and files not checked): for tests
     that build the model in-process with the trainer's own builders."""

@@ -27,7 +27,7 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import free_port, run_config
+from conftest import free_port, run_config, running_plan
 
 LEAD, OUT = (8, 4), 64  # leading (token) dims of the layer inputs; base width
 PRECISIONS = ("nvfp4", "mxfp4", "fp8")
@@ -287,9 +287,9 @@ def gpt_training():
             optimizer.step()
             losses.append(loss.item())
         out[name] = losses
-    out["current"] = controller.current_plan() == PrecisionPlan()
+    out["current"] = running_plan(controller) == PrecisionPlan()
     controller.apply(mixed)
-    out["current_mixed"] = controller.current_plan() == mixed
+    out["current_mixed"] = running_plan(controller) == mixed
     return out
 
 
@@ -371,7 +371,7 @@ def tp_model_alignment():
         controller.apply(PrecisionPlan.uniform("mxfp4"))
     except ValueError as e:
         out["error"] = str(e)
-    plan = controller.current_plan()
+    plan = running_plan(controller)
     out["after"] = str(plan.default), {str(p) for p in plan.modules.values()}
     loss = _loss(model, _batch())
     loss.backward()

@@ -313,12 +313,9 @@ def test_cost_tables_refuse_unmeasured_pairs_and_clamp_negative_curvature():
         cost_tables(stats)
 
 
-def test_statistics_json_round_trip_and_merge(tmp_path):
+def test_statistics_json_round_trip_and_merge():
     stats = _stats()
-    path = tmp_path / "cycle.json"
-    stats.save(path)
-    again = ProbeStatistics.load(path)
-    assert again == stats and again.is_finite()
+    assert ProbeStatistics.from_json(stats.to_json()) == stats
     def part(stage, **changes):
         modules = {k: v for k, v in stats.to_dict()["modules"].items() if f"layers.{stage}." in k}
         return ProbeStatistics.from_dict({**stats.to_dict(), "stages": [stage], "modules": modules, **changes})
@@ -330,8 +327,6 @@ def test_statistics_json_round_trip_and_merge(tmp_path):
         ProbeStatistics.merge([stats, stats])
     with pytest.raises(ValueError, match="version"):
         ProbeStatistics.from_dict({**stats.to_dict(), "version": 99})
-    stats.modules["decoder.layers.0.mlp.linear_fc1"].gain = math.nan
-    assert not stats.is_finite()
 
 
 def test_local_error_baselines():

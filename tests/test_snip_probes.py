@@ -39,7 +39,7 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import free_port, run_config
+from conftest import free_port, run_config, running_plan
 
 VOCAB, SEQ, MBS, MICRO = 128, 32, 4, 2
 STEPS = 30
@@ -286,7 +286,7 @@ def _snapshot(chunks, controller):
         "grads": [b.grad_data.clone() for b in chunks[0].buffers],
         "cpu_rng": torch.get_rng_state(),
         "tracker_rng": {k: v.clone() for k, v in tracker.items()},
-        "plan": controller.current_plan().to_dict(),
+        "plan": running_plan(controller).to_dict(),
         "quant_state_objects": [id(m.quant_state) for m in modules.values()],
         "rounding_rng": [m.quant_state.generator(torch.device("cpu")).get_state() for m in modules.values()],
         "grad_references": [None if p.grad is None else id(p.grad) for p in chunks[0].parameters()],

@@ -22,7 +22,7 @@ from megatron.core.utils import get_pg_size
 
 from megatron_snip.precision.health import OUTPUTS, HealthStats
 from megatron_snip.precision.plan import LINEAR_MODULES, PrecisionPlan, module_name, parse_module_name
-from megatron_snip.precision.recipes import BF16, Precision, RecipeConfig
+from megatron_snip.precision.recipes import Precision, RecipeConfig
 
 from .layers import PlanLinear, QuantizedLinearMixin
 
@@ -105,10 +105,6 @@ class PrecisionController:
     def modules(self) -> dict[str, PlanLinear]:
         """Global name -> module, for this rank."""
         return dict(self._modules)
-
-    def current_plan(self) -> PrecisionPlan:
-        """The precisions this rank's modules run now (modules of other stages: bf16 default)."""
-        return PrecisionPlan({name: m.precision for name, m in self._modules.items()}, BF16)
 
     def apply(self, plan: PrecisionPlan) -> dict[str, tuple[Precision, Precision]]:
         """Set every module's precision from ``plan``, effective at the next forward.

@@ -23,9 +23,6 @@ FP8_BLOCK = 128  # DeepSeek-V3 / TE Float8BlockScaling: 1x128 activations, 128x1
 MX_BLOCK = 32  # OCP MX
 NVFP4_BLOCK = 16  # NVFP4: 1x16, or 16x16 weight tiles
 
-FAMILIES = ("bf16", "fp8", "fp4")
-
-
 @dataclass(frozen=True)
 class PrecisionFormat:
     """A precision a module's GEMMs can run in.

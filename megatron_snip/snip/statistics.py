@@ -21,13 +21,9 @@ JSON form (``version`` 2; version 1 lacks ``operand_sq``)::
 from __future__ import annotations
 
 import json
-import math
-import os
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-from megatron_snip.fileio import write_text_atomic
 from megatron_snip.precision.plan import LINEAR_MODULES, parse_module_name
 
 # Version of the snip_iter_N.json layout a --snip run writes (docs/snip.md, "The statistics file");
@@ -162,18 +158,6 @@ class ProbeStatistics:
     def from_json(cls, text: str, source: str = "<string>") -> ProbeStatistics:
         return cls.from_dict(json.loads(text), source)
 
-    def save(self, path: str | os.PathLike) -> None:
-        """Write the JSON form atomically (one file per cycle)."""
-        write_text_atomic(path, self.to_json())
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> ProbeStatistics:
-        return cls.from_json(Path(path).read_text(), source=str(path))
-
-    def is_finite(self) -> bool:
-        """True when every number in the statistics is finite (loss may be None)."""
-        return all(math.isfinite(v) for v in _numbers(self.to_dict()))
-
     @classmethod
     def merge(cls, parts: Iterable[ProbeStatistics]) -> ProbeStatistics:
         """One :class:`ProbeStatistics` from the parts of different pipeline stages.
@@ -208,14 +192,3 @@ class ProbeStatistics:
 def _execution_order(name: str) -> tuple[int, int]:
     layer, module = parse_module_name(name)
     return layer, LINEAR_MODULES.index(module)
-
-
-def _numbers(value) -> Iterable[float]:
-    if isinstance(value, dict):
-        for v in value.values():
-            yield from _numbers(v)
-    elif isinstance(value, list):
-        for v in value:
-            yield from _numbers(v)
-    elif isinstance(value, float | int) and not isinstance(value, bool):
-        yield float(value)
