@@ -30,9 +30,9 @@ from results import goal, write_json
 from timing import device_name, median_seconds
 
 from megatron_snip.model.presets import PRESETS
+from megatron_snip.numerics.linear import LinearQuantization, QuantState, _matmul, _quantize
+from megatron_snip.numerics.recipes import Precision, RecipeConfig
 from megatron_snip.precision.flops import LINEAR_MODULES, LlamaLinearDims, gemm_flops
-from megatron_snip.precision.linear import LinearQuantization, QuantState, _matmul, _quantize
-from megatron_snip.precision.recipes import Precision, RecipeConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,7 +10,7 @@ its throughput as a ratio of ``torch.clone(x)``'s, which moves exactly those
 bytes (copy time / quantize time; 1.0 = as fast as a copy; goal on GPU >= 0.5).
 
 On CUDA it then times the fused Triton kernels the quantized linear uses for
-its operands (``precision/triton_qdq.py``; per-tensor amaxes included). They
+its operands (``numerics/triton_qdq.py``; per-tensor amaxes included). They
 read the operand and write fp32, so their baseline is ``x.float()``, a copy
 that moves the same bytes.
 """
@@ -24,7 +24,7 @@ import torch
 from results import goal, write_json
 from timing import device_name, median_seconds
 
-from megatron_snip.precision import FORMATS, fake_quantize
+from megatron_snip.numerics import FORMATS, fake_quantize
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,10 +74,10 @@ def main() -> None:
 
 def triton_operand_quantizers(x: torch.Tensor) -> dict:
     """Format name -> a call of its fused kernel on ``x`` (activation role, as in fprop)."""
-    from megatron_snip.precision import triton_qdq
-    from megatron_snip.precision.blocks import tensor_amax
-    from megatron_snip.precision.formats import E2M1, E4M3, E5M2
-    from megatron_snip.precision.fp8 import fp8_scale_from_amax
+    from megatron_snip.numerics import triton_qdq
+    from megatron_snip.numerics.blocks import tensor_amax
+    from megatron_snip.numerics.formats import E2M1, E4M3, E5M2
+    from megatron_snip.numerics.fp8 import fp8_scale_from_amax
 
     generator = torch.Generator(device=x.device).manual_seed(0)
 

@@ -188,7 +188,7 @@ def time_health_code(trainer) -> list[float]:
     """Wrap every piece of the ``--quant-health`` work (recording per operand and output, the reset
     per step, the gather and TensorBoard write on logged steps) in a timer; returns the running total
     (seconds). Exact only where the work runs synchronously (CPU): CUDA kernels are only launched."""
-    from megatron_snip.precision.health import HealthStats
+    from megatron_snip.numerics.health import HealthStats
 
     total = [0.0]
 

@@ -95,8 +95,8 @@ def train_args(data: TinyData, *extra: str, iters: int = 6, model: list[str] = T
 
 def running_plan(controller):
     """The precisions this rank's quantized linears run now (modules of other stages: the bf16 default)."""
+    from megatron_snip.numerics.recipes import BF16
     from megatron_snip.precision.plan import PrecisionPlan
-    from megatron_snip.precision.recipes import BF16
 
     return PrecisionPlan({name: m.precision for name, m in controller.modules().items()}, BF16)
 

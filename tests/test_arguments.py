@@ -162,7 +162,7 @@ def test_started_without_a_launcher_it_trains_as_one_process(tiny_data, tmp_path
 
 
 def test_nvfp4_switches_reach_the_recipe_and_its_quantizers(tiny_data):
-    from megatron_snip.precision.recipes import operand_quantizer
+    from megatron_snip.numerics.recipes import operand_quantizer
     default = parse(tiny_data).precision.recipe()
     assert (default.fp4_stochastic_rounding, default.nvfp4_random_hadamard, default.nvfp4_2d_weights) == (
         True, True, True)  # TE's recipe
@@ -331,20 +331,20 @@ def test_a_megatron_nvfp4_script_trains_saves_lean_checkpoints_and_resumes(tiny_
     """--fp4-format e2m1 --fp4-recipe nvfp4 trains every linear GEMM in NVFP4, for --train-samples / global batch
     iterations, under --manual-gc; --no-save-optim --no-save-rng checkpoints hold neither state, and a run resuming
     from one continues at its iteration with a fresh optimizer."""
-    from megatron_snip.training.checkpointing import NO_OPTIM, NO_RNG, read_common_state
+    from megatron_snip.training.checkpointing import read_record
 
     ckpt = str(tmp_path / "ckpt")
     megatron = ("--fp4-format", "e2m1", "--fp4-recipe", "nvfp4", "--manual-gc", "--manual-gc-interval", "1",
                 "--no-save-optim", "--no-save-rng", "--save", ckpt, "--load", ckpt, "--lr-decay-samples", "32")
     first = torchrun(1, without_train_iters(tiny_data, *megatron, "--train-samples", "16"))
     assert "100.0% of linear-layer FLOPs in FP4" in first.stdout and "fp4 nvfp4" in first.stdout
-    common = read_common_state(ckpt)
-    assert (common["iteration"], common[NO_OPTIM], common[NO_RNG]) == (2, True, True)
-    assert common["args"]["train_iters"] == 2 and common["args"]["lr_decay_iters"] == 4
+    record = read_record(ckpt)
+    assert (record.iteration, record.no_optimizer_state, record.no_rng_state) == (2, True, True)
+    assert record.args["train_iters"] == 2 and record.args["lr_decay_iters"] == 4
     written = os.path.join(ckpt, "iter_0000002", "run_config.yaml")  # the resolved flags, beside the checkpoint
     again = parse_config(["--yaml-cfg", written], world_size=1, cuda=False)
     assert (again.training.train_iters, again.precision.precision, again.checkpoint.no_save_optim) == (2, "fp4", True)
     second = torchrun(1, without_train_iters(tiny_data, *megatron, "--train-samples", "32",
                                              "--exit-on-missing-checkpoint"))
     assert "resumed from" in second.stdout and "continuing at 2" in second.stdout
-    assert read_common_state(ckpt)["iteration"] == 4
+    assert read_record(ckpt).iteration == 4

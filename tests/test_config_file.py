@@ -118,7 +118,7 @@ def test_the_flag_docs_are_generated_from_the_sections():
 
 
 def test_the_recipe_flags_defaults_are_the_recipes_own():
+    from megatron_snip.numerics.recipes import RecipeConfig
     from megatron_snip.precision.config import RECIPE_DEFAULTS, PrecisionConfig
-    from megatron_snip.precision.recipes import RecipeConfig
 
     assert PrecisionConfig(**RECIPE_DEFAULTS).recipe() == RecipeConfig()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from megatron_snip.numerics.recipes import Precision
 from megatron_snip.precision.plan import LINEAR_MODULES, PrecisionPlan, module_name
-from megatron_snip.precision.recipes import Precision
 from megatron_snip.snip.decisions import decision_summary, decision_table, decisions
 from megatron_snip.snip.estimators import CostTables
 from megatron_snip.snip.plan_image import FORMAT_COLOURS, layer_tick_step, plan_image

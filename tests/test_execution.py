@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_snip.numerics.recipes import RecipeConfig
 from megatron_snip.precision.execution import SIMULATED, describe_execution, gemm_execution
-from megatron_snip.precision.recipes import RecipeConfig
 
 ALL = ("bf16", "fp8", "nvfp4", "mxfp4")
 CPU, A100, H100, B200 = None, (8, 0), (9, 0), (10, 0)

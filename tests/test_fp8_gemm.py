@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_snip.precision.formats import E4M3, E5M2
-from megatron_snip.precision.fp8 import quantize_fp8_tensorwise
-from megatron_snip.precision.linear import QuantState, quantized_linear, scaled_mm_enabled
-from megatron_snip.precision.recipes import Precision, RecipeConfig
+from megatron_snip.numerics.formats import E4M3, E5M2
+from megatron_snip.numerics.fp8 import quantize_fp8_tensorwise
+from megatron_snip.numerics.linear import QuantState, quantized_linear, scaled_mm_enabled
+from megatron_snip.numerics.recipes import Precision, RecipeConfig
 
 pytestmark = pytest.mark.cuda  # the same cases on the GPU's FP8 tensor cores where it has them
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9) else [])

@@ -219,7 +219,7 @@ def test_quantize_bench_times_each_formats_own_kernel():
     pytest.importorskip("triton")
     from quantize_bench import triton_operand_quantizers
 
-    from megatron_snip.precision import fake_quantize
+    from megatron_snip.numerics import fake_quantize
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x = torch.randn(32, 64, generator=torch.Generator().manual_seed(3)).to(device)

@@ -28,13 +28,11 @@ LOGIT_TOL = 1e-4
 
 
 # Several conversions in one process (each start-up costs seconds): tools/convert_hf_llama.py's
-# main() per argument list, stopping at the first failure.
+# main() (megatron_snip/cli/convert_hf_llama.py) per argument list, stopping at the first failure.
 _CONVERT_MANY = """
-import importlib.util, json, sys
-spec = importlib.util.spec_from_file_location("convert_hf_llama", sys.argv[1])
-tool = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(tool)
-for argv in json.loads(sys.argv[2]):
+import json, sys
+from megatron_snip.cli import convert_hf_llama as tool
+for argv in json.loads(sys.argv[1]):
     rc = tool.main(argv + ["--no-progress"])
     if rc:
         sys.exit(rc)
@@ -46,8 +44,8 @@ def convert(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def convert_many(argvs: list[list[str]], check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-c", _CONVERT_MANY, str(ROOT / "tools" / "convert_hf_llama.py"),
-                           json.dumps(argvs)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+    proc = subprocess.run([sys.executable, "-c", _CONVERT_MANY, json.dumps(argvs)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     if check and proc.returncode != 0:
         raise AssertionError(f"convert_hf_llama.py exited {proc.returncode}\n{proc.stdout[-3000:]}\n"

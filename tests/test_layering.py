@@ -1,5 +1,5 @@
-"""Imports only go down: compat <- precision <- model <- snip <- training <- arguments <- interop, research
-<- cli (the entry points and tools).
+"""Imports only go down: compat <- numerics <- precision <- model <- snip <- training <- arguments <- interop,
+research <- cli (the entry points and tools).
 
 Every ``import`` in the package counts, including the ones inside functions (a lazy import that
 goes up is still a cycle in the design). A package may import its own modules and any lower layer;
@@ -18,13 +18,14 @@ from conftest import ROOT
 # Lower number = lower layer. Every top-level module or package of megatron_snip must be listed.
 LAYERS = {
     "fileio": 0, "flags": 0, "compat": 0,  # leaves: atomic files, config plumbing, the device
-    "precision": 1, "data": 1,             # formats, quantizers, quantized linears, plans; tokenizers, datasets
-    "model": 2,                            # the Llama model (built with precision's layer spec), the step function
-    "snip": 3,                             # probes, estimators, ILP, the re-planner
-    "training": 4,                         # the trainer and its run configuration
-    "arguments": 5,                        # the command line -> RunConfig (the edge)
-    "interop": 6, "research": 6,           # Hugging Face conversion; baselines, ground truth, comparisons
-    "cli": 7,                              # pretrain_llama.py's main
+    "numerics": 1, "data": 1,              # formats, quantizers, quantized GEMM (no megatron-core); datasets
+    "precision": 2,                        # plans, precision flags, FLOPs and GEMM-speed cost models
+    "model": 3,                            # the Llama model, its quantized layers and precision controller, the step
+    "snip": 4,                             # probes, estimators, ILP, the re-planner
+    "training": 5,                         # the trainer and its run configuration
+    "arguments": 6,                        # the command line -> RunConfig (the edge)
+    "interop": 7, "research": 7,           # Hugging Face conversion; baselines, ground truth, comparisons
+    "cli": 8,                              # pretrain_llama.py's main and the tools' mains
 }
 PACKAGE = ROOT / "megatron_snip"
 
@@ -77,7 +78,7 @@ def test_the_check_sees_an_upward_import(tmp_path):
     (fake / "training").mkdir()
     (fake / "snip" / "passes.py").write_text("def f():\n    from megatron_snip.training.trainer import forward_step\n")
     (fake / "training" / "trainer.py").write_text("from megatron_snip.snip import passes\n")
-    assert layer_violations(fake) == ["megatron_snip/snip/passes.py:2: snip (layer 3) imports training (layer 4)"]
+    assert layer_violations(fake) == ["megatron_snip/snip/passes.py:2: snip (layer 4) imports training (layer 5)"]
 
 
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
@@ -111,3 +112,17 @@ def test_the_map_check_sees_an_unlisted_and_a_gone_module(tmp_path):
             "| `tools/snip_solve.py` | offline |\n")
     assert map_problems(text, tmp_path) == ["unlisted: megatron_snip/snip/config.py",
                                             "listed but missing: megatron_snip/snip/gone.py"]
+
+
+def test_numerics_stands_alone():
+    """numerics/ imports no megatron-core (so it can be used alone, like torchao's mx_formats), and of this
+    package only the device helper."""
+    bad = []
+    for path in sorted((PACKAGE / "numerics").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            bad += [f"{path.name}:{node.lineno}: {n}" for n in names
+                    if n.split(".")[0] == "megatron" or (n.startswith("megatron_snip.")
+                                                         and n.split(".")[1] not in ("numerics", "compat"))]
+    assert bad == []

@@ -220,7 +220,7 @@ def test_the_megatron_lm_example_script_trains_on_mock_data(tmp_path):
     """Megatron-LM's Llama 3 script (its flags, tiny sizes) runs unchanged through torchrun: 4 iterations of
     FP8 on mock data at DP2 with the distributed optimizer, saving every iteration and keeping the newest and
     every 2nd (--save-retain-interval 2)."""
-    from megatron_snip.training.checkpointing import read_common_state
+    from megatron_snip.training.checkpointing import read_record
 
     ckpt = tmp_path / "ckpt"
     env = torchrun_env({"MASTER_PORT": str(free_port()), "OUT": str(tmp_path),
@@ -235,6 +235,6 @@ def test_the_megatron_lm_example_script_trains_on_mock_data(tmp_path):
     assert len(losses) == 4 and all(np.isfinite(losses))
     assert "megatron-flags shape" in proc.stdout and "DP=2" in proc.stdout and "100.0% in FP8" in proc.stdout
     assert _checkpoints(ckpt) == ["iter_0000002", "iter_0000004"]
-    saved = read_common_state(str(ckpt))["args"]
+    saved = read_record(str(ckpt)).args
     assert (saved["mock_data"], saved["tokenizer_type"], saved["vocab_size"]) == (True, "NullTokenizer", 4096)
     assert not saved["share_embeddings_and_output_weights"] and saved["decoupled_lr"] == 5e-4

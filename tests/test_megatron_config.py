@@ -13,14 +13,14 @@ import pytest
 from conftest import ROOT, run_config, torchrun, train_args
 
 from megatron_snip.arguments import ArgumentError
-from megatron_snip.precision.megatron_config import (
+from megatron_snip.model.precision.megatron_config import (
     megatron_config_files,
     model_chunks,
     read_megatron_config,
     to_megatron_config,
 )
+from megatron_snip.numerics.recipes import BF16, Precision, RecipeConfig
 from megatron_snip.precision.plan import LINEAR_MODULES, PlanError, PrecisionPlan, module_name, module_names
-from megatron_snip.precision.recipes import BF16, Precision, RecipeConfig
 from megatron_snip.training.precision import initial_plan
 
 RECIPE = RecipeConfig()

@@ -16,12 +16,12 @@ from conftest import resume_from, scalars, torchrun, train_args
 from megatron.core import dist_checkpointing
 
 from megatron_snip.arguments import ArgumentError, parse_config
-from megatron_snip.precision.fp8 import fp8_scale_from_amax
-from megatron_snip.precision.health import FIELDS, POINTS, HealthStats, combine, operand_health, summarize
-from megatron_snip.precision.linear import QuantState, quantized_linear
+from megatron_snip.numerics.fp8 import fp8_scale_from_amax
+from megatron_snip.numerics.health import FIELDS, POINTS, HealthStats, combine, operand_health, summarize
+from megatron_snip.numerics.linear import QuantState, quantized_linear
+from megatron_snip.numerics.quantize import quantize_dequantize
+from megatron_snip.numerics.recipes import Precision, RecipeConfig, operand_quantizer
 from megatron_snip.precision.plan import PrecisionPlan, module_names
-from megatron_snip.precision.quantize import quantize_dequantize
-from megatron_snip.precision.recipes import Precision, RecipeConfig, operand_quantizer
 from megatron_snip.training.quant_health import HealthTable, promote
 from megatron_snip.training.safety import is_spike
 

@@ -170,14 +170,14 @@ def test_tied_embeddings_train_at_pp2_as_at_tp1_resume_and_export(tiny_data, tmp
     from conftest import TINY_MEGATRON
     from safetensors.torch import load_file
 
-    from megatron_snip.training.checkpointing import read_common_state
+    from megatron_snip.training.checkpointing import read_record
 
     def run(nproc, *extra, iters=3):
         torchrun(nproc, train_args(tiny_data, *extra, model=TINY_MEGATRON, iters=iters))
 
     init, pp2 = tmp_path / "init", ("--pipeline-model-parallel-size", "2")
     run(1, "--save", str(init), iters=0)
-    assert read_common_state(str(init))["args"]["share_embeddings_and_output_weights"] is True
+    assert read_record(str(init)).args["share_embeddings_and_output_weights"] is True
     start = ("--load", str(init), "--no-load-optim", "--no-load-rng")
     run(1, *start, "--tensorboard-dir", str(tmp_path / "tb1"))
     run(2, *pp2, *start, "--save", str(tmp_path / "full"), "--save-interval", "2",

@@ -7,6 +7,7 @@ from fractions import Fraction
 
 import pytest
 
+from megatron_snip.numerics.recipes import BF16, Precision
 from megatron_snip.precision.flops import LlamaLinearDims, flop_fractions, flops_by_format, gemm_flops
 from megatron_snip.precision.plan import (
     LINEAR_MODULES,
@@ -16,7 +17,6 @@ from megatron_snip.precision.plan import (
     module_names,
     parse_module_name,
 )
-from megatron_snip.precision.recipes import BF16, Precision
 
 NV, FP8 = Precision.uniform("nvfp4"), Precision.uniform("fp8")
 

@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import pytest
 
+from megatron_snip.numerics.recipes import Precision
 from megatron_snip.precision.flops import LlamaLinearDims, flop_fractions
 from megatron_snip.precision.plan import PrecisionPlan, module_names
-from megatron_snip.precision.recipes import Precision
 from megatron_snip.snip.estimators import CostTables
 from megatron_snip.snip.ilp import LinearModule
 from megatron_snip.snip.planner import PlannerConfig, build_problem, implied_time_target, linear_modules, solve_plan

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_snip.precision.fake_quant import FORMATS, fake_quantize
+from megatron_snip.numerics.fake_quant import FORMATS, fake_quantize
+from megatron_snip.numerics.quantize import quantize_dequantize
+from megatron_snip.numerics.recipes import GEMM_OPERANDS, Precision, RecipeConfig, operand_quantizer
+from megatron_snip.numerics.registry import FP4_NAMES, PRECISION_NAMES, SCHEME_NAMES, family
 from megatron_snip.precision.flops import LlamaLinearDims, estimated_time_ratio, flop_fractions
 from megatron_snip.precision.gemm_speed import PEAK_MODELS, measure_gemm_speed, peak_speed_model
 from megatron_snip.precision.plan import PrecisionPlan, module_names
-from megatron_snip.precision.quantize import quantize_dequantize
-from megatron_snip.precision.recipes import GEMM_OPERANDS, Precision, RecipeConfig, operand_quantizer
-from megatron_snip.precision.registry import FP4_NAMES, PRECISION_NAMES, SCHEME_NAMES, family
 from megatron_snip.precision.schedule import PrecisionSchedule, ScheduleEntry
 
 DIMS = LlamaLinearDims(num_layers=4, hidden_size=64, ffn_hidden_size=192, kv_channels=16, num_query_groups=2)

@@ -10,7 +10,7 @@ from conftest import scalars, torchrun, train_args
 
 from megatron_snip.arguments import ArgumentError, parse_config
 from megatron_snip.precision.plan import PrecisionPlan
-from megatron_snip.training.checkpointing import read_common_state
+from megatron_snip.training.checkpointing import read_record
 from megatron_snip.training.precision import initial_plan
 
 pytestmark = pytest.mark.integration  # every test here launches processes
@@ -39,7 +39,7 @@ def resumed_at_2(run, tmp_path):
 
 def resume(data, ckpt, *extra):
     config = parse_config(train_args(data, "--load", str(ckpt), *extra, iters=4), world_size=1, cuda=False)
-    return config.precision, initial_plan(config, None if config.checkpoint.finetune else read_common_state(str(ckpt)))
+    return config.precision, initial_plan(config, None if config.checkpoint.finetune else read_record(str(ckpt)))
 
 
 def test_schedule_changes_the_plan_at_its_step_and_survives_a_resume(tiny_data, run, tmp_path):

@@ -11,9 +11,9 @@ import sys
 import pytest
 from conftest import ROOT, free_port, scalars, torchrun, train_args
 
+from megatron_snip.numerics.recipes import Precision
 from megatron_snip.precision.flops import LlamaLinearDims, flop_fractions
 from megatron_snip.precision.plan import PrecisionPlan
-from megatron_snip.precision.recipes import Precision
 
 LOSS, FP4, FP8 = "train/lm loss", "train/fp4 flops fraction", "train/fp8 flops fraction"
 # The TINY_MODEL shape of conftest.py.

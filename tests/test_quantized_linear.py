@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_snip.precision import fake_quantize, quantize_fp8_tensorwise, quantize_nvfp4, random_hadamard_transform
-from megatron_snip.precision.formats import E4M3, E5M2
-from megatron_snip.precision.linear import QuantState, hadamard_wgrad_operands, quantized_linear
-from megatron_snip.precision.recipes import (
+from megatron_snip.numerics import fake_quantize, quantize_fp8_tensorwise, quantize_nvfp4, random_hadamard_transform
+from megatron_snip.numerics.formats import E4M3, E5M2
+from megatron_snip.numerics.linear import QuantState, hadamard_wgrad_operands, quantized_linear
+from megatron_snip.numerics.recipes import (
     BF16,
     GEMM_OPERANDS,
     OperandQuantizer,

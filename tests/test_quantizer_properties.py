@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_snip.precision import (
+from megatron_snip.numerics import (
     E4M3,
     E5M2,
     FORMATS,

@@ -13,9 +13,9 @@ import yaml
 from conftest import run_config, scalars, torchrun, train_args
 
 from megatron_snip.arguments import ArgumentError
+from megatron_snip.numerics.recipes import BF16, Precision
 from megatron_snip.precision.flops import LlamaLinearDims, flop_fractions
 from megatron_snip.precision.plan import LINEAR_MODULES, PrecisionPlan, end_layers, module_name, module_names
-from megatron_snip.precision.recipes import BF16, Precision
 from megatron_snip.snip.estimators import CostTables
 from megatron_snip.snip.ilp import LinearModule
 from megatron_snip.snip.planner import (
@@ -239,7 +239,7 @@ def test_pins_hold_at_tp2_pp2_in_split_mode_across_cycles_and_a_resume(tiny_data
     for tag in ("train/lm loss", "train/fp4 flops fraction", "snip/objective"):
         full, again = scalars(run / "tb", tag), scalars(resumed / "tb", tag)
         assert again and {k: full[k] for k in again} == again, tag
-    from megatron_snip.training.checkpointing import read_common_state
+    from megatron_snip.training.checkpointing import read_record
 
-    saved = PrecisionPlan.from_dict(read_common_state(str(resumed / "ckpt"))["precision_plan"])
+    saved = PrecisionPlan.from_dict(read_record(str(resumed / "ckpt")).precision_plan)
     assert all(saved[n] == BF16 for n in ENDS)

@@ -129,8 +129,8 @@ def _build(distributed_optimizer=False, stochastic_rounding=True, sequence_paral
 
     from megatron_snip.model import llama
     from megatron_snip.model.llama import build_model, transformer_config
-    from megatron_snip.precision.controller import PrecisionController
-    from megatron_snip.precision.recipes import RecipeConfig
+    from megatron_snip.model.precision.controller import PrecisionController
+    from megatron_snip.numerics.recipes import RecipeConfig
     from megatron_snip.training.setup import build_optimizer, wrap_ddp
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -206,8 +206,8 @@ def _probe(chunks, optimizer, controller, batch, **config):
 def single_worker(rank, world, port, out_dir):
     import time
 
+    from megatron_snip.numerics.recipes import Precision
     from megatron_snip.precision.plan import PrecisionPlan
-    from megatron_snip.precision.recipes import Precision
     from megatron_snip.research.ground_truth import backward_ground_truth, forward_ground_truth, rank_correlations
     from megatron_snip.snip.estimators import divergences, local_error_baselines
     from megatron_snip.snip.probes import ProbeConfig, run_probe_cycle
@@ -240,7 +240,7 @@ def single_worker(rank, world, port, out_dir):
     out["params_unchanged_default"] = _same(before["params"], _snapshot(chunks, controller)["params"])
     out["stats"] = stats.to_dict()
     # One operand error recomputed outside the probe: fc1's weight in nvfp4, counted once per cycle.
-    from megatron_snip.precision.linear import LinearQuantization, QuantState, quantize_operand
+    from megatron_snip.numerics.linear import LinearQuantization, QuantState, quantize_operand
 
     fc1 = controller.modules()["decoder.layers.1.mlp.linear_fc1"]
     w = fc1.weight.detach().float()

@@ -14,14 +14,14 @@ import torch
 
 pytest.importorskip("triton")  # on CPU conftest.py has set TRITON_INTERPRET=1
 
-from megatron_snip.precision import triton_qdq
-from megatron_snip.precision.blocks import tensor_amax
-from megatron_snip.precision.formats import E2M1, E4M3, E5M2
-from megatron_snip.precision.fp8 import _apply_tensor_scale, fp8_scale_from_amax, quantize_fp8_block
-from megatron_snip.precision.linear import QuantState, quantized_linear
-from megatron_snip.precision.mx import quantize_mx
-from megatron_snip.precision.nvfp4 import quantize_nvfp4
-from megatron_snip.precision.recipes import Precision, RecipeConfig
+from megatron_snip.numerics import triton_qdq
+from megatron_snip.numerics.blocks import tensor_amax
+from megatron_snip.numerics.formats import E2M1, E4M3, E5M2
+from megatron_snip.numerics.fp8 import _apply_tensor_scale, fp8_scale_from_amax, quantize_fp8_block
+from megatron_snip.numerics.linear import QuantState, quantized_linear
+from megatron_snip.numerics.mx import quantize_mx
+from megatron_snip.numerics.nvfp4 import quantize_nvfp4
+from megatron_snip.numerics.recipes import Precision, RecipeConfig
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = [pytest.mark.cuda,  # compiled and run on the GPU when there is one

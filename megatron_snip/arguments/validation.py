@@ -17,13 +17,13 @@ import dataclasses
 import importlib.util
 import math
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from megatron_snip.data.config import NULL_TOKENIZER, REFUSED_TOKENIZER_TYPES
 from megatron_snip.model import checkpoint_shape
 from megatron_snip.model.presets import PRESETS
+from megatron_snip.numerics.registry import FP4_NAMES, PRECISION_NAMES
 from megatron_snip.precision.config import RECIPE_DEFAULTS
-from megatron_snip.precision.registry import FP4_NAMES, PRECISION_NAMES
 from megatron_snip.snip.config import DEFAULT_FP4_TARGET
 
 from .architecture import resolve_architecture
@@ -32,6 +32,7 @@ from .megatron_lm import validate_megatron_lm
 from .parser import parse_args
 
 if TYPE_CHECKING:  # imported where used: --help and flag errors need no megatron-core (seconds of imports)
+    from megatron_snip.training.checkpoint_record import CheckpointRecord
     from megatron_snip.training.config import RunConfig, StartPoint
 
 
@@ -49,23 +50,23 @@ def _validate_safety(args: argparse.Namespace) -> None:
             "--promote-on-fault needs --quant-health (with --transformer-impl local) to know which module to promote")
 
 
-def _read_checkpoint(args: argparse.Namespace) -> dict[str, Any] | None:
-    """The replicated state of the checkpoint in ``--load`` (None: no --load, or a resume-or-start
+def _read_checkpoint(args: argparse.Namespace) -> CheckpointRecord | None:
+    """The record of the checkpoint in ``--load`` (None: no --load, or a resume-or-start
     directory without a checkpoint yet), read once; its model shape fills the shape flags, and flags or
     a ``--model-preset`` that disagree are refused."""
     if args.load is None:
         return None
-    from megatron_snip.training.checkpointing import CheckpointError, read_common_state
+    from megatron_snip.training.checkpointing import CheckpointError, read_record
 
     try:
-        common = read_common_state(args.load)
-        if common is not None:
-            _fill_from_checkpoint(args, common.get("args", {}), args.load)
+        record = read_record(args.load)
+        if record is not None:
+            _fill_from_checkpoint(args, record.args, args.load)
         else:
             _refuse_hf_directory(args.load)
     except (CheckpointError, ValueError) as e:
         raise ArgumentError(str(e)) from e
-    return common
+    return record
 
 
 def _fill_from_checkpoint(args: argparse.Namespace, saved: dict, where: str) -> None:
@@ -245,7 +246,7 @@ def _validate_retention(args: argparse.Namespace) -> None:
             f"(the iterations whose checkpoints are kept)")
 
 
-def _start_point(config: RunConfig, resumed: dict | None, check_files: bool) -> StartPoint | None:
+def _start_point(config: RunConfig, resumed: CheckpointRecord | None, check_files: bool) -> StartPoint | None:
     """The plan and precision schedule the run starts with, decided here once (None without
     ``check_files``: plan files are not read then). Budgets no plan can meet, a bad plan file or
     schedule, or conflicting plan flags fail here, before any process group."""
@@ -292,7 +293,7 @@ def _validate_virtual_pipeline(args: argparse.Namespace) -> None:
     args.num_layers_per_virtual_pipeline_stage = None
 
 
-def _validate_precision(args: argparse.Namespace, cuda: bool, resumed: dict | None) -> None:
+def _validate_precision(args: argparse.Namespace, cuda: bool, resumed: CheckpointRecord | None) -> None:
     """Fill the recipe flags (given > the resumed checkpoint's > defaults), noting for the start-up
     log where a given flag replaces the checkpoint's value (``args.precision_notes``)."""
     require(args.fp4_format is None or args.fp8_format is None,
@@ -303,7 +304,7 @@ def _validate_precision(args: argparse.Namespace, cuda: bool, resumed: dict | No
         require(args.precision in (None, "fp4", *FP4_NAMES),
                 f"--fp4-format {args.fp4_format} turns FP4 on but --precision is {args.precision}; drop one of them")
         args.precision = args.precision or "fp4"
-    saved = (resumed or {}).get("args", {})
+    saved = resumed.args if resumed is not None else {}
     args.precision_notes = []
     for key, default in RECIPE_DEFAULTS.items():
         given, kept = getattr(args, key), saved.get(key)
@@ -360,8 +361,8 @@ def _te_snip_candidates(args: argparse.Namespace) -> None:
     notice for the start-up log (``args.precision_notes``)."""
     import torch
 
-    from megatron_snip.precision.recipes import RecipeConfig
-    from megatron_snip.precision.te_layers import te_runnable
+    from megatron_snip.model.precision.te_layers import te_runnable
+    from megatron_snip.numerics.recipes import RecipeConfig
 
     capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
     kept, dropped = te_runnable(args.snip_formats, RecipeConfig(fp8_recipe=args.fp8_recipe, fp8_format=args.fp8_format),

@@ -30,9 +30,9 @@ import os
 import sys
 from pathlib import Path
 
+from megatron_snip.model.precision.megatron_config import megatron_config_files
+from megatron_snip.numerics.recipes import RecipeConfig
 from megatron_snip.precision.config import SPEED_MODELS
-from megatron_snip.precision.megatron_config import megatron_config_files
-from megatron_snip.precision.recipes import RecipeConfig
 from megatron_snip.research import policies
 from megatron_snip.research.offline import POLICIES, policy_plans
 from megatron_snip.snip.ilp import InfeasibleBudgetError

@@ -56,9 +56,10 @@ def main(load_dir: str, out_dir: str) -> None:
     from megatron_snip.interop.hf_llama import _saved_args
     from megatron_snip.model.llama import build_model, transformer_config
     from megatron_snip.training import checkpointing
+    from megatron_snip.training.checkpoint_record import CheckpointRecord
     from megatron_snip.training.setup import build_optimizer, build_scheduler, initialize_distributed, wrap_ddp
 
-    saved, common = _saved_args(load_dir)
+    saved, record = _saved_args(load_dir)
     run = _run_config(saved)
     setup_device()
     initialize_distributed(run.parallel, run.training.seed)
@@ -77,7 +78,7 @@ def main(load_dir: str, out_dir: str) -> None:
                 raise RuntimeError(f"{load_dir}: parameter {name} has no whole fp32 master at data-parallel size 1")
             p.data = master.detach().view(p.shape)
     state = {str(i): chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
-    checkpointing.save_model_checkpoint(out_dir, common["iteration"], state, {"args": {**saved, "bf16": False}})
+    checkpointing.save_model_checkpoint(out_dir, CheckpointRecord(record.iteration, {**saved, "bf16": False}), state)
     dist.barrier()
     dist.destroy_process_group()
 

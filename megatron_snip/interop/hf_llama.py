@@ -37,6 +37,7 @@ from megatron_snip.interop.convert import (
     zero_padding_rows,
 )
 from megatron_snip.interop.hf_files import HFFormatError, HFLlamaConfig
+from megatron_snip.training.checkpoint_record import CheckpointRecord
 
 if TYPE_CHECKING:
     from megatron_snip.model.config import ModelConfig
@@ -173,10 +174,9 @@ def import_hf(load_dir: str, save_dir: str, divisible_by: int = 128, dtype: str 
                                          scratch)
         del model, params  # their (never touched) allocations
         saved["hf_files"] = _keep_files(load_dir, save_dir)
-        save_model_checkpoint(save_dir, 0, state, {
-            "consumed_samples": 0, "args": saved,
-            "hf_import": {"source": os.path.abspath(load_dir), "config": json.load(open(os.path.join(
-                load_dir, hf_files.CONFIG)))}})
+        hf_import = {"source": os.path.abspath(load_dir),
+                     "config": json.load(open(os.path.join(load_dir, hf_files.CONFIG)))}
+        save_model_checkpoint(save_dir, CheckpointRecord(0, saved, hf_import=hf_import), state)
         n = sum(p.numel() for p in {id(sh.data): sh.data for sh in tensors}.values())
     return ConversionSummary(load_dir, save_dir, n, time.perf_counter() - start)
 
@@ -255,12 +255,12 @@ def _saved_args(load_dir: str) -> tuple[dict, dict]:
     """(arguments, replicated state) of the newest checkpoint in ``load_dir``, with the vocabulary
     sizes derived for checkpoints trained from scratch (they record the tokenizer, not the size)."""
     from megatron_snip.model.llama import padded_vocab_size
-    from megatron_snip.training.checkpointing import read_common_state
+    from megatron_snip.training.checkpointing import read_record
 
-    common = read_common_state(load_dir)
-    if common is None:
+    record = read_record(load_dir)
+    if record is None:
         raise FileNotFoundError(f"--load-dir {load_dir} holds no checkpoint (no latest_checkpointed_iteration.txt)")
-    saved = dict(common.get("args", {}))
+    saved = dict(record.args)
     if saved.get("vocab_size") is None:
         from megatron_snip.data.tokenizer import build_tokenizer
 
@@ -268,7 +268,7 @@ def _saved_args(load_dir: str) -> tuple[dict, dict]:
     if saved.get("padded_vocab_size") is None:
         saved["padded_vocab_size"] = padded_vocab_size(saved["vocab_size"], saved["make_vocab_size_divisible_by"],
                                                        saved["tensor_model_parallel_size"])
-    return saved, common
+    return saved, record
 
 
 def _hf_config(model: ModelConfig, saved: dict, dtype: torch.dtype) -> HFLlamaConfig:
@@ -306,8 +306,8 @@ def export_hf(load_dir: str, save_dir: str, dtype: str = "auto", max_shard_bytes
     start = time.perf_counter()
     if os.path.exists(save_dir) and os.listdir(save_dir):
         raise FileExistsError(f"--save-dir {save_dir} exists and is not empty; choose a new directory")
-    saved, common = _saved_args(load_dir)
-    masters = _has_fp32_masters(saved, common)
+    saved, record = _saved_args(load_dir)
+    masters = _has_fp32_masters(saved, record)
     tmp = save_dir.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -344,7 +344,7 @@ def export_hf(load_dir: str, save_dir: str, dtype: str = "auto", max_shard_bytes
         generation = {k: v for k, v in (("bos_token_id", config.bos_token_id), ("eos_token_id", config.eos_token_id))
                       if v is not None}
         write_text_atomic(os.path.join(tmp, "generation_config.json"), json.dumps(generation, indent=2) + "\n")
-    write_text_atomic(os.path.join(tmp, SNIP_SIDE_FILE), json.dumps(_snip_side_file(load_dir, common, saved,
+    write_text_atomic(os.path.join(tmp, SNIP_SIDE_FILE), json.dumps(_snip_side_file(load_dir, record, saved,
                                                                                     masters, out_dtype),
                                                                     indent=2) + "\n")
     # Temporary files are created owner-only; the published directory gets the usual modes.
@@ -358,13 +358,11 @@ def export_hf(load_dir: str, save_dir: str, dtype: str = "auto", max_shard_bytes
     return ConversionSummary(load_dir, save_dir, n, time.perf_counter() - start)
 
 
-def _has_fp32_masters(saved: dict, common: dict) -> bool:
+def _has_fp32_masters(saved: dict, record: CheckpointRecord) -> bool:
     """A --bf16 run's checkpoint holds fp32 master weights next to the bf16 model in its optimizer
     state: megatron-core's mixed-precision optimizer per parameter (read here), the distributed
     optimizer in its flat DP-sharded buffers (read by :mod:`dist_masters`). Imports have none."""
-    from megatron_snip.training.checkpointing import MODEL_ONLY
-
-    return bool(saved.get("bf16")) and not common.get(MODEL_ONLY)
+    return bool(saved.get("bf16")) and not record.model_only
 
 
 # Where megatron-core's mixed-precision optimizer saves each parameter's fp32 master
@@ -390,7 +388,7 @@ def _load_fp32_masters(load_dir: str, model) -> None:
             params[name].copy_(loaded[name])
 
 
-def _snip_side_file(load_dir: str, common: dict, saved: dict, masters: bool, dtype: torch.dtype) -> dict:
+def _snip_side_file(load_dir: str, record: CheckpointRecord, saved: dict, masters: bool, dtype: torch.dtype) -> dict:
     """What the Hugging Face format cannot hold: the precision plan and where SNIP's statistics are."""
     stats_dir = os.path.join(os.path.abspath(load_dir), "snip")
     stats = sorted(f for f in os.listdir(stats_dir) if f.endswith(".json")) if os.path.isdir(stats_dir) else []
@@ -402,9 +400,9 @@ def _snip_side_file(load_dir: str, common: dict, saved: dict, masters: bool, dty
         what = "the checkpoint's model parameters, the fp32 master weights"
     return {
         "source_checkpoint": os.path.abspath(load_dir),
-        "iteration": common.get("iteration"),
+        "iteration": record.iteration,
         "weights": f"{what}, in {_DTYPE_NAMES[dtype]}; FP8 and FP4 are compute formats of the GEMMs, never stored",
-        "precision_plan": common.get("precision_plan"),
-        "precision_schedule": common.get("precision_schedule"),
+        "precision_plan": record.precision_plan,
+        "precision_schedule": record.precision_schedule,
         "snip_statistics": [os.path.join(stats_dir, f) for f in stats],
     }

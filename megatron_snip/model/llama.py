@@ -17,8 +17,8 @@ from megatron_snip.compat.device import has_cuda
 from megatron_snip.model.attention import SDPAttention
 from megatron_snip.model.config import ModelConfig, ParallelConfig
 from megatron_snip.model.norms import block_spec, with_torch_norms
+from megatron_snip.model.precision.layers import precision_layer_spec
 from megatron_snip.precision.flops import LlamaLinearDims
-from megatron_snip.precision.layers import precision_layer_spec
 from megatron_snip.precision.plan import LINEAR_MODULES
 
 

@@ -1,71 +1,26 @@
-"""Low-precision numerics: element formats, quantizers, Hadamard transform, fake quantization;
-per-module precision: recipes, the quantized linear GEMMs, plans, FLOP accounting.
+"""Per-module precision as data and cost: plans (which precision each linear module runs), the
+``--precision*`` configuration, FLOP accounting, the GEMM speed model, schedules, and whether a
+precision runs on a real kernel here. The numbers themselves are ``megatron_snip.numerics``; the
+layers that apply a plan to megatron-core's model are ``megatron_snip.model.precision``.
 
-See docs/numerics.md for the formats and the choices made where they leave freedom. The names below
-are imported on first use (PEP 562), so naming a format (``registry``, ``config``) needs no torch.
+The names below are imported on first use (PEP 562).
 """
 
 from importlib import import_module
 
 # name -> the submodule that defines it
 _EXPORTS = {
-    "BlockScaled": "blocks",
-    "FORMATS": "fake_quant",
-    "ROLES": "fake_quant",
-    "element_bits": "fake_quant",
-    "fake_quantize": "fake_quant",
-    "is_fp4": "fake_quant",
-    "is_fp8": "fake_quant",
     "FlopFractions": "flops",
     "LlamaLinearDims": "flops",
     "flop_fractions": "flops",
     "flops_by_format": "flops",
     "gemm_flops": "flops",
-    "E2M1": "formats",
-    "E4M3": "formats",
-    "E5M2": "formats",
-    "FloatFormat": "formats",
-    "decode_e2m1": "formats",
-    "decode_e4m3": "formats",
-    "decode_e5m2": "formats",
-    "decode_e8m0": "formats",
-    "encode_e2m1": "formats",
-    "encode_e4m3": "formats",
-    "encode_e5m2": "formats",
-    "encode_e8m0": "formats",
-    "round_e2m1_stochastic": "formats",
-    "round_to_format": "formats",
-    "FP8DelayedScaling": "fp8",
-    "TensorScaled": "fp8",
-    "fp8_scale_from_amax": "fp8",
-    "quantize_fp8_block": "fp8",
-    "quantize_fp8_tensorwise": "fp8",
-    "hadamard_matrix": "hadamard",
-    "inverse_random_hadamard_transform": "hadamard",
-    "random_hadamard_transform": "hadamard",
-    "random_signs": "hadamard",
-    "QuantState": "linear",
-    "hadamard_wgrad_operands": "linear",
-    "quantize_operand": "linear",
-    "quantized_linear": "linear",
-    "quantize_mx": "mx",
-    "quantize_mxfp4": "mx",
-    "quantize_mxfp8": "mx",
-    "NVFP4Quantized": "nvfp4",
-    "nvfp4_global_scale": "nvfp4",
-    "quantize_nvfp4": "nvfp4",
     "LINEAR_MODULES": "plan",
     "PlanError": "plan",
     "PrecisionPlan": "plan",
     "module_name": "plan",
     "module_names": "plan",
     "parse_module_name": "plan",
-    "BF16": "recipes",
-    "OperandQuantizer": "recipes",
-    "PRECISION_NAMES": "recipes",
-    "Precision": "recipes",
-    "RecipeConfig": "recipes",
-    "operand_quantizer": "recipes",
 }
 __all__ = sorted(_EXPORTS)
 

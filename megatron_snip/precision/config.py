@@ -6,11 +6,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from megatron_snip.flags import derived, flag, flag_values
-
-from .registry import FP4_NAMES, PRECISION_NAMES
+from megatron_snip.numerics.registry import FP4_NAMES, PRECISION_NAMES
 
 if TYPE_CHECKING:  # precision.recipes imports torch; --help does not
-    from .recipes import RecipeConfig
+    from megatron_snip.numerics.recipes import RecipeConfig
 
 # --gemm-speed-model: whose GEMM throughputs the estimated time uses (gemm_speed.py).
 SPEED_MODELS = ("auto", "hopper", "blackwell", "ada", "ampere", "measured")
@@ -97,7 +96,7 @@ class PrecisionConfig:
 
     def recipe(self) -> RecipeConfig:
         """How fp8 / nvfp4 / mxfp4 are realised."""
-        from .recipes import RecipeConfig
+        from megatron_snip.numerics.recipes import RecipeConfig
 
         return RecipeConfig(
             fp8_recipe=self.fp8_recipe,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from megatron_snip.precision.recipes import RecipeConfig
+from megatron_snip.numerics.recipes import RecipeConfig
 
 # Compute capabilities of the tensor cores each real kernel needs.
 FP8_TENSOR_CORES = (8, 9)  # Ada / Hopper: per-tensor FP8 (torch._scaled_mm, TE)

@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from .plan import LINEAR_MODULES, PrecisionPlan, module_names, parse_module_name
-from .registry import PRECISION_NAMES, family
+from megatron_snip.numerics.registry import PRECISION_NAMES, family
+from megatron_snip.precision.plan import LINEAR_MODULES, PrecisionPlan, module_names, parse_module_name
 
 # Row-parallel modules split their input (reduction) dimension across TP ranks; the others their output.
 ROW_PARALLEL = ("self_attention.linear_proj", "mlp.linear_fc2")

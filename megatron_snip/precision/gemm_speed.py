@@ -34,10 +34,9 @@ from types import MappingProxyType
 import torch
 
 from megatron_snip.compat.device import has_cuda
-
-from .config import SPEED_MODELS
-from .recipes import PRECISION_NAMES, Precision, RecipeConfig, operand_quantizer
-from .registry import SCHEME_NAMES
+from megatron_snip.numerics.recipes import PRECISION_NAMES, Precision, RecipeConfig, operand_quantizer
+from megatron_snip.numerics.registry import SCHEME_NAMES
+from megatron_snip.precision.config import SPEED_MODELS
 
 
 @dataclass(frozen=True)
@@ -150,7 +149,7 @@ def measure_gemm_speed(shapes: Iterable[tuple[int, int, int]], recipe: RecipeCon
     Returns:
         a model named "measured"; schemes not among ``names``' fprop schemes copy BF16 (ratio 1).
     """
-    from .linear import QuantState, quantized_linear
+    from megatron_snip.numerics.linear import QuantState, quantized_linear
 
     shapes = list(shapes)
     generator = torch.Generator(device="cpu").manual_seed(0)

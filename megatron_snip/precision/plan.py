@@ -26,8 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_snip.fileio import write_text_atomic
-
-from .recipes import BF16, Precision
+from megatron_snip.numerics.recipes import BF16, Precision
 
 PLAN_VERSION = 1
 # The linear modules of one transformer layer, in execution order, relative to the layer.

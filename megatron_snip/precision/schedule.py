@@ -21,9 +21,9 @@ import math
 import re
 from dataclasses import dataclass
 
-from .plan import PrecisionPlan, module_names
-from .recipes import Precision
-from .registry import precision_format
+from megatron_snip.numerics.recipes import Precision
+from megatron_snip.numerics.registry import precision_format
+from megatron_snip.precision.plan import PrecisionPlan, module_names
 
 PASSES = ("fwd", "bwd", "all")
 _ENTRY = re.compile(r"(fwd|bwd|all)=([a-z0-9]+)@([0-9.]+%?)")

@@ -43,8 +43,8 @@ from pathlib import Path
 
 from megatron_snip.compat.launch import free_port
 from megatron_snip.fileio import write_text_atomic
+from megatron_snip.numerics.registry import FP4_NAMES
 from megatron_snip.precision.plan import PrecisionPlan
-from megatron_snip.precision.registry import FP4_NAMES
 from megatron_snip.research.ablation import KINDS, NONE_ARM, ablation_groups, ablation_plans, predictions
 from megatron_snip.research.offline import POLICIES, policy_plans
 from megatron_snip.research.oracle import (

@@ -32,11 +32,11 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_snip.model.precision.controller import PrecisionController
+from megatron_snip.model.precision.layers import QuantizedLinearMixin
 from megatron_snip.model.step import LOSS_KEY, forward_step
-from megatron_snip.precision.controller import PrecisionController
-from megatron_snip.precision.layers import QuantizedLinearMixin
-from megatron_snip.precision.linear import QuantState
-from megatron_snip.precision.recipes import BF16, Precision
+from megatron_snip.numerics.linear import QuantState
+from megatron_snip.numerics.recipes import BF16, Precision
 from megatron_snip.snip.adam_view import AdamView
 from megatron_snip.snip.noise import noise_key
 from megatron_snip.snip.passes import ForwardStep, PassRunner, preserved_training_state

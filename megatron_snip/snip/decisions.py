@@ -13,8 +13,8 @@ from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
+from megatron_snip.numerics.registry import PRECISION_NAMES
 from megatron_snip.precision.plan import PrecisionPlan, parse_module_name
-from megatron_snip.precision.registry import PRECISION_NAMES
 from megatron_snip.snip.estimators import CostTables
 
 TABLE_MAX_ROWS = 64  # up to 16 layers the console shows every module; beyond, a summary

@@ -29,7 +29,7 @@ from types import MappingProxyType
 
 import numpy as np
 
-from megatron_snip.precision.registry import FP4_NAMES
+from megatron_snip.numerics.registry import FP4_NAMES
 
 from . import solvers
 

@@ -13,8 +13,8 @@ import math
 
 import numpy as np
 
+from megatron_snip.numerics.registry import PRECISIONS
 from megatron_snip.precision.plan import LINEAR_MODULES, PrecisionPlan, module_name
-from megatron_snip.precision.registry import PRECISIONS
 
 # Colour-blind-safe palette (Paul Tol's "bright"), RGB, from the format registry.
 FORMAT_COLOURS: dict[str, tuple[int, int, int]] = {name: p.colour for name, p in PRECISIONS.items()}

@@ -11,12 +11,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from megatron_snip.model.precision.megatron_config import model_chunks
+from megatron_snip.numerics.recipes import Precision, RecipeConfig
+from megatron_snip.numerics.registry import FP4_NAMES
 from megatron_snip.precision.flops import LlamaLinearDims
 from megatron_snip.precision.gemm_speed import GemmSpeedModel
-from megatron_snip.precision.megatron_config import model_chunks
 from megatron_snip.precision.plan import LINEAR_MODULES, PrecisionPlan, module_name
-from megatron_snip.precision.recipes import Precision, RecipeConfig
-from megatron_snip.precision.registry import FP4_NAMES
 from megatron_snip.snip.config import SnipConfig
 from megatron_snip.snip.estimators import CostTables
 from megatron_snip.snip.ilp import BWD, FWD, LinearModule, SnipProblem, Solution, UnitKey, solve

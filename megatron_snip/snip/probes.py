@@ -16,7 +16,7 @@ masks:
    ||Y||^2, ||dY||^2`` and, per candidate format f, the exact errors
    ``||E_f||^2, ||eX_f||^2, ||P~ * eW_f||^2``: the quantized GEMMs are
    re-run on the captured X, W, dY through
-   :func:`megatron_snip.precision.linear.quantized_linear` (the layers' own
+   :func:`megatron_snip.numerics.linear.quantized_linear` (the layers' own
    code), and each operand's own quantization error ``||Q(T) - T||^2`` for
    T = X, W (fprop's quantizers) and dY (dgrad's), what the SNIP paper's
    quantization-error baselines sum;
@@ -34,7 +34,7 @@ states or RNG states; the DDP gradient buffers are zeroed (or restored with
 ``ProbeConfig.restore_grads``); the caller's data iterator is read for exactly
 ``num_microbatches`` micro-batches.
 
-The modules are seen through :class:`~megatron_snip.precision.layers.PlanLinear` only (a forward
+The modules are seen through :class:`~megatron_snip.model.precision.layers.PlanLinear` only (a forward
 hook, the GEMM's input, weight and output gradient), so the same measurement runs whether this
 package's quantized linears or Transformer Engine's execute the GEMMs (``--transformer-impl``).
 
@@ -56,12 +56,12 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.utils import get_pg_size
 
+from megatron_snip.model.precision.controller import PrecisionController
+from megatron_snip.model.precision.layers import PlanLinear
 from megatron_snip.model.step import LOSS_KEY, forward_step
-from megatron_snip.precision.controller import PrecisionController
-from megatron_snip.precision.layers import PlanLinear
-from megatron_snip.precision.linear import LinearQuantization, QuantState, quantize_operand, quantized_linear
+from megatron_snip.numerics.linear import LinearQuantization, QuantState, quantize_operand, quantized_linear
+from megatron_snip.numerics.recipes import BF16, Precision
 from megatron_snip.precision.plan import parse_module_name
-from megatron_snip.precision.recipes import BF16, Precision
 
 from .adam_view import AdamSlice, AdamView
 from .estimators import REFERENCE_FORMAT, hutchinson_trace, perturbation_gain

@@ -23,12 +23,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_snip.fileio import write_text_atomic
-from megatron_snip.precision.controller import PrecisionController
+from megatron_snip.model.precision.controller import PrecisionController
+from megatron_snip.model.precision.megatron_config import megatron_config_files
+from megatron_snip.numerics.recipes import RecipeConfig
 from megatron_snip.precision.flops import LlamaLinearDims
 from megatron_snip.precision.gemm_speed import GemmSpeedModel
-from megatron_snip.precision.megatron_config import megatron_config_files
 from megatron_snip.precision.plan import PrecisionPlan, parse_module_name
-from megatron_snip.precision.recipes import RecipeConfig
 from megatron_snip.snip.config import SnipConfig
 from megatron_snip.snip.decisions import TABLE_MAX_ROWS, Decision, decision_summary, decision_table, decisions
 from megatron_snip.snip.estimators import cost_tables, divergences

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_snip.numerics.recipes import Precision, RecipeConfig
 from megatron_snip.precision.flops import LlamaLinearDims
 from megatron_snip.precision.gemm_speed import peak_speed_model
-from megatron_snip.precision.recipes import Precision, RecipeConfig
 from megatron_snip.snip.estimators import cost_tables
 from megatron_snip.snip.ilp import SnipProblem
 from megatron_snip.snip.planner import PlannerConfig, build_problem, linear_modules

@@ -32,6 +32,7 @@ import random
 import shutil
 import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -43,6 +44,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron_snip.compat.device import has_cuda
 from megatron_snip.fileio import write_text_atomic
 from megatron_snip.training import save_helper
+from megatron_snip.training.checkpoint_record import CheckpointRecord
 
 log = logging.getLogger(__name__)
 
@@ -116,18 +118,25 @@ def verify_latest(root: str) -> int | None:
     return iteration
 
 
-def read_common_state(root: str) -> dict | None:
-    """The replicated state of the newest checkpoint under ``root`` (iteration, arguments, precision
-    plan and schedule, ...) without loading any tensor; None if ``root`` holds no checkpoint.
-    Needs no process group (argument validation reads it before start-up)."""
+def read_record(root: str) -> CheckpointRecord | None:
+    """The record of the newest checkpoint under ``root`` (iteration, arguments, precision plan and
+    schedule, ...) without loading any tensor; None if ``root`` holds no checkpoint. Needs no process
+    group (argument validation reads it before start-up)."""
     iteration = verify_latest(root)
     if iteration is None:
         return None
-    path = iteration_dir(root, iteration)
+    return _read_record(root, iteration_dir(root, iteration))
+
+
+def _read_record(root: str, path: str) -> CheckpointRecord:
     try:
-        return dist_checkpointing.load_common_state_dict(path)
+        common = dist_checkpointing.load_common_state_dict(path)
     except _READ_ERRORS as e:
         raise _damaged(root, path, e) from e
+    try:
+        return CheckpointRecord.from_common(common, path)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from e
 
 
 def _layout() -> dict:
@@ -260,14 +269,14 @@ def _sharded_state(model, optimizer, scheduler, *, is_loading: bool, with_optim:
     return state
 
 
-def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extra: dict,
+def save_checkpoint(root: str, record: CheckpointRecord, model, optimizer, scheduler,
                     quantization: dict | None = None, *, save_optim: bool = True, save_rng: bool = True,
                     files: Mapping[str, str] | None = None, fully_parallel: bool = True,
                     retain_interval: int | None = None) -> str:
-    """Write a complete checkpoint of ``iteration`` under ``root``; collective over all ranks.
+    """Write a complete checkpoint of ``record.iteration`` under ``root``; collective over all ranks.
 
-    ``model`` is this rank's unwrapped megatron-core module, or its list of chunks; ``extra`` is
-    replicated, JSON-like state (iteration bookkeeping, args, plans);
+    ``model`` is this rank's unwrapped megatron-core module, or its list of chunks; ``record`` is the
+    replicated state (iteration bookkeeping, args, plans; its layout and save flags are filled in here);
     ``quantization`` is this rank's module quantization state, saved with its RNG states.
     ``save_optim=False`` / ``save_rng=False`` (``--no-save-optim`` / ``--no-save-rng``) leave out the
     optimizer and scheduler / RNG and quantization states; loading such a checkpoint skips them.
@@ -276,21 +285,21 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extr
     ``retain_interval``: delete the checkpoint this one replaces as the newest unless its iteration is
     0 or a multiple (see the module docstring); None keeps every checkpoint.
     """
-    check_finite(model, optimizer, iteration_dir(root, iteration))
+    check_finite(model, optimizer, iteration_dir(root, record.iteration))
     state = _sharded_state(model, optimizer, scheduler, is_loading=False, with_optim=save_optim, with_rng=save_rng,
                            quantization=quantization)
-    return _write(root, iteration, state, {**extra, NO_OPTIM: not save_optim, NO_RNG: not save_rng}, files,
-                  _save_strategy(fully_parallel), retain_interval)
+    record = replace(record, no_optimizer_state=not save_optim, no_rng_state=not save_rng)
+    return _write(root, record, state, files, _save_strategy(fully_parallel), retain_interval)
 
 
-def save_model_checkpoint(root: str, iteration: int, model_state: dict, extra: dict) -> str:
+def save_model_checkpoint(root: str, record: CheckpointRecord, model_state: dict) -> str:
     """Write a checkpoint of model weights only (an imported model), given as this rank's sharded
     state dict of the model; collective. Loading it skips the optimizer and RNG states, as
     ``--finetune`` does, whatever the flags say."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    path = iteration_dir(root, iteration)
+    path = iteration_dir(root, record.iteration)
     bad = [sh.key for sh in nested_values(model_state) if isinstance(sh, ShardedTensor)
            and not bool(torch.isfinite(sh.data).all())]
     flag = torch.tensor([float(bool(bad))])
@@ -298,20 +307,15 @@ def save_model_checkpoint(root: str, iteration: int, model_state: dict, extra: d
     if flag.item():
         raise CheckpointError(f"refusing to save {path}: non-finite values in "
                               f"{', '.join(sorted(set(bad))[:5]) or 'another rank'}")
-    return _write(root, iteration, {"model": model_state}, {**extra, MODEL_ONLY: True})
+    return _write(root, replace(record, model_only=True), {"model": model_state})
 
 
-# Marks a checkpoint that holds no optimizer, scheduler or RNG state.
-MODEL_ONLY = "model_only"
-# Mark checkpoints saved without optimizer and scheduler state, or without RNG and quantization state.
-NO_OPTIM, NO_RNG = "no_optimizer_state", "no_rng_state"
-
-
-def _write(root: str, iteration: int, state: dict, extra: dict, files: Mapping[str, str] | None = None,
+def _write(root: str, record: CheckpointRecord, state: dict, files: Mapping[str, str] | None = None,
            strategy=None, retain_interval: int | None = None) -> str:
-    """Save ``state`` + ``extra`` (and the text ``files``) as ``root/iter_<iteration, 7 digits>`` atomically
+    """Save ``state`` + ``record`` (and the text ``files``) as ``root/iter_<iteration, 7 digits>`` atomically
     with the sharded ``strategy`` (None: dist_checkpointing's default), then apply retention (see the
     module docstring)."""
+    iteration = record.iteration
     final = iteration_dir(root, iteration)
     tmp = final + ".tmp"
     if dist.get_rank() == 0:
@@ -319,9 +323,7 @@ def _write(root: str, iteration: int, state: dict, extra: dict, files: Mapping[s
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
         os.makedirs(tmp)
     dist.barrier()
-    state.update(extra)
-    state["iteration"] = iteration
-    state["layout"] = _layout()
+    state.update(replace(record, layout=_layout()).to_common())
     save_helper.install()  # before the writer spawns its own helper, which a SIGTERM would kill
     try:
         dist_checkpointing.save(state, tmp, sharded_strategy=strategy)
@@ -430,13 +432,11 @@ def _damaged(root: str, path: str, error: BaseException) -> CheckpointError:
 
 
 def load_checkpoint(root: str, model, optimizer, scheduler, *, load_optim: bool = True,
-                    load_rng: bool = True, fully_parallel: bool = False) -> dict | None:
+                    load_rng: bool = True, fully_parallel: bool = False) -> Loaded | None:
     """Load the newest checkpoint under ``root`` into model/optimizer/scheduler.
 
-    Returns the checkpoint's replicated state (iteration, consumed samples,
-    args, extra state) plus, under "quantization", this rank's saved module
-    quantization state ({} when not loaded), or None if ``root`` holds no
-    checkpoint. Optimizer and RNG states are skipped when asked, and RNG and
+    Returns the checkpoint's record and this rank's saved module quantization state ({} when not
+    loaded), or None if ``root`` holds no checkpoint. Optimizer and RNG states are skipped when asked, and RNG and
     quantization states also when the parallel layout differs from the saved
     one (they are per rank). ``fully_parallel``: spread the reads over
     data-parallel ranks.
@@ -445,17 +445,12 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, load_optim: bool 
     if iteration is None:
         return None
     path = iteration_dir(root, iteration)
-    try:
-        common = dist_checkpointing.load_common_state_dict(path)
-    except _READ_ERRORS as e:
-        raise _damaged(root, path, e) from e
-    if common.get(MODEL_ONLY):
-        load_optim = load_rng = False
-    load_optim = load_optim and not common.get(NO_OPTIM)
-    load_rng = load_rng and not common.get(NO_RNG)
+    record = _read_record(root, path)
+    load_optim = load_optim and not (record.model_only or record.no_optimizer_state)
+    load_rng = load_rng and not (record.model_only or record.no_rng_state)
     if load_optim:
-        _check_optimizer_layout(common, optimizer, path)
-    load_rng = load_rng and common.get("layout") == _layout()
+        _check_optimizer_layout(record, optimizer, path)
+    load_rng = load_rng and dict(record.layout) == _layout()
     state = _sharded_state(model, optimizer, scheduler, is_loading=True, with_optim=load_optim, with_rng=load_rng)
     try:
         with warnings.catch_warnings():
@@ -483,13 +478,20 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, load_optim: bool 
         _set_rng_state(loaded["rng_state"])
         quantization = loaded["rng_state"].get("quantization", {})  # absent in older checkpoints
     log.info("loaded checkpoint %s (optimizer: %s, rng and quantization state: %s)", path, load_optim, load_rng)
-    rest = {k: v for k, v in loaded.items() if k not in (*_model_keys(chunks), "optimizer", "rng_state")}
-    return {**rest, "quantization": quantization}
+    return Loaded(record, quantization)
 
 
-def _check_optimizer_layout(common: dict, optimizer, path: str) -> None:
+@dataclass(frozen=True)
+class Loaded:
+    """What :func:`load_checkpoint` read besides the tensors it loaded in place."""
+
+    record: CheckpointRecord
+    quantization: dict  # this rank's module quantization state (RNG streams, delayed-scaling history)
+
+
+def _check_optimizer_layout(record: CheckpointRecord, optimizer, path: str) -> None:
     """The distributed optimizer's state reshards over DP only; other changes need --no-load-optim."""
-    saved, now = common.get("layout", {}), _layout()
+    saved, now = record.layout, _layout()
     is_distributed = hasattr(optimizer, "data_parallel_group_idx")
     if is_distributed and any(saved.get(k) != now.get(k) for k in ("tp", "pp", "vpp")):
         def name(layout: dict) -> str:

@@ -18,10 +18,11 @@ from megatron_snip.flags import derived, flag, from_flags, sections_to_yaml, to_
 from megatron_snip.model.config import ModelConfig, ParallelConfig
 from megatron_snip.precision.config import PrecisionConfig
 from megatron_snip.snip.config import SnipConfig
+from megatron_snip.training.checkpoint_record import CheckpointRecord
 
 if TYPE_CHECKING:
+    from megatron_snip.numerics.recipes import Precision
     from megatron_snip.precision.plan import PrecisionPlan
-    from megatron_snip.precision.recipes import Precision
     from megatron_snip.precision.schedule import PrecisionSchedule
 
 
@@ -158,12 +159,12 @@ class SafetyConfig:
 
 @dataclass(frozen=True)
 class StartPoint:
-    """What the run starts from, decided once by validation: the replicated state of the checkpoint it
+    """What the run starts from, decided once by validation: the record of the checkpoint it
     resumes (None: a fresh start or --finetune), the plan and precision schedule of its first step,
     where each comes from (for the start-up log), and the modules SNIP never re-plans (by global
     name) with the start-up line naming them ("" without)."""
 
-    resumed: Mapping[str, Any] | None
+    resumed: CheckpointRecord | None
     plan: PrecisionPlan
     plan_source: str
     schedule: PrecisionSchedule

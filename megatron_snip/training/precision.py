@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import torch
 
+from megatron_snip.model.precision.megatron_config import read_megatron_config
+from megatron_snip.numerics.recipes import BF16, PRECISION_NAMES, Precision, RecipeConfig, misaligned_split
+from megatron_snip.numerics.registry import is_fp4
 from megatron_snip.precision.flops import LlamaLinearDims
 from megatron_snip.precision.gemm_speed import GemmSpeedModel, measure_gemm_speed, peak_speed_model
-from megatron_snip.precision.megatron_config import read_megatron_config
 from megatron_snip.precision.plan import LINEAR_MODULES as LINEAR_MODULE_TYPES
 from megatron_snip.precision.plan import (
     PlanError,
@@ -20,20 +22,19 @@ from megatron_snip.precision.plan import (
     module_names,
     parse_module_name,
 )
-from megatron_snip.precision.recipes import BF16, PRECISION_NAMES, Precision, RecipeConfig, misaligned_split
-from megatron_snip.precision.registry import is_fp4
 from megatron_snip.precision.schedule import PrecisionSchedule
+from megatron_snip.training.checkpoint_record import CheckpointRecord
 from megatron_snip.training.config import RunConfig
 
 
-def initial_plan(config: RunConfig, resumed: dict | None = None,
+def initial_plan(config: RunConfig, resumed: CheckpointRecord | None = None,
                  pins: tuple[dict[str, Precision], str] | None = None) -> tuple[PrecisionPlan, str]:
     """The plan training starts (or resumes) with, and where it comes from (for the start-up log).
 
     Precedence: ``--precision-plan FILE``, then ``--precision NAME`` (giving both is an error),
     then without ``--snip`` a ``--te-precision-config-file`` (over bf16: it replaces a checkpoint's
     plan, as ``--precision-plan`` does; not with ``--precision-plan``), then, resuming (``resumed``:
-    the checkpoint's replicated state), the checkpoint's plan, with its FP4 modules in
+    the checkpoint's record), the checkpoint's plan, with its FP4 modules in
     ``--fp4-recipe`` when that flag replaces the checkpoint's; then with ``--snip`` the
     ``--snip-warmup-plan`` (not with ``--precision``); else bf16. On top: without ``--snip``,
     ``--first-last-layers-bf16`` and then the config file, as Megatron-LM applies them (a config
@@ -59,11 +60,11 @@ def initial_plan(config: RunConfig, resumed: dict | None = None,
         plan, source = PrecisionPlan.uniform(prec.alias(prec.precision)), f"--precision {prec.precision}"
     elif te_file is not None and not snip.enabled:
         plan, source = PrecisionPlan.uniform("bf16"), "bf16"
-    elif resumed is not None and "precision_plan" in resumed:
-        plan = PrecisionPlan.from_dict(resumed["precision_plan"], source=f"checkpoint {load}")
-        source = (f"the checkpoint's (iteration {resumed['iteration']} in {load}; --precision or "
+    elif resumed is not None and resumed.precision_plan is not None:
+        plan = PrecisionPlan.from_dict(resumed.precision_plan, source=f"checkpoint {load}")
+        source = (f"the checkpoint's (iteration {resumed.iteration} in {load}; --precision or "
                   "--precision-plan would replace it)")
-        saved_fp4 = resumed.get("args", {}).get("fp4_recipe", "nvfp4")
+        saved_fp4 = resumed.args.get("fp4_recipe", "nvfp4")
         if prec.fp4_recipe != saved_fp4:
             plan = _fp4_modules_in(plan, prec.fp4_recipe)
             source += f", its FP4 modules in --fp4-recipe {prec.fp4_recipe}"
@@ -169,15 +170,15 @@ def _with(plan: PrecisionPlan, modules: dict[str, Precision]) -> PrecisionPlan:
     return PrecisionPlan({**plan.modules, **modules}, plan.default)
 
 
-def initial_schedule(config: RunConfig, resumed: dict | None = None) -> tuple[PrecisionSchedule, str]:
+def initial_schedule(config: RunConfig, resumed: CheckpointRecord | None = None) -> tuple[PrecisionSchedule, str]:
     """``--precision-schedule``, else on resume the checkpoint's, else none; and where it comes from.
     PlanError for a malformed entry."""
     iters = config.training.train_iters
     try:
         if config.precision.precision_schedule is not None:
             return PrecisionSchedule.parse(list(config.precision.precision_schedule), iters), "--precision-schedule"
-        if resumed is not None and resumed.get("precision_schedule"):
-            return (PrecisionSchedule.parse(resumed["precision_schedule"], iters),
+        if resumed is not None and resumed.precision_schedule:
+            return (PrecisionSchedule.parse(resumed.precision_schedule, iters),
                     f"the checkpoint's ({config.checkpoint.load})")
     except ValueError as e:
         raise PlanError(str(e)) from None
@@ -215,7 +216,7 @@ def _check_tensor_parallel_blocks(plan: PrecisionPlan, config: RunConfig, source
 
 def _check_te(plan: PrecisionPlan, recipe: RecipeConfig, source: str) -> None:
     """Every precision of ``plan`` must be one the te backend can run (PlanError naming it)."""
-    from megatron_snip.precision.te_layers import te_quant_params
+    from megatron_snip.model.precision.te_layers import te_quant_params
 
     for name, precision in [("default", plan.default), *plan.modules.items()]:
         try:

@@ -1,7 +1,7 @@
 """Quantization health of the whole model: gathered from every rank, logged, and used to name
 (and with ``--promote-on-fault`` promote) the modules behind a non-finite step or a loss spike.
 
-Each rank's quantized linears keep per-operand rows (``precision/health.py``). One table
+Each rank's quantized linears keep per-operand rows (``numerics/health.py``). One table
 ``[module, operand, field]`` over all layers is summed (amax: MAX) over all ranks: TP shards
 make whole tensors, DP ranks the whole global batch, PP stages the whole model. Every rank
 holds the same table afterwards, so decisions taken from it agree everywhere.
@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_snip.compat.device import current_device
-from megatron_snip.precision.health import AMAX, FIELDS, OPERANDS, POINTS, summarize
+from megatron_snip.numerics.health import AMAX, FIELDS, OPERANDS, POINTS, summarize
+from megatron_snip.numerics.recipes import Precision
+from megatron_snip.numerics.registry import family
 from megatron_snip.precision.plan import LINEAR_MODULES, PrecisionPlan, module_names, parse_module_name
-from megatron_snip.precision.recipes import Precision
-from megatron_snip.precision.registry import family
 
 NONFINITE, NUMEL = FIELDS.index("nonfinite"), FIELDS.index("numel")
 LOGGED = ("saturated", "underflow", "relative mse")

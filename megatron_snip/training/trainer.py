@@ -26,18 +26,19 @@ from megatron_snip.data.datasets import megatron_num_samples
 from megatron_snip.data.loader import micro_batches
 from megatron_snip.data.tokenizer import build_tokenizer
 from megatron_snip.model.llama import build_model, flops_per_token, num_parameters, transformer_config
+from megatron_snip.model.precision.controller import PrecisionController
+from megatron_snip.model.precision.te_layers import describe_te_backend, prepare_te_environment
 from megatron_snip.model.step import forward_step, mean_loss
-from megatron_snip.precision.controller import PrecisionController
+from megatron_snip.numerics.linear import describe_backend
+from megatron_snip.numerics.registry import PRECISION_NAMES
 from megatron_snip.precision.execution import describe_execution, gemm_execution
 from megatron_snip.precision.flops import LlamaLinearDims, estimated_time_ratio, flop_fractions
-from megatron_snip.precision.linear import describe_backend
 from megatron_snip.precision.plan import PrecisionPlan
-from megatron_snip.precision.registry import PRECISION_NAMES
-from megatron_snip.precision.te_layers import describe_te_backend, prepare_te_environment
 from megatron_snip.snip.plan_image import plan_image
 from megatron_snip.snip.planner import PlannerConfig
 from megatron_snip.snip.replanner import CycleReport, SnipReplanner, StepShape, log_cycle
 from megatron_snip.training import checkpointing, requeue
+from megatron_snip.training.checkpoint_record import CheckpointRecord
 from megatron_snip.training.config import RunConfig
 from megatron_snip.training.data import build_datasets
 from megatron_snip.training.logger import MetricsLogger, peak_tflops, setup_console
@@ -101,7 +102,7 @@ class Trainer:
         if c.safety.quant_health:
             self.precision.enable_health()
         # Plan changes with their reasons (SNIP cycles, promotions), saved in checkpoints.
-        self.plan_history: list[dict] = list((start.resumed or {}).get("precision_history", []))
+        self.plan_history: list[dict] = list(start.resumed.precision_history if start.resumed else [])
         self._logged_plan: PrecisionPlan | None = None
         self._measured: tuple[int, HealthTable] | None = None  # the last fully measured health, and when
         # The resolved flags, beside every checkpoint and on TensorBoard's text panel.
@@ -143,23 +144,24 @@ class Trainer:
         if loaded is None:
             self.logger.text(f"no checkpoint in {ckpt.load}: starting from scratch")
             return
+        record = loaded.record
         if not ckpt.finetune:
-            self.state = TrainState(loaded["iteration"], loaded["consumed_samples"])
-            if "numerical_safety" in loaded:  # absent in older checkpoints
-                self.guard.load_state_dict(loaded["numerical_safety"])
+            self.state = TrainState(record.iteration, record.consumed_samples)
+            if record.numerical_safety is not None:  # absent in older checkpoints
+                self.guard.load_state_dict(record.numerical_safety)
             self.apply_precision()  # the plan itself was chosen at start-up (initial_plan)
-        self.precision.load_quant_states(loaded["quantization"])
-        self.logger.text(f"resumed from {ckpt.load} at iteration {loaded['iteration']} "
-                         f"(consumed samples {loaded['consumed_samples']}); continuing at {self.state.iteration}")
+        self.precision.load_quant_states(loaded.quantization)
+        self.logger.text(f"resumed from {ckpt.load} at iteration {record.iteration} "
+                         f"(consumed samples {record.consumed_samples}); continuing at {self.state.iteration}")
 
     def save(self) -> None:
         ckpt = self.config.checkpoint
         path = checkpointing.save_checkpoint(
-            ckpt.save, self.state.iteration, [chunk.module for chunk in self.model],
-            self.optimizer, self.scheduler,
-            extra={"consumed_samples": self.state.consumed_samples, "args": self.config.to_flags(),
-                   "precision_plan": self.plan.to_dict(), "precision_schedule": self.schedule.to_list(),
-                   "numerical_safety": self.guard.state_dict(), "precision_history": self.plan_history},
+            ckpt.save, CheckpointRecord(
+                self.state.iteration, self.config.to_flags(), self.state.consumed_samples,
+                precision_plan=self.plan.to_dict(), precision_schedule=self.schedule.to_list(),
+                numerical_safety=self.guard.state_dict(), precision_history=self.plan_history),
+            [chunk.module for chunk in self.model], self.optimizer, self.scheduler,
             quantization=self.precision.quant_states(), save_optim=not ckpt.no_save_optim,
             save_rng=not ckpt.no_save_rng, files={RUN_CONFIG_FILE: self.config_yaml},
             fully_parallel=ckpt.ckpt_fully_parallel_save, retain_interval=ckpt.save_retain_interval)

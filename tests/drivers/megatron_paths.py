@@ -20,7 +20,7 @@ if __name__ == "__main__":
     from megatron.core.quantization.utils import get_quant_config_or_none, load_quantization_recipe
 
     from megatron_snip.cli.pretrain import trainer_from_command_line
-    from megatron_snip.precision.megatron_config import megatron_config_files
+    from megatron_snip.model.precision.megatron_config import megatron_config_files
     from megatron_snip.precision.plan import PrecisionPlan
 
     trainer = trainer_from_command_line(sys.argv[1:])

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .blocks import block_amax, from_blocks, tensor_amax, to_blocks, to_grid
-from .formats import E2M1, E4M3, div_rn, round_e2m1_stochastic, round_to_format
-from .registry import NVFP4_BLOCK
+from megatron_snip.numerics.blocks import block_amax, from_blocks, tensor_amax, to_blocks, to_grid
+from megatron_snip.numerics.formats import E2M1, E4M3, div_rn, round_e2m1_stochastic, round_to_format
+from megatron_snip.numerics.registry import NVFP4_BLOCK
 
 _FP32_MAX = torch.finfo(torch.float32).max
 

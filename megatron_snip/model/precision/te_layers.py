@@ -33,9 +33,9 @@ import sys
 import torch
 from packaging.version import Version as PkgVersion
 
-from megatron_snip.precision.layers import PlanLinear
-from megatron_snip.precision.linear import QuantState
-from megatron_snip.precision.recipes import BF16, Precision, RecipeConfig
+from megatron_snip.model.precision.layers import PlanLinear
+from megatron_snip.numerics.linear import QuantState
+from megatron_snip.numerics.recipes import BF16, Precision, RecipeConfig
 
 NVFP4_MIN_TE = "2.8.0"  # first Transformer Engine release with NVFP4BlockScaling
 

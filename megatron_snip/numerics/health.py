@@ -36,10 +36,10 @@ import math
 
 import torch
 
-from .blocks import to_blocks
-from .formats import E2M1, E4M3, FloatFormat
-from .recipes import OperandQuantizer
-from .registry import scheme_format
+from megatron_snip.numerics.blocks import to_blocks
+from megatron_snip.numerics.formats import E2M1, E4M3, FloatFormat
+from megatron_snip.numerics.recipes import OperandQuantizer
+from megatron_snip.numerics.registry import scheme_format
 
 # The operands of a linear module's three GEMMs, in the order of tables and logs.
 OPERANDS = ("fprop.x", "fprop.w", "dgrad.dy", "dgrad.w", "wgrad.dy", "wgrad.x")

@@ -16,7 +16,7 @@ nvfp4        4 (E2M1)  1x16 blocks (16x16 for weights), E4M3 + fp32 scales      
 
 Blocks run along the last dimension; ``role="weight"`` selects 2-D tiles
 where the format has them (fp8_block, nvfp4). ``stochastic=True`` applies to
-the E2M1 elements of the 4-bit formats (``is_fp4``); the 8-bit and bf16
+the E2M1 elements of the 4-bit formats; the 8-bit and bf16
 formats always round to nearest even, as in TE where stochastic rounding
 exists only for NVFP4. No Hadamard transform is applied here.
 """
@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import torch
 
-from .blocks import tensor_amax
-from .formats import E4M3, E5M2
-from .fp8 import fp8_scale_from_amax
-from .quantize import quantize_dequantize
-from .recipes import OperandQuantizer
-from .registry import SCHEMES
+from megatron_snip.numerics.blocks import tensor_amax
+from megatron_snip.numerics.formats import E4M3, E5M2
+from megatron_snip.numerics.fp8 import fp8_scale_from_amax
+from megatron_snip.numerics.quantize import quantize_dequantize
+from megatron_snip.numerics.recipes import OperandQuantizer
+from megatron_snip.numerics.registry import SCHEMES
 
 # fake_quantize's names: the registry's schemes, with the per-tensor FP8 one named by its element.
 _SCHEME_OF = {"bf16": "bf16", "fp8_e4m3": "fp8_tensorwise", "fp8_e5m2": "fp8_tensorwise", "fp8_block": "fp8_block",
@@ -49,16 +49,6 @@ def _check_format(fmt: str) -> str:
 def element_bits(fmt: str) -> int:
     """Bits per element of ``fmt`` (16, 8 or 4), excluding scale overhead."""
     return SCHEMES[_SCHEME_OF[_check_format(fmt)]].bits
-
-
-def is_fp4(fmt: str) -> bool:
-    """True for the 4-bit (E2M1) formats: mxfp4, nvfp4."""
-    return element_bits(fmt) == 4
-
-
-def is_fp8(fmt: str) -> bool:
-    """True for the 8-bit formats: fp8_e4m3, fp8_e5m2, fp8_block, mxfp8."""
-    return element_bits(fmt) == 8
 
 
 def fake_quantize(

@@ -20,11 +20,10 @@ from megatron.core import parallel_state
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import get_pg_size
 
-from megatron_snip.precision.health import OUTPUTS, HealthStats
+from megatron_snip.model.precision.layers import PlanLinear, QuantizedLinearMixin
+from megatron_snip.numerics.health import OUTPUTS, HealthStats
+from megatron_snip.numerics.recipes import Precision, RecipeConfig
 from megatron_snip.precision.plan import LINEAR_MODULES, PrecisionPlan, module_name, parse_module_name
-from megatron_snip.precision.recipes import Precision, RecipeConfig
-
-from .layers import PlanLinear, QuantizedLinearMixin
 
 
 def _is_plan_linear(module: torch.nn.Module) -> bool:
@@ -36,7 +35,7 @@ def _plan_interface(module: torch.nn.Module) -> PlanLinear:
     """The precision interface of a plan linear: the module itself, or a TE module's adapter."""
     if isinstance(module, QuantizedLinearMixin):
         return module
-    from .te_layers import TELinearPrecision
+    from megatron_snip.model.precision.te_layers import TELinearPrecision
 
     return TELinearPrecision(module)
 

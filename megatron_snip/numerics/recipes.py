@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .formats import E4M3, E5M2, FloatFormat
-from .registry import FP4_NAMES, PRECISION_NAMES, SCHEMES, precision_format, scheme_format
+from megatron_snip.numerics.formats import E4M3, E5M2, FloatFormat
+from megatron_snip.numerics.registry import FP4_NAMES, PRECISION_NAMES, SCHEMES, precision_format, scheme_format
 
 FP8_RECIPES = ("tensorwise", "delayed", "blockwise", "mxfp8")
 FP8_FORMATS = ("hybrid", "e4m3")

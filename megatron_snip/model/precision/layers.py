@@ -6,7 +6,7 @@ are drop-in subclasses of megatron-core's local ``ColumnParallelLinear`` /
 ``(output, bias)`` return). Each holds a ``precision`` that can be set at any
 time without rebuilding anything. In bf16 they *are* the parent (its forward
 runs); otherwise they do the parent's tensor-parallel communication around
-:func:`megatron_snip.precision.linear.quantized_linear`:
+:func:`megatron_snip.numerics.linear.quantized_linear`:
 
 - column-parallel (W split along out): ``copy_to_tensor_model_parallel_region``
   (identity forward, all-reduce of dX backward), or with sequence parallelism
@@ -45,8 +45,8 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.utils import get_pg_size
 
-from megatron_snip.precision.linear import QuantState, quantized_linear
-from megatron_snip.precision.recipes import BF16, Precision, RecipeConfig, misaligned_split
+from megatron_snip.numerics.linear import QuantState, quantized_linear
+from megatron_snip.numerics.recipes import BF16, Precision, RecipeConfig, misaligned_split
 
 
 class PlanLinear(abc.ABC):

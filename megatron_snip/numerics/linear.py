@@ -35,14 +35,13 @@ import torch
 import torch.nn.functional as F
 
 from megatron_snip.compat.device import has_cuda
-
-from .blocks import tensor_amax
-from .formats import FloatFormat, round_to_format
-from .fp8 import FP8DelayedScaling, fp8_scale_from_amax
-from .hadamard import HADAMARD_SIZE, random_hadamard_transform, random_signs
-from .health import HealthStats
-from .quantize import quantize_dequantize
-from .recipes import OperandQuantizer, Precision, RecipeConfig, operand_quantizer
+from megatron_snip.numerics.blocks import tensor_amax
+from megatron_snip.numerics.formats import FloatFormat, round_to_format
+from megatron_snip.numerics.fp8 import FP8DelayedScaling, fp8_scale_from_amax
+from megatron_snip.numerics.hadamard import HADAMARD_SIZE, random_hadamard_transform, random_signs
+from megatron_snip.numerics.health import HealthStats
+from megatron_snip.numerics.quantize import quantize_dequantize
+from megatron_snip.numerics.recipes import OperandQuantizer, Precision, RecipeConfig, operand_quantizer
 
 AmaxReduce = Callable[[torch.Tensor], torch.Tensor]
 _SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: distinct (seed, stream) pairs give distinct seeds

@@ -12,12 +12,12 @@ from types import ModuleType
 
 import torch
 
-from .blocks import tensor_amax
-from .formats import E2M1, E4M3
-from .fp8 import _apply_tensor_scale, quantize_fp8_block
-from .mx import quantize_mxfp4, quantize_mxfp8
-from .nvfp4 import quantize_nvfp4
-from .recipes import OperandQuantizer
+from megatron_snip.numerics.blocks import tensor_amax
+from megatron_snip.numerics.formats import E2M1, E4M3
+from megatron_snip.numerics.fp8 import _apply_tensor_scale, quantize_fp8_block
+from megatron_snip.numerics.mx import quantize_mxfp4, quantize_mxfp8
+from megatron_snip.numerics.nvfp4 import quantize_nvfp4
+from megatron_snip.numerics.recipes import OperandQuantizer
 
 
 def quantize_dequantize(x: torch.Tensor, q: OperandQuantizer, *, scale: torch.Tensor | None = None,

@@ -21,9 +21,9 @@ from typing import Literal
 
 import torch
 
-from .blocks import BlockScaled, block_amax, blocked_result, tensor_amax, to_blocks
-from .formats import E4M3, FloatFormat, div_rn, round_to_format
-from .registry import FP8_BLOCK
+from megatron_snip.numerics.blocks import BlockScaled, block_amax, blocked_result, tensor_amax, to_blocks
+from megatron_snip.numerics.formats import E4M3, FloatFormat, div_rn, round_to_format
+from megatron_snip.numerics.registry import FP8_BLOCK
 
 _FP32_MAX = torch.finfo(torch.float32).max
 _SIGN_AND_EXPONENT = -(1 << 23)  # int32 0xFF800000: keeps sign and exponent bits

@@ -30,9 +30,9 @@ from typing import Literal
 
 import torch
 
-from .blocks import BlockScaled, block_amax, blocked_result, to_blocks
-from .formats import E2M1, E4M3, FloatFormat, decode_e8m0, round_e2m1_stochastic, round_to_format
-from .registry import MX_BLOCK
+from megatron_snip.numerics.blocks import BlockScaled, block_amax, blocked_result, to_blocks
+from megatron_snip.numerics.formats import E2M1, E4M3, FloatFormat, decode_e8m0, round_e2m1_stochastic, round_to_format
+from megatron_snip.numerics.registry import MX_BLOCK
 
 ScaleRule = Literal["ceil", "ocp"]
 

@@ -37,8 +37,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from .plan import LINEAR_MODULES, PlanError, PrecisionPlan, module_name, parse_module_name
-from .recipes import BF16, Precision, RecipeConfig
+from megatron_snip.numerics.recipes import BF16, Precision, RecipeConfig
+from megatron_snip.precision.plan import LINEAR_MODULES, PlanError, PrecisionPlan, module_name, parse_module_name
 
 LAYOUT_KEY = "megatron_snip_layout"
 CONFIG_TYPE = "TEQuantizationParams"  # megatron-core's TransformerEngineConfigType
@@ -159,7 +159,7 @@ def _header(source: str, recipe: RecipeConfig, chunk: ModelChunk, num_layers: in
     """The file's comment: what it states, for which chunk, what it cannot state, how to replay it."""
     import textwrap
 
-    from .te_layers import te_nvfp4_environment
+    from megatron_snip.model.precision.te_layers import te_nvfp4_environment
 
     first, last = chunk.layers[0], chunk.layers[-1]
     if pipeline_stages * virtual_stages == 1:
