@@ -28,7 +28,7 @@ split falls on block boundaries (checked by the layers).
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -119,6 +119,26 @@ class QuantState:
         return scaler
 
 
+# Every (GEMM, operand) pair of a linear module's three GEMMs.
+GEMM_OPERANDS = (("fprop", "x"), ("fprop", "w"), ("dgrad", "dy"), ("dgrad", "w"), ("wgrad", "dy"), ("wgrad", "x"))
+
+
+@dataclass(frozen=True)
+class LinearQuantizers:
+    """The six operand quantizers of a module's GEMMs under one (precision, recipe), resolved once when
+    the module's precision or recipe is assigned instead of at every GEMM of every micro-batch."""
+
+    table: Mapping[tuple[str, str], OperandQuantizer]
+
+    @classmethod
+    def resolve(cls, precision: Precision, recipe: RecipeConfig) -> LinearQuantizers:
+        return cls({(gemm, operand): operand_quantizer(precision.fwd if gemm == "fprop" else precision.bwd, gemm,
+                                                       operand, recipe) for gemm, operand in GEMM_OPERANDS})
+
+    def __call__(self, gemm: str, operand: str) -> OperandQuantizer:
+        return self.table[(gemm, operand)]
+
+
 @dataclass(frozen=True)
 class LinearQuantization:
     """Everything the quantized GEMMs need besides the tensors.
@@ -130,6 +150,7 @@ class LinearQuantization:
         amax_reduce: maps a local 0-d fp32 amax to the amax over all shards; applied to
             the per-tensor amaxes of the operands in ``sharded`` (None: nothing is split).
         sharded: operands ("x", "w", "dy") split across tensor-parallel ranks.
+        quantizers: ``precision``'s quantizers under ``recipe`` (resolved here when not given).
     """
 
     precision: Precision
@@ -137,10 +158,14 @@ class LinearQuantization:
     state: QuantState
     amax_reduce: AmaxReduce | None = None
     sharded: frozenset[str] = frozenset()
+    quantizers: LinearQuantizers | None = None
+
+    def __post_init__(self):
+        if self.quantizers is None:
+            object.__setattr__(self, "quantizers", LinearQuantizers.resolve(self.precision, self.recipe))
 
     def quantizer(self, gemm: str, operand: str) -> OperandQuantizer:
-        name = self.precision.fwd if gemm == "fprop" else self.precision.bwd
-        return operand_quantizer(name, gemm, operand, self.recipe)
+        return self.quantizers(gemm, operand)
 
     def global_amax(self, t: torch.Tensor, operand: str) -> torch.Tensor | None:
         """The amax override for a per-tensor scale of ``t`` (None: the quantizer's own amax)."""
@@ -375,6 +400,7 @@ def quantized_linear(
     *,
     amax_reduce: AmaxReduce | None = None,
     sharded: frozenset[str] = frozenset(),
+    quantizers: LinearQuantizers | None = None,
 ) -> torch.Tensor:
     """``Y = Q(X) Q(W)^T`` with quantized backward GEMMs (see the module docstring).
 
@@ -386,9 +412,10 @@ def quantized_linear(
         state: the module's quantization state (delayed scaling, RNG, Hadamard signs).
         amax_reduce: reduction of per-tensor amaxes over the shards of ``sharded`` operands.
         sharded: operands ("x", "w", "dy") split across tensor-parallel ranks.
+        quantizers: ``LinearQuantizers.resolve(precision, recipe)``, if the caller keeps it.
     Returns:
         (..., out) in x's dtype. Gradients: dX in x's dtype, dW in weight's dtype.
     """
-    quant = LinearQuantization(precision, recipe, state, amax_reduce, frozenset(sharded))
+    quant = LinearQuantization(precision, recipe, state, amax_reduce, frozenset(sharded), quantizers)
     return _QuantizedLinearFn.apply(x, weight, quant)
 

@@ -110,8 +110,22 @@ class ProbeConfig:
 
 # -- per-module measurement ------------------------------------------------------------------------
 
-# FormatErrors.operand_sq's operands -> the probe sums that hold them.
-OPERAND_KEYS = {"x": "x_quant_sq", "w": "w_quant_sq", "dy": "dy_quant_sq"}
+@dataclass(frozen=True)
+class Sum:
+    """The name of one of a probe's accumulated sums (before the TP / DP reduction): a clean-pass
+    quantity (``fmt`` and ``probe`` None), a candidate format's error quantity (``fmt``), or a noise
+    probe's (``probe``: the Hutchinson or perturbation pass)."""
+
+    quantity: str
+    fmt: str | None = None
+    probe: int | None = None
+
+
+# The clean pass's quantities of the module itself, and of each candidate format's errors.
+CLEAN_QUANTITIES = ("input_numel", "output_numel", "input_sq", "weight_sq", "output_sq", "output_grad_sq")
+# FormatErrors.operand_sq's operands -> the quantities that hold them.
+OPERAND_QUANTITIES = {"x": "x_quant_sq", "w": "w_quant_sq", "dy": "dy_quant_sq"}
+FORMAT_QUANTITIES = ("output_sq", "first_order", "input_grad_sq", "update_sq", *OPERAND_QUANTITIES.values())
 
 def squared_norm(t: torch.Tensor) -> torch.Tensor:
     """``||t||^2`` as an fp64 0-d tensor (no host sync)."""
@@ -208,11 +222,11 @@ class _Probe:
     sensitivity: torch.Tensor | None = None  # Adam's du/dg on the weight's slice at the clean gradient
     states: dict[str, QuantState] = field(default_factory=dict)
     operand_states: dict[str, QuantState] = field(default_factory=dict)  # for the operands' own errors
-    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    sums: dict[Sum, torch.Tensor] = field(default_factory=dict)
     next_microbatch: MicrobatchCounter = field(default_factory=MicrobatchCounter)
     sigma: float = 0.0
 
-    def add(self, key: str, value: torch.Tensor) -> None:
+    def add(self, key: Sum, value: torch.Tensor) -> None:
         self.sums[key] = self.sums.get(key, 0.0) + value
 
     def output_noise(self, y: torch.Tensor, key: int) -> torch.Tensor:
@@ -252,7 +266,7 @@ class _Probe:
         """Clean-pass backward: ``||dY||^2`` and every format's exact GEMM errors, measured on the
         operands the GEMM quantizes (under sequence parallelism the all-gathered X / dY)."""
         w = self.module.weight.detach().float()
-        self.add("output_grad_sq", self.layout.y_weight * squared_norm(dy.detach().float() / loss_scale))
+        self.add(Sum("output_grad_sq"), self.layout.y_weight * squared_norm(dy.detach().float() / loss_scale))
         if self.layout.sequence_input:
             x = _gather_sequence(x.detach(), self.module.tp_group)
         if self.layout.sequence_output:
@@ -268,23 +282,23 @@ class _Probe:
                 dist.all_reduce(e_out, group=self.module.tp_group)
             if self.layout.tp > 1 and not self.layout.row:
                 dist.all_reduce(e_in, group=self.module.tp_group)
-            self.add(f"{fmt}.output_sq", self.layout.gemm_y_weight * squared_norm(e_out))
-            self.add(f"{fmt}.first_order", self.layout.gemm_y_weight * (e_out * dy).sum(dtype=torch.float64))
-            self.add(f"{fmt}.input_grad_sq", self.layout.gemm_x_weight * squared_norm(e_in))
-            self.add(f"{fmt}.x_quant_sq", self.layout.gemm_x_weight * self.operand_error_sq(fmt, "fprop", "x", x))
-            self.add(f"{fmt}.dy_quant_sq", self.layout.gemm_y_weight * self.operand_error_sq(fmt, "dgrad", "dy", dy))
+            self.add(Sum("output_sq", fmt), self.layout.gemm_y_weight * squared_norm(e_out))
+            self.add(Sum("first_order", fmt), self.layout.gemm_y_weight * (e_out * dy).sum(dtype=torch.float64))
+            self.add(Sum("input_grad_sq", fmt), self.layout.gemm_x_weight * squared_norm(e_in))
+            self.add(Sum("x_quant_sq", fmt), self.layout.gemm_x_weight * self.operand_error_sq(fmt, "fprop", "x", x))
+            self.add(Sum("dy_quant_sq", fmt), self.layout.gemm_y_weight * self.operand_error_sq(fmt, "dgrad", "dy", dy))
             if self.sensitivity is not None:
-                self.add(f"{fmt}.update_sq", squared_norm(self.sensitivity * self.adam.flat(dw - dw_ref)))
+                self.add(Sum("update_sq", fmt), squared_norm(self.sensitivity * self.adam.flat(dw - dw_ref)))
 
 
 # Fields of a module's statistics that are sums of squares over the module's weight update
 # (P~-weighted): under the distributed optimizer each data-parallel rank holds the preconditioner
 # of its shard only, so these add over data-parallel ranks instead of averaging.
-def _dp_sharded_field(key: str) -> bool:
-    return key.endswith(".update_sq") or key.startswith("gain.")
+def _dp_sharded_field(key: Sum) -> bool:
+    return key.quantity in ("update_sq", "gain")
 
 
-def _reduce(probes: list[_Probe], keys: list[str], dp_sharded: bool) -> dict[str, dict[str, float]]:
+def _reduce(probes: list[_Probe], keys: list[Sum], dp_sharded: bool) -> dict[str, dict[Sum, float]]:
     """Complete the sums ``keys`` of every probe over TP (SUM; replicas were weighted 0) and
     average them over DP (P~-weighted sums under the distributed optimizer: SUM)."""
     if not probes:
@@ -387,20 +401,18 @@ def run_probe_cycle(
         curvature_keys = [noise_key(config.seed, "output", k) for k in range(config.hutchinson_probes)]
         clean_inputs: dict[tuple[str, int], torch.Tensor] = {}
         loss = _clean_pass(runner, probes, loss_scale, curvature_keys, clean_inputs)
-        clean_keys = ["input_numel", "output_numel", "input_sq", "weight_sq", "output_sq", "output_grad_sq",
-                      *[f"{f}.{k}" for f in config.formats
-                        for k in ("output_sq", "first_order", "input_grad_sq", "update_sq", *OPERAND_KEYS.values())]]
+        clean_keys = [*map(Sum, CLEAN_QUANTITIES), *[Sum(q, f) for f in config.formats for q in FORMAT_QUANTITIES]]
         clean = _reduce(probes, clean_keys, adam.dp_sharded)
         for p in probes:
-            rms = math.sqrt(clean[p.name]["output_sq"] / clean[p.name]["output_numel"])
+            rms = math.sqrt(clean[p.name][Sum("output_sq")] / clean[p.name][Sum("output_numel")])
             p.sigma = config.output_noise * (rms if rms > 0 else 1.0)
         param_sigma = _param_sigma(adam, sensitivity, config)
         _perturbation_passes(runner, probes, rng, sensitivity, param_sigma, config, clean_inputs)
         clean_inputs.clear()  # before the Hutchinson passes need activation memory
         for k, key in enumerate(curvature_keys):
             _hutchinson_pass(runner, probes, rng, key, k, loss_scale)
-        noise_keys = ([f"curvature.{k}" for k in range(config.hutchinson_probes)]
-                      + [f"gain.{k}" for k in range(config.perturbation_probes)])
+        noise_keys = ([Sum("curvature", probe=k) for k in range(config.hutchinson_probes)]
+                      + [Sum("gain", probe=k) for k in range(config.perturbation_probes)])
         noisy = _reduce(probes, noise_keys, adam.dp_sharded)
     stage = parallel_state.get_pipeline_model_parallel_rank()
     stats = {p.name: _module_statistics(p, {**clean[p.name], **noisy[p.name]}, config, param_sigma, stage)
@@ -445,24 +457,25 @@ def _clean_pass(runner: PassRunner, probes: list[_Probe], loss_scale: float, cur
         if not needs_grad(out):
             return None
         y = out[0]
-        p.add("input_numel", p.layout.x_weight * x.numel())
-        p.add("output_numel", p.layout.y_weight * y.numel())
-        p.add("input_sq", p.layout.x_weight * squared_norm(x))
-        p.add("output_sq", p.layout.y_weight * squared_norm(y))
+        p.add(Sum("input_numel"), p.layout.x_weight * x.numel())
+        p.add(Sum("output_numel"), p.layout.y_weight * y.numel())
+        p.add(Sum("input_sq"), p.layout.x_weight * squared_norm(x))
+        p.add(Sum("output_sq"), p.layout.y_weight * squared_norm(y))
 
         def backward(dy: torch.Tensor) -> None:
             p.measure_errors(x, dy, loss_scale)
             for k, key in enumerate(curvature_keys):
                 z = p.output_noise(dy, noise_key(key, p.name, microbatch))
-                p.add(f"curvature.{k}", (-p.layout.y_weight / loss_scale) * (z * dy.float()).sum(dtype=torch.float64))
+                p.add(Sum("curvature", probe=k),
+                      (-p.layout.y_weight / loss_scale) * (z * dy.float()).sum(dtype=torch.float64))
 
         y.register_hook(backward)
         return None
 
     for p in probes:
-        p.add("weight_sq", squared_norm(p.module.weight))
+        p.add(Sum("weight_sq"), squared_norm(p.module.weight))
         for fmt in p.formats:  # each rank's W is a distinct shard: its errors add over TP
-            p.add(f"{fmt}.w_quant_sq", p.operand_error_sq(fmt, "fprop", "w", p.module.weight.detach().float()))
+            p.add(Sum("w_quant_sq", fmt), p.operand_error_sq(fmt, "fprop", "w", p.module.weight.detach().float()))
         p.next_microbatch.reset()
     with _hooks(probes, hook):
         return runner.run(forward_only=False)
@@ -484,7 +497,7 @@ def _hutchinson_pass(runner: PassRunner, probes: list[_Probe], rng: RngStates, k
             def read(g, p=p, z8=z8):
                 # Z is +-1, so the products are exact in fp32; the sum runs in fp64.
                 dot = (z8 * g.float()).sum(dtype=torch.float64)
-                p.add(f"curvature.{k}", (p.layout.y_weight / loss_scale) * dot)
+                p.add(Sum("curvature", probe=k), (p.layout.y_weight / loss_scale) * dot)
             noisy.register_hook(read)
         return (noisy, *out[1:])
 
@@ -525,7 +538,7 @@ def _perturbation_passes(runner: PassRunner, probes: list[_Probe], rng: RngState
 
     def compare(p: _Probe, x: torch.Tensor, out, k: int):
         x_clean = clean_inputs[p.name, p.next_microbatch()]
-        p.add(f"gain.{k}", p.layout.x_weight * squared_norm(x.detach().float() - x_clean.float()))
+        p.add(Sum("gain", probe=k), p.layout.x_weight * squared_norm(x.detach().float() - x_clean.float()))
 
     try:
         for k in range(config.perturbation_probes):
@@ -546,21 +559,21 @@ def _perturbation_passes(runner: PassRunner, probes: list[_Probe], rng: RngState
                 s.flat(s.param.data).copy_(original)
 
 
-def _module_statistics(p: _Probe, sums: dict[str, float], config: ProbeConfig, param_sigma: float,
+def _module_statistics(p: _Probe, sums: dict[Sum, float], config: ProbeConfig, param_sigma: float,
                        stage: int) -> ModuleStatistics:
     layer, _ = parse_module_name(p.name)
     out_local, in_local = p.module.weight.shape
     tp = p.layout.tp
-    curv = [hutchinson_trace(sums[f"curvature.{k}"], p.sigma) for k in range(config.hutchinson_probes)]
-    gains = [perturbation_gain(sums[f"gain.{k}"], param_sigma) for k in range(config.perturbation_probes)]
+    curv = [hutchinson_trace(sums[Sum("curvature", probe=k)], p.sigma) for k in range(config.hutchinson_probes)]
+    gains = [perturbation_gain(sums[Sum("gain", probe=k)], param_sigma)
+             for k in range(config.perturbation_probes)]
     return ModuleStatistics(
         name=p.name, layer=layer, stage=stage,
         in_features=in_local * (tp if p.layout.row else 1), out_features=out_local * (1 if p.layout.row else tp),
-        input_numel=sums["input_numel"], output_numel=sums["output_numel"], input_sq=sums["input_sq"],
-        weight_sq=sums["weight_sq"], output_sq=sums["output_sq"], output_grad_sq=sums["output_grad_sq"],
+        **{q: sums[Sum(q)] for q in CLEAN_QUANTITIES},
         curvature=sum(curv) / len(curv), curvature_probes=curv, gain=sum(gains) / len(gains), gain_probes=gains,
-        errors={f: FormatErrors(sums[f"{f}.output_sq"], sums[f"{f}.first_order"], sums[f"{f}.input_grad_sq"],
-                                sums[f"{f}.update_sq"], {o: sums[f"{f}.{k}"] for o, k in OPERAND_KEYS.items()})
+        errors={f: FormatErrors(*(sums[Sum(q, f)] for q in ("output_sq", "first_order", "input_grad_sq", "update_sq")),
+                                {o: sums[Sum(q, f)] for o, q in OPERAND_QUANTITIES.items()})
                 for f in p.formats},
         unsupported=dict(p.unsupported),
     )

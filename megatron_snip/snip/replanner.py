@@ -17,7 +17,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 import torch.distributed as dist
@@ -45,7 +45,7 @@ class CycleReport:
     """What one cycle decided and what it cost; identical on every rank after the broadcast."""
 
     iteration: int
-    plan: dict  # PrecisionPlan.to_dict()
+    plan: PrecisionPlan  # the plan from the next step on
     solver: str
     objective: float
     gap: float
@@ -60,6 +60,10 @@ class CycleReport:
     update_divergence: float  # sum over modules of beta * dU/||u||^2 of the chosen formats
     layer_divergence: dict[int, float]  # per layer, both terms
     decisions: list[dict] = field(default_factory=list)  # per module: decisions.Decision as a dict
+
+    def to_dict(self) -> dict:
+        """The JSON form (the statistics file's ``cycle``): the plan as ``PrecisionPlan.to_dict()``."""
+        return {**{f.name: getattr(self, f.name) for f in fields(self)}, "plan": self.plan.to_dict()}
 
 
 @dataclass(frozen=True)
@@ -141,7 +145,7 @@ class SnipReplanner:
             layer = parse_module_name(name)[0]
             per_layer[layer] = per_layer.get(layer, 0.0) + fwd + bwd
         return CycleReport(
-            iteration=iteration, plan=plan.to_dict(), solver=solution.solver, objective=solution.objective,
+            iteration=iteration, plan=plan, solver=solution.solver, objective=solution.objective,
             gap=solution.gap, solve_seconds=solution.seconds, cycle_seconds=0.0,
             fp4_fraction=solution.fp4_fraction, stage_fp4_fraction=dict(solution.stage_fp4_fraction),
             time_ratio=solution.time_ratio, stage_time_ratio=dict(solution.stage_time_ratio),
@@ -160,7 +164,7 @@ class SnipReplanner:
             return None
         os.makedirs(directory, exist_ok=True)
         stem = os.path.join(directory, f"snip_iter_{iteration:07d}")
-        report = asdict(self.reports[-1]) if self.reports else None
+        report = self.reports[-1].to_dict() if self.reports else None
         speed = self.speed_model
         run = {"dims": asdict(self.dims), "tokens": self.step.tokens,
                "pipeline_stages": self.pipeline_stages,
@@ -178,8 +182,7 @@ class SnipReplanner:
         if report is not None:
             write_text_atomic(stem + ".decisions.txt",
                               decision_table([Decision(**d) for d in report["decisions"]]) + "\n")
-            self._write_megatron_configs(stem, PrecisionPlan.from_dict(report["plan"], source="cycle report"),
-                                         iteration)
+            self._write_megatron_configs(stem, self.reports[-1].plan, iteration)
         return stem + ".json"
 
     def _write_megatron_configs(self, stem: str, plan: PrecisionPlan, iteration: int) -> None:
@@ -200,7 +203,7 @@ def log_cycle(logger, report: CycleReport, num_layers: int) -> None:
     """Console line and TensorBoard panels of one cycle (on the logging rank)."""
     from megatron_snip.snip.plan_image import plan_image
 
-    plan = PrecisionPlan.from_dict(report.plan, source="cycle report")
+    plan = report.plan
     logger.log(report.iteration, {
         "fp4 flops fraction": report.fp4_fraction, "estimated gemm time vs bf16": report.time_ratio,
         "objective": report.objective,

@@ -362,7 +362,7 @@ class Trainer:
         if fixed["fwd"] and fixed["bwd"]:
             return None
         report = self.snip.cycle(iteration, self.batches("train", self.state.consumed_samples), self.plan, fixed)
-        self.set_plan(PrecisionPlan.from_dict(report.plan, source=f"SNIP cycle at iteration {iteration}"))
+        self.set_plan(report.plan)
         return report
 
     def _snip_cycle(self, iteration: int) -> None:

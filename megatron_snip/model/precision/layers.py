@@ -45,7 +45,7 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.utils import get_pg_size
 
-from megatron_snip.numerics.linear import QuantState, quantized_linear
+from megatron_snip.numerics.linear import LinearQuantizers, QuantState, quantized_linear
 from megatron_snip.numerics.recipes import BF16, Precision, RecipeConfig, misaligned_split
 
 
@@ -149,6 +149,7 @@ class QuantizedLinearMixin(PlanLinear):
         super().__init__(*args, **kwargs)
         self._precision = BF16
         self.recipe = RecipeConfig()
+        self._use(self._precision, self.recipe)
         self.quant_state = QuantState()
         self.module_name = type(self).__name__
 
@@ -157,7 +158,8 @@ class QuantizedLinearMixin(PlanLinear):
         return self
 
     def _use(self, precision: Precision, recipe: RecipeConfig) -> None:
-        """Nothing to hand over: the forward reads ``_precision`` and ``recipe`` itself."""
+        """Resolve the GEMMs' operand quantizers once, for every forward and backward until the next change."""
+        self._quantizers = LinearQuantizers.resolve(precision, recipe)
 
     def check_precision(self, precision: Precision, recipe: RecipeConfig) -> None:
         """Raise ValueError if this module cannot run ``precision`` under ``recipe``."""
@@ -168,7 +170,7 @@ class QuantizedLinearMixin(PlanLinear):
         return quantized_linear(
             x, weight, self._precision, self.recipe, self.quant_state,
             amax_reduce=self.amax_all_reduce if split else None,
-            sharded=self.sharded_operands if split else frozenset(),
+            sharded=self.sharded_operands if split else frozenset(), quantizers=self._quantizers,
         )
 
     def _output_and_bias(self, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
