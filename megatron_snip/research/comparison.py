@@ -41,7 +41,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from megatron_snip.compat.launch import free_port
 from megatron_snip.fileio import write_text_atomic
 from megatron_snip.numerics.registry import FP4_NAMES
 from megatron_snip.precision.plan import PrecisionPlan
@@ -430,9 +429,11 @@ class Comparison:
 
     def _train(self, where: Path, args: list[str], log: Path, slot: int = 0) -> None:
         where.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(self.config.nproc),
-               "--master-port", str(free_port()), str(Path(__file__).resolve().parents[2] / "pretrain_llama.py"),
-               *args]
+        # --standalone: torchrun's agent binds its own rendezvous port, so runs started side by side (--jobs)
+        # cannot race for one as a port picked beforehand can (EADDRINUSE ended a comparison that way).
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(self.config.nproc),
+               str(Path(__file__).resolve().parents[2] / "pretrain_llama.py"), *args]
         with open(log, "a") as f:
             f.write("$ " + " ".join(cmd) + "\n")
             f.flush()
