@@ -129,3 +129,12 @@ def test_flop_fractions_of_uniform_plans():
     assert flop_fractions(PrecisionPlan.uniform("mxfp4"), DIMS).fp4 == 1.0
     assert flop_fractions(PrecisionPlan.uniform("nvfp4/bf16"), DIMS).fp4 == pytest.approx(1 / 3)
     assert flop_fractions(PrecisionPlan.uniform("bf16"), DIMS).bf16 == 1.0
+
+
+def test_a_plan_survives_pickling():
+    """torch.distributed broadcasts a SNIP cycle's plan as a pickled object."""
+    import pickle
+
+    plan = PrecisionPlan({"decoder.layers.0.mlp.linear_fc1": Precision("nvfp4", "fp8")}, Precision.parse("fp8"))
+    again = pickle.loads(pickle.dumps(plan))
+    assert again == plan and again["decoder.layers.0.mlp.linear_fc1"] == Precision("nvfp4", "fp8")

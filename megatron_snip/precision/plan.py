@@ -105,6 +105,11 @@ class PrecisionPlan:
         """Every module in one precision (``"nvfp4"``, ``"fp8/bf16"`` or a Precision)."""
         return cls(default=name if isinstance(name, Precision) else Precision.parse(name))
 
+    def __reduce__(self):
+        # Pickled by torch.distributed's object collectives (a SNIP cycle's plan, broadcast from rank 0);
+        # the read-only view of ``modules`` cannot be pickled, its plain copy can.
+        return type(self), (dict(self.modules), self.default)
+
     def __getitem__(self, name: str) -> Precision:
         """Precision of module ``name`` (the default when not listed)."""
         return self.modules.get(name, self.default)
