@@ -24,6 +24,8 @@ setup(
     extras_require={
         "gurobi": ["gurobipy"],
         "te": ["transformer_engine[pytorch]"],
-        "test": ["pytest", "hypothesis", "gurobipy", "transformers==5.23.0", "triton; platform_system == 'Linux'"],
+        "wandb": ["wandb"],  # --wandb-project
+        "test": ["pytest", "hypothesis", "gurobipy", "transformers==5.23.0", "triton; platform_system == 'Linux'",
+                 "wandb"],
     },
 )

@@ -21,6 +21,7 @@ from megatron_snip.experiments.comparison import (BranchResult, Comparison, Comp
 from megatron_snip.experiments.report import ci95, markdown, summarize
 from megatron_snip.precision.plan import PrecisionPlan
 from megatron_snip.snip.offline import Budget
+from megatron_snip.training import tags
 
 BUDGET = Budget(0.75)
 
@@ -180,7 +181,7 @@ def test_compare_precision_branches_resume_and_report(tiny_data, tmp_path):
     # The BF16 branch is the unbranched BF16 run: the trunk's schedule, data order and RNG carry over
     # the branch point exactly (the trunk's SNIP cycle changes nothing the training sees).
     torchrun(1, [*train_args, "--seed", "1", "--train-iters", "8", "--tensorboard-dir", str(tmp_path / "tb")])
-    assert scalars(tmp_path / "tb", "valid/lm loss")[8] == json.loads(
+    assert scalars(tmp_path / "tb", tags.LM_LOSS_VALIDATION)[8] == json.loads(
         (out / "seed1" / "bf16" / "result.json").read_text())["final_valid_loss"]
     assert (out / "gap_to_bf16.png").stat().st_size > 0 and "| FP4 target 0.75 | threshold |" in (
         out / "results.md").read_text()
@@ -268,7 +269,7 @@ def test_sigterm_to_the_tool_saves_the_branch_in_flight_and_a_rerun_finishes_it(
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "seed 1: bf16 (resuming)" in proc.stdout
     torchrun(1, [*train_args, "--seed", "1", "--train-iters", "30", "--tensorboard-dir", str(tmp_path / "tb")])
-    assert scalars(tmp_path / "tb", "valid/lm loss")[30] == json.loads(
+    assert scalars(tmp_path / "tb", tags.LM_LOSS_VALIDATION)[30] == json.loads(
         (out / "seed1" / "bf16" / "result.json").read_text())["final_valid_loss"]
 
 
