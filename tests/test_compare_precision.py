@@ -249,7 +249,7 @@ def test_sigterm_to_the_tool_saves_the_branch_in_flight_and_a_rerun_finishes_it(
     tool = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     log = out / "seed1" / "bf16" / "log.txt"
     deadline = time.monotonic() + 600
-    while not (log.exists() and re.search(r"\[train\] iteration\s+6 ", log.read_text())):
+    while not (log.exists() and re.search(r"\[train\] iteration\s+6/", log.read_text())):
         assert tool.poll() is None and time.monotonic() < deadline, tool.communicate()
         time.sleep(0.02)
     tree = psutil.Process(tool.pid).children(recursive=True)
