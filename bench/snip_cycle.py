@@ -27,6 +27,8 @@ def main() -> None:
     from step_time import add_layout_args, build_data
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from megatron_snip.training import tags
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_layout_args(p)
     p.add_argument("--interval", type=int, default=10, help="iterations before (and after) the cycle")
@@ -42,15 +44,15 @@ def main() -> None:
                "--micro-batch-size", str(opts.micro_batch_size), "--global-batch-size", str(opts.global_batch_size),
                "--train-iters", str(2 * opts.interval), "--lr", "1e-3", "--lr-decay-style", "constant",
                "--data-path", prefix, "--tokenizer-model", tok, "--split", "99,1,0", "--eval-iters", "0",
-               "--log-interval", "1", "--snip", "--snip-interval", str(opts.interval),
+               "--log-interval", "1", "--log-timers-to-tensorboard", "--snip", "--snip-interval", str(opts.interval),
                "--snip-probe-passes", str(opts.probe_passes), "--tensorboard-dir", str(work / "tb"),
                *(["--bf16"] if opts.bf16 else [])]
         subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                        stdout=subprocess.DEVNULL)
         acc = EventAccumulator(str(next((work / "tb").glob("**/events.out.tfevents.*"))), size_guidance={"scalars": 0})
         acc.Reload()
-        per_iter = {e.step: e.value for e in acc.Scalars("train/seconds per iteration")}
-        cycle = acc.Scalars("snip/cycle seconds")[0].value
+        per_iter = {e.step: e.value for e in acc.Scalars(tags.ITERATION_TIME)}
+        cycle = acc.Scalars(tags.snip("cycle seconds"))[0].value
     # Skip the first iterations (warm-up) and the one right after the cycle (new loader workers).
     before = statistics.median(v for k, v in per_iter.items() if 3 <= k <= opts.interval)
     after = statistics.median(v for k, v in per_iter.items() if k > opts.interval + 1)

@@ -29,6 +29,7 @@ from megatron_snip.research.comparison import (
 )
 from megatron_snip.research.report import ci95, markdown, summarize
 from megatron_snip.snip.statistics_file import Budget
+from megatron_snip.training import tags
 
 BUDGET = Budget(0.75)
 
@@ -189,7 +190,7 @@ def test_compare_precision_branches_resume_and_report(tiny_data, tmp_path):
     # The BF16 branch is the unbranched BF16 run: the trunk's schedule, data order and RNG carry over
     # the branch point exactly (the trunk's SNIP cycle changes nothing the training sees).
     torchrun(1, [*train_args, "--seed", "1", "--train-iters", "8", "--tensorboard-dir", str(tmp_path / "tb")])
-    assert scalars(tmp_path / "tb", "valid/lm loss")[8] == json.loads(
+    assert scalars(tmp_path / "tb", tags.LM_LOSS_VALIDATION)[8] == json.loads(
         (out / "seed1" / "bf16" / "result.json").read_text())["final_valid_loss"]
     assert (out / "gap_to_bf16.png").stat().st_size > 0 and "| FP4 target 0.75 | threshold |" in (
         out / "results.md").read_text()
@@ -257,7 +258,7 @@ def test_sigterm_to_the_tool_saves_the_branch_in_flight_and_a_rerun_finishes_it(
     tool = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     log = out / "seed1" / "bf16" / "log.txt"
     deadline = time.monotonic() + 600
-    while not (log.exists() and re.search(r"\[train\] iteration\s+6 ", log.read_text())):
+    while not (log.exists() and re.search(r"\[train\] iteration\s+6/", log.read_text())):
         assert tool.poll() is None and time.monotonic() < deadline, tool.communicate()
         time.sleep(0.02)
     tree = psutil.Process(tool.pid).children(recursive=True)
@@ -277,7 +278,7 @@ def test_sigterm_to_the_tool_saves_the_branch_in_flight_and_a_rerun_finishes_it(
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "seed 1: bf16 (resuming)" in proc.stdout
     torchrun(1, [*train_args, "--seed", "1", "--train-iters", "30", "--tensorboard-dir", str(tmp_path / "tb")])
-    assert scalars(tmp_path / "tb", "valid/lm loss")[30] == json.loads(
+    assert scalars(tmp_path / "tb", tags.LM_LOSS_VALIDATION)[30] == json.loads(
         (out / "seed1" / "bf16" / "result.json").read_text())["final_valid_loss"]
 
 
@@ -421,7 +422,7 @@ def test_the_oracle_arm_trains_its_plan_and_needs_the_ablations(tmp_path, capsys
     assert {m for m, f in plans["ablate-layer1-linear_qkv"].items() if f == "nvfp4"} == {QKV1}
 
     # The command line: the arm and the kind are accepted, the missing ablations named (no run starts).
-    from megatron_snip.cli import compare_precision
+    from megatron_snip.cli.pretrain import compare_precision
 
     base = ["--out", str(tmp_path / "cli"), "--trunk-iters", "4", "--train-iters", "8",
             "--policies", "oracle", "random"]

@@ -17,13 +17,14 @@ from conftest import ROOT, scalars, torchrun, torchrun_command, torchrun_env, tr
 from drivers.faults import signal_group
 
 from megatron_snip.arguments import ArgumentError, parse_config
+from megatron_snip.training import tags
 
 DRIVER = "tests/drivers/faults.py"
 LAYOUT = ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2")
 # 5 steps: SNIP cycles at 2 and 4 (one probe pass each), checkpoints at 3 and at the end.
 CHAIN = ("--snip", "--snip-fp4-target", "0.5", "--snip-interval", "2", "--snip-probe-passes", "1",
          "--save-interval", "3")
-TAGS = ("train/lm loss", "train/grad norm", "train/fp4 flops fraction", "snip/objective")
+TAGS = (tags.LM_LOSS, tags.GRAD_NORM, tags.FP4_FRACTION, tags.snip("objective"))
 WORKER_TRACEBACK = re.compile(r"\[rank\d\]:\s*Traceback")
 
 
@@ -52,14 +53,14 @@ def test_kill_9_anywhere_then_resume_is_exact(tiny_data, tmp_path):
     assert any((ckpt / "iter_0000005.tmp").glob("*.distcp"))  # the half-written one
     assert not (ckpt / "iter_0000005.tmp" / ".metadata").exists()
     ref = {tag: scalars(tmp_path / "tb_ref", tag) for tag in TAGS}
-    assert sorted(ref["train/lm loss"]) == [1, 2, 3, 4, 5] and sorted(ref["snip/objective"]) == [2, 4]
+    assert sorted(ref[tags.LM_LOSS]) == [1, 2, 3, 4, 5] and sorted(ref[tags.snip("objective")]) == [2, 4]
 
     # 2. Resumed from 3 (not the partial 5), killed during the probe pass of the SNIP cycle at 4.
     second = run("tb_2", "kill_in_probe", 4)
     assert second.returncode != 0
     assert f"resumed from {ckpt} at iteration 3" in second.stdout
-    assert "[train] iteration       4" in second.stdout and "[snip] iteration       4" not in second.stdout
-    assert scalars(tmp_path / "tb_2", "train/lm loss") == {4: ref["train/lm loss"][4]}
+    assert "[train] iteration        4/" in second.stdout and "[snip] iteration       4" not in second.stdout
+    assert scalars(tmp_path / "tb_2", tags.LM_LOSS) == {4: ref[tags.LM_LOSS][4]}
     assert tracker(ckpt) == 3
 
     # 3. Resumed from 3 again; SLURM's SIGTERM reaches every rank during the probe pass at 4: the cycle
@@ -86,7 +87,7 @@ def test_sigterm_after_a_periodic_save_still_saves(tiny_data, tmp_path):
                                  "--save", str(ckpt), iters=6),
                    check=False, script=DRIVER, timeout=600, env={"FAULT": "term_in_probe", "FAULT_AT": "4"})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "saved checkpoint" in run.stdout.split("[train] iteration       4")[0]  # saves before the signal
+    assert "saved checkpoint" in run.stdout.split("[train] iteration        4/")[0]  # saves before the signal
     assert "exit signal received: saving at iteration 5 and exiting" in run.stdout
     assert tracker(ckpt) == 5 and (ckpt / "iter_0000005" / ".metadata").is_file()
 
@@ -192,7 +193,7 @@ def test_a_save_that_fails_part_way_keeps_the_previous_checkpoint(tiny_data, tmp
         "iter_0000002", "latest_checkpointed_iteration.txt"]  # the partial one was removed
     torchrun(1, train_args(tiny_data, "--load", str(ckpt), "--skip-train", "--tensorboard-dir",
                            str(tmp_path / "tb"), iters=4))
-    assert list(scalars(tmp_path / "tb", "valid/lm loss")) == [2]
+    assert list(scalars(tmp_path / "tb", tags.LM_LOSS_VALIDATION)) == [2]
 
 
 def _truncate(path, keep: float) -> None:
@@ -252,11 +253,11 @@ def test_nan_in_one_module_output_is_caught_and_named(tiny_data, tmp_path, polic
         assert "non-finite loss and gradients at iteration 2" in error and named in error, error
         assert ("first: decoder.layers.1.mlp.linear_fc2 fprop.x, entered its input from outside the quantized "
                 "GEMMs; --non-finite-grad-policy fail") in error
-        assert "[train] iteration       2" not in proc.stdout
+        assert "[train] iteration        2/" not in proc.stdout
     else:
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "non-finite loss and gradients at iteration 2" in proc.stdout and named in proc.stdout
         assert "--non-finite-grad-policy skip: update skipped (1 in a row, 1 in the run)" in proc.stdout
-        assert scalars(tmp_path / "tb", "train/skipped iterations") == {1: 0, 2: 1, 3: 1}
-        loss = scalars(tmp_path / "tb", "train/lm loss")
+        assert scalars(tmp_path / "tb", tags.SKIPPED_ITERATIONS) == {1: 0, 2: 1, 3: 1}
+        loss = scalars(tmp_path / "tb", tags.LM_LOSS)
         assert loss[3] == loss[3]  # finite again after the skipped step

@@ -14,10 +14,11 @@ from conftest import scalars, torchrun, train_args
 
 from megatron_snip.arguments import parse_config
 from megatron_snip.model import llama
+from megatron_snip.training import tags
 
 pytestmark = pytest.mark.cuda
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-LOSS, FP4 = "train/lm loss", "train/fp4 flops fraction"
+LOSS, FP4 = tags.LM_LOSS, tags.FP4_FRACTION
 
 
 def fp8_tensor_cores() -> bool:
@@ -29,7 +30,7 @@ def fp8_tensor_cores() -> bool:
 @pytest.mark.parametrize("precision", ["bf16", "fp8", "nvfp4", "mxfp4"])
 def test_one_gpu_trains_in_each_precision(tiny_data, tmp_path, precision):
     proc = torchrun(1, train_args(tiny_data, "--bf16", "--precision", precision,
-                                  "--tensorboard-dir", str(tmp_path / "tb"), iters=12))
+                                  "--log-memory-to-tensorboard", "--tensorboard-dir", str(tmp_path / "tb"), iters=12))
     log = proc.stdout + proc.stderr
     assert "operands quantized by fused Triton kernels" in log, "the GPU run should quantize with the kernels"
     if precision == "fp8":
@@ -38,7 +39,7 @@ def test_one_gpu_trains_in_each_precision(tiny_data, tmp_path, precision):
     assert sorted(losses) == list(range(1, 13)) and all(math.isfinite(v) for v in losses.values())
     assert losses[12] < losses[1] - 0.3
     assert set(scalars(tmp_path / "tb", FP4).values()) == {1.0 if precision in ("nvfp4", "mxfp4") else 0.0}
-    assert scalars(tmp_path / "tb", "train/max memory allocated GiB")[12] > 0
+    assert scalars(tmp_path / "tb", tags.MEM_MAX_ALLOCATED)[12] > 0
 
 
 @pytest.mark.integration
@@ -49,7 +50,7 @@ def test_one_gpu_snip_replans_and_trains(tiny_data, tmp_path):
                            "--tensorboard-dir", str(tmp_path / "tb"), iters=6))
     fp4 = scalars(tmp_path / "tb", FP4)
     assert fp4[1] == fp4[3] == 0.0 and fp4[4] >= 0.5 - 1e-9
-    assert sorted(scalars(tmp_path / "tb", "snip/fp4 flops fraction")) == [3, 6]
+    assert sorted(scalars(tmp_path / "tb", tags.snip("fp4 flops fraction"))) == [3, 6]
     losses = scalars(tmp_path / "tb", LOSS)
     assert all(math.isfinite(v) for v in losses.values()) and losses[6] < losses[1]
 
@@ -94,11 +95,11 @@ def test_one_gpu_snip_drives_transformer_engine(tiny_data, tmp_path):
                                   "--tensorboard-dir", str(tmp_path / "tb"), iters=6))
     log = proc.stdout + proc.stderr
     assert "precision backend te: Transformer Engine" in log
-    assert sorted(scalars(tmp_path / "tb", "snip/fp4 flops fraction")) == [3, 6]
+    assert sorted(scalars(tmp_path / "tb", tags.snip("fp4 flops fraction"))) == [3, 6]
     if blackwell:
         assert scalars(tmp_path / "tb", FP4)[4] >= 0.5 - 1e-9
     else:
         assert "SNIP candidate nvfp4 dropped" in log
-        assert scalars(tmp_path / "tb", "snip/estimated gemm time vs bf16")[3] <= 0.7 + 1e-9
+        assert scalars(tmp_path / "tb", tags.snip("estimated gemm time vs bf16"))[3] <= 0.7 + 1e-9
     losses = scalars(tmp_path / "tb", LOSS)
     assert all(math.isfinite(v) for v in losses.values()) and losses[6] < losses[1]

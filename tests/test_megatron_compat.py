@@ -231,7 +231,7 @@ def test_the_megatron_lm_example_script_trains_on_mock_data(tmp_path):
     proc = subprocess.run(["bash", str(SCRIPT), str(ckpt), str(tmp_path / "tb")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    losses = [float(x) for x in re.findall(r"\[train\] iteration +\d+ \| .*?lm loss ([\d.]+)", proc.stdout)]
+    losses = [float(x) for x in re.findall(r"\[train\] iteration +\d+/ +\d+ \| .*?lm loss: ([\d.E+-]+)", proc.stdout)]
     assert len(losses) == 4 and all(np.isfinite(losses))
     assert "megatron-flags shape" in proc.stdout and "DP=2" in proc.stdout and "100.0% in FP8" in proc.stdout
     assert _checkpoints(ckpt) == ["iter_0000002", "iter_0000004"]

@@ -22,11 +22,12 @@ from megatron_snip.numerics.linear import QuantState, quantized_linear
 from megatron_snip.numerics.quantize import quantize_dequantize
 from megatron_snip.numerics.recipes import Precision, RecipeConfig, operand_quantizer
 from megatron_snip.precision.plan import PrecisionPlan, module_names
+from megatron_snip.training import tags
 from megatron_snip.training.quant_health import HealthTable, promote
 from megatron_snip.training.safety import is_spike
 
 DRIVER = "tests/drivers/inject_nonfinite.py"
-LOSS, SKIPPED = "train/lm loss", "train/skipped iterations"
+LOSS, SKIPPED = tags.LM_LOSS, tags.SKIPPED_ITERATIONS
 
 
 def inject(at: int, param: str, **more) -> dict:
@@ -46,13 +47,13 @@ def test_fail_policy_raises_on_every_rank_and_keeps_the_last_good_checkpoint(tin
     for e in errors:  # the same iteration and the same culprit on every rank
         assert "non-finite gradients at iteration 4: rank 1 (tp 1, pp 0, dp 0): " + param in e
         assert e.count("decoder.layers") == 1 and "policy fail" in e
-    assert "[train] iteration       3" in proc.stdout and "[train] iteration       4" not in proc.stdout
+    assert "[train] iteration        3/" in proc.stdout and "[train] iteration        4/" not in proc.stdout
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
     assert not (ckpt / "iter_0000004").exists() and not (ckpt / "iter_0000004.tmp").exists()
     # The good checkpoint loads (and resharded to one process) and evaluates.
     torchrun(1, train_args(tiny_data, "--load", str(ckpt), "--skip-train", "--tensorboard-dir",
                            str(tmp_path / "tb"), iters=6))
-    assert list(scalars(tmp_path / "tb", "valid/lm loss")) == [2]
+    assert list(scalars(tmp_path / "tb", tags.LM_LOSS_VALIDATION)) == [2]
 
 
 @pytest.mark.integration
@@ -123,26 +124,27 @@ def test_promote_on_fault_names_the_module_skips_and_recovers(tiny_data, tmp_pat
     """A NaN in one NVFP4 module's input: the health numbers name it, it is promoted to FP8 and the run goes on."""
     module = "decoder.layers.1.mlp.linear_fc2"
     ckpt, tb = tmp_path / "ckpt", tmp_path / "tb"
+    # Logged (and so fully measured) every second step: step 3 is not measured in full, flags only.
     proc = torchrun(2, train_args(tiny_data, "--pipeline-model-parallel-size", "2", "--precision", "nvfp4",
                                   "--promote-on-fault", "--save", str(ckpt), "--tensorboard-dir", str(tb),
-                                  "--log-interval", "2", iters=6),  # step 3 is not measured in full: flags only
+                                  "--log-interval", "2", "--tensorboard-log-interval", "2", iters=6),
                     env={"INJECT_AT": "3", "INJECT_INPUT": module}, script=DRIVER)
     assert f"quantized modules with non-finite values: {module} (fprop.x, " in proc.stdout  # listed first
     assert (f"first: {module} fprop.x, entered its input from outside the quantized GEMMs; "
             "--promote-on-fault: update skipped") in proc.stdout
     assert f"promoted {module} nvfp4 -> fp8 until the end of the run" in proc.stdout
     assert scalars(tb, SKIPPED) == {2: 0, 4: 1, 6: 1}
-    loss = scalars(tb, LOSS)  # (the loss logged at 4 averages steps 3 and 4: NaN)
+    loss = scalars(tb, LOSS)
     assert loss[2] == loss[2] and loss[6] == loss[6] and loss[6] < loss[2]  # finite, and learning, after the fault
-    fp8 = scalars(tb, "train/fp8 flops fraction")
+    fp8 = scalars(tb, tags.FP8_FRACTION)
     assert fp8[2] == 0 and fp8[4] > 0 and fp8[6] == fp8[4]
     saved = dist_checkpointing.load_common_state_dict(str(ckpt / "iter_0000006"))
     assert saved["precision_plan"]["modules"] == {module: "fp8"}
     (event,) = saved["precision_history"]
     assert event["iteration"] == 3 and event["modules"] == {module: "nvfp4 -> fp8"}
-    mse = scalars(tb, "quant health/relative mse/mlp.linear_fc1.fprop.x")
+    mse = scalars(tb, tags.quant_health("relative mse", "mlp.linear_fc1", "fprop.x"))
     assert sorted(mse) == [2, 4, 6] and all(0 < v < 0.1 for v in mse.values())
-    assert set(scalars(tb, "quant health per layer/underflow/003.dgrad.dy")) == {2, 4, 6}
+    assert set(scalars(tb, tags.quant_health("underflow", "003", "dgrad.dy", per_layer=True))) == {2, 4, 6}
 
 
 def test_operand_health_counts_clipping_flushing_and_error():

@@ -14,10 +14,12 @@ import pytest
 import torch
 from conftest import ROOT, resume_from, scalars, torchrun, train_args
 
+from megatron_snip.training import tags
+
 pytestmark = pytest.mark.integration  # every test here launches processes
 
-LOSS = "train/lm loss"
-VALID = "valid/lm loss"
+LOSS = tags.LM_LOSS
+VALID = tags.LM_LOSS_VALIDATION
 
 
 def run_from_init(tiny_data, init_ckpt, tmp_path, nproc, *layout, iters=6):

@@ -10,12 +10,13 @@ from conftest import scalars, torchrun, train_args
 
 from megatron_snip.arguments import ArgumentError, parse_config
 from megatron_snip.precision.plan import PrecisionPlan
+from megatron_snip.training import tags
 from megatron_snip.training.checkpointing import read_record
 from megatron_snip.training.precision import initial_plan
 
 pytestmark = pytest.mark.integration  # every test here launches processes
 
-FP4 = "train/fp4 flops fraction"
+FP4 = tags.FP4_FRACTION
 SAVED = ("--precision", "nvfp4", "--fp8-recipe", "blockwise", "--nvfp4-disable-rht",
          "--precision-schedule", "fwd=bf16@3", "--lr-decay-style", "constant")
 
@@ -49,7 +50,7 @@ def test_schedule_changes_the_plan_at_its_step_and_survives_a_resume(tiny_data, 
     torchrun(1, train_args(tiny_data, "--load", str(ckpt), "--lr-decay-style", "constant",
                            "--tensorboard-dir", str(tmp_path / "tb"), iters=4))
     assert scalars(tmp_path / "tb", FP4) == pytest.approx({3: 2 / 3, 4: 2 / 3})
-    full, again = scalars(run / "tb", "train/lm loss"), scalars(tmp_path / "tb", "train/lm loss")
+    full, again = scalars(run / "tb", tags.LM_LOSS), scalars(tmp_path / "tb", tags.LM_LOSS)
     assert again == {k: full[k] for k in (3, 4)}
 
 
@@ -91,6 +92,6 @@ def test_a_resume_with_a_new_precision_trains_in_it(tiny_data, run, tmp_path):
                                   "--precision-schedule", "all=fp8@4", "--lr-decay-style", "constant",
                                   "--tensorboard-dir", str(tmp_path / "tb"), iters=4))
     assert scalars(tmp_path / "tb", FP4) == {3: 0.0, 4: 0.0}
-    assert scalars(tmp_path / "tb", "train/fp8 flops fraction") == {3: 1.0, 4: 1.0}
+    assert scalars(tmp_path / "tb", tags.FP8_FRACTION) == {3: 1.0, 4: 1.0}
     assert "precision: plan --precision fp8" in proc.stdout
     assert "precision schedule (--precision-schedule): all=fp8@4" in proc.stdout

@@ -14,8 +14,9 @@ from conftest import ROOT, free_port, scalars, torchrun, train_args
 from megatron_snip.numerics.recipes import Precision
 from megatron_snip.precision.flops import LlamaLinearDims, flop_fractions
 from megatron_snip.precision.plan import PrecisionPlan
+from megatron_snip.training import tags
 
-LOSS, FP4, FP8 = "train/lm loss", "train/fp4 flops fraction", "train/fp8 flops fraction"
+LOSS, FP4, FP8 = tags.LM_LOSS, tags.FP4_FRACTION, tags.FP8_FRACTION
 # The TINY_MODEL shape of conftest.py.
 DIMS = LlamaLinearDims(num_layers=4, hidden_size=64, ffn_hidden_size=192, kv_channels=16, num_query_groups=2)
 

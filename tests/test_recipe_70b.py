@@ -17,6 +17,7 @@ from conftest import ROOT, scalars, torchrun, train_args
 from test_examples import recorded_launches
 
 from megatron_snip.arguments import parse_args
+from megatron_snip.training import tags
 
 SCRIPT = ROOT / "examples" / "slurm" / "pretrain_llama.sbatch"
 SWITCHES = ("sequence_parallel", "use_distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather", "bf16",
@@ -50,17 +51,17 @@ def test_recipe_trains_replans_and_resumes_exactly(tiny_data, tmp_path):
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     torchrun(4, train_args(tiny_data, *flags, "--save", str(full), "--save-interval", "2",
                            "--tensorboard-dir", str(full / "tb"), iters=4), timeout=600)
-    losses = scalars(full / "tb", "train/lm loss")
+    losses = scalars(full / "tb", tags.LM_LOSS)
     assert sorted(losses) == [1, 2, 3, 4] and all(v == v for v in losses.values())
     # The re-plan at iteration 2 is in force from iteration 3 on: at least the FP4 target.
-    fp4 = scalars(full / "tb", "train/fp4 flops fraction")
+    fp4 = scalars(full / "tb", tags.FP4_FRACTION)
     assert fp4[2] == 0.0 and fp4[3] >= 0.75 - 1e-6
     resumed.mkdir()
     shutil.copytree(full / "iter_0000002", resumed / "iter_0000002")
     (resumed / "latest_checkpointed_iteration.txt").write_text("2")
     torchrun(4, train_args(tiny_data, *flags, "--load", str(resumed), "--save", str(resumed), "--save-interval", "2",
                            "--tensorboard-dir", str(resumed / "tb"), iters=4), timeout=600)
-    again = scalars(resumed / "tb", "train/lm loss")
+    again = scalars(resumed / "tb", tags.LM_LOSS)
     assert sorted(again) == [3, 4]
     assert again == {k: losses[k] for k in again}  # bit-identical, SNIP's plan restored from the checkpoint
     assert plan_at(resumed, 4) == plan_at(full, 4)

@@ -119,7 +119,7 @@ def test_sigterm_to_torchrun_leaves_a_record_asking_for_a_requeue(tiny_data, tmp
     try:
         for line in proc.stdout:
             lines.append(line)
-            if "[train] iteration       2" in line:
+            if "[train] iteration        2/" in line:
                 break
         proc.send_signal(signal.SIGTERM)
         rest, _ = proc.communicate(timeout=120)

@@ -12,6 +12,8 @@ import psutil
 import pytest
 from conftest import ROOT, free_port, scalars, torchrun, train_args
 
+from megatron_snip.training import tags
+
 pytestmark = pytest.mark.integration  # every test here launches processes
 
 
@@ -27,7 +29,7 @@ def test_sigterm_saves_and_exits_zero(tiny_data, tmp_path):
     try:
         for line in proc.stdout:
             lines.append(line)
-            if "[train] iteration       3" in line:
+            if "[train] iteration        3/" in line:
                 break
         workers = psutil.Process(proc.pid).children()
         assert len(workers) == 2
@@ -55,7 +57,7 @@ def test_partial_save_is_ignored_and_replaced(tiny_data, init_ckpt, tmp_path):
                            "--tensorboard-dir", str(tmp_path / "tb"), iters=2))
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
     assert (ckpt / "iter_0000002").is_dir() and not partial.exists()
-    assert sorted(scalars(tmp_path / "tb", "train/lm loss")) == [1, 2]  # it resumed at iteration 0
+    assert sorted(scalars(tmp_path / "tb", tags.LM_LOSS)) == [1, 2]  # it resumed at iteration 0
 
 
 def test_damaged_shard_is_reported(tiny_data, init_ckpt, tmp_path):

@@ -26,6 +26,7 @@ from megatron_snip.snip.planner import (
     solve_plan,
     unit_pins,
 )
+from megatron_snip.training import tags
 from megatron_snip.training.precision import describe_pins, initial_plan, snip_pins
 
 DIMS = LlamaLinearDims(num_layers=4, hidden_size=64, ffn_hidden_size=192, kv_channels=16, num_query_groups=2)
@@ -228,7 +229,7 @@ def test_pins_hold_at_tp2_pp2_in_split_mode_across_cycles_and_a_resume(tiny_data
         assert any(p.fwd == "nvfp4" or p.bwd == "nvfp4" for p in plan.modules.values())
         assert min(record["cycle"]["stage_fp4_fraction"].values()) >= 0.25 - 1e-9
         assert record["run"]["pins"] == {n: "bf16" for n in ENDS}
-    fp4 = scalars(run / "tb", "train/fp4 flops fraction")
+    fp4 = scalars(run / "tb", tags.FP4_FRACTION)
     assert fp4[1] == fp4[2] == 0.0 and fp4[3] >= 0.25 - 1e-9
     resumed = tmp_path / "resumed"
     (resumed / "ckpt").mkdir(parents=True)
@@ -236,7 +237,7 @@ def test_pins_hold_at_tp2_pp2_in_split_mode_across_cycles_and_a_resume(tiny_data
     (resumed / "ckpt" / "latest_checkpointed_iteration.txt").write_text("2")
     torchrun(4, train_args(tiny_data, *LAYOUT, *PINNED, "--load", str(resumed / "ckpt"), "--save",
                            str(resumed / "ckpt"), "--tensorboard-dir", str(resumed / "tb"), iters=4))
-    for tag in ("train/lm loss", "train/fp4 flops fraction", "snip/objective"):
+    for tag in (tags.LM_LOSS, tags.FP4_FRACTION, tags.snip("objective")):
         full, again = scalars(run / "tb", tag), scalars(resumed / "tb", tag)
         assert again and {k: full[k] for k in again} == again, tag
     from megatron_snip.training.checkpointing import read_record

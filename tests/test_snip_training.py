@@ -9,6 +9,7 @@ import pytest
 from conftest import scalars, torchrun, train_args
 
 from megatron_snip.precision.plan import PrecisionPlan, module_names
+from megatron_snip.training import tags
 
 pytestmark = pytest.mark.integration  # every test here launches processes
 
@@ -28,24 +29,24 @@ def snip_run(tiny_data, tmp_path_factory):
 
 
 def test_replans_at_two_intervals_and_meets_the_target(snip_run):
-    fp4 = scalars(snip_run / "tb", "train/fp4 flops fraction")
+    fp4 = scalars(snip_run / "tb", tags.FP4_FRACTION)
     assert fp4[1] == fp4[3] == 0.0  # the bf16 warm-up plan until the first cycle
     assert fp4[4] >= TARGET - 1e-9 and fp4[6] >= TARGET - 1e-9
-    cycles = scalars(snip_run / "tb", "snip/fp4 flops fraction")
+    cycles = scalars(snip_run / "tb", tags.snip("fp4 flops fraction"))
     assert sorted(cycles) == [3, 6] and min(cycles.values()) >= TARGET - 1e-9
-    assert scalars(snip_run / "tb", "snip/fp4 flops fraction")[3] == pytest.approx(fp4[4])
+    assert scalars(snip_run / "tb", tags.snip("fp4 flops fraction"))[3] == pytest.approx(fp4[4])
     for it in (3, 6):
         record = json.loads((snip_run / "ckpt" / "snip" / f"snip_iter_{it:07d}.json").read_text())
         assert record["cycle"]["iteration"] == it
         assert len(record["statistics"]["modules"]) == 16  # 4 layers x 4 linear modules, from both stages
         stage_fraction = record["cycle"]["stage_fp4_fraction"]
         assert min(stage_fraction.values()) >= TARGET - 1e-9  # per-stage budget
-    losses = scalars(snip_run / "tb", "train/lm loss")
+    losses = scalars(snip_run / "tb", tags.LM_LOSS)
     assert losses[6] < losses[1]
     # The non-FP4 remainder runs in FP8, at the baselines' estimated GEMM time (blackwell without a GPU).
-    fp8 = scalars(snip_run / "tb", "train/fp8 flops fraction")
+    fp8 = scalars(snip_run / "tb", tags.FP8_FRACTION)
     assert fp8[4] > 0
-    time = scalars(snip_run / "tb", "train/estimated gemm time vs bf16")
+    time = scalars(snip_run / "tb", tags.GEMM_TIME)
     assert time[1] == 1.0 and time[4] <= TARGET / 4 + (1 - TARGET) / 2 + 1e-9
 
 
@@ -72,7 +73,7 @@ def test_resume_restores_the_plan_and_continues_identically(tiny_data, snip_run,
     (ckpt / "latest_checkpointed_iteration.txt").write_text("3")
     torchrun(4, train_args(tiny_data, *LAYOUT, *SNIP, "--load", str(ckpt), "--save", str(ckpt),
                            "--tensorboard-dir", str(tmp_path / "tb"), iters=6))
-    for tag in ("train/lm loss", "train/fp4 flops fraction", "snip/objective"):
+    for tag in (tags.LM_LOSS, tags.FP4_FRACTION, tags.snip("objective")):
         full = scalars(snip_run / "tb", tag)
         resumed = scalars(tmp_path / "tb", tag)
         assert resumed and {k: full[k] for k in resumed} == resumed, tag
@@ -86,9 +87,9 @@ def test_probe_cycles_leave_training_unchanged(tiny_data, tmp_path):
     torchrun(2, train_args(tiny_data, *common, "--snip", "--snip-fp4-target", "0", "--snip-formats", "bf16", "nvfp4",
                            "--snip-interval", "2",
                            "--snip-probe-passes", "1", "--tensorboard-dir", str(tmp_path / "snip"), iters=5))
-    assert sorted(scalars(tmp_path / "snip", "snip/objective")) == [2, 4]  # two cycles ran
-    assert set(scalars(tmp_path / "snip", "train/fp4 flops fraction").values()) == {0.0}
-    assert scalars(tmp_path / "snip", "train/lm loss") == scalars(tmp_path / "plain", "train/lm loss")
+    assert sorted(scalars(tmp_path / "snip", tags.snip("objective"))) == [2, 4]  # two cycles ran
+    assert set(scalars(tmp_path / "snip", tags.FP4_FRACTION).values()) == {0.0}
+    assert scalars(tmp_path / "snip", tags.LM_LOSS) == scalars(tmp_path / "plain", tags.LM_LOSS)
 
 
 def test_each_cycle_says_what_it_decided_module_by_module(snip_run, tmp_path):
@@ -105,7 +106,7 @@ def test_each_cycle_says_what_it_decided_module_by_module(snip_run, tmp_path):
         assert (r["faster"] is None) == (r["precision"] == "nvfp4")  # nvfp4 is the fastest candidate
     text = (snip / "snip_iter_0000006.decisions.txt").read_text()
     assert all(name in text for name in module_names(4))
-    from megatron_snip.cli import snip_report
+    from megatron_snip.cli.pretrain import snip_report
 
     assert snip_report.main([str(snip), "--out", str(tmp_path)]) == 0
     assert (tmp_path / "plans.png").stat().st_size > 0 and (tmp_path / "divergences_iter_0000006.png").exists()

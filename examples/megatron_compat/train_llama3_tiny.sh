@@ -6,7 +6,7 @@
 #
 # Left out of Megatron-LM's flag set, because this program refuses them (docs/megatron_compat.md
 # gives each reason): --apply-layernorm-1p, --calculate-per-token-loss, --fp8-param-gather,
-# --profile/--profile-step-start/--profile-step-end; and --log-throughput (a logging switch).
+# --profile/--profile-step-start/--profile-step-end.
 # Added: --save-retain-interval (Megatron-LM's checkpoint retention).
 #
 #   bash examples/megatron_compat/train_llama3_tiny.sh    # from the repository root, mock data
@@ -148,6 +148,7 @@ fi
 
 EVAL_AND_LOGGING_ARGS=(
     --log-interval 1
+    --log-throughput
     --eval-iters 2
     --eval-interval 100
     --save-interval 1

@@ -196,8 +196,11 @@ def resolve(parsed: argparse.Namespace, world_size: int | None = None, cuda: boo
             f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --lr-decay-iters "
             f"{args.lr_decay_iters} (default: --train-iters)")
     require(args.min_lr <= args.lr, f"--min-lr {args.min_lr} exceeds --lr {args.lr}")
-    for flag in ("log_interval", "eval_interval"):
+    for flag in ("log_interval", "eval_interval", "tensorboard_log_interval", "tensorboard_queue_size"):
         require(getattr(args, flag) >= 1, f"--{flag.replace('_', '-')} must be >= 1")
+    require(not args.wandb_project or args.wandb_save_dir or args.save,
+            "--wandb-project needs a directory for the W&B run's files: --wandb-save-dir DIR (or --save, whose "
+            "wandb/ subdirectory is the default)")
     require(args.eval_iters >= 0, "--eval-iters must be >= 0")
     if args.num_workers is None:
         args.num_workers = 2 if cuda else 0

@@ -59,6 +59,7 @@ from megatron_snip.research.reorder import reordered_data_args
 from megatron_snip.snip.ilp import InfeasibleBudgetError, evaluate_plan
 from megatron_snip.snip.planner import to_precision_plan
 from megatron_snip.snip.statistics_file import Budget, StatisticsFile
+from megatron_snip.training import tags
 
 REFERENCE = "bf16"
 # The noise floor: BF16 again from the same trunk on another order of the training documents (reorder.py);
@@ -532,13 +533,13 @@ def _budget_flags(budget: Budget) -> list[str]:
 
 def read_result(tensorboard_dir: Path, train_iters: int, window_start: int) -> BranchResult:
     """A finished branch's numbers from its TensorBoard scalars (as the user's TensorBoard shows them)."""
-    valid = tensorboard_scalars(tensorboard_dir, "valid/lm loss")
-    train = tensorboard_scalars(tensorboard_dir, "train/lm loss")
+    valid = tensorboard_scalars(tensorboard_dir, tags.LM_LOSS_VALIDATION)
+    train = tensorboard_scalars(tensorboard_dir, tags.LM_LOSS)
     if train_iters not in valid:
         raise RuntimeError(f"{tensorboard_dir}: no validation loss at iteration {train_iters} (eval-iters 0?)")
     last = [v for it, v in train.items() if it > window_start]
-    fp4 = tensorboard_scalars(tensorboard_dir, "train/fp4 flops fraction")
-    gemm_time = tensorboard_scalars(tensorboard_dir, "train/estimated gemm time vs bf16")
+    fp4 = tensorboard_scalars(tensorboard_dir, tags.FP4_FRACTION)
+    gemm_time = tensorboard_scalars(tensorboard_dir, tags.GEMM_TIME)
     return BranchResult(final_valid_loss=valid[train_iters],
                         mean_train_loss=sum(last) / len(last) if last else math.nan,
                         fp4_fraction=fp4[max(fp4)] if fp4 else math.nan,

@@ -30,7 +30,7 @@ from megatron_snip.precision.flops import LlamaLinearDims
 from megatron_snip.precision.gemm_speed import GemmSpeedModel
 from megatron_snip.precision.plan import PrecisionPlan, parse_module_name
 from megatron_snip.snip.config import SnipConfig
-from megatron_snip.snip.decisions import TABLE_MAX_ROWS, Decision, decision_summary, decision_table, decisions
+from megatron_snip.snip.decisions import Decision, decision_table, decisions
 from megatron_snip.snip.estimators import cost_tables, divergences
 from megatron_snip.snip.ilp import InfeasibleBudgetError
 from megatron_snip.snip.planner import PlannerConfig, build_problem, linear_modules, solve_plan
@@ -198,33 +198,3 @@ class SnipReplanner:
         for suffix, text in files.items():
             write_text_atomic(f"{stem}{suffix}.yaml", text)
 
-
-def log_cycle(logger, report: CycleReport, num_layers: int) -> None:
-    """Console line and TensorBoard panels of one cycle (on the logging rank)."""
-    from megatron_snip.snip.plan_image import plan_image
-
-    plan = report.plan
-    logger.log(report.iteration, {
-        "fp4 flops fraction": report.fp4_fraction, "estimated gemm time vs bf16": report.time_ratio,
-        "objective": report.objective,
-        "loss divergence": report.loss_divergence, "update divergence": report.update_divergence,
-        "solve seconds": report.solve_seconds, "cycle seconds": report.cycle_seconds,
-    }, prefix="snip")
-    logger.scalars({f"snip/layer divergence/{layer:03d}": v for layer, v in report.layer_divergence.items()},
-                   report.iteration)
-    logger.image("snip/plan", plan_image(plan, num_layers, title=f"iteration {report.iteration}: FP4 "
-                                                              f"{report.fp4_fraction:.1%}"), report.iteration)
-    rows = [Decision(**d) for d in report.decisions]
-    table = decision_table(rows)
-    logger.panel("snip/decisions", f"```\n{table}\n```", report.iteration)
-    if len(rows) <= TABLE_MAX_ROWS:
-        logger.text(f"[snip] iteration {report.iteration}: the plan, module by module\n{table}")
-    else:
-        logger.text(f"[snip] iteration {report.iteration}: the plan by module type (every module: "
-                    f"snip_iter_{report.iteration:07d}.decisions.txt beside the statistics, and TensorBoard's text "
-                    f"panel)\n{decision_summary(rows)}")
-    logger.text(f"[snip] iteration {report.iteration}: solver {report.solver}, gap {report.gap:.2g}; per stage: FP4 "
-                f"fraction " + ", ".join(f"{s}: {v:.3f}" for s, v in report.stage_fp4_fraction.items())
-                + "; estimated GEMM time vs bf16 "
-                + ", ".join(f"{s}: {v:.3f}" for s, v in report.stage_time_ratio.items())
-                + f" (budget {report.time_target:.3f})")

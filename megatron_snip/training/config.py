@@ -115,12 +115,42 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    """Evaluation, console and TensorBoard."""
+    """Evaluation, the console's progress line, TensorBoard and W&B (docs/logging.md: every tag and its flag)."""
 
     eval_interval: int = flag(1000, "Iterations between evaluations.")
     eval_iters: int = flag(10, "Global batches per evaluation.")
-    log_interval: int = flag(10, "Iterations between log lines.")
+    log_interval: int = flag(100, "Iterations between progress lines (and the timing scalars, quantization "
+                             "health and the plan image on TensorBoard).")
     tensorboard_dir: str | None = flag(None, "Write TensorBoard events here.")
+    tensorboard_log_interval: int = flag(1, "Iterations between the per-iteration TensorBoard (and W&B) scalars "
+                                         "(lm loss, learning-rate, grad-norm, ...).")
+    tensorboard_queue_size: int = flag(1000, "Events TensorBoard's writer queues before it writes them to disk.")
+    log_throughput: bool = flag(False, "Print the model TFLOP/s per GPU (per process on CPU) on the progress line; "
+                                "with --log-timers-to-tensorboard also the scalar throughput.")
+    log_timers_to_tensorboard: bool = flag(
+        False, "Write iteration-time (seconds per iteration), throughput (with --log-throughput) and, with "
+        "--timing-log-level 1 or 2, the <timer>-time scalars.")
+    timing_log_level: int = flag(
+        0, "0: time only the iteration. 1 or 2: also time forward-backward and optimizer on every rank, print their "
+        "(min, max) over ranks in ms every --log-interval, and write the max as <timer>-time (seconds per iteration) "
+        "with --log-timers-to-tensorboard (level 2's per-micro-batch timers are not measured here).",
+        choices=(0, 1, 2))
+    log_memory_to_tensorboard: bool = flag(
+        False, "Write mem-reserved-bytes, mem-allocated-bytes, mem-max-allocated-bytes and mem-allocated-count "
+        "(CUDA; memory/rss-bytes, the process's resident memory, without CUDA).")
+    log_validation_ppl_to_tensorboard: bool = flag(False, "Also write the validation perplexity, lm loss validation "
+                                                   "ppl = exp(min(20, loss)).")
+    log_params_norm: bool = flag(False, "Compute the parameters' global L2 norm (a collective over the "
+                                 "model-parallel ranks) and log it as params-norm.")
+    log_num_zeros_in_grad: bool = flag(False, "Count the zero entries of the gradients and log them as num-zeros.")
+    log_world_size_to_tensorboard: bool = flag(False, "Write the number of processes as world-size.")
+    log_loss_scale_to_tensorboard: bool = flag(True, "Write loss-scale (1.0: bf16 and fp32 need no loss scaling).",
+                                               negatable=True)
+    wandb_project: str | None = flag(None, "Log the same scalars to this Weights & Biases project (needs the wandb "
+                                     "package; WANDB_MODE=offline writes the run locally).")
+    wandb_exp_name: str | None = flag(None, "The W&B run's name (default: W&B's).")
+    wandb_save_dir: str | None = flag(None, "Directory of the W&B run's local files (default: --save/wandb).")
+    wandb_entity: str | None = flag(None, "The W&B entity (team or user) the project belongs to.")
     peak_tflops: float | None = flag(None, "Peak dense TFLOP/s per GPU for MFU (default: looked up from the GPU "
                                      "name).", ours=True)
 

@@ -1,4 +1,4 @@
-"""Console and TensorBoard logging, from the one rank that holds the loss.
+"""Console, TensorBoard and W&B logging, from the one rank that holds the loss.
 
 That rank is the last pipeline stage's TP rank 0 / DP rank 0: it sees the
 DP-averaged loss, so each scalar is written exactly once.
@@ -7,12 +7,15 @@ DP-averaged loss, so each scalar is written exactly once.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import torch
 from megatron.core import parallel_state
 
 from megatron_snip.compat.device import has_cuda
+from megatron_snip.training import tags
+from megatron_snip.training.config import LoggingConfig
 
 # Dense BF16 peak TFLOP/s per GPU, for MFU. Matched against the device name.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0,
@@ -36,8 +39,6 @@ def is_logging_rank() -> bool:
 
 def setup_console() -> None:
     """Python logging to stdout, prefixed with the rank: INFO on rank 0, WARNING elsewhere."""
-    import os
-
     # Set up before the process group exists: torchrun/srun put the rank in the environment.
     rank = int(os.environ.get("RANK", "0"))
     # Rank 0 tells the story; the others speak only of problems.
@@ -48,30 +49,39 @@ def setup_console() -> None:
 
 
 class MetricsLogger:
-    """Prints a line per log interval and writes TensorBoard scalars (on the logging rank only)."""
+    """The logging rank's sinks: the console, TensorBoard (``--tensorboard-dir``) and W&B
+    (``--wandb-project``), as Megatron-LM writes them (tag names: ``training/tags.py``). Every
+    method does nothing on the other ranks."""
 
-    def __init__(self, tensorboard_dir: str | None):
+    def __init__(self, config: LoggingConfig, save_dir: str | None = None, run_config: dict | None = None):
+        """``save_dir``: --save (W&B's default directory); ``run_config``: the resolved flags, W&B's config."""
         self.active = is_logging_rank()
         self.writer = None
-        if self.active and tensorboard_dir:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(log_dir=tensorboard_dir, max_queue=100)
-
-    def log(self, iteration: int, metrics: dict[str, float], prefix: str = "train") -> None:
+        self.wandb = None
         if not self.active:
             return
-        parts = [f"iteration {iteration:7d}"] + [f"{k} {_fmt(v)}" for k, v in metrics.items()]
-        print(f"[{prefix}] " + " | ".join(parts), flush=True)
-        if self.writer is not None:
-            for key, value in metrics.items():
-                self.writer.add_scalar(f"{prefix}/{key}", value, iteration)
+        if config.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
 
-    def scalars(self, values: dict[str, float], step: int) -> None:
-        """TensorBoard only (e.g. per-layer panels too wide for the console)."""
+            self.writer = SummaryWriter(log_dir=config.tensorboard_dir, max_queue=config.tensorboard_queue_size)
+        if config.wandb_project:
+            self.wandb = open_wandb(config, save_dir, run_config or {})
+
+    def scalars(self, values: dict[str, float], step: int, samples: int | None = None) -> None:
+        """Each scalar at iteration ``step`` on TensorBoard and W&B; with ``samples`` (consumed samples)
+        also Megatron-LM's ``<tag> vs samples`` twin on TensorBoard."""
         if self.writer is not None:
             for tag, value in values.items():
                 self.writer.add_scalar(tag, value, step)
+                if samples is not None:
+                    self.writer.add_scalar(tags.vs_samples(tag), value, samples)
+        if self.wandb is not None and values:
+            self.wandb.log(dict(values), step=step)
+
+    def wandb_scalars(self, values: dict[str, float], step: int) -> None:
+        """W&B only (Megatron-LM's ``samples vs steps``)."""
+        if self.wandb is not None:
+            self.wandb.log(dict(values), step=step)
 
     def image(self, tag: str, image, step: int) -> None:
         """An ``[H, W, 3]`` uint8 image on TensorBoard's image panel."""
@@ -90,6 +100,41 @@ class MetricsLogger:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def open_wandb(config: LoggingConfig, save_dir: str | None, run_config: dict):
+    """A W&B run as Megatron-LM starts it: named --wandb-exp-name in --wandb-project (--wandb-entity),
+    its files under --wandb-save-dir (default SAVE/wandb), the run's flags as its config."""
+    try:
+        import wandb
+    except ImportError:
+        raise SystemExit("--wandb-project needs the wandb package: pip install wandb (or drop --wandb-project)"
+                         ) from None
+    directory = config.wandb_save_dir or os.path.join(save_dir, "wandb")
+    os.makedirs(directory, exist_ok=True)
+    kwargs = {"dir": directory, "name": config.wandb_exp_name, "project": config.wandb_project, "config": run_config}
+    if config.wandb_entity:
+        kwargs["entity"] = config.wandb_entity
+    return wandb.init(**kwargs)
+
+
+def progress_line(prefix: str, fields: list[tuple[str, str]]) -> str:
+    """``[prefix]`` and Megatron-LM's ``name: value |`` for each field (values already formatted; a field
+    without a name shows its value alone)."""
+    return f"[{prefix}] " + " ".join(f"{name}: {value} |" if name else f"{value} |" for name, value in fields)
+
+
+def metric_line(prefix: str, iteration: int, metrics: dict[str, float]) -> str:
+    """``[prefix] iteration N | name value | ...`` with numbers in a compact format (SNIP's cycle line)."""
+    return f"[{prefix}] " + " | ".join([f"iteration {iteration:7d}"] + [f"{k} {_fmt(v)}" for k, v in metrics.items()])
+
+
+def hms(seconds: float) -> str:
+    """``seconds`` as hh:mm:ss (hours beyond 24 kept: 30:00:00)."""
+    s = int(round(seconds))
+    return f"{s // 3600:02d}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
 def _fmt(v: float) -> str:

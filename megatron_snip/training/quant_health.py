@@ -20,6 +20,7 @@ from megatron_snip.numerics.health import AMAX, FIELDS, OPERANDS, POINTS, summar
 from megatron_snip.numerics.recipes import Precision
 from megatron_snip.numerics.registry import family
 from megatron_snip.precision.plan import LINEAR_MODULES, PrecisionPlan, module_names, parse_module_name
+from megatron_snip.training import tags
 
 NONFINITE, NUMEL = FIELDS.index("nonfinite"), FIELDS.index("numel")
 LOGGED = ("saturated", "underflow", "relative mse")
@@ -102,7 +103,7 @@ class HealthTable:
                         best = (name, op, mse)
         return best
 
-    def scalars(self, prefix: str = "quant health") -> dict[str, float]:
+    def scalars(self) -> dict[str, float]:
         """TensorBoard scalars: per module type and per layer, each GEMM operand's saturated and
         underflow fractions and relative MSE (and per module type its non-finite count and amax)."""
         layers = [parse_module_name(n)[0] for n in self.names]
@@ -112,11 +113,12 @@ class HealthTable:
             for kind in LINEAR_MODULES:
                 s = self._combined([m for m, k in enumerate(kinds) if k == kind], o)
                 if s is not None:
-                    out.update({f"{prefix}/{stat}/{kind}.{op}": s[stat] for stat in (*LOGGED, "nonfinite", "amax")})
+                    out.update({tags.quant_health(stat, kind, op): s[stat] for stat in (*LOGGED, "nonfinite", "amax")})
             for layer in sorted(set(layers)):
                 s = self._combined([m for m, i in enumerate(layers) if i == layer], o)
                 if s is not None:
-                    out.update({f"{prefix} per layer/{stat}/{layer:03d}.{op}": s[stat] for stat in LOGGED})
+                    out.update({tags.quant_health(stat, f"{layer:03d}", op, per_layer=True): s[stat]
+                                for stat in LOGGED})
         return out
 
     def _combined(self, modules: list[int], o: int) -> dict[str, float] | None:

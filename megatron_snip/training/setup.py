@@ -76,8 +76,9 @@ def wrap_ddp(parallel: ParallelConfig, config: TransformerConfig,
 
 
 def build_optimizer(training: TrainingConfig, model: ModelConfig, parallel: ParallelConfig,
-                    chunks: list[DistributedDataParallel]):
-    """megatron-core's optimizer (Adam/AdamW or SGD, optionally distributed) over the model chunks."""
+                    chunks: list[DistributedDataParallel], count_zeros: bool = False):
+    """megatron-core's optimizer (Adam/AdamW or SGD, optionally distributed) over the model chunks;
+    ``count_zeros``: its step also counts the gradients' zero entries (--log-num-zeros-in-grad)."""
     return get_megatron_optimizer(
         OptimizerConfig(
             optimizer=training.optimizer,
@@ -94,6 +95,7 @@ def build_optimizer(training: TrainingConfig, model: ModelConfig, parallel: Para
             bf16=model.bf16,
             params_dtype=model.params_dtype,
             use_distributed_optimizer=parallel.use_distributed_optimizer,
+            log_num_zeros_in_grad=count_zeros,
         ),
         chunks,
     )

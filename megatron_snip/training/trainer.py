@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -20,6 +21,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+from megatron.core.transformer.module import param_is_not_shared
 
 from megatron_snip.compat.device import current_device, has_cuda
 from megatron_snip.data.datasets import megatron_num_samples
@@ -36,17 +39,19 @@ from megatron_snip.precision.flops import LlamaLinearDims, estimated_time_ratio,
 from megatron_snip.precision.plan import PrecisionPlan
 from megatron_snip.snip.plan_image import plan_image
 from megatron_snip.snip.planner import PlannerConfig
-from megatron_snip.snip.replanner import CycleReport, SnipReplanner, StepShape, log_cycle
-from megatron_snip.training import checkpointing, requeue
+from megatron_snip.snip.replanner import CycleReport, SnipReplanner, StepShape
+from megatron_snip.training import checkpointing, requeue, tags
 from megatron_snip.training.checkpoint_record import CheckpointRecord
 from megatron_snip.training.config import RunConfig
+from megatron_snip.training.cycle_log import log_cycle
 from megatron_snip.training.data import build_datasets
-from megatron_snip.training.logger import MetricsLogger, peak_tflops, setup_console
+from megatron_snip.training.logger import MetricsLogger, hms, peak_tflops, progress_line, setup_console
 from megatron_snip.training.precision import speed_model
 from megatron_snip.training.quant_health import HealthTable, gather_health, promote
 from megatron_snip.training.safety import NumericalGuard, Verdict
 from megatron_snip.training.setup import build_optimizer, build_scheduler, initialize_distributed, wrap_ddp
 from megatron_snip.training.signals import ExitSignalHandler
+from megatron_snip.training.timers import Timers
 
 RUN_CONFIG_FILE = "run_config.yaml"  # in every checkpoint's directory
 
@@ -57,6 +62,39 @@ class TrainState:
 
     iteration: int = 0
     consumed_samples: int = 0
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step reports to the logs."""
+
+    loss: float | None        # mean over micro-batches and DP ranks; None off the last pipeline stage
+    grad_norm: float | None   # before clipping; None when the update was skipped
+    num_zeros: int | None     # zero gradient entries (--log-num-zeros-in-grad), None without
+    applied: bool             # False: the update was skipped (non-finite step)
+    seconds: float            # wall time of the step
+
+
+@dataclass
+class LogWindow:
+    """The iterations since the last progress line, which it averages over (as Megatron-LM's)."""
+
+    iterations: int = 0
+    seconds: float = 0.0
+    loss_sum: float = 0.0
+    advanced: int = 0  # iterations whose update was applied: their losses are averaged
+    skipped: int = 0
+    nan: int = 0       # iterations with a non-finite loss
+
+    def add(self, step: StepResult) -> None:
+        self.iterations += 1
+        self.seconds += step.seconds
+        if step.applied:
+            self.advanced += 1
+            self.loss_sum += step.loss or 0.0
+        else:
+            self.skipped += 1
+        self.nan += step.loss is not None and not math.isfinite(step.loss)
 
 
 class Trainer:
@@ -85,7 +123,8 @@ class Trainer:
         self.schedule, self.schedule_source = start.schedule, start.schedule_source
         self.plan_source = start.plan_source
         self.set_plan(start.plan)
-        self.optimizer = build_optimizer(c.training, c.model, c.parallel, self.model)
+        self.optimizer = build_optimizer(c.training, c.model, c.parallel, self.model,
+                                         count_zeros=c.logging.log_num_zeros_in_grad)
         self.scheduler = build_scheduler(c.training, self.optimizer)
         self.pins_text = start.pins_text
         self.snip = SnipReplanner(
@@ -96,7 +135,9 @@ class Trainer:
             pipeline_stages=c.parallel.pipeline_model_parallel_size, virtual_stages=c.parallel.chunks_per_stage,
             seed=c.training.seed, recipe=recipe) if c.snip.enabled else None
         self.forward_backward = get_forward_backward_func()
-        self.logger = MetricsLogger(c.logging.tensorboard_dir)
+        self.logger = MetricsLogger(c.logging, c.checkpoint.save, c.to_flags())
+        self.timers = Timers(c.logging.timing_log_level)
+        self.step_seconds: deque[float] = deque(maxlen=100)  # the recent iterations' times, for the ETA
         self.guard = NumericalGuard(c.safety)
         self.last_verdict: Verdict | None = None
         if c.safety.quant_health:
@@ -184,19 +225,21 @@ class Trainer:
             num_microbatches=self.config.training.num_microbatches, seq_length=self.config.model.seq_length,
             micro_batch_size=self.config.training.micro_batch_size, forward_only=forward_only)
 
-    def train_step(self, data: Iterator[dict]) -> tuple[float | None, float]:
-        """One optimizer step over a global batch. Returns (loss or None off the last stage, grad norm).
+    def train_step(self, data: Iterator[dict]) -> StepResult:
+        """One optimizer step over a global batch.
 
         Between the backward pass and the optimizer, every rank agrees on whether the step is
         finite (:class:`NumericalGuard`): a non-finite step raises on every rank (policy ``fail``)
         or is skipped (``skip``: weights, optimizer state and LR schedule untouched, data consumed).
         """
+        start = time.perf_counter()
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         if self.config.safety.quant_health:  # everything on logged steps, else only the non-finite flags
             self.precision.reset_health(full=(self.state.iteration + 1) % self.config.logging.log_interval == 0)
-        losses = self._run(data, forward_only=False)
+        with self.timers.time("forward-backward"):
+            losses = self._run(data, forward_only=False)
         self._release_memory(1)
         loss = mean_loss(losses)
         verdict = self.guard.check(self.model, loss, self.state.iteration + 1)
@@ -208,9 +251,10 @@ class Trainer:
             self.logger.text(f"[safety] {verdict.describe()}{detail} (--check-for-spiky-loss; the update is applied)")
         # A non-finite step whose quantized culprit can be promoted is skipped, whatever the policy.
         applied = not verdict.nonfinite if changes else self.guard.should_apply(verdict, detail)
-        grad_norm = math.nan
+        grad_norm = num_zeros = None
         if applied:
-            updated, grad_norm, _ = self.optimizer.step()
+            with self.timers.time("optimizer"):
+                updated, grad_norm, num_zeros = self.optimizer.step()
             if updated:
                 self.scheduler.step(increment=1)
         else:
@@ -223,7 +267,8 @@ class Trainer:
         self.state.iteration += 1
         self.state.consumed_samples += self.config.training.global_batch_size
         self._release_memory(2)
-        return loss, float(grad_norm or 0.0)
+        return StepResult(loss, None if grad_norm is None else float(grad_norm),
+                          None if num_zeros is None else int(num_zeros), applied, time.perf_counter() - start)
 
     def _release_memory(self, level: int) -> None:
         """Megatron-LM's --empty-unused-memory-level: at ``level`` and above, hand the CUDA caching
@@ -288,7 +333,7 @@ class Trainer:
                              f"(dense BF16 of this GPU, or --peak-tflops)")
         # Time only the training steps: evaluation and checkpoint time would
         # otherwise deflate tokens/s.
-        window_loss, window_iters, window_seconds = 0.0, 0, 0.0
+        window = LogWindow()
         saved_at = self.state.iteration if c.checkpoint.load else None
         reason = None  # why the run stops, once it does (requeue.ExitRecord)
         if c.training.manual_gc:  # Megatron-LM's --manual-gc: every rank collects at the same iterations
@@ -300,16 +345,18 @@ class Trainer:
                 self.logger.text(f"precision schedule: from step {self.state.iteration + 1} on "
                                  f"{', '.join(map(str, self.schedule.active(self.state.iteration + 1)))}: "
                                  f"{self.flop_fractions.fp4:.1%} of linear FLOPs in FP4")
-            start = time.perf_counter()
-            loss, grad_norm = self.train_step(data)
-            window_seconds += time.perf_counter() - start
-            window_iters += 1
-            window_loss += loss or 0.0
+            step = self.train_step(data)
+            window.add(step)
+            self.step_seconds.append(step.seconds)
             it = self.state.iteration
-            if it % c.logging.log_interval == 0:
-                self.logger.log(it, self._metrics(window_loss / window_iters, grad_norm,
-                                                  window_seconds / window_iters, peak))
-                window_loss, window_iters, window_seconds = 0.0, 0, 0.0
+            logged = it % c.logging.log_interval == 0
+            params_norm = (self.params_norm() if c.logging.log_params_norm
+                           and (logged or it % c.logging.tensorboard_log_interval == 0) else None)
+            if it % c.logging.tensorboard_log_interval == 0:
+                self._log_iteration(it, step, params_norm)
+            if logged:
+                self._log_progress(it, step, params_norm, window, peak)
+                window = LogWindow()
                 self._log_precision(it)
             if it % c.logging.eval_interval == 0 or it == c.training.train_iters:
                 self._log_validation(it)
@@ -350,7 +397,7 @@ class Trainer:
             self._measured = (iteration, table)
             self.logger.scalars(table.scalars(), iteration)
         if self.effective_plan != self._logged_plan:
-            self.logger.image("precision/plan", plan_image(
+            self.logger.image(tags.PLAN_IMAGE, plan_image(
                 self.effective_plan, self.linear_dims.num_layers,
                 title=f"in force from iteration {iteration}: FP4 {self.flop_fractions.fp4:.1%}"), iteration)
             self._logged_plan = self.effective_plan
@@ -380,37 +427,125 @@ class Trainer:
             if path:
                 logging.getLogger(__name__).info("SNIP statistics written to %s", path)
 
-    def _metrics(self, loss: float, grad_norm: float, seconds_per_iter: float, peak: float | None) -> dict:
-        world = dist.get_world_size()
-        tflops_per_device = self.flops_per_iteration / seconds_per_iter / world / 1e12
-        device = "GPU" if has_cuda() else "process"
-        m = {
-            "consumed samples": self.state.consumed_samples,
-            "lm loss": loss,
-            "learning rate": self.scheduler.get_lr(self.optimizer.param_groups[0]),
-            "grad norm": grad_norm,
-            "tokens per second": self.tokens_per_iteration / seconds_per_iter,
-            "seconds per iteration": seconds_per_iter,
-            f"TFLOPs per {device}": tflops_per_device,
-            "fp4 flops fraction": self.flop_fractions.fp4,
-            "fp8 flops fraction": self.flop_fractions.fp8,
-            "estimated gemm time vs bf16": self.time_ratio,
-        }
+    def params_norm(self) -> float:
+        """Megatron-LM's params-norm (collective over the model-parallel ranks): the L2 norm of every
+        trainable parameter counted once (no tensor-parallel duplicates, the tied output weight once)."""
+        squares = torch.zeros((), dtype=torch.float64, device=current_device())
+        for chunk in self.model:
+            for p in chunk.module.parameters():
+                if p.requires_grad and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
+                    squares += p.detach().double().square().sum()
+        dist.all_reduce(squares, group=parallel_state.get_model_parallel_group())
+        return squares.sqrt().item()
+
+    def learning_rate(self) -> float:
+        """The scheduler's current learning rate (of the first parameter group)."""
+        return self.scheduler.get_lr(self.optimizer.param_groups[0])
+
+    def _log_iteration(self, iteration: int, step: StepResult, params_norm: float | None) -> None:
+        """Every --tensorboard-log-interval: Megatron-LM's per-iteration scalars (with their ``vs samples``
+        twins) and the precision and safety scalars, on TensorBoard and W&B."""
+        if not self.logger.active:
+            return
+        c = self.config.logging
+        megatron = {tags.LEARNING_RATE: self.learning_rate(), tags.BATCH_SIZE: self.config.training.global_batch_size}
+        if step.applied and step.loss is not None:  # a skipped iteration has no loss to show, as in Megatron-LM
+            megatron[tags.LM_LOSS] = step.loss
+        if c.log_loss_scale_to_tensorboard:
+            megatron[tags.LOSS_SCALE] = float(self.optimizer.get_loss_scale())
+        if c.log_world_size_to_tensorboard:
+            megatron[tags.WORLD_SIZE] = dist.get_world_size()
+        if step.grad_norm is not None:
+            megatron[tags.GRAD_NORM] = step.grad_norm
+        if step.num_zeros is not None:
+            megatron[tags.NUM_ZEROS] = step.num_zeros
+        if params_norm is not None:
+            megatron[tags.PARAMS_NORM] = params_norm
+        self.logger.wandb_scalars({tags.SAMPLES_VS_STEPS: self.state.consumed_samples}, iteration)
+        self.logger.scalars(megatron, iteration, samples=self.state.consumed_samples)
+        ours = {tags.FP4_FRACTION: self.flop_fractions.fp4, tags.FP8_FRACTION: self.flop_fractions.fp8,
+                tags.GEMM_TIME: self.time_ratio}
         if self.guard.config.check_nan:
-            m["skipped iterations"] = self.guard.skipped
+            ours[tags.SKIPPED_ITERATIONS] = self.guard.skipped
         if self.guard.config.check_spiky_loss:
-            m["spiky losses"] = self.guard.spikes
+            ours[tags.SPIKY_LOSSES] = self.guard.spikes
+        if c.log_memory_to_tensorboard and has_cuda():
+            stats = torch.cuda.memory_stats()
+            ours.update({tags.MEM_RESERVED: stats["reserved_bytes.all.current"],
+                         tags.MEM_ALLOCATED: stats["allocated_bytes.all.current"],
+                         tags.MEM_MAX_ALLOCATED: stats["allocated_bytes.all.peak"],
+                         tags.MEM_ALLOCATED_COUNT: stats["allocation.all.current"]})
+        self.logger.scalars(ours, iteration)
+
+    def _log_progress(self, iteration: int, step: StepResult, params_norm: float | None, window: LogWindow,
+                      peak: float | None) -> None:
+        """Every --log-interval: the progress line (Megatron-LM's fields, then this program's, elapsed time and
+        ETA) and the interval's timing scalars. Collective with --timing-log-level >= 1."""
+        timers = self.timers.min_max(window.iterations)
+        if not self.logger.active:
+            return
+        c, lc = self.config, self.config.logging
+        per_iter = window.seconds / window.iterations
+        tflops = self.flops_per_iteration / per_iter / dist.get_world_size() / 1e12
+        device = "GPU" if has_cuda() else "process"
+        fields = [("", f"iteration {iteration:8d}/{c.training.train_iters:8d}"),
+                  ("consumed samples", f"{self.state.consumed_samples:12d}"),
+                  ("elapsed time per iteration (ms)", f"{per_iter * 1000:.1f}")]
+        if lc.log_throughput:
+            fields.append((f"throughput per {device} (TFLOP/s/{device})", f"{tflops:.3g}"))
+        fields += [("learning rate", f"{self.learning_rate():.6E}"),
+                   ("global batch size", f"{c.training.global_batch_size:5d}")]
+        if window.advanced and step.loss is not None:
+            fields.append(("lm loss", f"{window.loss_sum / window.advanced:.6E}"))
+        fields.append(("loss scale", f"{float(self.optimizer.get_loss_scale()):.1f}"))
+        if step.grad_norm is not None:
+            fields.append(("grad norm", f"{step.grad_norm:.3f}"))
+        if step.num_zeros is not None:
+            fields.append(("num zeros", str(step.num_zeros)))
+        if params_norm is not None:
+            fields.append(("params norm", f"{params_norm:.3f}"))
+        fields += [("number of skipped iterations", f"{window.skipped:3d}"),
+                   ("number of nan iterations", f"{window.nan:3d}"),
+                   ("tokens per second", f"{self.tokens_per_iteration / per_iter:.0f}")]
+        ours = {tags.TOKENS_PER_SECOND: self.tokens_per_iteration / per_iter}
         if peak is not None:
-            m["MFU"] = tflops_per_device / peak
+            ours[tags.MFU] = tflops / peak
+            fields.append(("MFU", f"{tflops / peak:.1%}"))
+        fields += [("fp4 flops fraction", f"{self.flop_fractions.fp4:.3f}"),
+                   ("fp8 flops fraction", f"{self.flop_fractions.fp8:.3f}"),
+                   ("estimated gemm time vs bf16", f"{self.time_ratio:.3f}")]
+        if self.guard.config.check_nan:
+            fields.append(("skipped iterations in the run", str(self.guard.skipped)))
+        if self.guard.config.check_spiky_loss:
+            fields.append(("spiky losses in the run", str(self.guard.spikes)))
         if has_cuda():
-            m["max memory allocated GiB"] = torch.cuda.max_memory_allocated() / 2**30
+            fields.append(("max memory allocated (GiB)", f"{torch.cuda.max_memory_allocated() / 2**30:.2f}"))
         else:
             import psutil
 
-            m["rss GiB"] = psutil.Process().memory_info().rss / 2**30
-        return m
+            rss = psutil.Process().memory_info().rss
+            fields.append(("rss (GiB)", f"{rss / 2**30:.2f}"))
+            if lc.log_memory_to_tensorboard:
+                ours[tags.RSS] = rss
+        recent = sum(self.step_seconds) / len(self.step_seconds)
+        fields += [("elapsed", hms(time.time() - self.start_time)),
+                   ("ETA", hms(recent * (c.training.train_iters - iteration)))]
+        self.logger.text(progress_line("train", fields))
+        if timers:
+            self.logger.text("[train] (min, max) time across ranks (ms):" + "".join(
+                f"\n    {(name + ' ').ljust(48, '.')}: ({low * 1000:.2f}, {high * 1000:.2f})"
+                for name, (low, high) in timers.items()))
+        megatron = {}
+        if lc.log_timers_to_tensorboard:
+            megatron[tags.ITERATION_TIME] = per_iter
+            if lc.log_throughput:
+                megatron[tags.THROUGHPUT] = tflops
+            megatron.update({tags.timer(name): high for name, (_, high) in timers.items()})
+        self.logger.scalars(megatron, iteration)
+        self.logger.scalars(ours, iteration)
 
     def _log_validation(self, iteration: int) -> None:
+        """Evaluate (all ranks) and log Megatron-LM's validation scalars."""
         c = self.config
         manual_gc = c.training.manual_gc and c.training.manual_gc_eval and c.logging.eval_iters > 0
         if manual_gc:
@@ -418,9 +553,19 @@ class Trainer:
         val = self.evaluate()
         if manual_gc:
             gc.collect(generation=0)  # what the evaluation left, as in Megatron-LM
-        if val is not None:
-            self.logger.log(iteration, {"lm loss": val, "ppl": math.exp(min(val, 50.0)),
-                                        "unigram entropy": self.datasets.unigram_entropy}, prefix="valid")
+        if val is None or not self.logger.active:
+            return
+        ppl = math.exp(min(20.0, val))  # Megatron-LM's clamp
+        line = (f"[valid] validation loss at iteration {iteration} | lm loss value: {val:.6E} | lm loss PPL: "
+                f"{ppl:.6E} | unigram entropy: {self.datasets.unigram_entropy:.4f} |")
+        self.logger.text("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
+        values = {tags.LM_LOSS_VALIDATION: val}
+        if c.logging.log_validation_ppl_to_tensorboard:
+            values[tags.LM_LOSS_VALIDATION_PPL] = ppl
+        self.logger.scalars(values, iteration, samples=self.state.consumed_samples)
+        self.logger.scalars({tags.UNIGRAM_ENTROPY: self.datasets.unigram_entropy}, iteration)
+
+
 
 
 def build_trainer(config: RunConfig) -> Trainer:
@@ -451,7 +596,8 @@ def pretrain(config: RunConfig, on_build: Callable[[Trainer], None] | None = Non
              f"(a model without context cannot beat this)")
     if c.checkpoint.load:
         trainer.resume()
-    log.panel("config", "    " + trainer.config_yaml.replace("\n", "\n    "), trainer.state.iteration)  # preformatted
+    preformatted = "    " + trainer.config_yaml.replace("\n", "\n    ")
+    log.panel(tags.CONFIG, preformatted, trainer.state.iteration)
     if c.model.transformer_impl == "transformer_engine":
         log.text(f"precision backend {describe_te_backend()}")
     else:

@@ -85,13 +85,13 @@ def instrument(trainer) -> None:
     here = dist.get_rank() == int(os.environ.get("FAULT_RANK", "0"))
 
     if os.environ.get("FLUSH_TENSORBOARD") and trainer.logger.writer is not None:
-        log, writer = trainer.logger.log, trainer.logger.writer
+        log, writer = trainer.logger.scalars, trainer.logger.writer
 
         def flushed_log(*args, **kwargs):
             log(*args, **kwargs)
             writer.flush()
 
-        trainer.logger.log = flushed_log
+        trainer.logger.scalars = flushed_log
 
     def saving() -> bool:  # the checkpoint being written is that of the current iteration
         return here and trainer.state.iteration == at

@@ -1,0 +1,156 @@
+"""Logging like Megatron-LM's (training/tags.py, training/logger.py): Megatron-LM's TensorBoard tags with
+the right values and flags, the same scalars on W&B (offline), and the progress line."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import run_config, scalars, torchrun, train_args
+
+from megatron_snip.arguments import ArgumentError
+from megatron_snip.training import tags
+from megatron_snip.training.logger import hms, open_wandb
+
+
+def tensorboard_tags(tensorboard_dir: Path) -> tuple[set[str], set[str]]:
+    """(scalar tags, text/tensor tags) of the event files in ``tensorboard_dir``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    scalar, tensor = set(), set()
+    for run in Path(tensorboard_dir).glob("**/events.out.tfevents.*"):
+        acc = EventAccumulator(str(run), size_guidance={"scalars": 0, "tensors": 0})
+        acc.Reload()
+        scalar |= set(acc.Tags()["scalars"])
+        tensor |= set(acc.Tags()["tensors"])
+    return scalar, tensor
+
+
+def wandb_records(wandb_dir: Path) -> list[dict]:
+    """The records of the one offline W&B run under ``wandb_dir``, read by wandb's own reader."""
+    (run_file,) = Path(wandb_dir).glob("wandb/offline-run-*/run-*.wandb")
+    out = subprocess.run([str(Path(sys.executable).parent / "wandb"), "leet", "inspect", str(run_file), "--json"],
+                         capture_output=True, text=True, check=True, timeout=120).stdout
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def test_logging_flags_have_megatrons_defaults():
+    log = run_config().logging
+    assert (log.log_interval, log.tensorboard_log_interval, log.tensorboard_queue_size) == (100, 1, 1000)
+    assert log.log_loss_scale_to_tensorboard and log.timing_log_level == 0
+    assert not (log.log_throughput or log.log_timers_to_tensorboard or log.log_memory_to_tensorboard
+                or log.log_validation_ppl_to_tensorboard or log.log_params_norm or log.log_num_zeros_in_grad
+                or log.log_world_size_to_tensorboard or log.wandb_project)
+    assert not run_config("--no-log-loss-scale-to-tensorboard").logging.log_loss_scale_to_tensorboard
+
+
+def test_wandb_needs_a_directory_and_the_package(monkeypatch, tmp_path):
+    with pytest.raises(ArgumentError, match=r"--wandb-project needs a directory .*--wandb-save-dir"):
+        run_config("--wandb-project", "p")
+    config = run_config("--wandb-project", "p", "--wandb-save-dir", str(tmp_path)).logging
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
+    with pytest.raises(SystemExit, match=r"--wandb-project needs the wandb package: pip install wandb"):
+        open_wandb(config, None, {})
+
+
+def test_hms():
+    assert [hms(s) for s in (0, 61.4, 3599.6, 30 * 3600 + 62)] == ["00:00:00", "00:01:01", "01:00:00", "30:01:02"]
+
+
+@pytest.mark.integration
+def test_megatron_tags_values_and_wandb(tiny_data, tmp_path):
+    """Every Megatron-LM switch on: Megatron-LM's tags with the console's, the scheduler's and exp(loss)'s
+    values, this program's beside them, the config panel, and the same scalars in an offline W&B run."""
+    tb = tmp_path / "tb"
+    proc = torchrun(1, train_args(
+        tiny_data, "--tensorboard-dir", str(tb), "--eval-interval", "2", "--log-throughput",
+        "--log-timers-to-tensorboard", "--timing-log-level", "1", "--log-memory-to-tensorboard",
+        "--log-validation-ppl-to-tensorboard", "--log-params-norm", "--log-num-zeros-in-grad",
+        "--log-world-size-to-tensorboard", "--wandb-project", "snip-test", "--wandb-exp-name", "tiny",
+        "--wandb-save-dir", str(tmp_path / "wb"), iters=4), env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    steps = [1, 2, 3, 4]
+    scalar_tags, text_tags = tensorboard_tags(tb)
+    megatron = {tags.LM_LOSS, tags.LEARNING_RATE, tags.BATCH_SIZE, tags.LOSS_SCALE, tags.WORLD_SIZE, tags.GRAD_NORM,
+                tags.NUM_ZEROS, tags.PARAMS_NORM}
+    timing = {tags.ITERATION_TIME, tags.THROUGHPUT, tags.timer("forward-backward"), tags.timer("optimizer")}
+    validation = {tags.LM_LOSS_VALIDATION, tags.LM_LOSS_VALIDATION_PPL}
+    ours = {tags.FP4_FRACTION, tags.FP8_FRACTION, tags.GEMM_TIME, tags.SKIPPED_ITERATIONS, tags.TOKENS_PER_SECOND,
+            tags.RSS, tags.UNIGRAM_ENTROPY}
+    want = megatron | timing | validation | ours | {tags.vs_samples(t) for t in megatron | validation}
+    assert want <= scalar_tags, sorted(want - scalar_tags)
+    assert not {t for t in scalar_tags if t.startswith("mem-")}  # Megatron-LM's memory tags are CUDA's
+    assert f"{tags.CONFIG}/text_summary" in text_tags
+    for tag in megatron | timing | ours - {tags.UNIGRAM_ENTROPY}:
+        assert sorted(scalars(tb, tag)) == steps, tag
+
+    # The console's progress line: Megatron-LM's fields, then ours, elapsed and ETA.
+    lines = re.findall(r"^\[train\] iteration +(\d+)/ +4 \| consumed samples: +(\d+) \| (.*)$", proc.stdout, re.M)
+    assert [(int(i), int(s)) for i, s, _ in lines] == [(k, 8 * k) for k in steps]
+    fields = [dict(f.split(": ", 1) for f in rest.rstrip(" |").split(" | ")) for *_, rest in lines]
+    assert list(fields[0])[:4] == ["elapsed time per iteration (ms)", "throughput per process (TFLOP/s/process)",
+                                   "learning rate", "global batch size"]
+    assert {"lm loss", "loss scale", "grad norm", "num zeros", "params norm", "number of skipped iterations",
+            "tokens per second", "fp4 flops fraction", "elapsed", "ETA"} <= set(fields[0])
+    assert re.fullmatch(r"\d\d:\d\d:\d\d", fields[-1]["ETA"]) and fields[-1]["ETA"] == "00:00:00"
+    assert "forward-backward ....." in proc.stdout  # --timing-log-level 1's (min, max) lines
+
+    loss = scalars(tb, tags.LM_LOSS)
+    assert loss == pytest.approx({k: float(f["lm loss"]) for k, f in zip(steps, fields)}, rel=2e-6)
+    assert scalars(tb, tags.vs_samples(tags.LM_LOSS)) == {8 * k: loss[k] for k in steps}
+    # The scheduler's learning rate after each step: 1 warm-up step to 1e-2, then cosine to 0 at step 4.
+    lr = {1: 1e-2, 2: 1e-2 * 0.75, 3: 1e-2 * 0.25, 4: 0.0}
+    assert scalars(tb, tags.LEARNING_RATE) == pytest.approx(lr, rel=1e-6, abs=1e-12)
+    assert {k: float(f["learning rate"]) for k, f in zip(steps, fields)} == pytest.approx(lr, rel=1e-6, abs=1e-12)
+    assert set(scalars(tb, tags.BATCH_SIZE).values()) == {8} and set(scalars(tb, tags.WORLD_SIZE).values()) == {1}
+    assert set(scalars(tb, tags.LOSS_SCALE).values()) == {1.0}
+    grad_norm, params_norm = scalars(tb, tags.GRAD_NORM), scalars(tb, tags.PARAMS_NORM)
+    assert all(0 < v < math.inf for v in grad_norm.values()) and all(v > 0 for v in params_norm.values())
+    assert params_norm == pytest.approx({k: float(f["params norm"]) for k, f in zip(steps, fields)}, abs=1e-3)
+    assert all(v >= 0 for v in scalars(tb, tags.NUM_ZEROS).values())
+    assert all(v > 0 for t in timing for v in scalars(tb, t).values())
+    valid = scalars(tb, tags.LM_LOSS_VALIDATION)
+    assert sorted(valid) == [2, 4]
+    assert scalars(tb, tags.LM_LOSS_VALIDATION_PPL) == pytest.approx({k: math.exp(v) for k, v in valid.items()},
+                                                                     rel=1e-5)
+    assert scalars(tb, tags.vs_samples(tags.LM_LOSS_VALIDATION)) == {16: valid[2], 32: valid[4]}
+    assert f"validation loss at iteration 4 | lm loss value: {valid[4]:.6E}" in proc.stdout
+
+    # W&B: the same scalars at the same iterations (TensorBoard keeps float32), the run's flags as its config.
+    records = wandb_records(tmp_path / "wb")
+    (run,) = [r["run"] for r in records if r["type"] == "run"]
+    assert run["display_name"] == "tiny" and run["project"] == "snip-test"
+    assert run["config"]["update"]["lr"] == 0.01 and run["config"]["update"]["train_iters"] == 4
+    history = {r["history"]["step"]["num"]: r["history"]["item"] for r in records if r["type"] == "history"}
+    assert sorted(history) == steps
+    for tag in (tags.LM_LOSS, tags.LEARNING_RATE, tags.GRAD_NORM, tags.PARAMS_NORM, tags.FP4_FRACTION,
+                tags.ITERATION_TIME):
+        assert {k: np.float32(h[tag]) for k, h in history.items()} == scalars(tb, tag), tag
+    assert {k: h[tags.SAMPLES_VS_STEPS] for k, h in history.items()} == {k: 8 * k for k in steps}
+    assert {k: np.float32(h[tags.LM_LOSS_VALIDATION]) for k, h in history.items()
+            if tags.LM_LOSS_VALIDATION in h} == valid
+
+
+@pytest.mark.integration
+def test_tensorboard_log_interval_and_default_switches(tiny_data, tmp_path):
+    """--tensorboard-log-interval 2 writes the per-iteration scalars every second iteration; without the
+    --log-* switches only Megatron-LM's default tags are written (and --no-log-loss-scale-to-tensorboard
+    drops loss-scale)."""
+    tb = tmp_path / "tb"
+    proc = torchrun(1, train_args(tiny_data, "--tensorboard-dir", str(tb), "--tensorboard-log-interval", "2",
+                                  "--log-interval", "3", "--no-log-loss-scale-to-tensorboard", iters=4))
+    scalar_tags, _ = tensorboard_tags(tb)
+    for tag in (tags.LM_LOSS, tags.LEARNING_RATE, tags.BATCH_SIZE, tags.GRAD_NORM):
+        assert sorted(scalars(tb, tag)) == [2, 4] and sorted(scalars(tb, tags.vs_samples(tag))) == [16, 32], tag
+    assert sorted(scalars(tb, tags.FP4_FRACTION)) == [2, 4]
+    assert sorted(scalars(tb, tags.TOKENS_PER_SECOND)) == [3]  # every --log-interval
+    absent = {tags.LOSS_SCALE, tags.WORLD_SIZE, tags.NUM_ZEROS, tags.PARAMS_NORM, tags.ITERATION_TIME,
+              tags.THROUGHPUT, tags.LM_LOSS_VALIDATION_PPL, tags.RSS}
+    assert not absent & scalar_tags, sorted(absent & scalar_tags)
+    assert sorted(scalars(tb, tags.LM_LOSS_VALIDATION)) == [4]
+    assert re.findall(r"^\[train\] iteration +(\d+)/", proc.stdout, re.M) == ["3"]
