@@ -144,9 +144,15 @@ def resume_from(src: Path, iteration: int, dst: Path) -> Path:
 
 def scalars(tensorboard_dir: str | Path, tag: str) -> dict[int, float]:
     """step -> value of one TensorBoard scalar tag (as the user's TensorBoard would show it)."""
-    from megatron_snip.research.comparison import tensorboard_scalars
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    return tensorboard_scalars(Path(tensorboard_dir), tag)
+    values: dict[int, float] = {}
+    for run in sorted(Path(tensorboard_dir).glob("**/events.out.tfevents.*")):
+        acc = EventAccumulator(str(run), size_guidance={"scalars": 0})
+        acc.Reload()
+        if tag in acc.Tags()["scalars"]:
+            values.update({e.step: e.value for e in acc.Scalars(tag)})
+    return values
 
 
 @pytest.fixture(scope="session")

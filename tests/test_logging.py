@@ -17,6 +17,7 @@ from conftest import run_config, scalars, torchrun, train_args
 from megatron_snip.arguments import ArgumentError
 from megatron_snip.training import tags
 from megatron_snip.training.logger import hms, open_wandb
+from megatron_snip.training.metrics_record import MetricsRecord, read_metrics
 
 
 def tensorboard_tags(tensorboard_dir: Path) -> tuple[set[str], set[str]]:
@@ -59,6 +60,23 @@ def test_wandb_needs_a_directory_and_the_package(monkeypatch, tmp_path):
         open_wandb(config, None, {})
 
 
+def test_metrics_record_keeps_the_last_value_and_survives_a_cut_line(tmp_path):
+    """A resumed run logs the iterations after its checkpoint again: the last value counts; a line cut short
+    by a crash is skipped; non-finite values come back as NaN; a newer record is refused."""
+    record = MetricsRecord(str(tmp_path))
+    record.write(1, {"lm loss": 5.0, "grad-norm": math.inf})
+    record.write(2, {"lm loss": 4.5})
+    record.write(2, {"lm loss": 4.25})  # the resumed run's iteration 2
+    record.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"version": 1, "iteration": 3, "scal')
+    metrics = read_metrics(tmp_path)
+    assert metrics["lm loss"] == {1: 5.0, 2: 4.25} and math.isnan(metrics["grad-norm"][1])
+    (tmp_path / "metrics.jsonl").write_text('{"version": 2, "iteration": 1, "scalars": {}}\n')
+    with pytest.raises(ValueError, match="metrics record version 2 is newer"):
+        read_metrics(tmp_path / "metrics.jsonl")
+
+
 def test_hms():
     assert [hms(s) for s in (0, 61.4, 3599.6, 30 * 3600 + 62)] == ["00:00:00", "00:01:01", "01:00:00", "30:01:02"]
 
@@ -73,7 +91,8 @@ def test_megatron_tags_values_and_wandb(tiny_data, tmp_path):
         "--log-timers-to-tensorboard", "--timing-log-level", "1", "--log-memory-to-tensorboard",
         "--log-validation-ppl-to-tensorboard", "--log-params-norm", "--log-num-zeros-in-grad",
         "--log-world-size-to-tensorboard", "--wandb-project", "snip-test", "--wandb-exp-name", "tiny",
-        "--wandb-save-dir", str(tmp_path / "wb"), iters=4), env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+        "--wandb-save-dir", str(tmp_path / "wb"), "--save", str(tmp_path / "ckpt"), iters=4),
+        env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
     steps = [1, 2, 3, 4]
     scalar_tags, text_tags = tensorboard_tags(tb)
     megatron = {tags.LM_LOSS, tags.LEARNING_RATE, tags.BATCH_SIZE, tags.LOSS_SCALE, tags.WORLD_SIZE, tags.GRAD_NORM,
@@ -134,6 +153,11 @@ def test_megatron_tags_values_and_wandb(tiny_data, tmp_path):
     assert {k: h[tags.SAMPLES_VS_STEPS] for k, h in history.items()} == {k: 8 * k for k in steps}
     assert {k: np.float32(h[tags.LM_LOSS_VALIDATION]) for k, h in history.items()
             if tags.LM_LOSS_VALIDATION in h} == valid
+
+    # The run's own record (SAVE/metrics.jsonl): every TensorBoard scalar, at the same iterations.
+    record = read_metrics(tmp_path / "ckpt")
+    for tag in scalar_tags - {tags.vs_samples(t) for t in scalar_tags}:
+        assert {k: np.float32(v) for k, v in record[tag].items()} == scalars(tb, tag), tag
 
 
 @pytest.mark.integration

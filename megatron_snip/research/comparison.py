@@ -60,6 +60,7 @@ from megatron_snip.snip.ilp import InfeasibleBudgetError, evaluate_plan
 from megatron_snip.snip.planner import to_precision_plan
 from megatron_snip.snip.statistics_file import Budget, StatisticsFile
 from megatron_snip.training import tags
+from megatron_snip.training.metrics_record import read_metrics
 
 REFERENCE = "bf16"
 # The noise floor: BF16 again from the same trunk on another order of the training documents (reorder.py);
@@ -389,8 +390,7 @@ class Comparison:
         self.log(f"seed {b.seed}: {b.name}{' (resuming)' if resumed else ''}")
         start = time.monotonic()
         self._train(where, self.branch_args(b), log=where / "log.txt", slot=slot)
-        result = read_result(self.out / "tensorboard" / f"seed{b.seed}" / b.name, c.train_iters,
-                             c.train_iters - c.branch_window)
+        result = read_result(where / "ckpt", c.train_iters, c.train_iters - c.branch_window)
         write_text_atomic(str(where / "result.json"), json.dumps(asdict(result)))
         self.log(f"seed {b.seed}: {b.name} finished in {(time.monotonic() - start) / 60:.1f} min: validation loss "
                  f"{result.final_valid_loss:.4f}")
@@ -531,32 +531,20 @@ def _budget_flags(budget: Budget) -> list[str]:
     return ["--snip-time-target", str(budget.time_target), "--snip-fp4-target", "0"]
 
 
-def read_result(tensorboard_dir: Path, train_iters: int, window_start: int) -> BranchResult:
-    """A finished branch's numbers from its TensorBoard scalars (as the user's TensorBoard shows them)."""
-    valid = tensorboard_scalars(tensorboard_dir, tags.LM_LOSS_VALIDATION)
-    train = tensorboard_scalars(tensorboard_dir, tags.LM_LOSS)
+def read_result(save_dir: Path, train_iters: int, window_start: int) -> BranchResult:
+    """A finished branch's numbers from its own record of its scalars (``SAVE/metrics.jsonl``: the values
+    its TensorBoard shows)."""
+    metrics = read_metrics(save_dir)
+    valid, train = metrics.get(tags.LM_LOSS_VALIDATION, {}), metrics.get(tags.LM_LOSS, {})
     if train_iters not in valid:
-        raise RuntimeError(f"{tensorboard_dir}: no validation loss at iteration {train_iters} (eval-iters 0?)")
+        raise RuntimeError(f"{save_dir}: no validation loss at iteration {train_iters} (eval-iters 0?)")
     last = [v for it, v in train.items() if it > window_start]
-    fp4 = tensorboard_scalars(tensorboard_dir, tags.FP4_FRACTION)
-    gemm_time = tensorboard_scalars(tensorboard_dir, tags.GEMM_TIME)
+    fp4, gemm_time = metrics.get(tags.FP4_FRACTION, {}), metrics.get(tags.GEMM_TIME, {})
     return BranchResult(final_valid_loss=valid[train_iters],
                         mean_train_loss=sum(last) / len(last) if last else math.nan,
                         fp4_fraction=fp4[max(fp4)] if fp4 else math.nan,
                         time_ratio=gemm_time[max(gemm_time)] if gemm_time else math.nan,
                         valid_curve=valid, train_curve=train)
-
-
-def tensorboard_scalars(tensorboard_dir: Path, tag: str) -> dict[int, float]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    values: dict[int, float] = {}
-    for run in sorted(Path(tensorboard_dir).glob("**/events.out.tfevents.*")):
-        acc = EventAccumulator(str(run), size_guidance={"scalars": 0})
-        acc.Reload()
-        if tag in acc.Tags()["scalars"]:
-            values.update({e.step: e.value for e in acc.Scalars(tag)})
-    return values
 
 
 def _settings(config: ComparisonConfig) -> dict:

@@ -16,6 +16,7 @@ from megatron.core import parallel_state
 from megatron_snip.compat.device import has_cuda
 from megatron_snip.training import tags
 from megatron_snip.training.config import LoggingConfig
+from megatron_snip.training.metrics_record import MetricsRecord
 
 # Dense BF16 peak TFLOP/s per GPU, for MFU. Matched against the device name.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0,
@@ -50,16 +51,20 @@ def setup_console() -> None:
 
 class MetricsLogger:
     """The logging rank's sinks: the console, TensorBoard (``--tensorboard-dir``) and W&B
-    (``--wandb-project``), as Megatron-LM writes them (tag names: ``training/tags.py``). Every
-    method does nothing on the other ranks."""
+    (``--wandb-project``), as Megatron-LM writes them (tag names: ``training/tags.py``), and the run's
+    own record of its scalars (``SAVE/metrics.jsonl`` with ``--save``: training/metrics_record.py).
+    Every method does nothing on the other ranks."""
 
     def __init__(self, config: LoggingConfig, save_dir: str | None = None, run_config: dict | None = None):
         """``save_dir``: --save (W&B's default directory); ``run_config``: the resolved flags, W&B's config."""
         self.active = is_logging_rank()
         self.writer = None
         self.wandb = None
+        self.record = None
         if not self.active:
             return
+        if save_dir:
+            self.record = MetricsRecord(save_dir)
         if config.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -77,6 +82,8 @@ class MetricsLogger:
                     self.writer.add_scalar(tags.vs_samples(tag), value, samples)
         if self.wandb is not None and values:
             self.wandb.log(dict(values), step=step)
+        if self.record is not None and values:
+            self.record.write(step, values)
 
     def wandb_scalars(self, values: dict[str, float], step: int) -> None:
         """W&B only (Megatron-LM's ``samples vs steps``)."""
@@ -102,6 +109,8 @@ class MetricsLogger:
             self.writer.close()
         if self.wandb is not None:
             self.wandb.finish()
+        if self.record is not None:
+            self.record.close()
 
 
 def open_wandb(config: LoggingConfig, save_dir: str | None, run_config: dict):
