@@ -1,6 +1,6 @@
-"""The checkpoint's record (its replicated, non-tensor state): typed, versioned, and old checkpoints
-still load (tests/data/checkpoint_v0: a 1-layer model trained 2 iterations on --mock-data and saved by
-megatron-snip before the record had a version)."""
+"""The checkpoint's record (its replicated, non-tensor state): typed, versioned, and old checkpoints and SNIP
+statistics files still load (tests/data/checkpoint_v0: a 1-layer model trained 2 iterations on --mock-data
+and saved by megatron-snip before the record had a version; tests/data/snip_iter_schema1.json)."""
 
 from __future__ import annotations
 
@@ -62,3 +62,15 @@ def test_training_resumes_from_a_checkpoint_saved_before_the_record(tmp_path):
     assert "resumed from" in out.stdout and "at iteration 2" in out.stdout
     record = read_record(str(ckpt))
     assert (record.version, record.iteration, record.consumed_samples) == (CHECKPOINT_RECORD_VERSION, 3, 6)
+
+
+def test_a_statistics_file_of_schema_version_1_still_plans():
+    """tests/data/snip_iter_schema1.json: the quickstart's first SNIP cycle (TP2 x PP2, 4 layers, statistics
+    version 2), as written on 2026-11-25; later programs must keep reading it."""
+    from megatron_snip.snip.ilp import solve
+    from megatron_snip.snip.statistics_file import Budget, StatisticsFile
+
+    stats = StatisticsFile.load(ROOT / "tests" / "data" / "snip_iter_schema1.json")
+    assert len(stats.stats.modules) == 16 and stats.run["pipeline_stages"] == 2
+    solution = solve(stats.problem(Budget(0.75), solver="highs"), "highs")
+    assert solution.fp4_fraction >= 0.75 - 1e-9
