@@ -422,7 +422,7 @@ def test_the_oracle_arm_trains_its_plan_and_needs_the_ablations(tmp_path, capsys
     assert {m for m, f in plans["ablate-layer1-linear_qkv"].items() if f == "nvfp4"} == {QKV1}
 
     # The command line: the arm and the kind are accepted, the missing ablations named (no run starts).
-    from megatron_snip.cli.pretrain import compare_precision
+    from megatron_snip.cli import compare_precision
 
     base = ["--out", str(tmp_path / "cli"), "--trunk-iters", "4", "--train-iters", "8",
             "--policies", "oracle", "random"]

@@ -31,7 +31,7 @@ LOGIT_TOL = 1e-4
 # main() (megatron_snip/cli/convert_hf_llama.py) per argument list, stopping at the first failure.
 _CONVERT_MANY = """
 import json, sys
-from megatron_snip.cli.pretrain import convert_hf_llama as tool
+from megatron_snip.cli import convert_hf_llama as tool
 for argv in json.loads(sys.argv[1]):
     rc = tool.main(argv + ["--no-progress"])
     if rc:

@@ -106,7 +106,7 @@ def test_each_cycle_says_what_it_decided_module_by_module(snip_run, tmp_path):
         assert (r["faster"] is None) == (r["precision"] == "nvfp4")  # nvfp4 is the fastest candidate
     text = (snip / "snip_iter_0000006.decisions.txt").read_text()
     assert all(name in text for name in module_names(4))
-    from megatron_snip.cli.pretrain import snip_report
+    from megatron_snip.cli import snip_report
 
     assert snip_report.main([str(snip), "--out", str(tmp_path)]) == 0
     assert (tmp_path / "plans.png").stat().st_size > 0 and (tmp_path / "divergences_iter_0000006.png").exists()
