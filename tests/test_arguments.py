@@ -206,6 +206,7 @@ def test_fp4_format_turns_fp4_on_as_megatron_does(tiny_data):
 def test_fp8_delayed_scaling_defaults_are_megatrons_and_a_checkpoint_keeps_its_own():
     from megatron_snip.arguments import parse_args, validation
     from megatron_snip.arguments.architecture import resolve_architecture
+    from megatron_snip.training.checkpoint_record import CheckpointRecord
 
     def recipe(argv, resumed):
         args = parse_args(["--model-preset", "tiny", "--train-iters", "1", *argv])
@@ -214,7 +215,7 @@ def test_fp8_delayed_scaling_defaults_are_megatrons_and_a_checkpoint_keeps_its_o
         return args.fp8_amax_history_len, args.fp8_amax_compute_algo, args.precision_notes
 
     assert recipe([], None) == (1, "most_recent", [])
-    old = {"args": {"fp8_amax_history_len": 1024, "fp8_amax_compute_algo": "max"}}  # saved under the old defaults
+    old = CheckpointRecord(1, {"fp8_amax_history_len": 1024, "fp8_amax_compute_algo": "max"})  # old defaults
     assert recipe([], old) == (1024, "max", [])
     assert recipe(["--fp8-amax-history-len", "16"], old) == (
         16, "max", ["--fp8-amax-history-len 16 replaces the checkpoint's 1024"])
