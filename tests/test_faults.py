@@ -190,7 +190,7 @@ def test_a_save_that_fails_part_way_keeps_the_previous_checkpoint(tiny_data, tmp
         assert e.startswith(f"pretrain_llama.py: error: cannot save checkpoint {ckpt / 'iter_0000004'} (")
         assert "the newest complete checkpoint is still" in e
     assert tracker(ckpt) == 2 and sorted(p.name for p in ckpt.iterdir()) == [
-        "iter_0000002", "latest_checkpointed_iteration.txt"]  # the partial one was removed
+        "iter_0000002", "latest_checkpointed_iteration.txt", "metrics.jsonl"]  # the partial one was removed
     torchrun(1, train_args(tiny_data, "--load", str(ckpt), "--skip-train", "--tensorboard-dir",
                            str(tmp_path / "tb"), iters=4))
     assert list(scalars(tmp_path / "tb", tags.LM_LOSS_VALIDATION)) == [2]

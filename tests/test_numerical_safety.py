@@ -100,7 +100,8 @@ def test_a_checkpoint_never_holds_nonfinite_weights(tiny_data, tmp_path):
     # (gradient clipping by a NaN norm spreads the NaN to every weight)
     assert f"refusing to save {ckpt / 'iter_0000004'}: non-finite values in rank 0 (tp 0, pp 0, dp 0): " in proc.stderr
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
-    assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000002", "latest_checkpointed_iteration.txt",
+                                                      "metrics.jsonl"]
 
 
 def test_spike_is_relative_to_the_median_of_recent_losses():
