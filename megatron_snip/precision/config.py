@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from megatron_snip.flags import derived, flag, flag_values
 from megatron_snip.numerics.registry import FP4_NAMES, PRECISION_NAMES
 
-if TYPE_CHECKING:  # precision.recipes imports torch; --help does not
+if TYPE_CHECKING:  # numerics.recipes imports torch; --help does not
     from megatron_snip.numerics.recipes import RecipeConfig
 
 # --gemm-speed-model: whose GEMM throughputs the estimated time uses (gemm_speed.py).
