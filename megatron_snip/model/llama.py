@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 
+import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
@@ -139,7 +140,7 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, config: Transforme
     # A loaded checkpoint fixes the padded vocabulary (checkpoint_shape) so it loads at any TP.
     rows = model.padded_vocab_size or padded_vocab_size(vocab_size, model.make_vocab_size_divisible_by,
                                                         parallel.tensor_model_parallel_size)
-    return [GPTModel(
+    chunks = [GPTModel(
         config=config,
         transformer_layer_spec=spec if model.transformer_impl == "transformer_engine"
         else block_spec(spec, config, vp_stage),
@@ -156,6 +157,12 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, config: Transforme
         rope_scaling_factor=model.rope_scaling_factor,
         vp_stage=vp_stage,
     ) for vp_stage in stages]
+    if has_cuda():
+        # As megatron.training's get_model: megatron-core creates its linear weights on the GPU, but the
+        # torch norms (TorchNorm) start on the CPU, and the optimizer wants every parameter on the GPU.
+        for chunk in chunks:
+            chunk.cuda(torch.cuda.current_device())
+    return chunks
 
 
 def _linear_weights_per_layer(model: ModelConfig) -> int:

@@ -34,7 +34,8 @@ from megatron_snip.numerics.formats import E2M1, E4M3, FloatFormat
 from megatron_snip.numerics.nvfp4 import nvfp4_global_scale
 from megatron_snip.numerics.registry import FP8_BLOCK
 
-_FP32_MAX = 3.4028234663852886e38
+# A global a @triton.jit function reads must be a constexpr (Triton 3.6 refuses a plain float).
+_FP32_MAX = tl.constexpr(3.4028234663852886e38)
 _KIND_TENSOR, _KIND_FP8_BLOCK, _KIND_MX, _KIND_NVFP4 = 0, 1, 2, 3
 _MX_RULES = {"ceil": 0, "ocp": 1}
 
