@@ -120,7 +120,10 @@ def test_strided_bf16_input_is_read_without_a_copy():
     x = operand(64, 96, specials=False).to(torch.bfloat16).t()
     assert not x.is_contiguous()
     expected = quantize_nvfp4(x.float(), block=(1, 16)).dequantized
-    assert_same_bits(triton_qdq.qdq_nvfp4(x, block=(1, 16), global_amax=tensor_amax(x).float()), expected)
+    actual = triton_qdq.qdq_nvfp4(x, block=(1, 16), global_amax=tensor_amax(x).float())
+    assert_same_bits(actual, expected)
+    # and laid out as the reference's result, so the GEMM after it sums in the same order on a GPU
+    assert actual.stride() == expected.stride() == x.stride()
 
 
 def test_non_2d_input_is_refused():

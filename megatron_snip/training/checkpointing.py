@@ -41,7 +41,7 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_snip.compat.device import has_cuda
+from megatron_snip.compat.device import current_device, has_cuda
 from megatron_snip.fileio import write_text_atomic
 from megatron_snip.training import save_helper
 from megatron_snip.training.checkpoint_record import CheckpointRecord
@@ -302,7 +302,7 @@ def save_model_checkpoint(root: str, record: CheckpointRecord, model_state: dict
     path = iteration_dir(root, record.iteration)
     bad = [sh.key for sh in nested_values(model_state) if isinstance(sh, ShardedTensor)
            and not bool(torch.isfinite(sh.data).all())]
-    flag = torch.tensor([float(bool(bad))])
+    flag = torch.tensor([float(bool(bad))], device=current_device())  # NCCL reduces GPU tensors only
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank raises, none waits in the save
     if flag.item():
         raise CheckpointError(f"refusing to save {path}: non-finite values in "
@@ -398,7 +398,7 @@ def check_finite(model, optimizer, path: str) -> None:
     if not bad and optimizer is not None and any(not bool(torch.isfinite(t.detach()).all())
                                                  for t in _optimizer_tensors(optimizer)):
         bad = ["optimizer state"]
-    flag = torch.tensor([float(bool(bad))])
+    flag = torch.tensor([float(bool(bad))], device=current_device())  # NCCL reduces GPU tensors only
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if flag.item():
         raise CheckpointError(f"refusing to save {path}: non-finite values in {gather_culprits(bad)}; the previous "

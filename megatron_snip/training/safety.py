@@ -38,6 +38,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from megatron_snip.compat.device import current_device
 from megatron_snip.training.config import SafetyConfig
 
 
@@ -167,7 +168,8 @@ class NumericalGuard:
         grad_bad = cfg.check_nan and not _local_grads_finite(chunks)
         loss_bad = cfg.check_nan and loss is not None and not math.isfinite(loss)
         known = loss is not None and math.isfinite(loss)
-        flags = torch.tensor([float(grad_bad), float(loss_bad), loss if known else -math.inf], dtype=torch.float64)
+        flags = torch.tensor([float(grad_bad), float(loss_bad), loss if known else -math.inf], dtype=torch.float64,
+                             device=current_device())
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         grad_bad, loss_bad = bool(flags[0]), bool(flags[1])
         world_loss = float(flags[2]) if math.isfinite(flags[2]) else None
