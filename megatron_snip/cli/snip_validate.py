@@ -38,6 +38,7 @@ def main() -> int:
 
     from megatron_snip.arguments import ArgumentError
     from megatron_snip.cli.pretrain import trainer_from_command_line
+    from megatron_snip.numerics.registry import precision_format
     from megatron_snip.research.ground_truth import backward_ground_truth, forward_ground_truth, rank_correlations
     from megatron_snip.snip.estimators import divergences, local_error_baselines
     from megatron_snip.snip.probes import ProbeConfig, gather_across_pipeline, run_probe_cycle
@@ -57,7 +58,7 @@ def main() -> int:
         trainer.resume()
     if trainer.state.iteration < config.training.train_iters:  # a fresh model: train it first
         trainer.train()
-    formats = [f for f in config.snip.snip_formats if f != "bf16"]
+    formats = [f for f in config.snip.snip_formats if precision_format(f).quantized]
     n_mb = config.training.num_microbatches
     seq_length, micro_batch_size = config.model.seq_length, config.training.micro_batch_size
     data = trainer.batches("train", trainer.state.consumed_samples)

@@ -26,29 +26,19 @@ from __future__ import annotations
 import torch
 
 from megatron_snip.numerics.blocks import tensor_amax
-from megatron_snip.numerics.formats import E4M3, E5M2
+from megatron_snip.numerics.formats import ELEMENTS
 from megatron_snip.numerics.fp8 import fp8_scale_from_amax
 from megatron_snip.numerics.quantize import quantize_dequantize
 from megatron_snip.numerics.recipes import OperandQuantizer
-from megatron_snip.numerics.registry import SCHEMES
+from megatron_snip.numerics.registry import NAMED_SCHEMES, resolve_named
 
-# fake_quantize's names: the registry's schemes, with the per-tensor FP8 one named by its element.
-_SCHEME_OF = {"bf16": "bf16", "fp8_e4m3": "fp8_tensorwise", "fp8_e5m2": "fp8_tensorwise", "fp8_block": "fp8_block",
-              "mxfp8": "mxfp8", "mxfp4": "mxfp4", "nvfp4": "nvfp4"}
-_ELEMENT = {"fp8_e4m3": E4M3, "fp8_e5m2": E5M2}
-FORMATS = tuple(_SCHEME_OF)
+FORMATS = NAMED_SCHEMES  # the registry's schemes, per-tensor FP8 named by its element
 ROLES = ("activation", "weight", "grad")
-
-
-def _check_format(fmt: str) -> str:
-    if fmt not in _SCHEME_OF:
-        raise ValueError(f"unknown format {fmt!r}; valid formats: {', '.join(FORMATS)}")
-    return fmt
 
 
 def element_bits(fmt: str) -> int:
     """Bits per element of ``fmt`` (16, 8 or 4), excluding scale overhead."""
-    return SCHEMES[_SCHEME_OF[_check_format(fmt)]].bits
+    return resolve_named(fmt)[0].bits
 
 
 def fake_quantize(
@@ -73,16 +63,13 @@ def fake_quantize(
     Raises:
         ValueError: unknown ``fmt`` or ``role``.
     """
-    _check_format(fmt)
+    spec, element = resolve_named(fmt)
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}; valid roles: {', '.join(ROLES)}")
     if x.numel() == 0:
         return x.clone()
-    spec = SCHEMES[_SCHEME_OF[fmt]]
-    q = OperandQuantizer(spec.name, element=_ELEMENT.get(fmt),
+    q = OperandQuantizer(spec.name, element=ELEMENTS[element] if element else None,
                          block=spec.weight_block if role == "weight" else spec.block,
                          stochastic=stochastic and spec.stochastic_rounding)
-    scale = None
-    if fmt in _ELEMENT:
-        scale = fp8_scale_from_amax(tensor_amax(x.float()), q.element)
+    scale = fp8_scale_from_amax(tensor_amax(x.float()), q.element) if spec.per_tensor else None
     return quantize_dequantize(x, q, scale=scale, generator=generator).to(x.dtype)

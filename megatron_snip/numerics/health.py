@@ -37,9 +37,8 @@ import math
 import torch
 
 from megatron_snip.numerics.blocks import to_blocks
-from megatron_snip.numerics.formats import E2M1, E4M3, FloatFormat
+from megatron_snip.numerics.formats import ELEMENTS, FloatFormat
 from megatron_snip.numerics.recipes import OperandQuantizer
-from megatron_snip.numerics.registry import scheme_format
 
 # The operands of a linear module's three GEMMs, in the order of tables and logs.
 OPERANDS = ("fprop.x", "fprop.w", "dgrad.dy", "dgrad.w", "wgrad.dy", "wgrad.x")
@@ -53,11 +52,12 @@ AMAX = FIELDS.index("amax")
 
 
 def element_format(q: OperandQuantizer) -> FloatFormat:
-    """The element format of a (non-bf16) quantizer: FP8 per-tensor schemes carry it, block FP8 is
-    E4M3, 4-bit schemes are E2M1."""
+    """The element format of a (non-bf16) quantizer: FP8 per-tensor schemes carry it (either of
+    two); every other scheme stores one (block FP8 and MXFP8: E4M3, 4-bit schemes: E2M1)."""
     if q.element is not None:
         return q.element
-    return E2M1 if scheme_format(q.scheme).bits == 4 else E4M3
+    (element,) = q.spec.elements
+    return ELEMENTS[element]
 
 
 def clip_tolerance(fmt: FloatFormat, stochastic: bool) -> float:

@@ -243,9 +243,9 @@ def _quantize_src(src: torch.Tensor, q: OperandQuantizer, operand: str, quant: L
     """The quantized ``src`` (already transposed for a columnwise quantizer)."""
     kernels = _triton_qdq(quant.recipe, src)
     scale = generator = None
-    if q.scheme in ("fp8_tensorwise", "fp8_delayed"):
+    if q.spec.per_tensor:
         amax = tensor_amax(src, quant.global_amax(src, operand)).float()
-        if q.scheme == "fp8_tensorwise":
+        if not q.spec.amax_history:
             scale = fp8_scale_from_amax(amax, q.element)
         else:
             scaler = quant.state.delayed_scaler(operand, q.element, quant.recipe)
@@ -256,7 +256,7 @@ def _quantize_src(src: torch.Tensor, q: OperandQuantizer, operand: str, quant: L
             return FP8Operand(elements.to(q.element.torch_dtype), torch.reciprocal(scale))
     if q.stochastic:
         generator = quant.state.generator(src.device)
-    global_amax = quant.global_amax(src, operand) if q.scheme == "nvfp4" else None  # per-tensor part of nvfp4
+    global_amax = quant.global_amax(src, operand) if q.spec.global_scale else None  # nvfp4's per-tensor part
     return quantize_dequantize(src, q, scale=scale, global_amax=global_amax, generator=generator, kernels=kernels)
 
 
@@ -302,7 +302,7 @@ def _matmul(a: Operand, b: Operand) -> torch.Tensor:
 
 def _keep(quantized: Operand, q: OperandQuantizer) -> bool:
     """Whether the backward keeps fprop's quantized copy of an operand (see _QuantizedLinearFn)."""
-    return isinstance(quantized, FP8Operand) or q.scheme == "fp8_delayed"
+    return isinstance(quantized, FP8Operand) or q.spec.amax_history
 
 
 def _save(ctx, *operands: Operand) -> None:

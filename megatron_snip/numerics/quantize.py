@@ -39,7 +39,7 @@ def quantize_dequantize(x: torch.Tensor, q: OperandQuantizer, *, scale: torch.Te
     sr = dict(stochastic=q.stochastic, generator=generator if q.stochastic else None)
     if scheme == "bf16":
         return x.float().to(torch.bfloat16).float()
-    if scheme in ("fp8_tensorwise", "fp8_delayed"):
+    if q.spec.per_tensor:
         if scale is None:
             raise ValueError(f"{scheme} needs the per-tensor scale")
         if kernels is not None:

@@ -23,9 +23,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_snip.numerics.formats import E4M3, E5M2, FloatFormat
-from megatron_snip.numerics.registry import FP4_NAMES, PRECISION_NAMES, SCHEMES, precision_format, scheme_format
+from megatron_snip.numerics.registry import (
+    FP4_NAMES,
+    FP8_RECIPE_SCHEMES,
+    PRECISION_NAMES,
+    SCHEMES,
+    SchemeFormat,
+    precision_format,
+    precision_scheme,
+    scheme_format,
+)
 
-FP8_RECIPES = ("tensorwise", "delayed", "blockwise", "mxfp8")
+FP8_RECIPES = tuple(FP8_RECIPE_SCHEMES)
 FP8_FORMATS = ("hybrid", "e4m3")
 KERNELS = ("auto", "triton", "torch")
 FP8_GEMMS = ("auto", "scaled_mm", "emulated")
@@ -81,7 +90,7 @@ class Precision:
     @property
     def is_bf16(self) -> bool:
         """True when no GEMM is quantized below bf16 (the module runs megatron-core's own path)."""
-        return self.fwd == "bf16" and self.bwd == "bf16"
+        return not (precision_format(self.fwd).quantized or precision_format(self.bwd).quantized)
 
 
 BF16 = Precision.uniform("bf16")
@@ -168,7 +177,7 @@ class OperandQuantizer:
     hadamard: bool = False
 
     def __post_init__(self):
-        scheme_format(self.scheme)
+        scheme_format(self.scheme)  # a known scheme, or ValueError
         if self.block is None or self.block[0] == self.block[1]:
             object.__setattr__(self, "columnwise", False)
 
@@ -176,6 +185,11 @@ class OperandQuantizer:
     def reduction_block(self) -> int:
         """Elements per scaling block along the reduction dim (1 for per-tensor and bf16)."""
         return 1 if self.block is None else self.block[1]
+
+    @property
+    def spec(self) -> SchemeFormat:
+        """The registry's description of this quantizer's scheme."""
+        return SCHEMES[self.scheme]
 
 
 def _check_operand(gemm: str, operand: str) -> None:
@@ -193,20 +207,19 @@ def operand_quantizer(name: str, gemm: str, operand: str, recipe: RecipeConfig =
     columnwise = gemm == "wgrad" or (gemm == "dgrad" and operand == "w")
     grad = operand == "dy"
     weight = operand == "w"
-    if name == "bf16":
-        return OperandQuantizer("bf16")
-    if name == "fp8" and recipe.fp8_recipe in ("tensorwise", "delayed"):
+    spec = precision_scheme(name, recipe.fp8_recipe)
+    if not precision_format(name).quantized:
+        return OperandQuantizer(spec.name)
+    if spec.per_tensor:  # --fp8-format hybrid: E5M2 gradients
         element = E5M2 if grad and recipe.fp8_format == "hybrid" else E4M3
-        return OperandQuantizer(f"fp8_{recipe.fp8_recipe}", element=element)
-    scheme = {"fp8": "fp8_block" if recipe.fp8_recipe == "blockwise" else "mxfp8"}.get(name, name)
-    spec = SCHEMES[scheme]
-    tile = weight and (scheme != "nvfp4" or recipe.nvfp4_2d_weights)
+        return OperandQuantizer(spec.name, element=element)
+    tile = weight and (not spec.weight_tiles_optional or recipe.nvfp4_2d_weights)
     return OperandQuantizer(
-        scheme,
+        spec.name,
         block=spec.weight_block if tile else spec.block,
         columnwise=columnwise,
         stochastic=grad and spec.stochastic_rounding and recipe.fp4_stochastic_rounding,
-        hadamard=scheme == "nvfp4" and gemm == "wgrad" and recipe.nvfp4_random_hadamard,
+        hadamard=spec.wgrad_hadamard and gemm == "wgrad" and recipe.nvfp4_random_hadamard,
     )
 
 

@@ -10,7 +10,9 @@ Two levels, each a frozen description read by every part that dispatches on a na
   (``recipes.operand_quantizer``) picks one per (precision, GEMM, operand); the quantizers
   (``quantize.py``), the fused kernels and the GEMM speed model (``gemm_speed.py``) are keyed by it.
 
-Element formats themselves (E4M3, E2M1, ...) are :class:`formats.FloatFormat`.
+Element formats themselves (E4M3, E2M1, ...) are :class:`formats.FloatFormat`, named here by
+their ``name`` ("e4m3", "e5m2", "e2m1"). Code that must treat formats differently asks these
+records (``is_fp4``, ``quantized``, ``per_tensor``, ``global_scale``, ...), not the names.
 """
 
 from __future__ import annotations
@@ -40,6 +42,12 @@ class PrecisionFormat:
     bits: int
     summary: str
     colour: tuple[int, int, int]
+    scheme: str | None  # the scheme every operand uses; None for fp8, whose scheme --fp8-recipe picks
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the precision quantizes its GEMMs' operands below bf16."""
+        return self.family != "bf16"
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,16 @@ class SchemeFormat:
             reduction dim last; None: one scale per tensor (or none, for bf16).
         weight_block: the block of weights (2-D tiles where the format has them).
         scale: what a scale is, for docs.
+        elements: the element formats it can store (``FloatFormat.name``); per-tensor FP8 takes
+            either, chosen per operand by ``--fp8-format``.
+        per_tensor: one fp32 scale per tensor (FP8 current or delayed scaling), so the operand
+            can travel as FP8 bytes to ``torch._scaled_mm``.
+        amax_history: the scale comes from earlier steps' amaxes (delayed scaling).
+        global_scale: a second-level fp32 scale from the whole tensor's amax (NVFP4), so a
+            tensor-parallel shard needs the amax over every shard.
+        weight_tiles_optional: its 2-D weight tiles are a recipe switch (``--nvfp4-2d-weights``)
+            rather than always on.
+        wgrad_hadamard: its wgrad operands may take the random Hadamard transform (NVFP4).
         stochastic_rounding: the scheme can round its elements stochastically (E2M1 gradients).
     """
 
@@ -61,30 +79,56 @@ class SchemeFormat:
     block: tuple[int, int] | None
     weight_block: tuple[int, int] | None
     scale: str
+    elements: tuple[str, ...] = ()
+    per_tensor: bool = False
+    amax_history: bool = False
+    global_scale: bool = False
+    weight_tiles_optional: bool = False
+    wgrad_hadamard: bool = False
     stochastic_rounding: bool = False
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the scheme quantizes below bf16."""
+        return self.bits < 16
 
 
 PRECISIONS: dict[str, PrecisionFormat] = {p.name: p for p in (
-    PrecisionFormat("bf16", "bf16", 16, "bf16, unscaled (megatron-core's own GEMM)", (68, 119, 170)),
-    PrecisionFormat("fp8", "fp8", 8, "E4M3 forward / E5M2 gradients, scaled per --fp8-recipe", (102, 204, 238)),
+    PrecisionFormat("bf16", "bf16", 16, "bf16, unscaled (megatron-core's own GEMM)", (68, 119, 170), "bf16"),
+    PrecisionFormat("fp8", "fp8", 8, "E4M3 forward / E5M2 gradients, scaled per --fp8-recipe", (102, 204, 238),
+                    None),
     PrecisionFormat("nvfp4", "fp4", 4, "E2M1, E4M3 scale per 16 elements (16x16 weight tiles) + fp32 per tensor",
-                    (238, 102, 119)),
-    PrecisionFormat("mxfp4", "fp4", 4, "E2M1, E8M0 scale per 32 elements", (204, 187, 68)),
+                    (238, 102, 119), "nvfp4"),
+    PrecisionFormat("mxfp4", "fp4", 4, "E2M1, E8M0 scale per 32 elements", (204, 187, 68), "mxfp4"),
 )}
 PRECISION_NAMES = tuple(PRECISIONS)
 FP4_NAMES = tuple(n for n, p in PRECISIONS.items() if p.family == "fp4")
 
 SCHEMES: dict[str, SchemeFormat] = {s.name: s for s in (
     SchemeFormat("bf16", 16, None, None, "none"),
-    SchemeFormat("fp8_tensorwise", 8, None, None, "fp32 per tensor from its amax (current scaling)"),
-    SchemeFormat("fp8_delayed", 8, None, None, "fp32 per tensor from an amax history (delayed scaling)"),
-    SchemeFormat("fp8_block", 8, (1, FP8_BLOCK), (FP8_BLOCK, FP8_BLOCK), "fp32 power of 2 per block"),
-    SchemeFormat("mxfp8", 8, (1, MX_BLOCK), (1, MX_BLOCK), "E8M0 per block"),
-    SchemeFormat("mxfp4", 4, (1, MX_BLOCK), (1, MX_BLOCK), "E8M0 per block", stochastic_rounding=True),
+    SchemeFormat("fp8_tensorwise", 8, None, None, "fp32 per tensor from its amax (current scaling)",
+                 ("e4m3", "e5m2"), per_tensor=True),
+    SchemeFormat("fp8_delayed", 8, None, None, "fp32 per tensor from an amax history (delayed scaling)",
+                 ("e4m3", "e5m2"), per_tensor=True, amax_history=True),
+    SchemeFormat("fp8_block", 8, (1, FP8_BLOCK), (FP8_BLOCK, FP8_BLOCK), "fp32 power of 2 per block", ("e4m3",)),
+    SchemeFormat("mxfp8", 8, (1, MX_BLOCK), (1, MX_BLOCK), "E8M0 per block", ("e4m3",)),
+    SchemeFormat("mxfp4", 4, (1, MX_BLOCK), (1, MX_BLOCK), "E8M0 per block", ("e2m1",), stochastic_rounding=True),
     SchemeFormat("nvfp4", 4, (1, NVFP4_BLOCK), (NVFP4_BLOCK, NVFP4_BLOCK), "E4M3 per block x fp32 per tensor",
+                 ("e2m1",), global_scale=True, weight_tiles_optional=True, wgrad_hadamard=True,
                  stochastic_rounding=True),
 )}
 SCHEME_NAMES = tuple(SCHEMES)
+
+# --fp8-recipe -> the scheme of the fp8 precision's operands (TE's recipes; Megatron-LM's values).
+FP8_RECIPE_SCHEMES = {"tensorwise": "fp8_tensorwise", "delayed": "fp8_delayed", "blockwise": "fp8_block",
+                      "mxfp8": "mxfp8"}
+
+# fake_quantize names per-tensor FP8 by its element ("fp8_e4m3"), as no recipe is there to pick
+# one: name -> (scheme, element). Every other scheme is its own name there, but delayed scaling,
+# as a lone tensor has no amax history.
+ELEMENT_NAMED = {f"fp8_{e}": ("fp8_tensorwise", e) for e in SCHEMES["fp8_tensorwise"].elements}
+NAMED_SCHEMES = tuple(n for s in SCHEMES.values() if not s.amax_history
+                      for n in ([f"fp8_{e}" for e in s.elements] if s.per_tensor else [s.name]))
 
 
 def precision_format(name: str) -> PrecisionFormat:
@@ -110,3 +154,20 @@ def family(name: str) -> str:
 def is_fp4(name: str) -> bool:
     """Whether precision ``name`` runs in a 4-bit format (counts toward the FP4 budget)."""
     return family(name) == "fp4"
+
+
+def precision_scheme(name: str, fp8_recipe: str) -> SchemeFormat:
+    """The scheme of precision ``name``'s operands under ``--fp8-recipe`` ``fp8_recipe``."""
+    scheme = precision_format(name).scheme or FP8_RECIPE_SCHEMES[fp8_recipe]
+    return SCHEMES[scheme]
+
+
+def resolve_named(name: str) -> tuple[SchemeFormat, str | None]:
+    """A scheme named as ``fake_quantize`` names it: (the scheme, the element name for per-tensor
+    FP8, else None); ValueError listing the valid names."""
+    if name in ELEMENT_NAMED:
+        scheme, element = ELEMENT_NAMED[name]
+        return SCHEMES[scheme], element
+    if name in SCHEMES and not SCHEMES[name].per_tensor:
+        return SCHEMES[name], None
+    raise ValueError(f"unknown format {name!r}; valid formats: {', '.join(NAMED_SCHEMES)}")

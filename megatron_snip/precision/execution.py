@@ -12,13 +12,45 @@ it is tested on CPU for every device.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from megatron_snip.numerics.recipes import RecipeConfig
+from megatron_snip.numerics.registry import SchemeFormat, precision_format, precision_scheme
 
 # Compute capabilities of the tensor cores each real kernel needs.
 FP8_TENSOR_CORES = (8, 9)  # Ada / Hopper: per-tensor FP8 (torch._scaled_mm, TE)
 HOPPER = (9, 0)  # TE's Float8BlockScaling
 BLACKWELL = (10, 0)  # block-scaled MXFP8 / NVFP4 / MXFP4 tensor cores
+ARCHITECTURES = {FP8_TENSOR_CORES: "Ada", HOPPER: "Hopper", BLACKWELL: "Blackwell"}
+
+
+
+@dataclass(frozen=True)
+class TERecipe:
+    """A megatron-core per-module Transformer Engine recipe (``TEQuantizationRecipe``).
+
+    Attributes:
+        kind: "fp8" or "fp4": the recipe field that names it (``fp8_quantization_recipe`` /
+            ``fp4_quantization_recipe``).
+        name: the value there (megatron-core's ``Fp8Recipe`` / ``Fp4Recipe``).
+        te_class: Transformer Engine's recipe class, for docs and the configs' comments.
+        needs: the compute capability its kernels need.
+    """
+
+    kind: str
+    name: str
+    te_class: str
+    needs: tuple[int, int]
+
+
+# The TE recipe that runs each scheme per module. A scheme not here has none: delayed scaling
+# (megatron-core refuses it per module) and MXFP4 (TE has no recipe for it).
+TE_RECIPES = {
+    "fp8_tensorwise": TERecipe("fp8", "tensorwise", "Float8CurrentScaling", FP8_TENSOR_CORES),
+    "fp8_block": TERecipe("fp8", "blockwise", "Float8BlockScaling", HOPPER),
+    "mxfp8": TERecipe("fp8", "mxfp8", "MXFP8BlockScaling", BLACKWELL),
+    "nvfp4": TERecipe("fp4", "nvfp4", "NVFP4BlockScaling", BLACKWELL),
+}
 
 SIMULATED = "simulated (operands quantized and dequantized, GEMM in fp32/bf16: no faster than bf16)"
 
@@ -38,29 +70,27 @@ def gemm_execution(formats: Iterable[str], recipe: RecipeConfig, backend: str,
 
 
 def _execution(fmt: str, recipe: RecipeConfig, backend: str, capability: tuple[int, int] | None) -> str:
-    if fmt == "bf16":
+    if not precision_format(fmt).quantized:
         return "real: bf16 GEMM" if capability is not None else "real: fp32/bf16 GEMM on the CPU"
     if capability is None:
         return SIMULATED
+    scheme = precision_scheme(fmt, recipe.fp8_recipe)
     if backend == "transformer_engine":
-        return _te_execution(fmt, recipe, capability)
-    per_tensor = fmt == "fp8" and recipe.fp8_recipe in ("tensorwise", "delayed")
+        return _te_execution(fmt, scheme, recipe, capability)
     scaled_mm = recipe.fp8_gemm == "scaled_mm" or (recipe.fp8_gemm == "auto" and capability >= FP8_TENSOR_CORES)
-    if per_tensor and scaled_mm:
+    if scheme.per_tensor and scaled_mm:
         return "real: torch._scaled_mm FP8 tensor cores"
     return SIMULATED
 
 
-def _te_execution(fmt: str, recipe: RecipeConfig, capability: tuple[int, int]) -> str:
-    needs = {"nvfp4": BLACKWELL, "mxfp4": None}
-    if fmt == "fp8":
-        needs["fp8"] = {"mxfp8": BLACKWELL, "blockwise": HOPPER}.get(recipe.fp8_recipe, FP8_TENSOR_CORES)
-    need = needs.get(fmt)
-    if need is None:
+def _te_execution(fmt: str, scheme: SchemeFormat, recipe: RecipeConfig, capability: tuple[int, int]) -> str:
+    te = TE_RECIPES.get(scheme.name)
+    if te is None:
         return "not run by Transformer Engine"
-    if capability < need:
-        return f"not run by Transformer Engine on this GPU (needs compute capability {need[0]}.{need[1]})"
-    return f"real: Transformer Engine {fmt if fmt != 'fp8' else f'fp8 ({recipe.fp8_recipe})'} tensor cores"
+    if capability < te.needs:
+        return f"not run by Transformer Engine on this GPU (needs compute capability {te.needs[0]}.{te.needs[1]})"
+    label = f"{fmt} ({recipe.fp8_recipe})" if precision_format(fmt).scheme is None else fmt  # fp8: its recipe
+    return f"real: Transformer Engine {label} tensor cores"
 
 
 def describe_execution(execution: dict[str, str]) -> str:

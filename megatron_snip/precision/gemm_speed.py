@@ -35,7 +35,7 @@ import torch
 
 from megatron_snip.compat.device import has_cuda
 from megatron_snip.numerics.recipes import PRECISION_NAMES, Precision, RecipeConfig, operand_quantizer
-from megatron_snip.numerics.registry import SCHEME_NAMES
+from megatron_snip.numerics.registry import SCHEME_NAMES, SCHEMES, precision_format
 from megatron_snip.precision.config import SPEED_MODELS
 
 
@@ -73,7 +73,7 @@ class GemmSpeedModel:
         return {n: self.precision_speed(n, recipe) for n in names}
 
     def describe(self) -> str:
-        table = ", ".join(f"{s} {v:.3g}" for s, v in self.throughput.items() if s != "bf16")
+        table = ", ".join(f"{s} {v:.3g}" for s, v in self.throughput.items() if SCHEMES[s].quantized)
         return f"{self.name} ({self.source}): GEMM throughput vs bf16: {table}"
 
 
@@ -162,7 +162,7 @@ def measure_gemm_speed(shapes: Iterable[tuple[int, int, int]], recipe: RecipeCon
     def run(name: str):
         def once():
             for x, w, dy in tensors:
-                if name == "bf16":
+                if not precision_format(name).quantized:
                     y = torch.nn.functional.linear(x, w)
                 else:
                     y = quantized_linear(x, w, Precision.uniform(name), recipe, state)

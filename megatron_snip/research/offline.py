@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
+from megatron_snip.numerics.registry import precision_format
 from megatron_snip.research import policies
 from megatron_snip.snip.estimators import cost_tables, local_error_baselines, operand_error_baselines
 from megatron_snip.snip.ilp import InfeasibleBudgetError, Plan, SnipProblem, solve
@@ -20,7 +21,7 @@ PolicyMaker = Callable[[SnipProblem, ProbeStatistics, int, str], Plan]
 
 def with_reference(table: dict, formats: Sequence[str]) -> dict:
     """A module -> format table with bf16, the reference, at zero error."""
-    return {n: {f: (0.0 if f == "bf16" else per[f]) for f in formats} for n, per in table.items()}
+    return {n: {f: (per[f] if precision_format(f).quantized else 0.0) for f in formats} for n, per in table.items()}
 
 
 def _min_error(relative: bool, operands: bool = False) -> PolicyMaker:

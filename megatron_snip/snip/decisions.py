@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from megatron_snip.numerics.registry import PRECISION_NAMES
+from megatron_snip.numerics.registry import PRECISION_NAMES, precision_format
 from megatron_snip.precision.plan import PrecisionPlan, parse_module_name
 from megatron_snip.snip.estimators import CostTables
 
@@ -37,8 +37,7 @@ def _speed_order(formats: Sequence[str], speed: Mapping[str, float] | None) -> d
     """format -> a rank that grows with GEMM speed (the speed model's, else bits: bf16 < fp8 < fp4)."""
     if speed is not None:
         return {f: speed[f] for f in formats}
-    bits = {"bf16": 16, "fp8": 8}
-    return {f: 1.0 / bits.get(f, 4) for f in formats}
+    return {f: 1.0 / precision_format(f).bits for f in formats}
 
 
 def decisions(plan: PrecisionPlan, costs: CostTables, formats: Sequence[str], *,

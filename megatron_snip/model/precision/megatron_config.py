@@ -38,14 +38,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_snip.numerics.recipes import BF16, Precision, RecipeConfig
+from megatron_snip.numerics.registry import PRECISIONS, precision_format, precision_scheme
+from megatron_snip.precision.execution import TE_RECIPES
 from megatron_snip.precision.plan import LINEAR_MODULES, PlanError, PrecisionPlan, module_name, parse_module_name
 
 LAYOUT_KEY = "megatron_snip_layout"
 CONFIG_TYPE = "TEQuantizationParams"  # megatron-core's TransformerEngineConfigType
 # megatron-core's per-module FP8 recipes (TEQuantizationRecipe; "delayed" is refused there).
-TE_FP8_RECIPES = ("tensorwise", "blockwise", "mxfp8")
-TE_FP8_CLASSES = {"tensorwise": "Float8CurrentScaling", "blockwise": "Float8BlockScaling",
-                  "mxfp8": "MXFP8BlockScaling"}
+TE_FP8_RECIPES = tuple(te.name for te in TE_RECIPES.values() if te.kind == "fp8")
+TE_FP8_CLASSES = {te.name: te.te_class for te in TE_RECIPES.values() if te.kind == "fp8"}
+# fp4_quantization_recipe -> the precision it runs (a precision whose own scheme has a TE recipe).
+TE_FP4_PRECISIONS = {TE_RECIPES[p.scheme].name: p.name for p in PRECISIONS.values()
+                     if p.scheme in TE_RECIPES and TE_RECIPES[p.scheme].kind == "fp4"}
 
 
 @dataclass(frozen=True)
@@ -86,18 +90,19 @@ def te_config(precision: Precision, recipe: RecipeConfig) -> dict:
         raise ValueError(f"{precision} gives the forward and backward GEMMs different precisions; a Transformer "
                          "Engine recipe covers all three GEMMs of a module")
     name = precision.fwd
-    if name == "bf16":
+    te = TE_RECIPES.get(precision_scheme(name, recipe.fp8_recipe).name)
+    if not precision_format(name).quantized:
         training = {}
-    elif name == "fp8":
-        if recipe.fp8_recipe not in TE_FP8_RECIPES:
-            raise ValueError(f"fp8 with --fp8-recipe {recipe.fp8_recipe}: megatron-core's per-module configs run "
-                             f"{', '.join(TE_FP8_RECIPES)} only")
-        training = {"fp8_quantization_recipe": recipe.fp8_recipe, "fp8_format": recipe.fp8_format,
-                    "override_nonquantized_autocast": True}
-    elif name == "nvfp4":
-        training = {"fp4_quantization_recipe": "nvfp4", "override_nonquantized_autocast": True}
-    else:
+    elif te is None and precision_format(name).scheme is None:  # fp8 under a recipe TE runs only globally
+        raise ValueError(f"{name} with --fp8-recipe {recipe.fp8_recipe}: megatron-core's per-module configs run "
+                         f"{', '.join(TE_FP8_RECIPES)} only")
+    elif te is None:
         raise ValueError(f"{name}: Transformer Engine has no {name} recipe")
+    elif te.kind == "fp8":
+        training = {"fp8_quantization_recipe": te.name, "fp8_format": recipe.fp8_format,
+                    "override_nonquantized_autocast": True}
+    else:
+        training = {"fp4_quantization_recipe": te.name, "override_nonquantized_autocast": True}
     return {"transformer_engine_config_type": CONFIG_TYPE, "training_recipe": training}
 
 
@@ -338,9 +343,10 @@ def _precision(te, recipe: RecipeConfig, where: str) -> Precision:
     if fp8 is None and fp4 is None:
         return BF16
     if fp4 is not None:
-        if fp4 != "nvfp4":
-            raise PlanError(f"{where}: fp4_quantization_recipe {fp4!r} is not one this program runs (nvfp4)")
-        return Precision.uniform("nvfp4")
+        if fp4 not in TE_FP4_PRECISIONS:
+            raise PlanError(f"{where}: fp4_quantization_recipe {fp4!r} is not one this program runs "
+                            f"({', '.join(TE_FP4_PRECISIONS)})")
+        return Precision.uniform(TE_FP4_PRECISIONS[fp4])
     if fp8 not in TE_FP8_RECIPES:
         raise PlanError(f"{where}: fp8_quantization_recipe {fp8!r} is not one this program runs per module "
                         f"({', '.join(TE_FP8_RECIPES)})")

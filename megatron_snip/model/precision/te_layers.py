@@ -36,6 +36,8 @@ from packaging.version import Version as PkgVersion
 from megatron_snip.model.precision.layers import PlanLinear
 from megatron_snip.numerics.linear import QuantState
 from megatron_snip.numerics.recipes import BF16, Precision, RecipeConfig
+from megatron_snip.numerics.registry import precision_format, precision_scheme
+from megatron_snip.precision.execution import ARCHITECTURES, TE_RECIPES
 
 NVFP4_MIN_TE = "2.8.0"  # first Transformer Engine release with NVFP4BlockScaling
 
@@ -51,27 +53,26 @@ def te_quant_params(precision: Precision, recipe: RecipeConfig):
                          "a module (a TE recipe covers forward and backward); use the torch backend "
                          "(--transformer-impl local) for split precisions")
     name = precision.fwd
-    if name == "bf16":
+    if not precision_format(name).quantized:
         return None
-    if name == "mxfp4":
-        raise ValueError("precision mxfp4: Transformer Engine has no MXFP4 recipe; use nvfp4 "
+    scheme = precision_scheme(name, recipe.fp8_recipe)
+    te = TE_RECIPES.get(scheme.name)
+    if te is None and scheme.amax_history:
+        raise ValueError(f"{name} with --fp8-recipe {recipe.fp8_recipe}: megatron-core's per-module TE recipes do "
+                         "not support delayed scaling; use --fp8-recipe tensorwise, blockwise or mxfp8")
+    if te is None:
+        raise ValueError(f"precision {name}: Transformer Engine has no {name.upper()} recipe; use nvfp4 "
                          "(--fp4-recipe nvfp4) or the torch backend (--transformer-impl local)")
-    if name == "fp8" and recipe.fp8_recipe == "delayed":
-        raise ValueError("fp8 with --fp8-recipe delayed: megatron-core's per-module TE recipes do not "
-                         "support delayed scaling; use --fp8-recipe tensorwise, blockwise or mxfp8")
-    if name == "nvfp4":
-        _require_te_version(NVFP4_MIN_TE, "nvfp4")
+    if te.kind == "fp4":  # NVFP4BlockScaling, TE's one FP4 recipe
+        _require_te_version(NVFP4_MIN_TE, te.name)
         _check_te_nvfp4_switches(recipe)
     te_recipe = TEQuantizationRecipe(
-        fp8_quantization_recipe=Fp8Recipe(recipe.fp8_recipe) if name == "fp8" else None,
-        fp4_quantization_recipe=Fp4Recipe.nvfp4 if name == "nvfp4" else None,
+        fp8_quantization_recipe=Fp8Recipe(te.name) if te.kind == "fp8" else None,
+        fp4_quantization_recipe=Fp4Recipe(te.name) if te.kind == "fp4" else None,
         fp8_format=recipe.fp8_format,
         override_nonquantized_autocast=True,  # no global autocast is open: this module opens its own
     )
     return TEQuantizationParams(training_recipe=te_recipe, evaluation_recipe=None)
-
-
-NVFP4_MIN_CAPABILITY = (10, 0)  # TE's NVFP4 GEMMs run on Blackwell tensor cores only
 
 
 def te_runnable(formats: tuple[str, ...] | list[str], recipe: RecipeConfig,
@@ -86,10 +87,10 @@ def te_runnable(formats: tuple[str, ...] | list[str], recipe: RecipeConfig,
         except ValueError as e:
             dropped[fmt] = str(e)
             continue
-        if fmt == "nvfp4" and capability is not None and capability < NVFP4_MIN_CAPABILITY:
-            dropped[fmt] = (f"Transformer Engine's NVFP4 needs compute capability "
-                            f"{'.'.join(map(str, NVFP4_MIN_CAPABILITY))} (Blackwell); this GPU has "
-                            f"{'.'.join(map(str, capability))}")
+        te = TE_RECIPES.get(precision_scheme(fmt, recipe.fp8_recipe).name)  # None: bf16, which needs nothing
+        if te is not None and capability is not None and capability < te.needs:
+            dropped[fmt] = (f"Transformer Engine's {fmt} needs compute capability {'.'.join(map(str, te.needs))} "
+                            f"({ARCHITECTURES[te.needs]}); this GPU has {'.'.join(map(str, capability))}")
             continue
         kept.append(fmt)
     return kept, dropped
