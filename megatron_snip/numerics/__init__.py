@@ -7,7 +7,7 @@ See docs/numerics.md for the formats and the choices made where they leave freed
 are imported on first use (PEP 562), so naming a format (``registry``) needs no torch.
 """
 
-from importlib import import_module
+from megatron_snip.compat.lazy import lazy_getattr
 
 # name -> the submodule that defines it
 _EXPORTS = {
@@ -59,8 +59,4 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

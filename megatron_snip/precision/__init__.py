@@ -6,7 +6,7 @@ layers that apply a plan to megatron-core's model are ``megatron_snip.model.prec
 The names below are imported on first use (PEP 562).
 """
 
-from importlib import import_module
+from megatron_snip.compat.lazy import lazy_getattr
 
 # name -> the submodule that defines it
 _EXPORTS = {
@@ -24,8 +24,4 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
+__getattr__ = lazy_getattr(__name__, _EXPORTS)
