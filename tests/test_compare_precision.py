@@ -232,7 +232,7 @@ def test_ablation_plans_put_exactly_one_group_in_fp4():
 
 
 def test_spearman_by_hand():
-    from megatron_snip.research.ablation import spearman
+    from megatron_snip.research.ranks import spearman
 
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)

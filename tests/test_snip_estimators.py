@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from megatron_snip.research.ground_truth import rank_correlations, rank_with_ties, spearman
+from megatron_snip.research.ranks import rank_correlations, rank_with_ties, spearman
 from megatron_snip.snip.estimators import (
     AdamHyper,
     adam_sensitivity,

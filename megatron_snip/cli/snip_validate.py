@@ -39,7 +39,8 @@ def main() -> int:
     from megatron_snip.arguments import ArgumentError
     from megatron_snip.cli.pretrain import trainer_from_command_line
     from megatron_snip.numerics.registry import precision_format
-    from megatron_snip.research.ground_truth import backward_ground_truth, forward_ground_truth, rank_correlations
+    from megatron_snip.research.ground_truth import backward_ground_truth, forward_ground_truth
+    from megatron_snip.research.ranks import rank_correlations
     from megatron_snip.snip.estimators import divergences, local_error_baselines
     from megatron_snip.snip.probes import ProbeConfig, gather_across_pipeline, run_probe_cycle
 

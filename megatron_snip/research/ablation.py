@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import numpy as np
-
 from megatron_snip.research.policies import baseline_formats
 from megatron_snip.snip.ilp import Plan, SnipProblem, evaluate_plan
 from megatron_snip.snip.statistics import ProbeStatistics
@@ -73,25 +71,3 @@ def predictions(problem: SnipProblem, stats: ProbeStatistics, plan: Plan) -> dic
             "snip_update_term": under(cost_tables(stats, 0.0, 1.0, formats=problem.formats).joint),
             "relative_error": under(with_reference(local_error_baselines(stats)[1], problem.formats)),
             "fp4_fraction": ev.fp4_fraction}
-
-
-def spearman(x: list[float], y: list[float]) -> float:
-    """Spearman rank correlation (average ranks for ties; nan below three pairs)."""
-    if len(x) != len(y):
-        raise ValueError("spearman: x and y differ in length")
-    if len(x) < 3:
-        return float("nan")
-
-    def ranks(v):
-        v = np.asarray(v, dtype=float)
-        order = v.argsort(kind="stable")
-        r = np.empty(len(v))
-        r[order] = np.arange(len(v), dtype=float)
-        for value in np.unique(v):  # ties share their mean rank
-            r[v == value] = r[v == value].mean()
-        return r
-
-    rx, ry = ranks(x), ranks(y)
-    if rx.std() == 0 or ry.std() == 0:
-        return float("nan")
-    return float(np.corrcoef(rx, ry)[0, 1])

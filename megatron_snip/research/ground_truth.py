@@ -16,15 +16,11 @@ Every rank of the job calls these together (they drive megatron's schedule, so
 they work under any TP/PP/DP layout) and every rank gets the full result.
 Nothing is left behind: precisions, quantization states, RNG states and
 parameters are as before; gradient buffers are zeroed.
-
-Plus the comparison tools: :func:`spearman` (ranks with ties averaged; no
-scipy needed) and :func:`rank_correlations`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -277,48 +273,3 @@ def backward_ground_truth(
                             s.update(s.flat(s.param.main_grad).float() / scale) - ref[s]))
                         sums[name][fmt] += drift / update_sq
     return {name: {f: v / (len(runners) * len(seeds)) for f, v in row.items()} for name, row in sums.items()}
-
-
-# -- rank correlation ------------------------------------------------------------------------------
-
-def rank_with_ties(values: Sequence[float]) -> list[float]:
-    """1-based ranks; tied values share the mean of the ranks they span."""
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    ranks = [0.0] * len(values)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            ranks[order[k]] = (i + j) / 2 + 1
-        i = j + 1
-    return ranks
-
-
-def spearman(x: Sequence[float], y: Sequence[float]) -> float:
-    """Spearman's rank correlation: Pearson's correlation of the tie-averaged ranks
-    (NaN when either side is constant or there are fewer than 2 values)."""
-    if len(x) != len(y):
-        raise ValueError(f"spearman: {len(x)} vs {len(y)} values")
-    if len(x) < 2:
-        return math.nan
-    rx, ry = rank_with_ties(x), rank_with_ties(y)
-    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    vx = sum((a - mx) ** 2 for a in rx)
-    vy = sum((b - my) ** 2 for b in ry)
-    return cov / math.sqrt(vx * vy) if vx > 0 and vy > 0 else math.nan
-
-
-def rank_correlations(estimate: Mapping[str, Mapping[str, float]], truth: Mapping[str, Mapping[str, float]]
-                      ) -> dict[str, float]:
-    """Spearman correlation of an estimate with the ground truth over the (module, format) pairs
-    both hold: ``"all"`` pairs, and per format (across modules: the ranking the ILP needs most,
-    as formats alone separate by orders of magnitude)."""
-    pairs = [(m, f) for m in truth for f in truth[m] if f in estimate.get(m, {})]
-    out = {"all": spearman([estimate[m][f] for m, f in pairs], [truth[m][f] for m, f in pairs])}
-    for fmt in dict.fromkeys(f for _, f in pairs):
-        sub = [(m, f) for m, f in pairs if f == fmt]
-        out[fmt] = spearman([estimate[m][f] for m, f in sub], [truth[m][f] for m, f in sub])
-    return out

@@ -19,9 +19,10 @@ from pathlib import Path
 
 from megatron_snip.fileio import write_text_atomic
 
-from .ablation import ESTIMATORS, NONE_ARM, spearman
+from .ablation import ESTIMATORS, NONE_ARM
 from .comparison import NOISE, REFERENCE, Branch, BranchResult, ComparisonConfig, branches
 from .oracle import ORACLE
+from .ranks import spearman
 
 # The arm every other arm at a budget is set against: SNIP's, re-planned or its first plan kept.
 FOCUS = ("snip", "snip-fixed", "snip-loss-term")
