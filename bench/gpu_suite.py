@@ -21,8 +21,9 @@ cap, not the report), all inside ``--budget`` seconds (one 10-minute device call
 8. snip_cycle: ``bench/snip_cycle.py``, a SNIP cycle's cost in iterations and as a share of 1000.
 
 ``report.md`` and ``report.json`` under ``--out`` are rewritten after every step, with
-each step's log under ``logs/``. Without CUDA the suite prints what it would run and
-exits 0 (``--dry-run`` does the same on a GPU).
+every step's log (and pytest's JUnit file) in ``logs.tar.gz``: the device tool brings back at
+most 8 files, and the report, the benchmarks' results and the bundle are 7. Without CUDA the
+suite prints what it would run and exits 0 (``--dry-run`` does the same on a GPU).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import os
 import signal
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass, field
@@ -80,7 +83,9 @@ def cuda_test_files(tests: Path = ROOT / "tests") -> list[str]:
     return sorted(str(p.relative_to(ROOT)) for p in tests.glob("test_*.py") if CUDA_MARK in p.read_text())
 
 
-def plan(wheels: Path | None, out: Path) -> list[Step]:
+def plan(wheels: Path | None, out: Path, raw: Path | None = None) -> list[Step]:
+    """The steps; benchmarks write their results into ``out``, pytest its JUnit file into ``raw``."""
+    raw = raw or out
     py = sys.executable
     bench = str(ROOT / "bench")
     steps = []
@@ -91,7 +96,7 @@ def plan(wheels: Path | None, out: Path) -> list[Step]:
         Step("tests", "pytest -m cuda: kernels, FP8 GEMMs, quantized linear, one-GPU training", [
             # -v: one line per case in the log, so a run cut at its cap still shows how far it got
             py, "-m", "pytest", "-v", "-m", "cuda", "-p", "no:cacheprovider", "-rfE",
-            "--junitxml", str(out / "pytest.xml"), *cuda_test_files()], 300),
+            "--junitxml", str(raw / "pytest.xml"), *cuda_test_files()], 300),
         Step("gemm", "FP8 _scaled_mm vs bf16 matmul, Llama-3-8B/70B linear shapes",
              [py, f"{bench}/gemm_bench.py", "--json", str(out / "gemm.json")], 60, "gemm.json"),
         Step("quantize", "fused quantize-dequantize kernels vs a copy of the same bytes",
@@ -129,17 +134,19 @@ def junit_summary(path: Path) -> dict | None:
     return {**counts, "failed": failed}
 
 
-def run_step(step: Step, out: Path, deadline: float, env: dict) -> Record:
-    """Run one step under min(its cap, the time left); its whole process group is killed at the cap."""
+def run_step(step: Step, out: Path, deadline: float, env: dict, raw: Path | None = None) -> Record:
+    """Run one step under min(its cap, the time left); its whole process group is killed at the cap.
+    Its log goes to ``raw/logs/`` (``raw`` defaults to ``out``), its result is read from ``out``."""
+    raw = raw or out
     rec = Record(step.name, step.what, step.cmd, step.cap_s)
     cap = min(step.cap_s, deadline - time.monotonic() - 5)
     if cap < 10:
         rec.status, rec.note = "skipped", "out of time (--budget)"
         return rec
-    logs = out / "logs"
+    logs = raw / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     log = logs / f"{step.name}.log"
-    rec.log = str(log.relative_to(out))
+    rec.log = str(log.relative_to(raw))
     start = time.monotonic()
     with open(log, "w") as f:
         proc = subprocess.Popen(step.cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
@@ -156,7 +163,7 @@ def run_step(step: Step, out: Path, deadline: float, env: dict) -> Record:
     if step.result and (out / step.result).exists():
         rec.result = json.loads((out / step.result).read_text())
     if step.name == "tests":
-        rec.tests = junit_summary(out / "pytest.xml")
+        rec.tests = junit_summary(raw / "pytest.xml")
     return rec
 
 
@@ -194,6 +201,15 @@ def write_report(out: Path, header: dict, records: list[Record]) -> str:
         md += ["", "```text", *(r.output_tail[-40:]), "```"]
     (out / "report.md").write_text("\n".join(md) + "\n")
     return summary
+
+
+def bundle(raw: Path, out: Path) -> None:
+    """``out/logs.tar.gz``: every step's log and pytest's JUnit file, in one file (the device tool
+    brings back at most 8 files from its output folder)."""
+    with tarfile.open(out / "logs.tar.gz.tmp", "w:gz") as tar:
+        for path in sorted([*(raw / "logs").glob("*.log"), *raw.glob("pytest.xml")]):
+            tar.add(path, arcname=str(path.relative_to(raw)))
+    os.replace(out / "logs.tar.gz.tmp", out / "logs.tar.gz")
 
 
 def pip_install(wheels: Path, *args: str) -> int:
@@ -264,7 +280,9 @@ def main() -> int:
     wheels = args.wheels.resolve() if args.wheels else None
     if wheels is not None and not wheels.is_dir():
         p.error(f"--wheels {args.wheels}: no such folder; run python bench/prepare_gpu_wheels.py first")
-    steps = plan(wheels, args.out.resolve())
+    out = args.out.resolve()
+    raw = Path(tempfile.mkdtemp(prefix="gpu_suite_"))  # logs, bundled into out/logs.tar.gz
+    steps = plan(wheels, out, raw)
     if args.only:
         unknown = set(args.only) - {s.name for s in steps}
         if unknown:
@@ -279,7 +297,6 @@ def main() -> int:
             print(f"  {s.name:<12} (cap {s.cap_s:.0f} s) {s.what}\n      {' '.join(s.cmd)}")
         return 0
 
-    out = args.out.resolve()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "PYTHONUNBUFFERED": "1", "PIP_BREAK_SYSTEM_PACKAGES": "1"}
     header = {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -289,13 +306,14 @@ def main() -> int:
     write_report(out, header, records)
     for i, step in enumerate(steps):
         print(f"[gpu_suite] {step.name}: {step.what} (cap {step.cap_s:.0f} s)", flush=True)
-        records[i] = run_step(step, out, deadline, env)
+        records[i] = run_step(step, out, deadline, env, raw)
         r = records[i]
         print(f"[gpu_suite] {step.name}: {r.status} in {r.seconds or 0:.0f} s {r.note}", flush=True)
         if r.status in ("failed", "timeout"):
             print("\n".join(r.output_tail[-25:]), flush=True)
         summary = write_report(out, header, records)
-    print(f"{summary}\n\nreport: {out / 'report.md'} (and report.json, logs/)")
+        bundle(raw, out)
+    print(f"{summary}\n\nreport: {out / 'report.md'} (and report.json; every log and pytest.xml in logs.tar.gz)")
     return 0 if all(r.status == "passed" for r in records) else 1
 
 

@@ -230,3 +230,25 @@ def test_quantize_bench_times_each_formats_own_kernel():
         fmt, stochastic = name.removesuffix("_sr"), name.endswith("_sr")
         expected = fake_quantize(x, fmt, stochastic=stochastic, generator=generator if stochastic else None)
         assert torch.equal(kernel(), expected), name
+
+
+def test_logs_come_back_in_one_file(tmp_path):
+    """The device tool brings back at most 8 files: the logs and pytest's JUnit file travel in one bundle,
+    the report, the four benchmark results and the bundle make 7."""
+    import tarfile
+
+    raw, out = tmp_path / "raw", tmp_path / "out"
+    (raw / "logs").mkdir(parents=True)
+    out.mkdir()
+    for name in ("tests", "gemm", "step_time"):
+        (raw / "logs" / f"{name}.log").write_text(f"{name} says hello\n")
+    (raw / "pytest.xml").write_text("<testsuite/>")
+    gpu_suite.bundle(raw, out)
+    gpu_suite.bundle(raw, out)  # rewritten after every step
+    assert [p.name for p in out.iterdir()] == ["logs.tar.gz"]
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        assert tar.getnames() == ["logs/gemm.log", "logs/step_time.log", "logs/tests.log", "pytest.xml"]
+        assert tar.extractfile("logs/tests.log").read() == b"tests says hello\n"
+    results = [s.result for s in gpu_suite.plan(None, out, raw) if s.result]
+    assert len(results) + len(["report.md", "report.json", "logs.tar.gz"]) <= 8
+    assert all(str(raw) not in " ".join(s.cmd) or s.name == "tests" for s in gpu_suite.plan(None, out, raw))
