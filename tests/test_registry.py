@@ -12,6 +12,7 @@ from megatron.core.enums import Fp4Recipe, Fp8Recipe
 from megatron_snip.model.precision.megatron_config import TE_FP4_PRECISIONS, TE_FP8_RECIPES
 from megatron_snip.numerics.fake_quant import FORMATS, element_bits
 from megatron_snip.numerics.formats import ELEMENTS
+from megatron_snip.numerics.health import element_format
 from megatron_snip.numerics.recipes import FP8_RECIPES, GEMM_OPERANDS, RecipeConfig, operand_quantizer
 from megatron_snip.numerics.registry import (
     FP8_RECIPE_SCHEMES,
@@ -36,9 +37,10 @@ def test_every_operand_quantizer_is_its_precisions_registered_scheme(fp8_recipe)
             for operand in operands:
                 q = operand_quantizer(name, gemm, operand, recipe)
                 assert q.spec is scheme
-                # a per-tensor FP8 quantizer carries its element, every other one stores one (bf16: none)
+                # a per-tensor FP8 quantizer carries its element, every other scheme stores one
                 assert (q.element is not None) == scheme.per_tensor
-                assert len(scheme.elements) == (2 if scheme.per_tensor else int(scheme.quantized))
+                assert len(scheme.elements) == (2 if scheme.per_tensor else 1)
+                assert element_format(q).name in scheme.elements  # what quantization health reads
                 assert q.element is None or q.element.name in scheme.elements
 
 

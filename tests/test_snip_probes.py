@@ -208,7 +208,8 @@ def single_worker(rank, world, port, out_dir):
 
     from megatron_snip.numerics.recipes import Precision
     from megatron_snip.precision.plan import PrecisionPlan
-    from megatron_snip.research.ground_truth import backward_ground_truth, forward_ground_truth, rank_correlations
+    from megatron_snip.research.ground_truth import backward_ground_truth, forward_ground_truth
+    from megatron_snip.research.ranks import rank_correlations
     from megatron_snip.snip.estimators import divergences, local_error_baselines
     from megatron_snip.snip.probes import ProbeConfig, run_probe_cycle
 

@@ -62,7 +62,10 @@ class FloatFormat:
 E4M3 = FloatFormat("e4m3", 4, 3, emin=-6, emax=8, max=448.0, torch_dtype=torch.float8_e4m3fn)
 E5M2 = FloatFormat("e5m2", 5, 2, emin=-14, emax=15, max=57344.0, torch_dtype=torch.float8_e5m2)
 E2M1 = FloatFormat("e2m1", 2, 1, emin=0, emax=2, max=6.0)
-ELEMENTS = {f.name: f for f in (E4M3, E5M2, E2M1)}  # the registry names elements by these names
+# bf16 itself, for what asks any operand's element format (quantization health: a bf16 operand of
+# a split precision such as fp8/bf16).
+BF16 = FloatFormat("bf16", 8, 7, emin=-126, emax=127, max=3.3895313892515355e38, torch_dtype=torch.bfloat16)
+ELEMENTS = {f.name: f for f in (E4M3, E5M2, E2M1, BF16)}  # the registry names elements by these names
 
 #: The 8 non-negative E2M1 values, indexed by the 3 magnitude bits of the code.
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)

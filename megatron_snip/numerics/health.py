@@ -52,8 +52,8 @@ AMAX = FIELDS.index("amax")
 
 
 def element_format(q: OperandQuantizer) -> FloatFormat:
-    """The element format of a (non-bf16) quantizer: FP8 per-tensor schemes carry it (either of
-    two); every other scheme stores one (block FP8 and MXFP8: E4M3, 4-bit schemes: E2M1)."""
+    """The element format of a quantizer: FP8 per-tensor schemes carry it (either of two); every
+    other scheme stores one (bf16: bf16, block FP8 and MXFP8: E4M3, 4-bit schemes: E2M1)."""
     if q.element is not None:
         return q.element
     (element,) = q.spec.elements

@@ -105,7 +105,7 @@ PRECISION_NAMES = tuple(PRECISIONS)
 FP4_NAMES = tuple(n for n, p in PRECISIONS.items() if p.family == "fp4")
 
 SCHEMES: dict[str, SchemeFormat] = {s.name: s for s in (
-    SchemeFormat("bf16", 16, None, None, "none"),
+    SchemeFormat("bf16", 16, None, None, "none", ("bf16",)),
     SchemeFormat("fp8_tensorwise", 8, None, None, "fp32 per tensor from its amax (current scaling)",
                  ("e4m3", "e5m2"), per_tensor=True),
     SchemeFormat("fp8_delayed", 8, None, None, "fp32 per tensor from an amax history (delayed scaling)",
