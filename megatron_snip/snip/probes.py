@@ -128,8 +128,10 @@ OPERAND_QUANTITIES = {"x": "x_quant_sq", "w": "w_quant_sq", "dy": "dy_quant_sq"}
 FORMAT_QUANTITIES = ("output_sq", "first_order", "input_grad_sq", "update_sq", *OPERAND_QUANTITIES.values())
 
 def squared_norm(t: torch.Tensor) -> torch.Tensor:
-    """``||t||^2`` as an fp64 0-d tensor (no host sync)."""
-    return torch.linalg.vector_norm(t.float(), dtype=torch.float64).square()
+    """``||t||^2`` as an fp64 0-d tensor (no host sync), detached: a measurement kept with its
+    autograd graph would hold the graph's saved tensors (an fp32 copy of every module output,
+    for every micro-batch) for the whole cycle and, through the backward hooks, beyond it."""
+    return torch.linalg.vector_norm(t.detach().float(), dtype=torch.float64).square()
 
 
 @dataclass(frozen=True)
