@@ -33,8 +33,21 @@ def quantize_dequantize(x: torch.Tensor, q: OperandQuantizer, *, scale: torch.Te
         generator: RNG of stochastic rounding (``q.stochastic``), on x's device.
         kernels: the ``triton_qdq`` module to use its fused kernels, or None for the reference.
     Returns:
-        fp32 tensor of ``x``'s shape.
+        fp32 tensor of ``x``'s shape, laid out as ``torch.empty_like(x)`` (a transposed view stays
+        one) on either path: a GEMM on a GPU sums in an order that depends on its operands'
+        strides, so the reference and the kernels must hand it the same layout to agree in every
+        bit (the reference's padded blocks otherwise leave a wider row stride behind; an H200 moved
+        26 of 6144 fp8-blockwise layer outputs by an ulp).
     """
+    out = _dispatch(x, q, scale, global_amax, generator, kernels)
+    if out.stride() == x.stride():
+        return out
+    target = torch.empty_like(x, dtype=torch.float32)
+    return out if out.stride() == target.stride() else target.copy_(out)
+
+
+def _dispatch(x: torch.Tensor, q: OperandQuantizer, scale: torch.Tensor | None, global_amax: torch.Tensor | None,
+              generator: torch.Generator | None, kernels: ModuleType | None) -> torch.Tensor:
     scheme = q.scheme
     sr = dict(stochastic=q.stochastic, generator=generator if q.stochastic else None)
     if scheme == "bf16":
