@@ -3,6 +3,7 @@
     python bench/step_time.py                       # TP=2 PP=2 on 4 local processes (CPU here)
     python bench/step_time.py --compare-precision fp8 nvfp4 --snip-cycle   # + precisions, + a SNIP cycle
     python bench/step_time.py --health-overhead nvfp4          # + --quant-health on vs off
+    python bench/step_time.py --profile ours fp8               # + where those steps' time goes (torch.profiler)
     python bench/step_time.py --nproc 1 --tp 1 --pp 1 --preset tinyllama-1.1b --bf16 \
         --micro-batch-size 1 --global-batch-size 8 --compare-precision fp8 nvfp4 --snip-cycle   # one GPU
     python bench/step_time.py --nproc 1 --tp 1 --pp 1 --micro-batch-size 2 --global-batch-size 4 \
@@ -66,6 +67,7 @@ ATTENTION_BATCH, ATTENTION_HEADS, ATTENTION_HEAD_DIM = 2, 8, 64
 ATTENTION_PHASES = {"dot-product": "unfused", "sdpa": "auto"}
 HEALTH_LOG_INTERVAL = 10
 NEVER = "1000000000"  # a --snip-interval no run reaches: the bench runs its cycle itself
+PROFILED = "profile:"  # prefix of the --profile phases
 WORKER = "--phases-worker"  # first argument of the torchrun'd processes: the phases file, then the training flags
 
 
@@ -90,7 +92,10 @@ def phases(opts) -> list[tuple[str, str, str, str | None]]:
     if opts.health_overhead:
         run += [p for _ in range(opts.repeats) for p in (("health-off", "ours", opts.health_overhead, None),
                                                          ("health-on", "ours", opts.health_overhead, None))]
-    return run + ([("snip", "ours", "bf16", None)] if opts.snip_cycle else [])
+    run += [("snip", "ours", "bf16", None)] if opts.snip_cycle else []
+    # Profiled phases come last and apart: the profiler slows what it watches, so they time nothing.
+    return run + [(PROFILED + name, "plain" if name == "plain" else "ours", "bf16" if name in ("plain", "ours") else name,
+                   None) for name in opts.profile]
 
 
 def worker(plan_file: str, argv: list[str]) -> None:
@@ -150,12 +155,11 @@ def worker(plan_file: str, argv: list[str]) -> None:
         clock.stamps.clear()
         if health_clock is not None:
             health_clock[0] = 0.0
-        if loop == "plain":
-            plain_loop(trainer, run["iters"], clock)
-        else:
-            trainer.train(until=trainer.state.iteration + run["iters"])
-            synchronize()
-            clock.stamp()
+        if name.startswith(PROFILED):
+            result.setdefault("profiles", {})[name[len(PROFILED):]] = profiled(
+                lambda: run_loop(trainer, loop, run["iters"], clock))
+            continue
+        run_loop(trainer, loop, run["iters"], clock)
         phase = result["phases"].setdefault(name, {"medians": [], "means": [], "peak_gib": None})
         phase["medians"].append(statistics.median(clock.intervals(run["warmup"])))
         phase["means"].append(statistics.fmean(clock.intervals(run["warmup"])))
@@ -166,6 +170,39 @@ def worker(plan_file: str, argv: list[str]) -> None:
     if dist.get_rank() == 0:
         Path(run["out"]).write_text(json.dumps(result))
     dist.destroy_process_group()
+
+
+def run_loop(trainer, loop: str, iters: int, clock: StepClock) -> None:
+    """``iters`` steps of the plain megatron-core loop or of ours, stamped on ``clock``."""
+    if loop == "plain":
+        plain_loop(trainer, iters, clock)
+    else:
+        trainer.train(until=trainer.state.iteration + iters)
+        synchronize()
+        clock.stamp()
+
+
+def profiled(fn, rows: int = 30) -> str:
+    """``fn()`` under torch.profiler: the ops that took the most device time (CPU time without a
+    GPU), and the host's busy time against the wall time (a step whose host time nears its wall
+    time is launch-bound: the GPU waits for Python)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        fn()
+    wall = time.perf_counter() - start
+    averages = prof.key_averages()
+    sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+    host = sum(e.self_cpu_time_total for e in averages) / 1e6
+    device = sum(e.self_device_time_total for e in averages) / 1e6 if cuda else None
+    calls = sum(e.count for e in averages)
+    head = (f"wall {wall:.3f} s, host busy {host:.3f} s" + (f", device busy {device:.3f} s" if cuda else "")
+            + f", {calls} op calls")
+    return head + "\n" + averages.table(sort_by=sort, row_limit=rows)
 
 
 def use_core_attention(chunks, backend: str) -> None:
@@ -337,7 +374,10 @@ def attention_alone(seq_lengths: list[int], bf16: bool) -> dict:
     for seq in seq_lengths:
         flags = ["--num-layers", "1", "--hidden-size", str(hidden), "--num-attention-heads", str(ATTENTION_HEADS),
                  "--num-query-groups", str(ATTENTION_HEADS), "--seq-length", str(seq),
-                 "--max-position-embeddings", str(seq), "--train-iters", "0"] + (["--bf16"] if bf16 else [])
+                 "--max-position-embeddings", str(seq), "--train-iters", "0",
+                 # Llama's architecture in Megatron-LM's flags (its defaults build GPT's)
+                 "--swiglu", "--disable-bias-linear", "--normalization", "RMSNorm",
+                 "--position-embedding-type", "rope"] + (["--bf16"] if bf16 else [])
         run = resolve(parse_args(flags), world_size=1, check_files=False)
         if not torch.distributed.is_initialized():
             initialize_distributed(run.parallel, run.training.seed)
@@ -468,12 +508,16 @@ def main() -> None:
     p.add_argument("--compare-attention", nargs="+", type=int, default=[], metavar="SEQ",
                    help="instead: at each sequence length, megatron-core's DotProductAttention against the SDPA "
                         "core attention, alone and in the training step (runs without the other phases)")
+    p.add_argument("--profile", nargs="+", default=[], choices=["plain", "ours", "fp8", "nvfp4", "mxfp4"],
+                   help="also run these phases once more under torch.profiler (after the timed ones, timing "
+                        "nothing) and print each one's top operators by device time, and the host's busy time")
     p.add_argument("--json", help="also write the results here (for bench/gpu_suite.py)")
     opts, rest = p.parse_known_args()
     if opts.iters <= opts.warmup + 1:
         p.error(f"--iters {opts.iters} must exceed --warmup {opts.warmup} + 1 (time at least two steps)")
-    if opts.compare_attention and (opts.compare_precision or opts.snip_cycle or opts.health_overhead):
-        p.error("--compare-attention runs alone: drop --compare-precision, --snip-cycle and --health-overhead")
+    if opts.compare_attention and (opts.compare_precision or opts.snip_cycle or opts.health_overhead or opts.profile):
+        p.error("--compare-attention runs alone: drop --compare-precision, --snip-cycle, --health-overhead and "
+                "--profile")
 
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
@@ -493,6 +537,8 @@ def main() -> None:
     else:
         lines, figures = summarise(measured)
     print("\n".join(lines))
+    for name, table in ({} if opts.compare_attention else measured.get("profiles", {})).items():
+        print(f"\n--- profile: {name} ({opts.iters} steps) ---\n{table}")
     write_json(opts.json, {"benchmark": "step_time", "layout": {"tp": opts.tp, "pp": opts.pp, "nproc": opts.nproc,
                                                                 "preset": opts.preset, "bf16": opts.bf16},
                            **figures})
