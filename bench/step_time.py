@@ -94,8 +94,8 @@ def phases(opts) -> list[tuple[str, str, str, str | None]]:
                                                          ("health-on", "ours", opts.health_overhead, None))]
     run += [("snip", "ours", "bf16", None)] if opts.snip_cycle else []
     # Profiled phases come last and apart: the profiler slows what it watches, so they time nothing.
-    return run + [(PROFILED + name, "plain" if name == "plain" else "ours", "bf16" if name in ("plain", "ours") else name,
-                   None) for name in opts.profile]
+    return run + [(PROFILED + name, "plain" if name == "plain" else "ours",
+                   "bf16" if name in ("plain", "ours") else name, None) for name in opts.profile]
 
 
 def worker(plan_file: str, argv: list[str]) -> None:

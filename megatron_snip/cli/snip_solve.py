@@ -10,7 +10,7 @@ and the estimated GEMM time of the baselines at that share, as the training run 
 time target (``--time-targets``: estimated linear-GEMM time / all-BF16 time at most T). For
 each budget it prints, side by side, every policy's predicted divergence under SNIP's
 estimates, the FP4 FLOP fraction it reaches and its estimated GEMM time: SNIP's ILP (also on
-its loss term alone), uniform FP4, NVIDIA's recipe (last layers high), random, min (relative)
+its loss term alone, with the Hutchinson or the empirical-Fisher curvature), uniform FP4, NVIDIA's recipe (last layers high), random, min (relative)
 output quantization error, min (relative) operand quantization error (the paper's
 best_quant_err / best_rel_quant_err), an error-threshold switch (a GEMM goes high precision when
 its measured relative quantization error crosses a threshold, the lowest threshold that meets the

@@ -8,13 +8,14 @@ to its checkpoints and build every plan here, so a policy means the same thing i
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 
 from megatron_snip.numerics.registry import precision_format
 from megatron_snip.research import policies
-from megatron_snip.snip.estimators import cost_tables, local_error_baselines, operand_error_baselines
+from megatron_snip.snip.estimators import local_error_baselines, operand_error_baselines
 from megatron_snip.snip.ilp import InfeasibleBudgetError, Plan, SnipProblem, solve
 from megatron_snip.snip.statistics import ProbeStatistics
+
+from .variants import Variant, variant_plan
 
 PolicyMaker = Callable[[SnipProblem, ProbeStatistics, int, str], Plan]
 
@@ -35,13 +36,11 @@ def _min_error(relative: bool, operands: bool = False) -> PolicyMaker:
     return make
 
 
-def _snip_loss_term(problem, stats, seed, solver):
-    """SNIP's ILP with the loss divergence alone (``--snip-update-weight 0``): it orders the module types
-    as the training ablations do, the update term the layers (docs/quality.md)."""
-    loss_only = cost_tables(stats, 1.0, 0.0, formats=problem.formats)
-    if problem.split:
-        return solve(replace(problem, fwd_cost=loss_only.forward, bwd_cost=loss_only.backward), solver=solver).plan
-    return solve(replace(problem, cost=loss_only.joint), solver=solver).plan
+def _snip_loss_term(curvature: str) -> PolicyMaker:
+    """SNIP's ILP with the loss divergence alone (``--snip-update-weight 0``), its curvature from the
+    probes' Hutchinson estimate or the empirical Fisher (``variants.fisher_curvature``)."""
+    variant = Variant(f"loss term ({curvature})", update_weight=0.0, curvature=curvature)
+    return lambda problem, stats, seed, solver: variant_plan(problem, stats, variant, solver)
 
 
 def _threshold(problem, stats, seed, solver):
@@ -52,7 +51,8 @@ def _threshold(problem, stats, seed, solver):
 # Every policy, by the name both tools use (docs/quality.md describes each).
 POLICIES: dict[str, PolicyMaker] = {
     "snip": lambda problem, stats, seed, solver: solve(problem, solver=solver).plan,
-    "snip-loss-term": _snip_loss_term,
+    "snip-loss-term": _snip_loss_term("hutchinson"),
+    "snip-fisher-loss-term": _snip_loss_term("fisher"),
     "uniform": lambda problem, stats, seed, solver: policies.uniform(problem),
     "nvidia-recipe": lambda problem, stats, seed, solver: policies.keep_last_high(problem),
     "random": lambda problem, stats, seed, solver: policies.random_plan(problem, seed=seed),

@@ -1,0 +1,84 @@
+"""Screen estimator variants offline against the oracle's measured costs.
+
+    python tools/screen_estimators.py runs/oracle_prose8                 # the run's budgets
+    python tools/screen_estimators.py runs/oracle_prose8 --targets 0.75 0.9 --json screen.json
+
+Reads a finished comparison with the oracle arm (``tools/compare_precision.py --policies oracle
+... --ablations layers types``): each seed's branch-point SNIP statistics and ``oracle/costs.json``.
+For every budget and seed it plans with each estimator variant (SNIP's cost with other weights on
+its loss and update terms, or the loss term's curvature from the empirical Fisher instead of the
+Hutchinson probes; megatron_snip/research/variants.py) and with the oracle, and prints each plan's
+FP4 share, its gap predicted from the measured costs (additivity) and its predicted regret (that
+gap minus the oracle plan's), the mean over seeds. Below, each module type's summed terms beside
+what its ablation measured. Nothing trains: a variant whose predicted regret is no lower than
+SNIP's is not worth a training run; one that is lower still needs one (docs/quality.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from megatron_snip.numerics.registry import is_fp4
+from megatron_snip.research.variants import (
+    VARIANTS,
+    load_run,
+    module_rank_correlation,
+    screen,
+    type_costs,
+    type_terms,
+)
+from megatron_snip.snip.statistics_file import Budget
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run", help="the --out directory of a tools/compare_precision.py run with the oracle arm")
+    p.add_argument("--targets", type=float, nargs="+", default=None,
+                   help="FP4 targets (default: the run's FP4 targets)")
+    p.add_argument("--solver", choices=["auto", "gurobi", "highs"], default="auto")
+    p.add_argument("--json", metavar="FILE", help="also write every seed's rows here")
+    a = p.parse_args(argv)
+    try:
+        settings, costs, stats = load_run(Path(a.run))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    targets = a.targets or [float(tag[len("fp4-"):]) for tag in settings["budgets"] if tag.startswith("fp4-")]
+    fmt = next(f for f in settings["formats"] if is_fp4(f))
+    print(f"{a.run}: oracle costs from the {costs.source} ablations of seeds {costs.seeds}; "
+          f"statistics of seeds {sorted(stats)} at iteration {settings['trunk_iters']}")
+    record = []
+    for target in targets:
+        screens = [screen(sf, costs, Budget(target), seed, formats=settings["formats"], solver=a.solver)
+                   for seed, sf in stats.items()]
+        print(f"\nFP4 target {target:.2f}: predicted from the measured costs (mean over {len(screens)} seeds)\n")
+        print("| variant | FP4 FLOPs | predicted gap | predicted regret |\n|---|---:|---:|---:|")
+        for name in [v.name for v in VARIANTS] + ["oracle"]:
+            share = statistics.fmean(s.rows[name][0] for s in screens)
+            gap = statistics.fmean(s.rows[name][1] for s in screens)
+            regret = statistics.fmean(s.regret(name) for s in screens)
+            print(f"| {name} | {share:.1%} | {gap:+.4f} | {regret:+.4f} |")
+        record += [{"seed": s.seed, "fp4_target": target, "rows": s.rows} for s in screens]
+    measured = type_costs(costs)
+    print(f"\nSpearman correlation over the modules of each variant's {fmt} cost with the measured cost "
+          "(mean over seeds):\n")
+    print("| variant | Spearman |\n|---|---:|")
+    for v in VARIANTS:
+        rho = statistics.fmean(module_rank_correlation(sf.stats, v, costs, fmt) for sf in stats.values())
+        print(f"| {v.name} | {rho:+.2f} |")
+    print(f"\nSNIP's terms in {fmt} summed per module type (statistics of seed {min(stats)}) and the type's measured "
+          "cost (its ablation)\n")
+    terms = type_terms(stats[min(stats)].stats, fmt)
+    columns = list(next(iter(terms.values())))
+    print("| type | " + " | ".join(columns) + " | measured |\n|---|" + "---:|" * (len(columns) + 1))
+    for kind, row in terms.items():
+        print(f"| {kind} | " + " | ".join(f"{row[c]:.2g}" for c in columns)
+              + f" | {measured.get(kind, float('nan')):.4f} |")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"run": a.run, "screens": record, "type_terms": terms,
+                                            "type_costs": dict(measured)}, indent=1))
+    return 0

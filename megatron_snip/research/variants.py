@@ -1,0 +1,165 @@
+"""Estimator variants screened offline against the costs training measured (the oracle's).
+
+A comparison run with the oracle arm (``tools/compare_precision.py --ablations layers types``, or
+``modules``) holds, per seed, the SNIP statistics of its branch point and, in ``oracle/costs.json``,
+what each module costs in FP4 as the ablations measured it. Each variant here (SNIP's cost with
+other weights on its two terms, or another curvature) plans at a budget from the same statistics;
+under additivity (:func:`oracle.predicted_gap`) its plan's gap minus the oracle plan's is its
+*predicted regret*. That screens an estimator change in seconds, before training tests it: a
+variant whose predicted regret is no lower than SNIP's needs no training run (docs/quality.md,
+"Estimator variants against the oracle's costs").
+
+The screen inherits the oracle's limits: its costs come from the seeds the ablations ran on, and
+the product model (layers x types) assumes a module's cost is its layer's share times its type's.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from megatron_snip.numerics.registry import is_fp4
+from megatron_snip.precision.plan import parse_module_name
+from megatron_snip.snip.estimators import cost_tables, divergences
+from megatron_snip.snip.ilp import Plan, SnipProblem, evaluate_plan, solve
+from megatron_snip.snip.statistics import ModuleStatistics, ProbeStatistics
+from megatron_snip.snip.statistics_file import Budget, StatisticsFile
+
+from .oracle import OracleCosts, oracle_plan, predicted_gap
+from .ranks import spearman
+
+CURVATURES = ("hutchinson", "fisher")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """SNIP's cost ``loss_weight * dL/loss + update_weight * dU/||u||^2`` with the loss term's
+    curvature from the probes' Hutchinson estimate or from :func:`fisher_curvature`."""
+
+    name: str
+    loss_weight: float = 1.0
+    update_weight: float = 1.0
+    curvature: str = "hutchinson"
+
+    def __post_init__(self):
+        if self.curvature not in CURVATURES:
+            raise ValueError(f"curvature must be one of {CURVATURES}, got {self.curvature!r}")
+
+
+VARIANTS = (
+    Variant("snip"),
+    Variant("loss term", update_weight=0.0),
+    Variant("update term", loss_weight=0.0),
+    Variant("update x0.3", update_weight=0.3),
+    Variant("update x3", update_weight=3.0),
+    Variant("fisher loss + update", curvature="fisher"),
+    Variant("fisher loss term", update_weight=0.0, curvature="fisher"),
+)
+
+
+def fisher_curvature(m: ModuleStatistics) -> float:
+    """``tr H`` of the loss with respect to the module output as the empirical Fisher gives it:
+    ``N ||dY||^2`` for a loss averaged over N tokens (each token's own gradient is N dY_t, and the
+    Fisher is their mean outer product). Always >= 0, and read from the clean pass alone, where the
+    Hutchinson trace is a difference of noisy passes that can come out negative. Units: loss / Y^2."""
+    tokens = m.output_numel / m.out_features
+    return tokens * m.output_grad_sq
+
+
+def with_curvature(stats: ProbeStatistics, curvature: str) -> ProbeStatistics:
+    """``stats`` with every module's curvature from ``curvature`` ("hutchinson": as measured)."""
+    if curvature == "hutchinson":
+        return stats
+    return replace(stats, modules={n: replace(m, curvature=fisher_curvature(m)) for n, m in stats.modules.items()})
+
+
+def variant_plan(problem: SnipProblem, stats: ProbeStatistics, variant: Variant, solver: str = "auto") -> Plan:
+    """The ILP's plan at ``problem``'s budget with the variant's costs (split problems: per pass)."""
+    costs = cost_tables(with_curvature(stats, variant.curvature), variant.loss_weight, variant.update_weight,
+                        formats=problem.formats)
+    if problem.split:
+        return solve(replace(problem, fwd_cost=costs.forward, bwd_cost=costs.backward), solver=solver).plan
+    return solve(replace(problem, cost=costs.joint), solver=solver).plan
+
+
+def fp4_modules(problem: SnipProblem, plan: Plan) -> list[str]:
+    return [u.key for u in problem.units if is_fp4(plan[u.key])]
+
+
+def module_type(name: str) -> str:
+    return parse_module_name(name)[1].rsplit(".", 1)[-1]
+
+
+def type_terms(stats: ProbeStatistics, fmt: str) -> dict[str, dict[str, float]]:
+    """Module type -> SNIP's terms in ``fmt`` summed over the type's modules (dimensionless, as the
+    ILP weighs them): the loss term with either curvature, the update term's local and propagated
+    parts."""
+    out: dict[str, dict[str, float]] = {}
+    for curvature in CURVATURES:
+        for name, per in divergences(with_curvature(stats, curvature)).items():
+            row = out.setdefault(module_type(name), dict.fromkeys(
+                [f"loss ({c})" for c in CURVATURES] + ["update, local", "update, propagated"], 0.0))
+            row[f"loss ({curvature})"] += per[fmt].forward
+            if curvature == "hutchinson":
+                row["update, local"] += per[fmt].update_local / stats.update_sq
+                row["update, propagated"] += per[fmt].update_propagated / stats.update_sq
+    return out
+
+
+def module_rank_correlation(stats: ProbeStatistics, variant: Variant, costs: OracleCosts, fmt: str) -> float:
+    """Spearman correlation, over the modules, of the variant's cost of ``fmt`` with the measured one."""
+    table = cost_tables(with_curvature(stats, variant.curvature), variant.loss_weight, variant.update_weight,
+                        formats=[fmt]).joint
+    names = [n for n in table if n in costs.modules]
+    return spearman([table[n][fmt] for n in names], [costs.modules[n] for n in names])
+
+
+@dataclass(frozen=True)
+class Screen:
+    """One seed's screen at one budget: variant (and "oracle") -> (FP4 share, predicted gap)."""
+
+    seed: int
+    budget: Budget
+    rows: dict[str, tuple[float, float]]
+
+    def regret(self, name: str) -> float:
+        return self.rows[name][1] - self.rows["oracle"][1]
+
+
+def screen(stats: StatisticsFile, costs: OracleCosts, budget: Budget, seed: int, *, formats: Sequence[str],
+           variants: Sequence[Variant] = VARIANTS, solver: str = "auto") -> Screen:
+    """Every variant's plan and the oracle's at ``budget`` from one seed's branch-point statistics,
+    each with its FP4 share and its gap predicted from the measured costs."""
+    problem = stats.problem(budget, formats=formats, solver=solver)
+    plans = {v.name: variant_plan(problem, stats.stats, v, solver) for v in variants}
+    plans["oracle"] = oracle_plan(problem, costs, solver)
+    return Screen(seed, budget, {name: (evaluate_plan(problem, plan).fp4_fraction,
+                                        predicted_gap(costs, fp4_modules(problem, plan)))
+                                 for name, plan in plans.items()})
+
+
+def load_run(out: Path) -> tuple[dict, OracleCosts, dict[int, StatisticsFile]]:
+    """A comparison run's settings, its oracle costs and each seed's branch-point statistics."""
+    settings_path, costs_path = out / "comparison.json", out / "oracle" / "costs.json"
+    for path, what in ((settings_path, "tools/compare_precision.py --out DIR"),
+                       (costs_path, "the oracle arm (--policies oracle with --ablations)")):
+        if not path.exists():
+            raise ValueError(f"{path} does not exist: {out} is not the --out of a finished comparison with "
+                             f"{what}")
+    settings = json.loads(settings_path.read_text())
+    costs = OracleCosts(**json.loads(costs_path.read_text()))
+    stats = {}
+    for seed in settings["seeds"]:
+        path = out / f"seed{seed}" / "trunk" / "ckpt" / "snip" / f"snip_iter_{settings['trunk_iters']:07d}.json"
+        if path.exists():
+            stats[seed] = StatisticsFile.load(path)
+    if not stats:
+        raise ValueError(f"{out}: no seed's trunk has written its SNIP statistics yet")
+    return settings, costs, stats
+
+
+def type_costs(costs: OracleCosts) -> Mapping[str, float]:
+    """Module type -> its ablation's measured cost (the arms named ``ablate-<type>``)."""
+    return {arm[len("ablate-"):]: c for arm, c in costs.groups.items() if arm.startswith("ablate-linear_")}
