@@ -41,6 +41,7 @@ from megatron_snip.numerics import (
     random_signs,
     round_e2m1_stochastic,
     round_to_format,
+    to_elements,
 )
 
 NAN = float("nan")
@@ -107,6 +108,21 @@ def oracle_sample(name: str) -> torch.Tensor:
 def test_rounding_matches_oracle(fmt):
     x = oracle_sample(fmt.name)
     assert same(round_to_format(x, fmt), oracle_round(x, fmt.name))
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
+def test_fp8_elements_are_the_oracle_rounding_in_the_fp8_dtype(fmt):
+    """``to_elements`` (the FP8 GEMM's bytes, no fp32 round trip) rounds as the oracle does,
+    saturation, NaN and signed zeros included."""
+    x = torch.cat([oracle_sample(fmt.name), t([0.0, -0.0, float("nan"), INF, -INF])])
+    elements = to_elements(x, fmt)
+    assert elements.dtype == fmt.torch_dtype
+    expected = torch.cat([oracle_round(x[:-5], fmt.name), t([0.0, -0.0, NAN, fmt.max, -fmt.max])])
+    nan = torch.isnan(expected)
+    assert torch.equal(torch.isnan(elements.float()), nan)  # NaN stays NaN (its payload is the cast's)
+    assert same(elements.float()[~nan], expected[~nan])
+    with pytest.raises(ValueError, match="no torch dtype"):
+        to_elements(x, E2M1)
 
 
 def test_e2m1_grid_and_codes():

@@ -10,13 +10,13 @@ and the estimated GEMM time of the baselines at that share, as the training run 
 time target (``--time-targets``: estimated linear-GEMM time / all-BF16 time at most T). For
 each budget it prints, side by side, every policy's predicted divergence under SNIP's
 estimates, the FP4 FLOP fraction it reaches and its estimated GEMM time: SNIP's ILP (also on
-its loss term alone, with the Hutchinson or the empirical-Fisher curvature), uniform FP4, NVIDIA's recipe (last layers high), random, min (relative)
-output quantization error, min (relative) operand quantization error (the paper's
-best_quant_err / best_rel_quant_err), an error-threshold switch (a GEMM goes high precision when
-its measured relative quantization error crosses a threshold, the lowest threshold that meets the
-budget), keep first/last layer high, and the layer-type heuristic, all at that budget
-(megatron_snip/research/offline.py). Times are estimates under the run's
-GEMM speed model (``--gemm-speed-model`` to choose another). ``--write-plans`` saves each
+its loss term alone, with the Hutchinson or the empirical-Fisher curvature), uniform FP4,
+NVIDIA's recipe (last layers high), random, min (relative) output quantization error, min
+(relative) operand quantization error (the paper's best_quant_err / best_rel_quant_err), an
+error-threshold switch (a GEMM goes high precision when its measured relative quantization error
+crosses a threshold, the lowest threshold that meets the budget), keep first/last layer high,
+and the layer-type heuristic, all at that budget (megatron_snip/research/offline.py). Times are
+estimates under the run's GEMM speed model (``--gemm-speed-model`` to choose another). ``--write-plans`` saves each
 plan as a file for ``--precision-plan``; ``--write-megatron-configs`` as megatron-core's per-module
 precision config for Megatron-LM's ``--te-precision-config-file`` (docs/snip.md, "Plans as Megatron-LM
 precision configs"), one file per model chunk too under the run's pipeline layout. The run's pins

@@ -30,6 +30,7 @@ _EXPORTS = {
     "encode_e8m0": "formats",
     "round_e2m1_stochastic": "formats",
     "round_to_format": "formats",
+    "to_elements": "formats",
     "FP8DelayedScaling": "fp8",
     "TensorScaled": "fp8",
     "fp8_scale_from_amax": "fp8",

@@ -93,6 +93,23 @@ def _ulp(a: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     return power.sub_(fmt.mant_bits << _F32_MANT_BITS).view(torch.float32)
 
 
+def to_elements(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """:func:`round_to_format` stored in ``fmt``'s torch dtype (the FP8 formats): the bytes an FP8
+    GEMM reads, without the round trip through fp32.
+
+    Args:
+        x: float32 tensor (already scaled), any shape and device.
+        fmt: an element format with a torch dtype (E4M3, E5M2).
+    Returns:
+        ``fmt.torch_dtype`` tensor of ``x``'s shape.
+    """
+    if fmt.torch_dtype is None:
+        raise ValueError(f"{fmt.name} has no torch dtype; round_to_format gives its values in fp32")
+    # Clamp keeps NaN and maps +-Inf to +-max; torch's fp32 -> float8 cast is RNE but not
+    # saturating, so after the clamp it is exact.
+    return x.float().clamp(-fmt.max, fmt.max).to(fmt.torch_dtype)
+
+
 def round_to_format(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     """Round an fp32 tensor (already scaled) to the nearest value of ``fmt``.
 
@@ -105,11 +122,9 @@ def round_to_format(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     Returns:
         float32 tensor of ``x``'s shape whose values lie on ``fmt``'s grid.
     """
-    clamped = x.float().clamp(-fmt.max, fmt.max)  # clamp keeps NaN, maps +-Inf to +-max
     if fmt.torch_dtype is not None:
-        # torch's fp32 -> float8 cast is RNE but not saturating; after the clamp it is exact.
-        return clamped.to(fmt.torch_dtype).to(torch.float32)
-    a = clamped.abs_()
+        return to_elements(x, fmt).to(torch.float32)
+    a = x.float().clamp(-fmt.max, fmt.max).abs_()  # clamp keeps NaN, maps +-Inf to +-max
     ulp = _ulp(a, fmt)
     # a / ulp is exact (power of two); round_ is half-to-even, and even multiples
     # of the ulp are exactly the codes with a zero mantissa LSB.

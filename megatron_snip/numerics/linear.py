@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from megatron_snip.compat.device import has_cuda
 from megatron_snip.numerics.blocks import tensor_amax
-from megatron_snip.numerics.formats import FloatFormat, round_to_format
+from megatron_snip.numerics.formats import FloatFormat, to_elements
 from megatron_snip.numerics.fp8 import FP8DelayedScaling, fp8_scale_from_amax
 from megatron_snip.numerics.hadamard import HADAMARD_SIZE, random_hadamard_transform, random_signs
 from megatron_snip.numerics.health import HealthStats
@@ -252,8 +252,7 @@ def _quantize_src(src: torch.Tensor, q: OperandQuantizer, operand: str, quant: L
             scale = scaler.scale_for(amax)
             scaler.record(amax)
         if keep_fp8:  # per-tensor quantizers are never columnwise: src is t
-            elements = round_to_format(src.float() * scale, q.element)
-            return FP8Operand(elements.to(q.element.torch_dtype), torch.reciprocal(scale))
+            return FP8Operand(to_elements(src.float() * scale, q.element), torch.reciprocal(scale))
     if q.stochastic:
         generator = quant.state.generator(src.device)
     global_amax = quant.global_amax(src, operand) if q.spec.global_scale else None  # nvfp4's per-tensor part
