@@ -112,6 +112,13 @@ def test_no_variant_beats_the_oracle_on_the_costs_it_planned_with(tmp_path, caps
         assert any(gap > oracle_gap + 1e-6 for gap in (r[1] for r in rows.values()))
 
 
+def test_a_target_outside_0_1_is_refused_naming_the_flag(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(_run_dir(tmp_path)), "--targets", "0.75", "1.5"])
+    assert exit_info.value.code == 2
+    assert "--targets 1.5: an FP4 target is a share of the linear FLOPs, in (0, 1]" in capsys.readouterr().err
+
+
 def test_a_run_without_the_oracle_arm_is_refused(tmp_path, capsys):
     out = _run_dir(tmp_path)
     (out / "oracle" / "costs.json").unlink()

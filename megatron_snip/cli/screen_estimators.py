@@ -31,6 +31,7 @@ from megatron_snip.research.variants import (
     type_costs,
     type_terms,
 )
+from megatron_snip.snip.ilp import InfeasibleBudgetError
 from megatron_snip.snip.statistics_file import Budget
 
 
@@ -42,6 +43,10 @@ def main(argv=None) -> int:
     p.add_argument("--solver", choices=["auto", "gurobi", "highs"], default="auto")
     p.add_argument("--json", metavar="FILE", help="also write every seed's rows here")
     a = p.parse_args(argv)
+    bad = [t for t in a.targets or () if not 0.0 < t <= 1.0]
+    if bad:
+        p.error(f"--targets {' '.join(map(str, bad))}: an FP4 target is a share of the linear FLOPs, in (0, 1] "
+                "(e.g. --targets 0.75 0.9)")
     try:
         settings, costs, stats = load_run(Path(a.run))
     except ValueError as e:
@@ -53,8 +58,12 @@ def main(argv=None) -> int:
           f"statistics of seeds {sorted(stats)} at iteration {settings['trunk_iters']}")
     record = []
     for target in targets:
-        screens = [screen(sf, costs, Budget(target), seed, formats=settings["formats"], solver=a.solver)
-                   for seed, sf in stats.items()]
+        try:
+            screens = [screen(sf, costs, Budget(target), seed, formats=settings["formats"], solver=a.solver)
+                       for seed, sf in stats.items()]
+        except InfeasibleBudgetError as e:
+            print(f"error: --targets {target}: {e}", file=sys.stderr)
+            return 2
         print(f"\nFP4 target {target:.2f}: predicted from the measured costs (mean over {len(screens)} seeds)\n")
         print("| variant | FP4 FLOPs | predicted gap | predicted regret |\n|---|---:|---:|---:|")
         for name in [v.name for v in VARIANTS] + ["oracle"]:
