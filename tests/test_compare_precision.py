@@ -62,14 +62,16 @@ def test_paired_gaps_and_noise_by_hand():
 
 
 def test_each_arm_starts_from_its_plan_and_the_replanned_ones_run_snip(tmp_path):
-    c = config(out=str(tmp_path), policies=("snip", "snip-fixed", "snip-loss-term-replanned", "uniform"), seeds=(1,))
+    c = config(out=str(tmp_path), policies=("snip", "snip-fixed", "snip-loss-term-replanned",
+                                            "snip-fisher-loss-term-replanned", "uniform"), seeds=(1,))
     plans = tmp_path / "seed1" / "plans"
     plans.mkdir(parents=True)
-    for policy in ("snip", "snip-loss-term", "uniform"):
+    for policy in ("snip", "snip-loss-term", "snip-fisher-loss-term", "uniform"):
         PrecisionPlan.uniform("nvfp4").save(plans / f"{policy}_{BUDGET.tag}.json")
     comparison = Comparison(c, log=lambda *_: None)
     args = {b.arm: comparison.branch_args(b) for b in branches(c) if b.budget is not None}
-    assert sorted(args) == ["snip", "snip-fixed", "snip-loss-term-replanned", "uniform"]
+    assert sorted(args) == ["snip", "snip-fisher-loss-term-replanned", "snip-fixed", "snip-loss-term-replanned",
+                            "uniform"]
 
     def value(arm, flag):
         return args[arm][args[arm].index(flag) + 1] if flag in args[arm] else None
@@ -79,6 +81,10 @@ def test_each_arm_starts_from_its_plan_and_the_replanned_ones_run_snip(tmp_path)
     assert value("snip-loss-term-replanned", "--precision-plan") == str(plans / "snip-loss-term_fp4-0.75.json")
     assert value("snip-loss-term-replanned", "--snip-update-weight") == "0"
     assert value("snip", "--snip-update-weight") is None
+    fisher = "snip-fisher-loss-term-replanned"
+    assert value(fisher, "--precision-plan") == str(plans / "snip-fisher-loss-term_fp4-0.75.json")
+    assert (value(fisher, "--snip-update-weight"), value(fisher, "--snip-curvature")) == ("0", "fisher")
+    assert value("snip", "--snip-curvature") is None
     assert "--snip" in args["snip-loss-term-replanned"] and "--snip" not in args["snip-fixed"]
     assert value("snip-loss-term-replanned", "--snip-fp4-target") == "0.75"
     assert value("uniform", "--load") == str(tmp_path / "seed1" / "trunk" / "ckpt")

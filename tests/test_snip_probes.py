@@ -238,6 +238,19 @@ def single_worker(rank, world, port, out_dir):
     out["left_in_iterator"] = next(data)["tokens"].equal(batches[1][0]["tokens"])
     after = _snapshot(chunks, controller)
     out["unchanged"] = {k: _same(before[k], after[k]) for k in before}
+    # The same cycle with the empirical-Fisher curvature: no Hutchinson passes, the rest the same.
+    passes = {"n": 0}
+    first = next(iter(controller.modules().values()))
+    handle = first.register_forward_pre_hook(lambda *_: passes.__setitem__("n", passes["n"] + 1))
+    counted = {}
+    for curvature in ("hutchinson", "fisher"):
+        passes["n"] = 0
+        counted[curvature] = run_probe_cycle(
+            chunks, optimizer, controller, iter(batches[0]), num_microbatches=MICRO, seq_length=SEQ,
+            micro_batch_size=MBS, config=ProbeConfig(curvature=curvature, restore_grads=True), iteration=STEPS)
+        out[f"forward_calls_{curvature}"] = passes["n"]
+    handle.remove()
+    out["fisher_pair"] = (counted["hutchinson"].to_dict(), counted["fisher"].to_dict())
     run_probe_cycle(chunks, optimizer, controller, iter(batches[0]), num_microbatches=MICRO, seq_length=SEQ,
                     micro_batch_size=MBS, config=ProbeConfig(hutchinson_probes=1, perturbation_probes=1))
     out["grads_zeroed"] = all(b.grad_data.abs().max().item() == 0 for b in chunks[0].buffers)
@@ -335,6 +348,31 @@ def test_probe_leaves_no_trace(single):
     assert single["left_in_iterator"], "the probe must read exactly num_microbatches micro-batches"
     assert single["graphs_left"] == 0, f"{single['graphs_left']} tensors still hold the probe's autograd graphs"
     assert single["grads_zeroed"] and single["params_unchanged_default"]
+
+
+@pytest.mark.integration
+def test_fisher_curvature_skips_the_hutchinson_passes_and_changes_nothing_else(single):
+    """``--snip-curvature fisher``: the cycle runs 2 + K passes instead of 2 + 2K, each module's
+    curvature is ``N ||dY||^2`` of the clean pass, and every other statistic is the Hutchinson
+    cycle's bit for bit (the same state, batch and noise)."""
+    from megatron_snip.snip.estimators import fisher_trace
+
+    micro, k = MICRO, 3
+    assert single["forward_calls_hutchinson"] == (2 + 2 * k) * micro
+    assert single["forward_calls_fisher"] == (2 + k) * micro
+    hutchinson, fisher = single["fisher_pair"]
+    assert fisher["settings"].pop("curvature") == "fisher"
+    assert hutchinson["settings"].pop("curvature") == "hutchinson"
+    for name, m in fisher["modules"].items():
+        h = hutchinson["modules"][name]
+        assert m.pop("curvature_probes") == [] and len(h.pop("curvature_probes")) == k
+        tokens = MICRO * MBS * SEQ
+        assert m["output_numel"] == tokens * m["out_features"]
+        assert m.pop("curvature") == fisher_trace(m["output_grad_sq"], m["output_numel"], m["out_features"]) > 0
+        h.pop("curvature")
+        assert m == h, name
+    assert {k: v for k, v in fisher.items() if k != "modules"} == {k: v for k, v in hutchinson.items()
+                                                                   if k != "modules"}
 
 
 @pytest.mark.integration

@@ -66,6 +66,29 @@ def test_time_target_with_the_papers_candidates_at_tp2_pp2(tiny_data, tmp_path):
     assert {str(plan[n]) for n in module_names(4)} == {"fp8", "mxfp4"}
 
 
+def test_fisher_curvature_plans_by_the_loss_term_it_measured_at_tp2_pp2(tiny_data, tmp_path):
+    """--snip-curvature fisher --snip-update-weight 0: the cycle records the empirical-Fisher curvature
+    of every module (no Hutchinson draws) and its plan is the loss-term ILP on those statistics."""
+    from megatron_snip.snip.estimators import fisher_trace
+    from megatron_snip.snip.ilp import solve
+    from megatron_snip.snip.planner import to_precision_plan
+    from megatron_snip.snip.statistics_file import Budget, StatisticsFile
+
+    torchrun(4, train_args(tiny_data, *LAYOUT, "--snip", "--snip-fp4-target", str(TARGET), "--snip-curvature",
+                           "fisher", "--snip-update-weight", "0", "--snip-interval", "2", "--snip-probe-passes", "1",
+                           "--save", str(tmp_path / "ckpt"), "--save-interval", "2", iters=2))
+    path = tmp_path / "ckpt" / "snip" / "snip_iter_0000002.json"
+    record = json.loads(path.read_text())
+    assert record["statistics"]["settings"]["curvature"] == "fisher"
+    for m in record["statistics"]["modules"].values():
+        assert m["curvature_probes"] == []
+        assert m["curvature"] == fisher_trace(m["output_grad_sq"], m["output_numel"], m["out_features"]) > 0
+    problem = StatisticsFile.load(path).problem(Budget(TARGET), loss_weight=1.0, update_weight=0.0)
+    offline = to_precision_plan(solve(problem).plan, split=False)
+    assert PrecisionPlan.from_dict(record["cycle"]["plan"]).to_dict() == offline.to_dict()
+    assert record["cycle"]["update_divergence"] == 0.0 and record["cycle"]["loss_divergence"] > 0
+
+
 def test_resume_restores_the_plan_and_continues_identically(tiny_data, snip_run, tmp_path):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()

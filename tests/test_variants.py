@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -49,6 +50,11 @@ def test_fisher_variant_changes_the_curvature_only():
     assert all(row["loss (fisher)"] > 0 for row in terms.values())
     with pytest.raises(ValueError, match="curvature must be one of"):
         Variant("x", curvature="gauss")
+    # Statistics of a --snip-curvature fisher run hold no Hutchinson trace to screen.
+    measured_fisher = replace(fisher, settings={**fisher.settings, "curvature": "fisher"})
+    assert with_curvature(measured_fisher, "fisher").modules == fisher.modules
+    with pytest.raises(ValueError, match="hold no Hutchinson curvature"):
+        with_curvature(measured_fisher, "hutchinson")
 
 
 def test_the_fisher_loss_term_policy_plans_by_the_fisher_loss_divergence():

@@ -8,8 +8,9 @@
 
 For each seed a trunk trains in BF16 to --trunk-iters and runs one SNIP cycle; from that
 checkpoint every arm trains to --train-iters on the same batches: the BF16 reference, SNIP
-re-planning every --snip-interval ("snip", and "snip-loss-term-replanned" with
---snip-update-weight 0), SNIP's first plan fixed ("snip-fixed"), and the baselines, each at
+re-planning every --snip-interval ("snip"; "snip-loss-term-replanned" with --snip-update-weight 0;
+"snip-fisher-loss-term-replanned" adding --snip-curvature fisher), SNIP's first plan fixed
+("snip-fixed"), and the baselines, each at
 exactly the same budget (plans from the trunk's statistics, megatron_snip/research/offline.py).
 Flags after "--" go to every pretrain_llama.py run (model, data, optimizer, layout: add
 --tensor-model-parallel-size etc. with --nproc-per-node).

@@ -68,8 +68,7 @@ def main() -> int:
     stats = gather_across_pipeline(run_probe_cycle(
         trainer.model, trainer.optimizer, trainer.precision, iter(batches[0]), num_microbatches=n_mb,
         seq_length=seq_length, micro_batch_size=micro_batch_size,
-        config=ProbeConfig(formats=tuple(formats), hutchinson_probes=config.snip.snip_probe_passes,
-                           perturbation_probes=config.snip.snip_probe_passes, seed=config.training.seed),
+        config=ProbeConfig.from_snip(config.snip, config.training.seed),
         iteration=trainer.state.iteration))
     est = divergences(stats)
     est_fwd = {m: {f: d.forward for f, d in per.items()} for m, per in est.items()}

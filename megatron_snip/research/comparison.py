@@ -69,8 +69,14 @@ NOISE = "bf16-reorder"
 NOISE_ORDER_SEED = 1  # the permutation of the training documents (the same for every seed: each seed's
 #                       dataset shuffle then draws its own order from it)
 # Arms re-planned by SNIP at every --snip-interval from the branch point: arm -> (offline policy of the
-# first plan, extra pretrain_llama.py flags). "snip-loss-term-replanned" plans by the loss term alone.
-REPLANNED = {"snip": ("snip", ()), "snip-loss-term-replanned": ("snip-loss-term", ("--snip-update-weight", "0"))}
+# first plan, extra pretrain_llama.py flags). "snip-loss-term-replanned" plans by the loss term alone,
+# "snip-fisher-loss-term-replanned" by the loss term with the empirical-Fisher curvature.
+REPLANNED = {
+    "snip": ("snip", ()),
+    "snip-loss-term-replanned": ("snip-loss-term", ("--snip-update-weight", "0")),
+    "snip-fisher-loss-term-replanned": ("snip-fisher-loss-term",
+                                        ("--snip-update-weight", "0", "--snip-curvature", "fisher")),
+}
 FIXED = {"snip-fixed": "snip"}  # arm -> offline policy whose plan it keeps fixed
 # ORACLE plans with the costs the ablation arms measured, so its branches train after theirs (oracle.py).
 ARMS = (*REPLANNED, *FIXED, *(p for p in POLICIES if p != "snip"), ORACLE)

@@ -22,15 +22,13 @@ from pathlib import Path
 
 from megatron_snip.numerics.registry import is_fp4
 from megatron_snip.precision.plan import parse_module_name
-from megatron_snip.snip.estimators import cost_tables, divergences
+from megatron_snip.snip.estimators import CURVATURES, cost_tables, divergences, fisher_trace
 from megatron_snip.snip.ilp import Plan, SnipProblem, evaluate_plan, solve
 from megatron_snip.snip.statistics import ModuleStatistics, ProbeStatistics
 from megatron_snip.snip.statistics_file import Budget, StatisticsFile
 
 from .oracle import OracleCosts, oracle_plan, predicted_gap
 from .ranks import spearman
-
-CURVATURES = ("hutchinson", "fisher")
 
 
 @dataclass(frozen=True)
@@ -60,17 +58,17 @@ VARIANTS = (
 
 
 def fisher_curvature(m: ModuleStatistics) -> float:
-    """``tr H`` of the loss with respect to the module output as the empirical Fisher gives it:
-    ``N ||dY||^2`` for a loss averaged over N tokens (each token's own gradient is N dY_t, and the
-    Fisher is their mean outer product). Always >= 0, and read from the clean pass alone, where the
-    Hutchinson trace is a difference of noisy passes that can come out negative. Units: loss / Y^2."""
-    tokens = m.output_numel / m.out_features
-    return tokens * m.output_grad_sq
+    """The module's ``tr H`` as the empirical Fisher of its clean pass gives it (``estimators.fisher_trace``)."""
+    return fisher_trace(m.output_grad_sq, m.output_numel, m.out_features)
 
 
 def with_curvature(stats: ProbeStatistics, curvature: str) -> ProbeStatistics:
-    """``stats`` with every module's curvature from ``curvature`` ("hutchinson": as measured)."""
+    """``stats`` with every module's curvature from ``curvature`` ("hutchinson": as the probes measured
+    it, which statistics of a ``--snip-curvature fisher`` run do not hold: ValueError)."""
     if curvature == "hutchinson":
+        if stats.settings.get("curvature", "hutchinson") != "hutchinson":
+            raise ValueError(f"statistics of iteration {stats.iteration} hold no Hutchinson curvature: they were "
+                             "measured with --snip-curvature fisher, which runs no Hutchinson passes")
         return stats
     return replace(stats, modules={n: replace(m, curvature=fisher_curvature(m)) for n, m in stats.modules.items()})
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_snip.flags import flag
+from megatron_snip.snip.estimators import CURVATURES
 
 DEFAULT_FP4_TARGET = 0.75  # the paper's headline budget: 75% of the linear-layer FLOPs in FP4
 
@@ -42,9 +43,14 @@ class SnipConfig:
         "trained better at 90%% FP4 and worse at 50%% in the CPU-scale comparisons (docs/quality.md).", ours=True)
     snip_switch_penalty: float = flag(0.0, "Objective penalty per module whose precision changes from the current "
                                       "plan.", ours=True)
+    snip_curvature: str = flag(
+        "hutchinson", "Curvature of the loss term: Hutchinson noise passes (the paper's) or the empirical Fisher "
+        "N ||dY||^2 of the clean pass, which needs no curvature passes and cannot come out negative "
+        "(docs/quality.md).", choices=CURVATURES, ours=True)
     snip_probe_passes: int = flag(
         3, "Noise draws per estimator, each one pass differenced against the clean pass (default 3: a cycle runs 1 "
-        "gradient + 1 clean + 3 curvature + 3 perturbation passes, 8 in all; 2 + 2K).", ours=True)
+        "gradient + 1 clean + 3 curvature + 3 perturbation passes, 8 in all; 2 + 2K, or 2 + K with "
+        "--snip-curvature fisher).", ours=True)
 
     def due(self, iteration: int) -> bool:
         """Whether a cycle runs after ``iteration``."""

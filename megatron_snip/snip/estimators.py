@@ -9,8 +9,9 @@ units in ``docs/snip.md``):
       dL(l, f) = 0.5 * (tr H_l / numel(Y_l)) * ||E_f||^2,   E_f = Q(X) Q(W)^T - X W^T
 
   with ``tr H_l`` the trace of the loss Hessian with respect to the module
-  output (a Hutchinson estimate), so ``tr H_l / numel(Y_l)`` is the mean
-  per-element curvature;
+  output (a Hutchinson estimate, or the empirical Fisher's trace with
+  ``--snip-curvature fisher``: :func:`fisher_trace`), so ``tr H_l / numel(Y_l)``
+  is the mean per-element curvature;
 
 * backward weight divergence, the squared drift of the Adam update when the
   module's dgrad and wgrad run in f::
@@ -42,6 +43,9 @@ from .statistics import ModuleStatistics, ProbeStatistics
 # The reference precision: a module in bf16 runs megatron-core's own layer, so it
 # diverges from the clean model by definition not at all.
 REFERENCE_FORMAT = "bf16"
+# Where the loss term's curvature tr H comes from (--snip-curvature): the Hutchinson probe passes,
+# or the empirical Fisher of the clean pass (:func:`fisher_trace`, no probe passes).
+CURVATURES = ("hutchinson", "fisher")
 
 
 # -- Adam ------------------------------------------------------------------------------------------
@@ -122,6 +126,24 @@ def hutchinson_trace(noise_dot_grad_diff: float, sigma: float) -> float:
         trace estimate, units loss / Y^2.
     """
     return noise_dot_grad_diff / sigma
+
+
+def fisher_trace(output_grad_sq: float, output_numel: float, out_features: int) -> float:
+    """``tr H`` of the loss with respect to a module output Y as the empirical Fisher gives it:
+    ``N ||dY||^2`` for a loss averaged over the N tokens of Y (token t's own loss gradient is
+    ``N dY_t``, and the Fisher is the mean of their outer products).
+
+    Read from the clean pass alone, and always >= 0, where the Hutchinson trace is a difference of
+    noisy passes that can come out negative (docs/quality.md, "Estimator variants").
+
+    Args:
+        output_grad_sq: ``||dY||^2`` of the clean pass (dY the gradient of the mean loss).
+        output_numel: elements of Y (N tokens x ``out_features``).
+        out_features: width of Y.
+    Returns:
+        trace estimate, units loss / Y^2 (as :func:`hutchinson_trace`'s).
+    """
+    return output_numel / out_features * output_grad_sq
 
 
 def perturbation_gain(input_change_sq: float, sigma: float) -> float:

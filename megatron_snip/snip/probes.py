@@ -22,7 +22,9 @@ masks:
    quantization-error baselines sum;
 2. **Hutchinson passes** (K forward + backward): Rademacher noise
    ``+sigma_l Z_l`` at every module output at once; ``<Z_l, G(+) - G(0)>``, with
-   ``<Z_l, G(0)>`` read in the clean pass's backward, gives ``tr(H_l)`` for every module;
+   ``<Z_l, G(0)>`` read in the clean pass's backward, gives ``tr(H_l)`` for every module
+   (none run with ``--snip-curvature fisher``, whose ``tr(H_l) = N ||dY_l||^2`` the clean
+   pass gives: ``estimators.fisher_trace``);
 3. **perturbation passes** (K forward only): every parameter moved by
    ``+sigma P~ * w``; ``||X(+) - X(0)||^2`` at every module input, X(0) kept from
    the clean pass, gives the propagated gains ``g_l``.
@@ -61,10 +63,12 @@ from megatron_snip.model.precision.layers import PlanLinear
 from megatron_snip.model.step import LOSS_KEY, forward_step
 from megatron_snip.numerics.linear import LinearQuantization, QuantState, quantize_operand, quantized_linear
 from megatron_snip.numerics.recipes import BF16, Precision
+from megatron_snip.numerics.registry import precision_format
 from megatron_snip.precision.plan import parse_module_name
 
 from .adam_view import AdamSlice, AdamView
-from .estimators import REFERENCE_FORMAT, hutchinson_trace, perturbation_gain
+from .config import SnipConfig
+from .estimators import CURVATURES, REFERENCE_FORMAT, fisher_trace, hutchinson_trace, perturbation_gain
 from .noise import global_flat_index, noise_key, param_global_index, rademacher
 from .passes import ForwardStep, PassRunner, RngStates, preserved_training_state
 from .statistics import FormatErrors, ModuleStatistics, ProbeStatistics
@@ -77,8 +81,11 @@ class ProbeConfig:
     Attributes:
         formats: candidate formats to measure; bf16, the reference (cost 0), may be listed
             and is dropped: it needs no measurement.
+        curvature: where each module's ``tr H`` comes from: "hutchinson" (the noise passes
+            below) or "fisher" (the empirical Fisher of the clean pass, ``estimators.fisher_trace``:
+            no Hutchinson passes run).
         hutchinson_probes: K noise draws for the curvatures, each one forward + backward
-            pass differenced against the clean pass (K passes).
+            pass differenced against the clean pass (K passes; none with ``curvature`` "fisher").
         perturbation_probes: K parameter-perturbation draws for the gains, each one
             forward-only pass differenced against the clean pass (K passes).
         output_noise: Hutchinson noise scale relative to each module's output RMS.
@@ -91,6 +98,7 @@ class ProbeConfig:
     """
 
     formats: tuple[str, ...] = ("fp8", "nvfp4", "mxfp4")
+    curvature: str = "hutchinson"
     hutchinson_probes: int = 3
     perturbation_probes: int = 3
     output_noise: float = 0.05
@@ -102,8 +110,23 @@ class ProbeConfig:
         for f in self.formats:
             Precision.uniform(f)
         object.__setattr__(self, "formats", tuple(f for f in self.formats if f != REFERENCE_FORMAT))
+        if self.curvature not in CURVATURES:
+            raise ValueError(f"curvature must be one of {CURVATURES}, got {self.curvature!r}")
         if self.hutchinson_probes < 1 or self.perturbation_probes < 1:
             raise ValueError("hutchinson_probes and perturbation_probes must be >= 1")
+
+    @classmethod
+    def from_snip(cls, snip: SnipConfig, seed: int) -> ProbeConfig:
+        """The probes a run's ``--snip-*`` flags ask for: its quantized candidates, its curvature,
+        ``--snip-probe-passes`` draws per estimator."""
+        return cls(formats=tuple(f for f in snip.snip_formats if precision_format(f).quantized),
+                   curvature=snip.snip_curvature, hutchinson_probes=snip.snip_probe_passes,
+                   perturbation_probes=snip.snip_probe_passes, seed=seed)
+
+    @property
+    def curvature_passes(self) -> int:
+        """The Hutchinson passes a cycle runs."""
+        return self.hutchinson_probes if self.curvature == "hutchinson" else 0
         if not self.output_noise > 0 or (self.param_noise is not None and not self.param_noise > 0):
             raise ValueError("output_noise and param_noise must be > 0")
 
@@ -400,7 +423,7 @@ def run_probe_cycle(
         for p in probes:
             p.sensitivity = sensitivity.get(p.adam)
         rng.restore()
-        curvature_keys = [noise_key(config.seed, "output", k) for k in range(config.hutchinson_probes)]
+        curvature_keys = [noise_key(config.seed, "output", k) for k in range(config.curvature_passes)]
         clean_inputs: dict[tuple[str, int], torch.Tensor] = {}
         loss = _clean_pass(runner, probes, loss_scale, curvature_keys, clean_inputs)
         clean_keys = [*map(Sum, CLEAN_QUANTITIES), *[Sum(q, f) for f in config.formats for q in FORMAT_QUANTITIES]]
@@ -413,7 +436,7 @@ def run_probe_cycle(
         clean_inputs.clear()  # before the Hutchinson passes need activation memory
         for k, key in enumerate(curvature_keys):
             _hutchinson_pass(runner, probes, rng, key, k, loss_scale)
-        noise_keys = ([Sum("curvature", probe=k) for k in range(config.hutchinson_probes)]
+        noise_keys = ([Sum("curvature", probe=k) for k in range(config.curvature_passes)]
                       + [Sum("gain", probe=k) for k in range(config.perturbation_probes)])
         noisy = _reduce(probes, noise_keys, adam.dp_sharded)
     stage = parallel_state.get_pipeline_model_parallel_rank()
@@ -566,14 +589,17 @@ def _module_statistics(p: _Probe, sums: dict[Sum, float], config: ProbeConfig, p
     layer, _ = parse_module_name(p.name)
     out_local, in_local = p.module.weight.shape
     tp = p.layout.tp
-    curv = [hutchinson_trace(sums[Sum("curvature", probe=k)], p.sigma) for k in range(config.hutchinson_probes)]
+    out_features = out_local * (1 if p.layout.row else tp)
+    curv = [hutchinson_trace(sums[Sum("curvature", probe=k)], p.sigma) for k in range(config.curvature_passes)]
+    curvature = (sum(curv) / len(curv) if curv
+                 else fisher_trace(sums[Sum("output_grad_sq")], sums[Sum("output_numel")], out_features))
     gains = [perturbation_gain(sums[Sum("gain", probe=k)], param_sigma)
              for k in range(config.perturbation_probes)]
     return ModuleStatistics(
         name=p.name, layer=layer, stage=stage,
-        in_features=in_local * (tp if p.layout.row else 1), out_features=out_local * (1 if p.layout.row else tp),
+        in_features=in_local * (tp if p.layout.row else 1), out_features=out_features,
         **{q: sums[Sum(q)] for q in CLEAN_QUANTITIES},
-        curvature=sum(curv) / len(curv), curvature_probes=curv, gain=sum(gains) / len(gains), gain_probes=gains,
+        curvature=curvature, curvature_probes=curv, gain=sum(gains) / len(gains), gain_probes=gains,
         errors={f: FormatErrors(*(sums[Sum(q, f)] for q in ("output_sq", "first_order", "input_grad_sq", "update_sq")),
                                 {o: sums[Sum(q, f)] for o, q in OPERAND_QUANTITIES.items()})
                 for f in p.formats},

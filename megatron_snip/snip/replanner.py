@@ -26,7 +26,6 @@ from megatron_snip.fileio import write_text_atomic
 from megatron_snip.model.precision.controller import PrecisionController
 from megatron_snip.model.precision.megatron_config import megatron_config_files
 from megatron_snip.numerics.recipes import RecipeConfig
-from megatron_snip.numerics.registry import precision_format
 from megatron_snip.precision.flops import LlamaLinearDims
 from megatron_snip.precision.gemm_speed import GemmSpeedModel
 from megatron_snip.precision.plan import PrecisionPlan, parse_module_name
@@ -92,9 +91,7 @@ class SnipReplanner:
         self.chunks, self.optimizer, self.controller = chunks, optimizer, controller
         self.dims, self.speed_model, self.step = dims, speed_model, step
         self.pipeline_stages, self.virtual_stages = pipeline_stages, virtual_stages
-        self.probe = ProbeConfig(formats=tuple(f for f in snip.snip_formats if precision_format(f).quantized),
-                                 hutchinson_probes=snip.snip_probe_passes,
-                                 perturbation_probes=snip.snip_probe_passes, seed=seed)
+        self.probe = ProbeConfig.from_snip(snip, seed)
         self.modules = linear_modules(dims, step.tokens, pipeline_stages, virtual_stages)
         self.statistics: ProbeStatistics | None = None
         self.reports: list[CycleReport] = []

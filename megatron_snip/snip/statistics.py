@@ -73,8 +73,9 @@ class ModuleStatistics:
         input_numel, output_numel: elements of X and Y over the probe batch.
         input_sq, weight_sq, output_sq, output_grad_sq: ``||X||^2``, ``||W||^2``, ``||Y||^2``,
             ``||dY||^2`` of the clean pass.
-        curvature: Hutchinson estimate of ``tr(d^2 L / dY^2)`` (loss / Y-unit^2); the mean of
-            ``curvature_probes``, one value per noise draw.
+        curvature: estimate of ``tr(d^2 L / dY^2)`` (loss / Y-unit^2): the Hutchinson one, the
+            mean of ``curvature_probes`` (one value per noise draw), or with
+            ``settings["curvature"]`` "fisher" the empirical Fisher's (``curvature_probes`` empty).
         gain: estimate of ``||J P~||_F^2``, J = dX / d(parameters below), the preconditioned
             gain of lower layers' updates w.r.t. the module input; the mean of ``gain_probes``.
         errors: format -> :class:`FormatErrors` for each measured format.
