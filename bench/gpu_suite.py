@@ -19,6 +19,7 @@ cap, not the report), all inside ``--budget`` seconds (one 10-minute device call
 6. step_time: ``bench/step_time.py`` on a TinyLlama-1.1B-shaped model, one GPU;
 7. attention: ``bench/step_time.py --compare-attention 2048``, SDPA vs DotProductAttention;
 8. snip_cycle: ``bench/snip_cycle.py``, a SNIP cycle's cost in iterations and as a share of 1000;
+   snip_cycle_fisher, the same with ``--curvature fisher``;
 9. profile: ``bench/step_time.py --profile``, the top operators of our bf16 and fp8 steps.
 
 ``report.md`` and ``report.json`` under ``--out`` are rewritten after every step, with
@@ -115,6 +116,10 @@ def plan(wheels: Path | None, out: Path, raw: Path | None = None) -> list[Step]:
         Step("snip_cycle", "one SNIP cycle at the TinyLlama-1.1B shape as a share of 1000 iterations",
              [py, f"{bench}/snip_cycle.py", "--nproc", "1", "--tp", "1", "--pp", "1", "--preset", "tinyllama-1.1b",
               "--bf16", "--micro-batch-size", "1", "--global-batch-size", "8", "--interval", "5"], 120),
+        Step("snip_cycle_fisher", "the same cycle with --snip-curvature fisher (no Hutchinson passes)",
+             [py, f"{bench}/snip_cycle.py", "--nproc", "1", "--tp", "1", "--pp", "1", "--preset", "tinyllama-1.1b",
+              "--bf16", "--micro-batch-size", "1", "--global-batch-size", "8", "--interval", "5",
+              "--curvature", "fisher"], 120),
         Step("profile", "where the step's time goes: torch.profiler on our bf16 and fp8 steps (TinyLlama shape)",
              [py, f"{bench}/step_time.py", "--nproc", "1", "--tp", "1", "--pp", "1", "--preset", "tinyllama-1.1b",
               "--bf16", "--micro-batch-size", "1", "--global-batch-size", "8", "--iters", "3", "--warmup", "1",

@@ -2,6 +2,7 @@
 
     python bench/snip_cycle.py                     # tiny Llama, TP=2 PP=2, 4 local processes (CPU here)
     python bench/snip_cycle.py --nproc 8 --tp 2 --pp 2 --preset tinyllama-1.1b --bf16   # a GPU node
+    python bench/snip_cycle.py --curvature fisher  # the empirical-Fisher curvature: no Hutchinson passes
 
 Runs pretrain_llama.py with ``--snip`` re-planning once, then reads TensorBoard:
 the cycle's wall time (probe passes, statistics, gather, solve, broadcast) over
@@ -33,6 +34,8 @@ def main() -> None:
     add_layout_args(p)
     p.add_argument("--interval", type=int, default=10, help="iterations before (and after) the cycle")
     p.add_argument("--probe-passes", type=int, default=3)
+    p.add_argument("--curvature", choices=("hutchinson", "fisher"), default="hutchinson",
+                   help="--snip-curvature: fisher runs no Hutchinson passes (2 + K passes instead of 2 + 2K)")
     opts = p.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -45,7 +48,8 @@ def main() -> None:
                "--train-iters", str(2 * opts.interval), "--lr", "1e-3", "--lr-decay-style", "constant",
                "--data-path", prefix, "--tokenizer-model", tok, "--split", "99,1,0", "--eval-iters", "0",
                "--log-interval", "1", "--log-timers-to-tensorboard", "--snip", "--snip-interval", str(opts.interval),
-               "--snip-probe-passes", str(opts.probe_passes), "--tensorboard-dir", str(work / "tb"),
+               "--snip-probe-passes", str(opts.probe_passes), "--snip-curvature", opts.curvature,
+               "--tensorboard-dir", str(work / "tb"),
                *(["--bf16"] if opts.bf16 else [])]
         subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                        stdout=subprocess.DEVNULL)
@@ -57,7 +61,9 @@ def main() -> None:
     before = statistics.median(v for k, v in per_iter.items() if 3 <= k <= opts.interval)
     after = statistics.median(v for k, v in per_iter.items() if k > opts.interval + 1)
     print(f"layout TP={opts.tp} PP={opts.pp} DP={opts.nproc // (opts.tp * opts.pp)}, preset {opts.preset}, global "
-          f"batch {opts.global_batch_size}, {opts.probe_passes}+{opts.probe_passes} noise passes")
+          f"batch {opts.global_batch_size}, {opts.curvature} curvature: "
+          f"{opts.probe_passes if opts.curvature == 'hutchinson' else 0} Hutchinson + {opts.probe_passes} "
+          "perturbation passes")
     print(f"SNIP cycle                     : {cycle:8.2f} s")
     print(f"iteration before (warm-up plan): {before:8.3f} s   cycle / iteration = {cycle / before:6.1f}")
     print(f"iteration after (new plan)     : {after:8.3f} s   cycle / iteration = {cycle / after:6.1f}")
