@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -506,3 +507,9 @@ def test_every_arm_against_snip_with_95_percent_intervals_and_the_noise_floor_by
     assert "| FP4 target 0.75 | threshold | 3 | +0.0030 [-0.0020, +0.0080] | +1.5 |" in table
     assert "Noise floor (bf16-reorder" in table and "val +0.0000 ± 0.0020 on the same validation samples" in table
     assert math.isnan(ci95(0.002, 1)) and ci95(1.0, 100) == pytest.approx(2.042 / 10)
+    # --versus threshold: every other arm minus threshold's, the same pairs turned round.
+    against = {v["arm"]: v for v in summarize(replace(c, versus="threshold"), results)["versus_snip"]}
+    assert set(against) == {"snip-fixed", "uniform"} and against["uniform"]["focus"] == "threshold"
+    assert against["snip-fixed"]["val"] == pytest.approx(-0.003) and against["uniform"]["val"] == pytest.approx(0.007)
+    with pytest.raises(ValueError, match=r"--versus snip is not among --policies"):
+        replace(c, versus="snip")

@@ -87,6 +87,9 @@ def main(argv=None) -> int:
     p.add_argument("--ablation-seeds", type=int, nargs="+", default=[],
                    help="train the ablation arms on these of the --seeds only (default: all); the oracle's costs "
                         "come from them, its branch trains on every seed")
+    p.add_argument("--versus", default=None, metavar="POLICY",
+                   help="set every arm against this one of --policies in the report's paired table (default: "
+                        "snip, else snip-fixed, else snip-loss-term)")
     a = p.parse_args(argv)
     fp4_targets = a.fp4_targets if a.fp4_targets is not None else ([] if a.time_targets or a.ablations else [0.75])
     try:
@@ -95,7 +98,7 @@ def main(argv=None) -> int:
             budgets=parse_budgets(fp4_targets, a.time_targets), seeds=tuple(a.seeds), trunk_iters=a.trunk_iters,
             train_iters=a.train_iters, snip_interval=a.snip_interval or a.trunk_iters, formats=tuple(a.formats),
             nproc=a.nproc_per_node, window=a.window, solver=a.solver, ablations=tuple(a.ablations),
-            jobs=a.jobs, noise_floor=a.noise_floor, ablation_seeds=tuple(a.ablation_seeds))
+            jobs=a.jobs, noise_floor=a.noise_floor, ablation_seeds=tuple(a.ablation_seeds), versus=a.versus)
         comparison = Comparison(config, log=lambda m: print(m, flush=True))
         for sig in (signal.SIGTERM, signal.SIGUSR1):  # kill, SLURM's --signal: the runs save and stop
             signal.signal(sig, comparison.stop)

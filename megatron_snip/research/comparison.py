@@ -108,6 +108,7 @@ class ComparisonConfig:
     jobs: int = 1  # runs training at once (how the work is scheduled, not what it measures)
     noise_floor: bool = False  # train the NOISE arm for every seed
     ablation_seeds: tuple[int, ...] = ()  # seeds that train the ablation arms (default: every seed)
+    versus: str | None = None  # the arm the report sets every other against (default: SNIP's, report.FOCUS)
 
     def __post_init__(self):
         unknown = sorted(set(self.policies) - set(ARMS))
@@ -125,6 +126,9 @@ class ComparisonConfig:
                              f"{' or --ablations '.join(' '.join(n) for n in NEEDS)} (got {list(self.ablations)})")
         if not self.seeds:
             raise ValueError("give at least one --seeds value")
+        if self.versus is not None and self.versus not in self.policies:
+            raise ValueError(f"--versus {self.versus} is not among --policies {list(self.policies)}; the report "
+                             "sets every arm against one of them")
         if set(self.ablation_seeds) - set(self.seeds):
             raise ValueError(f"--ablation-seeds {sorted(set(self.ablation_seeds) - set(self.seeds))} are not among "
                              f"--seeds {list(self.seeds)}")
@@ -259,7 +263,7 @@ class Comparison:
         if path.exists():
             theirs = json.loads(path.read_text())
             # may change between reruns (arms and seeds added; how the work is scheduled)
-            free = ("policies", "budgets", "seeds", "ablations", "jobs", "noise_floor", "ablation_seeds")
+            free = ("policies", "budgets", "seeds", "ablations", "jobs", "noise_floor", "ablation_seeds", "versus")
             differ = sorted(k for k in set(mine) | set(theirs) if k not in free and mine.get(k) != theirs.get(k))
             if differ:
                 raise ValueError(f"{self.out} holds a comparison with other settings ({', '.join(differ)} differ); "

@@ -6,8 +6,9 @@ The seed-to-seed noise is the standard deviation of the BF16 branches' losses; t
 (``comparison.NOISE``, BF16 again on another data order) is the gap of an arm that differs from
 BF16 in nothing but its batches. With the oracle arm (``oracle.py``), each arm's regret at a budget
 is paired the same way: its loss minus the oracle branch's of the same seed. At each budget every
-arm is also set against SNIP's (the first of :data:`FOCUS` trained): the paired difference, its
-95% confidence interval (Student's t over the seeds) and its size in paired standard deviations.
+arm is also set against SNIP's (the first of :data:`FOCUS` trained, or the arm ``--versus`` names):
+the paired difference, its 95% confidence interval (Student's t over the seeds) and its size in
+paired standard deviations.
 """
 
 from __future__ import annotations
@@ -104,8 +105,9 @@ def summarize(config: ComparisonConfig, results: dict[tuple[str, int], BranchRes
 
 
 def _versus_focus(config: ComparisonConfig, results: dict[tuple[str, int], BranchResult]) -> list[dict]:
-    """At each budget, every other arm minus SNIP's (:data:`FOCUS`), paired per seed (:func:`paired_difference`)."""
-    focus = next((f for f in FOCUS if f in config.policies), None)
+    """At each budget, every other arm minus ``config.versus`` (default SNIP's, :data:`FOCUS`), paired per
+    seed (:func:`paired_difference`)."""
+    focus = config.versus or next((f for f in FOCUS if f in config.policies), None)
     if focus is None:
         return []
     rows = []
