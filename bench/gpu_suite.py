@@ -90,6 +90,9 @@ def plan(wheels: Path | None, out: Path, raw: Path | None = None) -> list[Step]:
     raw = raw or out
     py = sys.executable
     bench = str(ROOT / "bench")
+    # The TinyLlama-1.1B shape on one GPU, as every training bench below runs it.
+    tinyllama = ["--nproc", "1", "--tp", "1", "--pp", "1", "--preset", "tinyllama-1.1b", "--bf16",
+                 "--micro-batch-size", "1", "--global-batch-size", "8"]
     steps = []
     if wheels is not None:
         steps.append(Step("install", "install the carried wheels", [py, __file__, "--install", str(wheels)], 90))
@@ -105,24 +108,18 @@ def plan(wheels: Path | None, out: Path, raw: Path | None = None) -> list[Step]:
              [py, f"{bench}/quantize_bench.py", "--size", "8192", "--reps", "20", "--json", str(out / "quantize.json")],
              90, "quantize.json"),  # the first call of each of its 8 kernels compiles it
         Step("step_time", "training step, TinyLlama-1.1B shape, one GPU: overhead, precisions, MFU, SNIP, memory",
-             [py, f"{bench}/step_time.py", "--nproc", "1", "--tp", "1", "--pp", "1", "--preset", "tinyllama-1.1b",
-              "--bf16", "--micro-batch-size", "1", "--global-batch-size", "8", "--iters", "10", "--warmup", "3",
+             [py, f"{bench}/step_time.py", *tinyllama, "--iters", "10", "--warmup", "3",
               "--repeats", "2", "--compare-precision", "fp8", "nvfp4", "--snip-cycle",
               "--json", str(out / "step_time.json")], 200, "step_time.json"),
         Step("attention", "core attention, SDPA vs DotProductAttention, alone and in the step (TinyLlama shape)",
-             [py, f"{bench}/step_time.py", "--nproc", "1", "--tp", "1", "--pp", "1", "--preset", "tinyllama-1.1b",
-              "--bf16", "--micro-batch-size", "1", "--global-batch-size", "8", "--iters", "6", "--warmup", "2",
+             [py, f"{bench}/step_time.py", *tinyllama, "--iters", "6", "--warmup", "2",
               "--compare-attention", "2048", "--json", str(out / "attention.json")], 120, "attention.json"),
         Step("snip_cycle", "one SNIP cycle at the TinyLlama-1.1B shape as a share of 1000 iterations",
-             [py, f"{bench}/snip_cycle.py", "--nproc", "1", "--tp", "1", "--pp", "1", "--preset", "tinyllama-1.1b",
-              "--bf16", "--micro-batch-size", "1", "--global-batch-size", "8", "--interval", "5"], 120),
+             [py, f"{bench}/snip_cycle.py", *tinyllama, "--interval", "5"], 120),
         Step("snip_cycle_fisher", "the same cycle with --snip-curvature fisher (no Hutchinson passes)",
-             [py, f"{bench}/snip_cycle.py", "--nproc", "1", "--tp", "1", "--pp", "1", "--preset", "tinyllama-1.1b",
-              "--bf16", "--micro-batch-size", "1", "--global-batch-size", "8", "--interval", "5",
-              "--curvature", "fisher"], 120),
+             [py, f"{bench}/snip_cycle.py", *tinyllama, "--interval", "5", "--curvature", "fisher"], 120),
         Step("profile", "where the step's time goes: torch.profiler on our bf16 and fp8 steps (TinyLlama shape)",
-             [py, f"{bench}/step_time.py", "--nproc", "1", "--tp", "1", "--pp", "1", "--preset", "tinyllama-1.1b",
-              "--bf16", "--micro-batch-size", "1", "--global-batch-size", "8", "--iters", "3", "--warmup", "1",
+             [py, f"{bench}/step_time.py", *tinyllama, "--iters", "3", "--warmup", "1",
               "--repeats", "1", "--profile", "ours", "fp8"], 150),
     ]
     return steps
