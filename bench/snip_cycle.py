@@ -28,13 +28,14 @@ def main() -> None:
     from step_time import add_layout_args, build_data
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from megatron_snip.snip.estimators import CURVATURES
     from megatron_snip.training import tags
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_layout_args(p)
     p.add_argument("--interval", type=int, default=10, help="iterations before (and after) the cycle")
     p.add_argument("--probe-passes", type=int, default=3)
-    p.add_argument("--curvature", choices=("hutchinson", "fisher"), default="hutchinson",
+    p.add_argument("--curvature", choices=CURVATURES, default="hutchinson",
                    help="--snip-curvature: fisher runs no Hutchinson passes (2 + K passes instead of 2 + 2K)")
     opts = p.parse_args()
 
