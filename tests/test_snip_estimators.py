@@ -28,6 +28,7 @@ from megatron_snip.snip.estimators import (
     module_divergences,
     perturbation_gain,
     propagated_update_divergence,
+    unresolved_curvatures,
 )
 from megatron_snip.snip.noise import noise_key, rademacher
 from megatron_snip.snip.statistics import FormatErrors, ModuleStatistics, ProbeStatistics
@@ -311,6 +312,27 @@ def test_cost_tables_refuse_unmeasured_pairs_and_clamp_negative_curvature():
     stats.loss = None
     with pytest.raises(ValueError, match="gather them across the pipeline"):
         cost_tables(stats)
+
+
+def test_unresolved_curvatures_are_those_within_two_standard_errors_of_zero():
+    """Two draws (a, b): mean (a+b)/2, standard error |a-b|/2, so unresolved iff |a+b|/2 <= |a-b|."""
+    stats = _stats()
+    first, second = stats.modules
+    stats.modules[first].curvature_probes = [3.0, 1.1]  # mean 2.05 > 2 x 0.95
+    stats.modules[second].curvature_probes = [3.0, 0.9]  # mean 1.95 <= 2 x 1.05
+    assert unresolved_curvatures(stats) == [second]
+    assert unresolved_curvatures(stats, z=1.8) == []  # 1.95 > 1.8 x 1.05
+    # three draws: mean 0.2, sample sd sqrt(0.13) = 0.3606, standard error 0.2082
+    stats.modules[first].curvature_probes = [0.3, -0.2, 0.5]
+    assert unresolved_curvatures(stats, z=0.9) == []  # 0.2 > 0.9 x 0.2082
+    assert unresolved_curvatures(stats, z=1.0) == [first]  # 0.2 <= 0.2082; 1.95 > 1.05
+    assert unresolved_curvatures(stats) == [first, second]
+    for m in stats.modules.values():  # one draw (--snip-probe-passes 1) or the Fisher's trace: nothing to judge by
+        m.curvature_probes = [m.curvature]
+    assert unresolved_curvatures(stats) is None
+    for m in stats.modules.values():
+        m.curvature_probes = []
+    assert unresolved_curvatures(stats) is None
 
 
 def test_statistics_json_round_trip_and_merge():

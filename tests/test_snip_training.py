@@ -52,13 +52,24 @@ def test_replans_at_two_intervals_and_meets_the_target(snip_run):
 
 def test_time_target_with_the_papers_candidates_at_tp2_pp2(tiny_data, tmp_path):
     """--snip-formats fp8 mxfp4 (no bf16 candidate; the bf16 warm-up plan is in force at the first
-    cycle) under a time budget alone: every stage meets it."""
-    torchrun(4, train_args(tiny_data, *LAYOUT, "--snip", "--snip-formats", "fp8", "mxfp4", "--snip-time-target",
-                           "0.35", "--gemm-speed-model", "blackwell", "--snip-interval", "2",
-                           "--snip-probe-passes", "1", "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
-                           "--tensorboard-dir", str(tmp_path / "tb"), iters=2))
-    record = json.loads((tmp_path / "ckpt" / "snip" / "snip_iter_0000002.json").read_text())
+    cycle) under a time budget alone: every stage meets it. Two Hutchinson draws: the cycle tells
+    which curvatures they do not resolve, in the record, TensorBoard and (a quarter or more) the log."""
+    from megatron_snip.snip.estimators import unresolved_curvatures
+    from megatron_snip.snip.statistics_file import StatisticsFile
+    from megatron_snip.training.cycle_log import UNRESOLVED_WARN
+
+    out = torchrun(4, train_args(tiny_data, *LAYOUT, "--snip", "--snip-formats", "fp8", "mxfp4", "--snip-time-target",
+                                 "0.35", "--gemm-speed-model", "blackwell", "--snip-interval", "2",
+                                 "--snip-probe-passes", "2", "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
+                                 "--tensorboard-dir", str(tmp_path / "tb"), iters=2))
+    path = tmp_path / "ckpt" / "snip" / "snip_iter_0000002.json"
+    record = json.loads(path.read_text())
     cycle = record["cycle"]
+    unresolved = unresolved_curvatures(StatisticsFile.load(path).stats)
+    assert unresolved is not None and cycle["unresolved_curvatures"] == unresolved
+    fraction = scalars(tmp_path / "tb", tags.snip("unresolved curvature fraction"))
+    assert fraction[2] == pytest.approx(len(unresolved) / 16)
+    assert ("standard errors of 0" in out.stdout + out.stderr) == (len(unresolved) >= UNRESOLVED_WARN * 16)
     assert cycle["time_target"] == 0.35 and max(cycle["stage_time_ratio"].values()) <= 0.35 + 1e-9
     assert record["run"]["speed_model"]["name"] == "blackwell" and record["run"]["speeds"] == {"fp8": 2.0,
                                                                                                  "mxfp4": 4.0}
@@ -87,6 +98,7 @@ def test_fisher_curvature_plans_by_the_loss_term_it_measured_at_tp2_pp2(tiny_dat
     offline = to_precision_plan(solve(problem).plan, split=False)
     assert PrecisionPlan.from_dict(record["cycle"]["plan"]).to_dict() == offline.to_dict()
     assert record["cycle"]["update_divergence"] == 0.0 and record["cycle"]["loss_divergence"] > 0
+    assert record["cycle"]["unresolved_curvatures"] is None  # no draws to judge the Fisher's trace by
 
 
 def test_resume_restores_the_plan_and_continues_identically(tiny_data, snip_run, tmp_path):

@@ -13,7 +13,14 @@ import torch
 from conftest import ROOT
 
 from megatron_snip.cli.screen_estimators import main
-from megatron_snip.research.variants import VARIANTS, Variant, fisher_curvature, type_terms, with_curvature
+from megatron_snip.research.variants import (
+    VARIANTS,
+    Variant,
+    curvature_resolution,
+    fisher_curvature,
+    type_terms,
+    with_curvature,
+)
 from megatron_snip.snip.statistics import ModuleStatistics
 from megatron_snip.snip.statistics_file import StatisticsFile
 
@@ -81,6 +88,21 @@ def test_the_fisher_loss_term_policy_plans_by_the_fisher_loss_divergence():
     assert in_fp4 == {"snip-loss-term": [a], "snip-fisher-loss-term": [b]}
 
 
+def test_curvature_resolution_by_hand():
+    """Draws (3, 1.1): |mean| / standard error 2.05 / 0.95; (3, 0.9): 1.95 / 1.05, within 2 standard
+    errors of 0; (-1, -1.2): 1.1 / 0.1, resolved and negative."""
+    stats = StatisticsFile.load(STATS).stats
+    names = list(stats.modules)[:3]
+    stats = replace(stats, modules={n: stats.modules[n] for n in names})
+    for name, draws in zip(names, ([3.0, 1.1], [3.0, 0.9], [-1.0, -1.2])):
+        stats.modules[name] = replace(stats.modules[name], curvature=sum(draws) / 2, curvature_probes=draws)
+    r = curvature_resolution(stats)
+    assert r["modules"] == 3 and r["unresolved"] == pytest.approx(1 / 3) and r["negative"] == pytest.approx(1 / 3)
+    assert r["median |mean| / standard error"] == pytest.approx(2.05 / 0.95)
+    fisher = replace(stats, modules={n: replace(m, curvature_probes=[]) for n, m in stats.modules.items()})
+    assert curvature_resolution(fisher) is None
+
+
 def _run_dir(tmp_path, targets=("fp4-0.5", "fp4-0.75")):
     """A comparison's --out as the screen reads it: the settings, one seed's branch-point
     statistics, and oracle costs (random, but fixed) for every module."""
@@ -105,7 +127,10 @@ def test_no_variant_beats_the_oracle_on_the_costs_it_planned_with(tmp_path, caps
     assert main([str(out), "--solver", "highs", "--json", str(tmp_path / "screen.json")]) == 0
     printed = capsys.readouterr().out
     assert "FP4 target 0.50" in printed and "FP4 target 0.75" in printed and "| linear_fc2 |" in printed
-    screens = json.loads((tmp_path / "screen.json").read_text())["screens"]
+    record = json.loads((tmp_path / "screen.json").read_text())
+    resolution = curvature_resolution(StatisticsFile.load(STATS).stats)
+    assert record["curvature_resolution"] == {"1": resolution} and "resolve the curvatures" in printed
+    screens = record["screens"]
     assert {s["fp4_target"] for s in screens} == {0.5, 0.75}
     for s in screens:
         rows = s["rows"]

@@ -10,7 +10,8 @@ its loss and update terms, or the loss term's curvature from the empirical Fishe
 Hutchinson probes; megatron_snip/research/variants.py) and with the oracle, and prints each plan's
 FP4 share, its gap predicted from the measured costs (additivity) and its predicted regret (that
 gap minus the oracle plan's), the mean over seeds. Below, each module type's summed terms beside
-what its ablation measured. Nothing trains: a variant whose predicted regret is no lower than
+what its ablation measured, and per seed how well the Hutchinson draws resolve the curvatures
+(docs/snip.md, "Unresolved curvatures"). Nothing trains: a variant whose predicted regret is no lower than
 SNIP's is not worth a training run; one that is lower still needs one (docs/quality.md).
 """
 
@@ -25,12 +26,14 @@ from pathlib import Path
 from megatron_snip.numerics.registry import is_fp4
 from megatron_snip.research.variants import (
     VARIANTS,
+    curvature_resolution,
     load_run,
     module_rank_correlation,
     screen,
     type_costs,
     type_terms,
 )
+from megatron_snip.snip.estimators import UNRESOLVED_Z
 from megatron_snip.snip.ilp import InfeasibleBudgetError
 from megatron_snip.snip.statistics_file import Budget
 
@@ -87,7 +90,18 @@ def main(argv=None) -> int:
     for kind, row in terms.items():
         print(f"| {kind} | " + " | ".join(f"{row[c]:.2g}" for c in columns)
               + f" | {measured.get(kind, float('nan')):.4f} |")
+    resolution = {seed: curvature_resolution(sf.stats) for seed, sf in stats.items()}
+    if any(r is not None for r in resolution.values()):
+        print(f"\nHow well the Hutchinson draws resolve the curvatures ({UNRESOLVED_Z:g} standard errors; "
+              "docs/snip.md, \"Unresolved curvatures\")\n")
+        print("| seed | modules | median \\|mean\\| / standard error | unresolved | negative |\n"
+              "|---|---:|---:|---:|---:|")
+        for seed, r in resolution.items():
+            if r is not None:
+                print(f"| {seed} | {r['modules']} | {r['median |mean| / standard error']:.2f} | {r['unresolved']:.0%} "
+                      f"| {r['negative']:.0%} |")
     if a.json:
         Path(a.json).write_text(json.dumps({"run": a.run, "screens": record, "type_terms": terms,
-                                            "type_costs": dict(measured)}, indent=1))
+                                            "type_costs": dict(measured), "curvature_resolution": resolution},
+                                           indent=1))
     return 0

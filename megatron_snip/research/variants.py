@@ -16,13 +16,15 @@ the product model (layers x types) assumes a module's cost is its layer's share 
 from __future__ import annotations
 
 import json
+import math
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from megatron_snip.numerics.registry import is_fp4
 from megatron_snip.precision.plan import parse_module_name
-from megatron_snip.snip.estimators import CURVATURES, cost_tables, divergences, fisher_trace
+from megatron_snip.snip.estimators import CURVATURES, cost_tables, divergences, fisher_trace, unresolved_curvatures
 from megatron_snip.snip.ilp import Plan, SnipProblem, evaluate_plan, solve
 from megatron_snip.snip.statistics import ModuleStatistics, ProbeStatistics
 from megatron_snip.snip.statistics_file import Budget, StatisticsFile
@@ -104,6 +106,22 @@ def type_terms(stats: ProbeStatistics, fmt: str) -> dict[str, dict[str, float]]:
                 row["update, local"] += per[fmt].update_local / stats.update_sq
                 row["update, propagated"] += per[fmt].update_propagated / stats.update_sq
     return out
+
+
+def curvature_resolution(stats: ProbeStatistics) -> dict[str, float] | None:
+    """How well the Hutchinson draws resolve the modules' curvatures: the median over the modules of
+    ``|mean| / standard error`` of their draws, and the fractions unresolved
+    (:func:`estimators.unresolved_curvatures`) and negative. None without 2 or more draws."""
+    unresolved = unresolved_curvatures(stats)
+    if unresolved is None:
+        return None
+    draws = [m.curvature_probes for m in stats.modules.values()]
+    ratios = [abs(statistics.fmean(d)) / (statistics.stdev(d) / math.sqrt(len(d))) if statistics.stdev(d) else math.inf
+              for d in draws]
+    n = len(draws)
+    return {"modules": n, "median |mean| / standard error": statistics.median(ratios),
+            "unresolved": len(unresolved) / n,
+            "negative": sum(m.curvature < 0 for m in stats.modules.values()) / n}
 
 
 def module_rank_correlation(stats: ProbeStatistics, variant: Variant, costs: OracleCosts, fmt: str) -> float:

@@ -31,7 +31,7 @@ from megatron_snip.precision.gemm_speed import GemmSpeedModel
 from megatron_snip.precision.plan import PrecisionPlan, parse_module_name
 from megatron_snip.snip.config import SnipConfig
 from megatron_snip.snip.decisions import Decision, decision_table, decisions
-from megatron_snip.snip.estimators import cost_tables, divergences
+from megatron_snip.snip.estimators import cost_tables, divergences, unresolved_curvatures
 from megatron_snip.snip.ilp import InfeasibleBudgetError
 from megatron_snip.snip.planner import PlannerConfig, build_problem, linear_modules, solve_plan
 from megatron_snip.snip.probes import ProbeConfig, gather_across_pipeline, run_probe_cycle
@@ -60,6 +60,9 @@ class CycleReport:
     update_divergence: float  # sum over modules of beta * dU/||u||^2 of the chosen formats
     layer_divergence: dict[int, float]  # per layer, both terms
     decisions: list[dict] = field(default_factory=list)  # per module: decisions.Decision as a dict
+    # modules whose Hutchinson curvature its draws do not tell from 0 (estimators.unresolved_curvatures;
+    # None: no draws to judge by)
+    unresolved_curvatures: list[str] | None = None
 
     def to_dict(self) -> dict:
         """The JSON form (the statistics file's ``cycle``): the plan as ``PrecisionPlan.to_dict()``."""
@@ -151,7 +154,8 @@ class SnipReplanner:
             loss_divergence=sum(f for f, _ in chosen.values()),
             update_divergence=sum(b for _, b in chosen.values()), layer_divergence=per_layer,
             decisions=[asdict(d) for d in decisions(plan, costs, self.planner.formats, speed=self.planner.speed,
-                                                    pins=self.planner.pins, fixed=fixed)])
+                                                    pins=self.planner.pins, fixed=fixed)],
+            unresolved_curvatures=unresolved_curvatures(self.statistics))
 
     def write_statistics(self, directory: str, iteration: int) -> str | None:
         """The last cycle's statistics and decision as one JSON file, and its plan as megatron-core

@@ -4,10 +4,14 @@
 from __future__ import annotations
 
 from megatron_snip.snip.decisions import TABLE_MAX_ROWS, Decision, decision_summary, decision_table
+from megatron_snip.snip.estimators import UNRESOLVED_Z
 from megatron_snip.snip.plan_image import plan_image
 from megatron_snip.snip.replanner import CycleReport
 from megatron_snip.training import tags
 from megatron_snip.training.logger import MetricsLogger, metric_line
+
+# Warn when at least this fraction of the modules has an unresolved Hutchinson curvature.
+UNRESOLVED_WARN = 0.25
 
 
 def log_cycle(logger: MetricsLogger, report: CycleReport, num_layers: int) -> None:
@@ -17,6 +21,9 @@ def log_cycle(logger: MetricsLogger, report: CycleReport, num_layers: int) -> No
                "objective": report.objective, "loss divergence": report.loss_divergence,
                "update divergence": report.update_divergence, "solve seconds": report.solve_seconds,
                "cycle seconds": report.cycle_seconds}
+    unresolved = report.unresolved_curvatures
+    if unresolved is not None:
+        metrics["unresolved curvature fraction"] = len(unresolved) / len(report.decisions)
     logger.text(metric_line("snip", report.iteration, metrics))
     logger.scalars({tags.snip(name): value for name, value in metrics.items()}, report.iteration)
     logger.scalars({tags.snip_layer_divergence(layer): v for layer, v in report.layer_divergence.items()},
@@ -37,3 +44,10 @@ def log_cycle(logger: MetricsLogger, report: CycleReport, num_layers: int) -> No
                 + "; estimated GEMM time vs bf16 "
                 + ", ".join(f"{s}: {v:.3f}" for s, v in report.stage_time_ratio.items())
                 + f" (budget {report.time_target:.3f})")
+    if unresolved is not None and len(unresolved) >= UNRESOLVED_WARN * len(report.decisions):
+        logger.text(f"[snip] iteration {report.iteration}: the Hutchinson curvature of {len(unresolved)} of "
+                    f"{len(report.decisions)} modules lies within {UNRESOLVED_Z:g} standard errors of 0 (e.g. "
+                    f"{', '.join(unresolved[:3])}): the loss term ranks them by noise. More draws "
+                    f"(--snip-probe-passes K, one forward+backward pass each: the standard error falls as "
+                    f"1/sqrt(K)) or --snip-curvature fisher (no draws) resolve them; docs/snip.md, "
+                    f"\"Unresolved curvatures\"")
