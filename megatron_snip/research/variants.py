@@ -16,7 +16,6 @@ the product model (layers x types) assumes a module's cost is its layer's share 
 from __future__ import annotations
 
 import json
-import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -24,7 +23,14 @@ from pathlib import Path
 
 from megatron_snip.numerics.registry import is_fp4
 from megatron_snip.precision.plan import parse_module_name
-from megatron_snip.snip.estimators import CURVATURES, cost_tables, divergences, fisher_trace, unresolved_curvatures
+from megatron_snip.snip.estimators import (
+    CURVATURES,
+    cost_tables,
+    divergences,
+    draws_z,
+    fisher_trace,
+    unresolved_curvatures,
+)
 from megatron_snip.snip.ilp import Plan, SnipProblem, evaluate_plan, solve
 from megatron_snip.snip.statistics import ModuleStatistics, ProbeStatistics
 from megatron_snip.snip.statistics_file import Budget, StatisticsFile
@@ -115,11 +121,10 @@ def curvature_resolution(stats: ProbeStatistics) -> dict[str, float] | None:
     unresolved = unresolved_curvatures(stats)
     if unresolved is None:
         return None
-    draws = [m.curvature_probes for m in stats.modules.values()]
-    ratios = [abs(statistics.fmean(d)) / (statistics.stdev(d) / math.sqrt(len(d))) if statistics.stdev(d) else math.inf
-              for d in draws]
-    n = len(draws)
-    return {"modules": n, "median |mean| / standard error": statistics.median(ratios),
+    n = len(stats.modules)
+    return {"modules": n,
+            "median |mean| / standard error": statistics.median(draws_z(m.curvature_probes)
+                                                                for m in stats.modules.values()),
             "unresolved": len(unresolved) / n,
             "negative": sum(m.curvature < 0 for m in stats.modules.values()) / n}
 

@@ -169,8 +169,16 @@ def unresolved_curvatures(stats: ProbeStatistics, z: float = UNRESOLVED_Z) -> li
     if not any(len(m.curvature_probes) >= 2 for m in stats.modules.values()):
         return None
     return [name for name, m in stats.modules.items()
-            if len(m.curvature_probes) >= 2 and abs(fmean(m.curvature_probes))
-            <= z * stdev(m.curvature_probes) / math.sqrt(len(m.curvature_probes))]
+            if len(m.curvature_probes) >= 2 and draws_z(m.curvature_probes) <= z]
+
+
+def draws_z(draws: list[float]) -> float:
+    """``|mean| / standard error`` of two or more draws (the standard error: sample standard
+    deviation over ``sqrt(K)``); inf where the draws agree exactly on a non-zero value."""
+    mean, spread = fmean(draws), stdev(draws)
+    if spread == 0.0:
+        return math.inf if mean else 0.0
+    return abs(mean) / (spread / math.sqrt(len(draws)))
 
 
 def perturbation_gain(input_change_sq: float, sigma: float) -> float:
@@ -314,8 +322,8 @@ def cost_tables(stats: ProbeStatistics, alpha: float = 1.0, beta: float = 1.0,
 def _finite(value: float, name: str, fmt: str) -> float:
     if not math.isfinite(value):
         raise ValueError(f"{name}: the {fmt} estimate is {value}; the probe statistics are not finite")
-    # A Hutchinson trace is an unbiased estimate and may come out slightly negative where the
-    # curvature is ~0; the ILP wants costs >= 0 and a non-positive rise means "harmless".
+    # A Hutchinson trace is an unbiased but noisy estimate and may come out negative (at 16 layers
+    # with 3 draws, a third of them: unresolved_curvatures); the ILP wants costs >= 0.
     return max(value, 0.0)
 
 
