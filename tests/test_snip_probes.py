@@ -40,7 +40,7 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import free_port, run_config, running_plan
+from conftest import free_port, run_config, running_plan, torchrun, train_args
 
 VOCAB, SEQ, MBS, MICRO = 128, 32, 4, 2
 STEPS = 30
@@ -209,7 +209,7 @@ def single_worker(rank, world, port, out_dir):
 
     from megatron_snip.numerics.recipes import Precision
     from megatron_snip.precision.plan import PrecisionPlan
-    from megatron_snip.research.ground_truth import backward_ground_truth, forward_ground_truth
+    from megatron_snip.research.ground_truth import backward_ground_truth, forward_ground_truth, group_drift
     from megatron_snip.research.ranks import rank_correlations
     from megatron_snip.snip.estimators import divergences, local_error_baselines
     from megatron_snip.snip.probes import ProbeConfig, run_probe_cycle
@@ -276,6 +276,20 @@ def single_worker(rank, world, port, out_dir):
     bwd = backward_ground_truth(chunks, optimizer, controller, [batches[0]], FORMATS, seq_length=SEQ,
                                 micro_batch_size=MBS, seeds=(0, 1))
     out["ground_truth_seconds"] = time.perf_counter() - t0
+    # A group of one module on one batch is the per-module truth (the same rounding seed), split in two;
+    # the same batch twice repeats its drift exactly; a whole type over two batches drifts partly alike.
+    fc2 = "decoder.layers.2.mlp.linear_fc2"
+    one = backward_ground_truth(chunks, optimizer, controller, [batches[0]], ["mxfp4"], seq_length=SEQ,
+                                micro_batch_size=MBS)[fc2]["mxfp4"]
+    every_fc2 = [n for n in controller.modules() if n.endswith("linear_fc2")]
+    out["group_drift"] = {
+        "truth": one,
+        "one": group_drift(chunks, optimizer, controller, [batches[0], batches[0]], {"fc2": [fc2]},
+                           Precision("bf16", "mxfp4"), seq_length=SEQ, micro_batch_size=MBS)["fc2"],
+        **{side: group_drift(chunks, optimizer, controller, batches[:2], {"fc2": every_fc2}, precision,
+                             seq_length=SEQ, micro_batch_size=MBS)["fc2"]
+           for side, precision in (("bwd", Precision("bf16", "mxfp4")), ("fwd", Precision("mxfp4", "bf16")))}}
+    out["params_unchanged_by_group_drift"] = _same(before["params"], _snapshot(chunks, controller)["params"])
     out["rho"] = {
         "forward vs loss change": rank_correlations(fwd_est, fwd.loss_change),
         "forward vs loss change beyond the linear term": rank_correlations(fwd_est, fwd.second_order),
@@ -414,6 +428,20 @@ def test_first_order_term_of_probe_and_ground_truth_agree(single):
     for m in truth:
         for f in truth[m]:
             assert probe[m][f] == pytest.approx(truth[m][f], rel=1e-4, abs=1e-9)
+
+
+@pytest.mark.integration
+def test_group_drift_splits_the_per_module_truth_and_measures_persistence(single):
+    g = single["group_drift"]
+    one = g["one"]
+    # Own weights + the others = the whole model's drift that backward_ground_truth measures.
+    assert one.own + one.other == pytest.approx(g["truth"], rel=1e-9)
+    assert one.own > 0 and one.other > 0
+    assert one.persistence == pytest.approx(1.0, abs=1e-9)  # the same batch twice: the same drift
+    for side in ("bwd", "fwd"):
+        assert g[side].own > 0 and g[side].other > 0
+        assert -1 < g[side].persistence < 1 and g[side].persistence != pytest.approx(1.0, abs=1e-3)
+    assert single["params_unchanged_by_group_drift"]
 
 
 @pytest.mark.integration
@@ -603,3 +631,25 @@ def test_noise_is_layout_invariant():
     a, b = rademacher(torch.arange(n), key), rademacher(torch.arange(n), noise_key("another"))
     for value in (a.mean(), (a[1:] * a[:-1]).mean(), (a * b).mean()):
         assert abs(value.item()) < 4 / math.sqrt(n)
+
+
+@pytest.mark.integration
+def test_snip_validate_by_type_measures_every_type_in_every_format(tiny_data, tmp_path):
+    """tools/snip_validate.py --validate-by-type, as a user runs it: one row per module type and
+    quantized format, SNIP's update terms next to the measured drifts, all of them finite."""
+    import json
+
+    out = tmp_path / "by_type.json"
+    proc = torchrun(1, [*train_args(tiny_data, "--snip", "--snip-formats", "bf16", "fp8", "mxfp4", "--snip-interval", "4",
+                                    iters=4),
+                        "--validate-by-type", "--validate-batches", "2", "--output", str(out)],
+                    script="tools/snip_validate.py")
+    assert "the exact update drift in mxfp4, every module of a type at once" in proc.stdout
+    table = json.loads(out.read_text())["by_type"]
+    assert sorted(table) == ["fp8", "mxfp4"]
+    for rows in table.values():
+        assert sorted(rows) == ["linear_fc1", "linear_fc2", "linear_proj", "linear_qkv"]
+        for row in rows.values():
+            assert all(math.isfinite(v) for v in row.values()), row
+            assert row["bwd: own"] > 0 and row["SNIP local"] > 0 and -1 < row["bwd: persistence"] < 1
+

@@ -12,6 +12,14 @@ forward = the loss change with only that module's fprop quantized; backward = th
 Adam-preconditioned update with only its dgrad/wgrad quantized), averaged over the batches and
 rounding seeds, and prints the rank correlation of each estimator with its ground truth next
 to the local quantization-error baselines (absolute ||E||^2 and relative ||E||^2/||Y||^2).
+
+``--validate-by-type`` measures instead, per module type (every layer's qkv at once, ...), the
+exact update drift of its backward GEMMs in each format, split into its own weights and the rest
+next to SNIP's local and propagated parts, the drift its forward GEMMs cause (which SNIP's update
+term leaves out), and how much of each repeats between batches, which Adam's momentum keeps
+(``research.ground_truth.group_drift``; docs/quality.md, "Why SNIP ranks qkv and fc1 above fc2").
+It costs one forward + backward per (type, side, format, batch), where the per-module truth costs
+one per (module, format, seed, batch): at 16 layers 64 modules against 4 types.
 """
 
 from __future__ import annotations
@@ -28,6 +36,41 @@ def table(rows: dict[str, dict[str, float]], formats) -> str:
     out = [f"{'estimate vs ground truth':<44}" + "".join(f"{c:>9}" for c in cols)]
     out += [f"{name:<44}" + "".join(f"{r.get(c, float('nan')):9.3f}" for c in cols) for name, r in rows.items()]
     return "\n".join(out)
+
+
+def type_table(rows: dict[str, dict[str, float]]) -> str:
+    cols = list(next(iter(rows.values())))
+    out = [f"{'type':<14}" + "".join(f"{c:>17}" for c in cols)]
+    out += [f"{t:<14}" + "".join(f"{r[c]:17.3g}" for c in cols) for t, r in rows.items()]
+    return "\n".join(out)
+
+
+def by_type(trainer, stats, est, batches, formats, seed: int) -> dict[str, dict[str, dict[str, float]]]:
+    """format -> module type -> SNIP's update terms and the measured drifts (``--validate-by-type``)."""
+    from megatron_snip.numerics.recipes import Precision
+    from megatron_snip.precision.plan import parse_module_name
+    from megatron_snip.research.ground_truth import group_drift
+
+    groups: dict[str, list[str]] = {}
+    for name in est:
+        groups.setdefault(parse_module_name(name)[1].rsplit(".", 1)[-1], []).append(name)
+    config = trainer.config
+    common = dict(seq_length=config.model.seq_length, micro_batch_size=config.training.micro_batch_size, seed=seed)
+    out = {}
+    for fmt in formats:
+        bwd = group_drift(trainer.model, trainer.optimizer, trainer.precision, batches, groups,
+                          Precision("bf16", fmt), **common)
+        fwd = group_drift(trainer.model, trainer.optimizer, trainer.precision, batches, groups,
+                          Precision(fmt, "bf16"), **common)
+        out[fmt] = {t: {
+            "SNIP local": sum(est[n][fmt].update_local for n in names if fmt in est[n]) / stats.update_sq,
+            "bwd: own": bwd[t].own,
+            "SNIP propagated": sum(est[n][fmt].update_propagated for n in names if fmt in est[n]) / stats.update_sq,
+            "bwd: other": bwd[t].other,
+            "bwd: persistence": bwd[t].persistence,
+            "fwd: own + other": fwd[t].own + fwd[t].other,
+            "fwd: persistence": fwd[t].persistence} for t, names in groups.items()}
+    return out
 
 
 def main() -> int:
@@ -48,6 +91,11 @@ def main() -> int:
     own.add_argument("--validate-batches", type=int, default=2, help="global batches of the ground truth")
     own.add_argument("--validate-seeds", type=int, default=2, help="rounding seeds of the ground truth")
     own.add_argument("--output", default=None, help="write the correlations and all values as JSON")
+    own.add_argument("--validate-by-type", action="store_true",
+                     help="instead of every module alone, every module type at once: the exact update drift "
+                          "of its backward (own weights / other weights, next to SNIP's local / propagated "
+                          "parts) and of its forward GEMMs, and the cosine of the drift between batches "
+                          "(persistence); needs --validate-batches >= 2 for the persistence")
     opts, rest = own.parse_known_args()
     try:
         trainer = trainer_from_command_line(rest)
@@ -71,6 +119,20 @@ def main() -> int:
         config=ProbeConfig.from_snip(config.snip, config.training.seed),
         iteration=trainer.state.iteration))
     est = divergences(stats)
+    if opts.validate_by_type:
+        table_by_type = by_type(trainer, stats, est, batches, formats, seed=0)
+        if dist.get_rank() == 0:
+            for fmt, rows in table_by_type.items():
+                print(f"\nSNIP's update terms and the exact update drift in {fmt}, every module of a type at once, "
+                      f"at iteration {trainer.state.iteration} (each / ||u||^2; mean over {opts.validate_batches} "
+                      f"batches; persistence: mean cosine between the batches' drifts)\n")
+                print(type_table(rows))
+            if opts.output:
+                Path(opts.output).write_text(json.dumps(
+                    {"iteration": trainer.state.iteration, "by_type": table_by_type}, indent=1))
+                print(f"\nwrote {opts.output}")
+        dist.destroy_process_group()
+        return 0
     est_fwd = {m: {f: d.forward for f, d in per.items()} for m, per in est.items()}
     est_bwd = {m: {f: d.backward for f, d in per.items()} for m, per in est.items()}
     absolute, relative = local_error_baselines(stats)

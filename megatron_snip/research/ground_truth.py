@@ -11,6 +11,11 @@
   ``||u(g_f) - u(g_ref)||^2 / ||u(g_ref)||^2`` over every parameter of the
   model, averaged likewise. Comparable with the estimator's ``dU / ||u||^2``,
   its first-order model.
+* :func:`group_drift`: a whole group of modules (every layer's fc2, say) on one
+  side in a format; its update drift split into the group's own weights and the
+  rest (what the estimator's local and propagated parts estimate), and how much
+  of it repeats from batch to batch, which Adam's momentum keeps and a one-step
+  drift does not show (docs/quality.md, "Why SNIP ranks qkv and fc1 above fc2").
 
 Every rank of the job calls these together (they drive megatron's schedule, so
 they work under any TP/PP/DP layout) and every rank gets the full result.
@@ -21,7 +26,9 @@ parameters are as before; gradient buffers are zeroed.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+import itertools
+import math
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +40,7 @@ from megatron_snip.model.precision.layers import QuantizedLinearMixin
 from megatron_snip.model.step import LOSS_KEY, forward_step
 from megatron_snip.numerics.linear import QuantState
 from megatron_snip.numerics.recipes import BF16, Precision
-from megatron_snip.snip.adam_view import AdamView
+from megatron_snip.snip.adam_view import AdamSlice, AdamView
 from megatron_snip.snip.noise import noise_key
 from megatron_snip.snip.passes import ForwardStep, PassRunner, preserved_training_state
 from megatron_snip.snip.probes import MicrobatchCounter, ModuleLayout, needs_grad, squared_norm
@@ -62,23 +69,23 @@ def _module_formats(controller: PrecisionController, formats: Sequence[str], sid
 
 
 @contextlib.contextmanager
-def _only(modules: Mapping[str, QuantizedLinearMixin], name: str, precision: Precision, seed: int) -> Iterator[None]:
-    """Module ``name`` (if on this rank) in ``precision`` with a fresh quantization state for
-    rounding seed ``seed`` (same Hadamard signs on every TP rank of the module, independent
-    stochastic rounding per rank); back to bf16 and its own state afterwards."""
-    module = modules.get(name)
-    if module is None:
-        yield
-        return
-    own = module.quant_state
+def _only(modules: Mapping[str, QuantizedLinearMixin], names: Collection[str], precision: Precision,
+          seed: int) -> Iterator[None]:
+    """Modules ``names`` (those on this rank) in ``precision``, each with a fresh quantization state
+    for rounding seed ``seed`` (same Hadamard signs on every TP rank of a module, independent
+    stochastic rounding per rank); back to bf16 and their own states afterwards."""
+    held = [n for n in names if n in modules]
+    own = {n: modules[n].quant_state for n in held}
     rank = dist.get_rank() if dist.is_initialized() else 0
-    module.quant_state = QuantState(noise_key("ground-truth", seed, name) & ((1 << 31) - 1), stream=rank)
-    module.precision = precision
+    for n in held:
+        modules[n].quant_state = QuantState(noise_key("ground-truth", seed, n) & ((1 << 31) - 1), stream=rank)
+        modules[n].precision = precision
     try:
         yield
     finally:
-        module.precision = BF16
-        module.quant_state = own
+        for n in held:
+            modules[n].precision = BF16
+            modules[n].quant_state = own[n]
 
 
 def _runners(model, batches, seq_length, micro_batch_size, forward_step_func, loss_key) -> list[PassRunner]:
@@ -174,7 +181,7 @@ def forward_ground_truth(
                 for seed in seeds:
                     if name in counters:
                         counters[name].reset()
-                    with _only(local, name, Precision(fmt, "bf16"), seed), _taps(local, [name], linear_part):
+                    with _only(local, [name], Precision(fmt, "bf16"), seed), _taps(local, [name], linear_part):
                         rng.restore()
                         loss = runner.run(forward_only=True)
                     if loss is not None:
@@ -258,18 +265,104 @@ def backward_ground_truth(
         for module in local.values():
             module.precision = BF16
         for runner in runners:
-            scale = runner.loss_scale
-            rng.restore()
-            runner.run(forward_only=False)
-            ref = {s: s.update(s.flat(s.param.main_grad).float() / scale) for s in adam.slices.values()}
+            ref = _update(runner, adam, rng)
             update_sq = adam.model_sum(lambda s: squared_norm(ref[s]))
             for name, fmts in plan:
                 for fmt in fmts:
                     for seed in seeds:
-                        with _only(local, name, Precision("bf16", fmt), seed):
-                            rng.restore()
-                            runner.run(forward_only=False)
-                        drift = adam.model_sum(lambda s: squared_norm(
-                            s.update(s.flat(s.param.main_grad).float() / scale) - ref[s]))
-                        sums[name][fmt] += drift / update_sq
+                        with _only(local, [name], Precision("bf16", fmt), seed):
+                            u = _update(runner, adam, rng)
+                        sums[name][fmt] += adam.model_sum(lambda s: squared_norm(u[s] - ref[s])) / update_sq
     return {name: {f: v / (len(runners) * len(seeds)) for f, v in row.items()} for name, row in sums.items()}
+
+
+def _update(runner: PassRunner, adam: AdamView, rng) -> dict[AdamSlice, torch.Tensor]:
+    """The update torch's Adam would take (``estimators.adam_update``, no step applied) for the
+    gradient of one forward + backward over ``runner``'s batch, RNG states restored first."""
+    rng.restore()
+    runner.run(forward_only=False)
+    scale = runner.loss_scale
+    return {s: s.update(s.flat(s.param.main_grad).float() / scale) for s in adam.slices.values()}
+
+
+@dataclass(frozen=True)
+class GroupDrift:
+    """The exact update drift of running a group of modules' GEMMs on one side in a format.
+
+    Attributes:
+        own: ``||u(g_f) - u(g_ref)||^2 / ||u(g_ref)||^2`` over the group's own weights (what
+            SNIP's local part estimates, for the backward side), mean over the batches.
+        other: the same over every other parameter of the model (its propagated part).
+        persistence: mean cosine between the drift vectors (whole model) of different batches:
+            how much of the error repeats from step to step. Adam's first moment keeps a
+            repeated error whole and averages an independent one down to ``(1 - beta1) /
+            (1 + beta1)`` of its square; a one-step drift cannot tell them apart. NaN with
+            one batch.
+    """
+
+    own: float
+    other: float
+    persistence: float
+
+
+def group_drift(
+    model: Sequence[torch.nn.Module],
+    optimizer,
+    controller: PrecisionController,
+    batches: Sequence[Sequence[dict]],
+    groups: Mapping[str, Collection[str]],
+    precision: Precision,
+    *,
+    seq_length: int,
+    micro_batch_size: int,
+    seed: int = 0,
+    forward_step_func: ForwardStep = forward_step,
+    loss_key: str = LOSS_KEY,
+) -> dict[str, GroupDrift]:
+    """Measured update drift of running every module of a group (e.g. every layer's ``linear_fc2``)
+    in ``precision`` at once, the rest in bf16, split into the group's own weights and the others,
+    with its persistence between batches (:class:`GroupDrift`).
+
+    ``Precision("bf16", f)`` measures what SNIP's update term estimates; ``Precision(f, "bf16")``
+    the update drift that the forward GEMMs cause, which the update term leaves out.
+
+    Args: as :func:`backward_ground_truth`, plus ``groups`` (group name -> global module names)
+        and the rounding ``seed``. Costs one forward + backward per (group, batch), plus one per batch.
+    Returns:
+        group name -> :class:`GroupDrift`, on every rank.
+    """
+    chunks = list(model)
+    runners = _runners(chunks, batches, seq_length, micro_batch_size, forward_step_func, loss_key)
+    adam = AdamView(optimizer, chunks)
+    local = controller.modules()
+    out = {}
+    with preserved_training_state(chunks, local) as rng:
+        for module in local.values():
+            module.precision = BF16
+        refs = [_update(runner, adam, rng) for runner in runners]
+        norms = [adam.model_sum(lambda s, r=r: squared_norm(r[s])) for r in refs]
+        for group, names in groups.items():
+            weights = {f"{n}.weight" for n in names}
+            drifts = []
+            own = other = 0.0
+            for runner, ref, norm in zip(runners, refs, norms):
+                with _only(local, names, precision, seed):
+                    u = _update(runner, adam, rng)
+                d = {s: u[s] - ref[s] for s in ref}
+                own += adam.model_sum(lambda s: squared_norm(d[s]) if s.name in weights else _zero(d[s])) / norm
+                other += adam.model_sum(lambda s: _zero(d[s]) if s.name in weights else squared_norm(d[s])) / norm
+                drifts.append(d)
+            cosines = [_cosine(adam, a, b) for a, b in itertools.combinations(drifts, 2)]
+            out[group] = GroupDrift(own / len(runners), other / len(runners),
+                                    sum(cosines) / len(cosines) if cosines else math.nan)
+    return out
+
+
+def _zero(t: torch.Tensor) -> torch.Tensor:
+    return torch.zeros((), dtype=torch.float64, device=t.device)
+
+
+def _cosine(adam: AdamView, a: dict, b: dict) -> float:
+    dot = adam.model_sum(lambda s: (a[s].double() * b[s].double()).sum())
+    norm = math.sqrt(adam.model_sum(lambda s: squared_norm(a[s])) * adam.model_sum(lambda s: squared_norm(b[s])))
+    return dot / norm if norm > 0 else math.nan
