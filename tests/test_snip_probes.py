@@ -640,9 +640,8 @@ def test_snip_validate_by_type_measures_every_type_in_every_format(tiny_data, tm
     import json
 
     out = tmp_path / "by_type.json"
-    proc = torchrun(1, [*train_args(tiny_data, "--snip", "--snip-formats", "bf16", "fp8", "mxfp4", "--snip-interval", "4",
-                                    iters=4),
-                        "--validate-by-type", "--validate-batches", "2", "--output", str(out)],
+    run = train_args(tiny_data, "--snip", "--snip-formats", "bf16", "fp8", "mxfp4", "--snip-interval", "4", iters=4)
+    proc = torchrun(1, [*run, "--validate-by-type", "--validate-batches", "2", "--output", str(out)],
                     script="tools/snip_validate.py")
     assert "the exact update drift in mxfp4, every module of a type at once" in proc.stdout
     table = json.loads(out.read_text())["by_type"]
@@ -653,3 +652,11 @@ def test_snip_validate_by_type_measures_every_type_in_every_format(tiny_data, tm
             assert all(math.isfinite(v) for v in row.values()), row
             assert row["bwd: own"] > 0 and row["SNIP local"] > 0 and -1 < row["bwd: persistence"] < 1
 
+
+def test_snip_validate_by_type_needs_two_batches(monkeypatch, capsys):
+    """Persistence compares batches: one batch is refused up front, naming the flag and what would do."""
+    from megatron_snip.cli.snip_validate import main
+
+    monkeypatch.setattr("sys.argv", ["snip_validate.py", "--validate-by-type", "--validate-batches", "1"])
+    assert main() == 2
+    assert "give --validate-batches 2 or more (got 1)" in capsys.readouterr().err

@@ -95,8 +95,12 @@ def main() -> int:
                      help="instead of every module alone, every module type at once: the exact update drift "
                           "of its backward (own weights / other weights, next to SNIP's local / propagated "
                           "parts) and of its forward GEMMs, and the cosine of the drift between batches "
-                          "(persistence); needs --validate-batches >= 2 for the persistence")
+                          "(persistence); needs --validate-batches 2 or more")
     opts, rest = own.parse_known_args()
+    if opts.validate_by_type and opts.validate_batches < 2:
+        print(f"snip_validate.py: error: --validate-by-type compares the update drift of different batches: "
+              f"give --validate-batches 2 or more (got {opts.validate_batches})", file=sys.stderr)
+        return 2
     try:
         trainer = trainer_from_command_line(rest)
     except ArgumentError as e:
