@@ -48,12 +48,12 @@ def type_table(rows: dict[str, dict[str, float]]) -> str:
 def by_type(trainer, stats, est, batches, formats, seed: int) -> dict[str, dict[str, dict[str, float]]]:
     """format -> module type -> SNIP's update terms and the measured drifts (``--validate-by-type``)."""
     from megatron_snip.numerics.recipes import Precision
-    from megatron_snip.precision.plan import parse_module_name
     from megatron_snip.research.ground_truth import group_drift
+    from megatron_snip.research.variants import module_type
 
     groups: dict[str, list[str]] = {}
     for name in est:
-        groups.setdefault(parse_module_name(name)[1].rsplit(".", 1)[-1], []).append(name)
+        groups.setdefault(module_type(name), []).append(name)
     config = trainer.config
     common = dict(seq_length=config.model.seq_length, micro_batch_size=config.training.micro_batch_size, seed=seed)
     out = {}

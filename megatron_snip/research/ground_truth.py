@@ -343,26 +343,20 @@ def group_drift(
         norms = [adam.model_sum(lambda s, r=r: squared_norm(r[s])) for r in refs]
         for group, names in groups.items():
             weights = {f"{n}.weight" for n in names}
-            drifts = []
+            drifts, sq = [], []  # per batch: the drift, and its squared norm over the whole model
             own = other = 0.0
             for runner, ref, norm in zip(runners, refs, norms):
                 with _only(local, names, precision, seed):
                     u = _update(runner, adam, rng)
                 d = {s: u[s] - ref[s] for s in ref}
-                own += adam.model_sum(lambda s: squared_norm(d[s]) if s.name in weights else _zero(d[s])) / norm
-                other += adam.model_sum(lambda s: _zero(d[s]) if s.name in weights else squared_norm(d[s])) / norm
+                total = adam.model_sum(lambda s: squared_norm(d[s]))
+                mine = adam.model_sum(lambda s: squared_norm(d[s]) * (s.name in weights))
+                own, other = own + mine / norm, other + (total - mine) / norm
                 drifts.append(d)
-            cosines = [_cosine(adam, a, b) for a, b in itertools.combinations(drifts, 2)]
+                sq.append(total)
+            cosines = [adam.model_sum(lambda s: (drifts[i][s].double() * drifts[j][s].double()).sum())
+                       / math.sqrt(sq[i] * sq[j])
+                       for i, j in itertools.combinations(range(len(drifts)), 2) if sq[i] * sq[j] > 0]
             out[group] = GroupDrift(own / len(runners), other / len(runners),
                                     sum(cosines) / len(cosines) if cosines else math.nan)
     return out
-
-
-def _zero(t: torch.Tensor) -> torch.Tensor:
-    return torch.zeros((), dtype=torch.float64, device=t.device)
-
-
-def _cosine(adam: AdamView, a: dict, b: dict) -> float:
-    dot = adam.model_sum(lambda s: (a[s].double() * b[s].double()).sum())
-    norm = math.sqrt(adam.model_sum(lambda s: squared_norm(a[s])) * adam.model_sum(lambda s: squared_norm(b[s])))
-    return dot / norm if norm > 0 else math.nan
