@@ -437,10 +437,13 @@ def test_group_drift_splits_the_per_module_truth_and_measures_persistence(single
     # Own weights + the others = the whole model's drift that backward_ground_truth measures.
     assert one.own + one.other == pytest.approx(g["truth"], rel=1e-9)
     assert one.own > 0 and one.other > 0
-    assert one.persistence == pytest.approx(1.0, abs=1e-9)  # the same batch twice: the same drift
+    # the same batch twice: the same drift, on each part
+    for p in (one.persistence, one.own_persistence, one.other_persistence):
+        assert p == pytest.approx(1.0, abs=1e-9)
     for side in ("bwd", "fwd"):
         assert g[side].own > 0 and g[side].other > 0
-        assert -1 < g[side].persistence < 1 and g[side].persistence != pytest.approx(1.0, abs=1e-3)
+        for p in (g[side].persistence, g[side].own_persistence, g[side].other_persistence):
+            assert -1 < p < 1 and p != pytest.approx(1.0, abs=1e-3)
     assert single["params_unchanged_by_group_drift"]
 
 
@@ -650,7 +653,8 @@ def test_snip_validate_by_type_measures_every_type_in_every_format(tiny_data, tm
         assert sorted(rows) == ["linear_fc1", "linear_fc2", "linear_proj", "linear_qkv"]
         for row in rows.values():
             assert all(math.isfinite(v) for v in row.values()), row
-            assert row["bwd: own"] > 0 and row["SNIP local"] > 0 and -1 < row["bwd: persistence"] < 1
+            assert row["bwd: own"] > 0 and row["SNIP local"] > 0
+            assert all(-1 < row[f"bwd: {p}persistence"] < 1 for p in ("", "own ", "other "))
 
 
 def test_snip_validate_by_type_needs_two_batches(monkeypatch, capsys):

@@ -18,9 +18,13 @@ from megatron_snip.research.variants import (
     Variant,
     curvature_resolution,
     fisher_curvature,
+    measured_update_stats,
+    module_type,
+    momentum_gain,
     type_terms,
     with_curvature,
 )
+from megatron_snip.snip.estimators import cost_tables, divergences
 from megatron_snip.snip.statistics import ModuleStatistics
 from megatron_snip.snip.statistics_file import StatisticsFile
 
@@ -103,6 +107,76 @@ def test_curvature_resolution_by_hand():
     assert curvature_resolution(fisher) is None
 
 
+def test_momentum_gain_by_hand_and_by_simulation():
+    """(rho + (1 - rho)(1 - b) / (1 + b)) / (1 - b)^2: 1 / (1 - b^2) for an independent error, 1 / (1 - b)^2
+    for a repeated one, 1 without momentum; and what an EMA of errors with a shared part does."""
+    assert momentum_gain(0.0, 0.9) == pytest.approx(1 / 0.19, rel=1e-12)
+    assert momentum_gain(1.0, 0.9) == pytest.approx(100.0, rel=1e-12)
+    assert momentum_gain(0.25, 0.9) == pytest.approx((0.25 + 0.75 * 0.1 / 1.9) / 0.01, rel=1e-12)
+    assert momentum_gain(0.3, 0.0) == pytest.approx(1.0, rel=1e-12)
+    # e_t = sqrt(rho) b + sqrt(1 - rho) n_t (b fixed per trial, n_t fresh): lag correlation rho, variance 1
+    g = torch.Generator().manual_seed(0)
+    beta1, rho, trials = 0.8, 0.2, 200_000
+    shared = torch.randn(trials, generator=g, dtype=torch.float64)
+    m = torch.zeros(trials, dtype=torch.float64)
+    for _ in range(150):  # 0.8^150: the start forgotten
+        e = rho**0.5 * shared + (1 - rho) ** 0.5 * torch.randn(trials, generator=g, dtype=torch.float64)
+        m = beta1 * m + (1 - beta1) * e
+    one_step = (1 - beta1) ** 2
+    assert m.square().mean().item() / one_step == pytest.approx(momentum_gain(rho, beta1), rel=0.02)
+    with pytest.raises(ValueError, match="beta1"):
+        momentum_gain(0.5, 1.0)
+
+
+def _by_type(stats, scale_own=None, persistence=None):
+    """A --validate-by-type record of ``stats``: SNIP's sums, the measured drift = SNIP's (times
+    ``scale_own[type]`` on the own weights), persistence per type."""
+    out = {}
+    for fmt in stats.formats:
+        out[fmt] = {kind: {"SNIP local": t["update, local"], "SNIP propagated": t["update, propagated"],
+                           "bwd: own": t["update, local"] * (scale_own or {}).get(kind, 1.0),
+                           "bwd: other": t["update, propagated"],
+                           "bwd: persistence": (persistence or {}).get(kind, 0.1)}
+                    for kind, t in type_terms(stats, fmt).items()}
+    return out
+
+
+def test_measured_update_stats_rescale_the_update_term_only():
+    stats = StatisticsFile.load(STATS).stats
+    before = divergences(stats)
+    # measured = estimated: SNIP's costs unchanged; with one persistence for every type too (the gain cancels)
+    same = cost_tables(stats).joint
+    for rescaled in (measured_update_stats(stats, _by_type(stats)), measured_update_stats(stats, _by_type(stats), 0.9)):
+        for name, row in cost_tables(rescaled).joint.items():
+            assert row == pytest.approx(same[name], rel=1e-9)
+    # fc2's own weights drift twice what SNIP says: its local part doubles, nothing else moves
+    after = divergences(measured_update_stats(stats, _by_type(stats, scale_own={"linear_fc2": 2.0})))
+    for name, per in before.items():
+        for fmt, d in per.items():
+            a = after[name][fmt]
+            assert a.update_local == pytest.approx(d.update_local * (2.0 if module_type(name) == "linear_fc2" else 1.0),
+                                                   rel=1e-12)
+            assert a.update_propagated == pytest.approx(d.update_propagated, rel=1e-12)
+            assert a.loss_change == d.loss_change
+    # fc2's error repeats (0.5), the rest barely (0.05): fc2 weighs gain(0.5) / gain(0.05) more than the
+    # others, and each format's update terms still sum to SNIP's
+    kept = divergences(measured_update_stats(
+        stats, _by_type(stats, persistence={"linear_fc2": 0.5, "linear_qkv": 0.05, "linear_proj": 0.05,
+                                            "linear_fc1": 0.05}), 0.9))
+    ratio = momentum_gain(0.5, 0.9) / momentum_gain(0.05, 0.9)
+    fc2, qkv = "decoder.layers.1.mlp.linear_fc2", "decoder.layers.1.self_attention.linear_qkv"
+    for fmt in stats.formats:
+        assert sum(kept[n][fmt].backward for n in kept) == pytest.approx(sum(before[n][fmt].backward for n in before),
+                                                                          rel=1e-9)
+        assert (kept[fc2][fmt].backward / kept[qkv][fmt].backward
+                == pytest.approx(ratio * before[fc2][fmt].backward / before[qkv][fmt].backward, rel=1e-9))
+    # a record of another probe cycle is refused
+    other = _by_type(stats)
+    other["nvfp4"]["linear_qkv"]["SNIP local"] *= 1.5
+    with pytest.raises(ValueError, match="measured on another probe cycle"):
+        measured_update_stats(stats, other)
+
+
 def _run_dir(tmp_path, targets=("fp4-0.5", "fp4-0.75")):
     """A comparison's --out as the screen reads it: the settings, one seed's branch-point
     statistics, and oracle costs (random, but fixed) for every module."""
@@ -141,6 +215,30 @@ def test_no_variant_beats_the_oracle_on_the_costs_it_planned_with(tmp_path, caps
             assert gap >= oracle_gap - 1e-12, f"{name} beat the oracle on its own costs"
         # the screen is worth something only if the variants plan differently from the oracle
         assert any(gap > oracle_gap + 1e-6 for gap in (r[1] for r in rows.values()))
+
+
+def test_the_by_type_rows_come_from_each_seeds_record(tmp_path, capsys):
+    from megatron_snip.cli.screen_estimators import MEASURED, MEASURED_MOMENTUM
+
+    out = _run_dir(tmp_path)
+    stats = StatisticsFile.load(STATS).stats
+    record = {"iteration": stats.iteration, "by_type": _by_type(stats, persistence={"linear_fc2": 0.6})}
+    (tmp_path / "bt_s1.json").write_text(json.dumps(record))
+    pattern = str(tmp_path / "bt_s{seed}.json")
+    assert main([str(out), "--solver", "highs", "--by-type", pattern, "--json", str(tmp_path / "s.json")]) == 0
+    assert f"| {MEASURED_MOMENTUM} |" in capsys.readouterr().out
+    for s in json.loads((tmp_path / "s.json").read_text())["screens"]:
+        rows = s["rows"]
+        assert rows[MEASURED] == pytest.approx(rows["snip"])  # measured = SNIP's own terms: the same plan
+        assert rows[MEASURED_MOMENTUM][1] >= rows["oracle"][1] - 1e-12
+    with pytest.raises(SystemExit):
+        main([str(out), "--by-type", str(tmp_path / "bt.json")])
+    assert "the pattern must hold '{seed}'" in capsys.readouterr().err
+    assert main([str(out), "--by-type", str(tmp_path / "none_s{seed}.json")]) == 2
+    assert "none_s1.json does not exist: run tools/snip_validate.py --validate-by-type" in capsys.readouterr().err
+    (tmp_path / "bt_s1.json").write_text(json.dumps({**record, "iteration": 7}))
+    assert main([str(out), "--by-type", pattern]) == 2
+    assert "is not a --validate-by-type record of iteration" in capsys.readouterr().err
 
 
 def test_a_target_outside_0_1_is_refused_naming_the_flag(tmp_path, capsys):

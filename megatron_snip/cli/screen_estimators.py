@@ -2,6 +2,7 @@
 
     python tools/screen_estimators.py runs/oracle_prose8                 # the run's budgets
     python tools/screen_estimators.py runs/oracle_prose8 --targets 0.75 0.9 --json screen.json
+    python tools/screen_estimators.py runs/qs8 --by-type 'by_type_s{seed}.json'   # + the measured update drift
 
 Reads a finished comparison with the oracle arm (``tools/compare_precision.py --policies oracle
 ... --ablations layers types``): each seed's branch-point SNIP statistics and ``oracle/costs.json``.
@@ -11,7 +12,13 @@ Hutchinson probes; megatron_snip/research/variants.py) and with the oracle, and 
 FP4 share, its gap predicted from the measured costs (additivity) and its predicted regret (that
 gap minus the oracle plan's), the mean over seeds. Below, each module type's summed terms beside
 what its ablation measured, and per seed how well the Hutchinson draws resolve the curvatures
-(docs/snip.md, "Unresolved curvatures"). Nothing trains: a variant whose predicted regret is no lower than
+(docs/snip.md, "Unresolved curvatures").
+
+``--by-type`` adds two rows from each seed's ``tools/snip_validate.py --validate-by-type --output``
+on the same trunk: SNIP's update term rescaled per module type to the exact drift measured, and
+that weighted by how much of it Adam's momentum keeps (its persistence between batches,
+``variants.momentum_gain``), re-normalised to SNIP's total (docs/quality.md, "Why SNIP ranks qkv
+and fc1 above fc2"). Nothing trains: a variant whose predicted regret is no lower than
 SNIP's is not worth a training run; one that is lower still needs one (docs/quality.md).
 """
 
@@ -28,6 +35,7 @@ from megatron_snip.research.variants import (
     VARIANTS,
     curvature_resolution,
     load_run,
+    measured_update_stats,
     module_rank_correlation,
     screen,
     type_costs,
@@ -45,7 +53,14 @@ def main(argv=None) -> int:
                    help="FP4 targets (default: the run's FP4 targets)")
     p.add_argument("--solver", choices=["auto", "gurobi", "highs"], default="auto")
     p.add_argument("--json", metavar="FILE", help="also write every seed's rows here")
+    p.add_argument("--by-type", metavar="PATTERN",
+                   help="each seed's tools/snip_validate.py --validate-by-type --output of its trunk's branch point, "
+                        "'{seed}' standing for the seed (e.g. 'by_type_s{seed}.json'): adds the update term "
+                        "rescaled to the measured drift, and weighted by what Adam's momentum keeps")
     a = p.parse_args(argv)
+    if a.by_type is not None and "{seed}" not in a.by_type:
+        p.error(f"--by-type {a.by_type}: the pattern must hold '{{seed}}' (one file per seed, e.g. "
+                "'by_type_s{seed}.json')")
     bad = [t for t in a.targets or () if not 0.0 < t <= 1.0]
     if bad:
         p.error(f"--targets {' '.join(map(str, bad))}: an FP4 target is a share of the linear FLOPs, in (0, 1] "
@@ -55,6 +70,11 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    try:
+        rescaled = by_type_rows(a.by_type, stats, adam_beta1(settings)) if a.by_type else {}
+    except ValueError as e:
+        print(f"error: --by-type {a.by_type}: {e}", file=sys.stderr)
+        return 2
     targets = a.targets or [float(tag[len("fp4-"):]) for tag in settings["budgets"] if tag.startswith("fp4-")]
     fmt = next(f for f in settings["formats"] if is_fp4(f))
     print(f"{a.run}: oracle costs from the {costs.source} ablations of seeds {costs.seeds}; "
@@ -62,14 +82,15 @@ def main(argv=None) -> int:
     record = []
     for target in targets:
         try:
-            screens = [screen(sf, costs, Budget(target), seed, formats=settings["formats"], solver=a.solver)
+            screens = [screen(sf, costs, Budget(target), seed, formats=settings["formats"],
+                              rescaled=rescaled.get(seed), solver=a.solver)
                        for seed, sf in stats.items()]
         except InfeasibleBudgetError as e:
             print(f"error: --targets {target}: {e}", file=sys.stderr)
             return 2
         print(f"\nFP4 target {target:.2f}: predicted from the measured costs (mean over {len(screens)} seeds)\n")
         print("| variant | FP4 FLOPs | predicted gap | predicted regret |\n|---|---:|---:|---:|")
-        for name in [v.name for v in VARIANTS] + ["oracle"]:
+        for name in [v.name for v in VARIANTS] + list(next(iter(rescaled.values()), {})) + ["oracle"]:
             share = statistics.fmean(s.rows[name][0] for s in screens)
             gap = statistics.fmean(s.rows[name][1] for s in screens)
             regret = statistics.fmean(s.regret(name) for s in screens)
@@ -105,3 +126,29 @@ def main(argv=None) -> int:
                                             "type_costs": dict(measured), "curvature_resolution": resolution},
                                            indent=1))
     return 0
+
+
+MEASURED, MEASURED_MOMENTUM = "update measured by type", "update measured by type x momentum"
+
+
+def adam_beta1(settings: dict) -> float:
+    """The run's ``--adam-beta1`` (Megatron's default 0.9 where its flags do not set it)."""
+    args = settings.get("train_args", [])
+    return float(args[args.index("--adam-beta1") + 1]) if "--adam-beta1" in args else 0.9
+
+
+def by_type_rows(pattern: str, stats: dict, beta1: float) -> dict[int, dict]:
+    """seed -> the two rescaled statistics of ``--by-type``, from the file ``pattern`` names for the seed."""
+    out = {}
+    for seed, sf in stats.items():
+        path = Path(pattern.format(seed=seed))
+        if not path.exists():
+            raise ValueError(f"{path} does not exist: run tools/snip_validate.py --validate-by-type --output {path} "
+                             f"on seed {seed}'s trunk (docs/snip.md, \"By module type\")")
+        record = json.loads(path.read_text())
+        if record.get("iteration") != sf.stats.iteration or "by_type" not in record:
+            raise ValueError(f"{path} is not a --validate-by-type record of iteration {sf.stats.iteration}, the "
+                             f"branch point of seed {seed}")
+        out[seed] = {MEASURED: measured_update_stats(sf.stats, record["by_type"]),
+                     MEASURED_MOMENTUM: measured_update_stats(sf.stats, record["by_type"], beta1)}
+    return out

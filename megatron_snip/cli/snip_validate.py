@@ -16,8 +16,9 @@ to the local quantization-error baselines (absolute ||E||^2 and relative ||E||^2
 ``--validate-by-type`` measures instead, per module type (every layer's qkv at once, ...), the
 exact update drift of its backward GEMMs in each format, split into its own weights and the rest
 next to SNIP's local and propagated parts, the drift its forward GEMMs cause (which SNIP's update
-term leaves out), and how much of each repeats between batches, which Adam's momentum keeps
-(``research.ground_truth.group_drift``; docs/quality.md, "Why SNIP ranks qkv and fc1 above fc2").
+term leaves out), and how much of each repeats between batches (whole, own weights, the rest),
+which Adam's momentum keeps (``research.ground_truth.group_drift``; docs/quality.md, "Why SNIP ranks
+qkv and fc1 above fc2").
 It costs one forward + backward per (type, side, format, batch), where the per-module truth costs
 one per (module, format, seed, batch): at 16 layers 64 modules against 4 types.
 """
@@ -68,6 +69,8 @@ def by_type(trainer, stats, est, batches, formats, seed: int) -> dict[str, dict[
             "SNIP propagated": sum(est[n][fmt].update_propagated for n in names if fmt in est[n]) / stats.update_sq,
             "bwd: other": bwd[t].other,
             "bwd: persistence": bwd[t].persistence,
+            "bwd: own persistence": bwd[t].own_persistence,
+            "bwd: other persistence": bwd[t].other_persistence,
             "fwd: own + other": fwd[t].own + fwd[t].other,
             "fwd: persistence": fwd[t].persistence} for t, names in groups.items()}
     return out
@@ -95,7 +98,7 @@ def main() -> int:
                      help="instead of every module alone, every module type at once: the exact update drift "
                           "of its backward (own weights / other weights, next to SNIP's local / propagated "
                           "parts) and of its forward GEMMs, and the cosine of the drift between batches "
-                          "(persistence); needs --validate-batches 2 or more")
+                          "(persistence; whole, own weights, the rest); needs --validate-batches 2 or more")
     opts, rest = own.parse_known_args()
     if opts.validate_by_type and opts.validate_batches < 2:
         print(f"snip_validate.py: error: --validate-by-type compares the update drift of different batches: "

@@ -298,11 +298,15 @@ class GroupDrift:
             repeated error whole and averages an independent one down to ``(1 - beta1) /
             (1 + beta1)`` of its square; a one-step drift cannot tell them apart. NaN with
             one batch.
+        own_persistence, other_persistence: the same over the group's own weights and over the
+            other parameters: which of the two parts repeats.
     """
 
     own: float
     other: float
     persistence: float
+    own_persistence: float
+    other_persistence: float
 
 
 def group_drift(
@@ -343,20 +347,25 @@ def group_drift(
         norms = [adam.model_sum(lambda s, r=r: squared_norm(r[s])) for r in refs]
         for group, names in groups.items():
             weights = {f"{n}.weight" for n in names}
-            drifts, sq = [], []  # per batch: the drift, and its squared norm over the whole model
-            own = other = 0.0
-            for runner, ref, norm in zip(runners, refs, norms):
+            parts = {"all": lambda s: True, "own": lambda s: s.name in weights,
+                     "other": lambda s: s.name not in weights}
+            drifts, sq = [], []  # per batch: the drift, and its squared norm over each part
+            for runner, ref in zip(runners, refs):
                 with _only(local, names, precision, seed):
                     u = _update(runner, adam, rng)
                 d = {s: u[s] - ref[s] for s in ref}
-                total = adam.model_sum(lambda s: squared_norm(d[s]))
-                mine = adam.model_sum(lambda s: squared_norm(d[s]) * (s.name in weights))
-                own, other = own + mine / norm, other + (total - mine) / norm
                 drifts.append(d)
-                sq.append(total)
-            cosines = [adam.model_sum(lambda s: (drifts[i][s].double() * drifts[j][s].double()).sum())
-                       / math.sqrt(sq[i] * sq[j])
-                       for i, j in itertools.combinations(range(len(drifts)), 2) if sq[i] * sq[j] > 0]
-            out[group] = GroupDrift(own / len(runners), other / len(runners),
-                                    sum(cosines) / len(cosines) if cosines else math.nan)
+                sq.append({p: adam.model_sum(lambda s, keep=keep: squared_norm(d[s]) * keep(s))
+                           for p, keep in parts.items()})
+
+            def persistence(part: str) -> float:
+                keep = parts[part]
+                cosines = [adam.model_sum(lambda s: (drifts[i][s].double() * drifts[j][s].double()).sum() * keep(s))
+                           / math.sqrt(sq[i][part] * sq[j][part])
+                           for i, j in itertools.combinations(range(len(drifts)), 2) if sq[i][part] * sq[j][part] > 0]
+                return sum(cosines) / len(cosines) if cosines else math.nan
+
+            own = sum(q["own"] / norm for q, norm in zip(sq, norms)) / len(runners)
+            other = sum(q["other"] / norm for q, norm in zip(sq, norms)) / len(runners)
+            out[group] = GroupDrift(own, other, persistence("all"), persistence("own"), persistence("other"))
     return out

@@ -16,6 +16,7 @@ the product model (layers x types) assumes a module's cost is its layer's share 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -98,6 +99,82 @@ def module_type(name: str) -> str:
     return parse_module_name(name)[1].rsplit(".", 1)[-1]
 
 
+def momentum_gain(persistence: float, beta1: float) -> float:
+    """How much more squared drift Adam's first moment carries in its steady state than one step
+    puts in, for a gradient error whose correlation between steps is ``persistence`` at every lag.
+
+    ``m_t = beta1 m_(t-1) + (1 - beta1) e_t``: one step moves m by ``(1 - beta1) e``, squared
+    ``(1 - beta1)^2 s^2``; in the steady state the repeated part ``rho s^2`` adds up whole and the
+    independent part ``(1 - rho) s^2`` averages down to ``(1 - beta1) / (1 + beta1)`` of itself::
+
+        gain = (rho + (1 - rho) (1 - beta1) / (1 + beta1)) / (1 - beta1)^2
+
+    1 / (1 - beta1^2) for an independent error (5.3 at beta1 = 0.9), 1 / (1 - beta1)^2 for one that
+    repeats exactly (100). Adam's second moment is held fixed (the error is small against the gradient).
+    """
+    if not -1.0 <= persistence <= 1.0 or not 0.0 <= beta1 < 1.0:
+        raise ValueError(f"persistence {persistence} must lie in [-1, 1] and beta1 {beta1} in [0, 1)")
+    return (persistence + (1.0 - persistence) * (1.0 - beta1) / (1.0 + beta1)) / (1.0 - beta1) ** 2
+
+
+def measured_update_stats(stats: ProbeStatistics, by_type: Mapping[str, Mapping[str, Mapping[str, float]]],
+                          beta1: float | None = None) -> ProbeStatistics:
+    """``stats`` with each module's update term rescaled to what ``tools/snip_validate.py
+    --validate-by-type`` measured for its type: the local part by the type's exact own-weight drift over
+    SNIP's local sum, the propagated part by its other-weight drift over SNIP's propagated sum.
+
+    With ``beta1``, both are weighted further by :func:`momentum_gain` of the type's backward
+    persistence, and each format's update terms scaled back to SNIP's total over the modules: the
+    types are re-ranked by what Adam's momentum keeps, the balance with the loss term unchanged.
+
+    Args:
+        by_type: format -> module type -> the row ``--validate-by-type`` writes ("SNIP local",
+            "bwd: own", "SNIP propagated", "bwd: other", "bwd: persistence"), from the same statistics.
+    Returns:
+        statistics whose ``cost_tables`` carry the rescaled update terms (the loss term as before).
+    Raises:
+        ValueError: a measured format or module type of ``stats`` is missing from ``by_type``.
+    """
+    for fmt, rows in by_type.items():
+        if fmt not in stats.formats:
+            continue
+        for kind, terms in type_terms(stats, fmt).items():
+            row = rows.get(kind, {})
+            for est, key in (("update, local", "SNIP local"), ("update, propagated", "SNIP propagated")):
+                if key in row and not math.isclose(row[key], terms[est], rel_tol=1e-6, abs_tol=1e-30):
+                    raise ValueError(f"its {fmt} {key} of {kind} is {row[key]:.6g} where these statistics give "
+                                     f"{terms[est]:.6g}: it was measured on another probe cycle")
+    scales: dict[str, dict[str, tuple[float, float]]] = {}
+    for name, m in stats.modules.items():
+        kind = module_type(name)
+        for fmt in m.errors:
+            row = by_type.get(fmt, {}).get(kind)
+            if row is None:
+                raise ValueError(f"the --validate-by-type measurements hold no {fmt} row for {kind}")
+            gain = momentum_gain(row["bwd: persistence"], beta1) if beta1 is not None else 1.0
+            scales.setdefault(name, {})[fmt] = (gain * _ratio(row["bwd: own"], row["SNIP local"]),
+                                                gain * _ratio(row["bwd: other"], row["SNIP propagated"]))
+    if beta1 is not None:
+        table = divergences(stats)
+        for fmt in {f for per in scales.values() for f in per}:
+            pairs = [(table[n][fmt], scales[n][fmt]) for n in scales if fmt in scales[n]]
+            before = sum(d.update_local + d.update_propagated for d, _ in pairs)
+            after = sum(d.update_local * a + d.update_propagated * b for d, (a, b) in pairs)
+            k = before / after if after > 0 else 1.0
+            for n in scales:
+                if fmt in scales[n]:
+                    a, b = scales[n][fmt]
+                    scales[n][fmt] = (a * k, b * k)
+    # The local part is the error's own drift (``update_sq``), the propagated one grows with ``input_grad_sq``.
+    return replace(stats, modules={n: replace(m, errors={
+        f: replace(e, update_sq=e.update_sq * scales[n][f][0], input_grad_sq=e.input_grad_sq * scales[n][f][1])
+        for f, e in m.errors.items()}) for n, m in stats.modules.items()})
+
+
+def _ratio(measured: float, estimated: float) -> float:
+    return measured / estimated if estimated > 0 else 1.0  # a zero term stays zero whatever its scale
+
+
 def type_terms(stats: ProbeStatistics, fmt: str) -> dict[str, dict[str, float]]:
     """Module type -> SNIP's terms in ``fmt`` summed over the type's modules (dimensionless, as the
     ILP weighs them): the loss term with either curvature, the update term's local and propagated
@@ -150,11 +227,14 @@ class Screen:
 
 
 def screen(stats: StatisticsFile, costs: OracleCosts, budget: Budget, seed: int, *, formats: Sequence[str],
-           variants: Sequence[Variant] = VARIANTS, solver: str = "auto") -> Screen:
+           variants: Sequence[Variant] = VARIANTS, rescaled: Mapping[str, ProbeStatistics] | None = None,
+           solver: str = "auto") -> Screen:
     """Every variant's plan and the oracle's at ``budget`` from one seed's branch-point statistics,
-    each with its FP4 share and its gap predicted from the measured costs."""
+    each with its FP4 share and its gap predicted from the measured costs; ``rescaled`` adds rows
+    planned with SNIP's cost from other statistics of the same cycle (:func:`measured_update_stats`)."""
     problem = stats.problem(budget, formats=formats, solver=solver)
     plans = {v.name: variant_plan(problem, stats.stats, v, solver) for v in variants}
+    plans |= {name: variant_plan(problem, other, VARIANTS[0], solver) for name, other in (rescaled or {}).items()}
     plans["oracle"] = oracle_plan(problem, costs, solver)
     return Screen(seed, budget, {name: (evaluate_plan(problem, plan).fp4_fraction,
                                         predicted_gap(costs, fp4_modules(problem, plan)))
