@@ -207,7 +207,8 @@ def _probe(chunks, optimizer, controller, batch, **config):
 def single_worker(rank, world, port, out_dir):
     import time
 
-    from megatron_snip.numerics.recipes import Precision
+    from megatron_snip.numerics.linear import LinearQuantizers
+    from megatron_snip.numerics.recipes import BF16, Precision
     from megatron_snip.precision.plan import PrecisionPlan
     from megatron_snip.research.ground_truth import backward_ground_truth, forward_ground_truth, group_drift
     from megatron_snip.research.ranks import rank_correlations
@@ -288,7 +289,11 @@ def single_worker(rank, world, port, out_dir):
                            Precision("bf16", "mxfp4"), seq_length=SEQ, micro_batch_size=MBS)["fc2"],
         **{side: group_drift(chunks, optimizer, controller, batches[:2], {"fc2": every_fc2}, precision,
                              seq_length=SEQ, micro_batch_size=MBS)["fc2"]
-           for side, precision in (("bwd", Precision("bf16", "mxfp4")), ("fwd", Precision("mxfp4", "bf16")))}}
+           for side, precision in (("bwd", Precision("bf16", "mxfp4")), ("fwd", Precision("mxfp4", "bf16")))},
+        "dgrad_w": group_drift(chunks, optimizer, controller, batches[:2], {"fc2": [fc2]}, Precision("bf16", "mxfp4"),
+                               seq_length=SEQ, micro_batch_size=MBS, operands={("dgrad", "w")})["fc2"]}
+    out["quantizers_restored"] = (controller.modules()[fc2]._quantizers
+                                  == LinearQuantizers.resolve(BF16, controller.modules()[fc2].recipe))
     out["params_unchanged_by_group_drift"] = _same(before["params"], _snapshot(chunks, controller)["params"])
     out["rho"] = {
         "forward vs loss change": rank_correlations(fwd_est, fwd.loss_change),
@@ -444,7 +449,11 @@ def test_group_drift_splits_the_per_module_truth_and_measures_persistence(single
         assert g[side].own > 0 and g[side].other > 0
         for p in (g[side].persistence, g[side].own_persistence, g[side].other_persistence):
             assert -1 < p < 1 and p != pytest.approx(1.0, abs=1e-3)
-    assert single["params_unchanged_by_group_drift"]
+    # dgrad's quantized weight alone moves the gradients below the module, not its own (its wgrad's
+    # operands run in bf16: the own drift is that rounding, not MXFP4's)
+    w_only = g["dgrad_w"]
+    assert w_only.other > 0 and w_only.own < 1e-2 * w_only.other
+    assert single["params_unchanged_by_group_drift"] and single["quantizers_restored"]
 
 
 @pytest.mark.integration

@@ -16,10 +16,11 @@ to the local quantization-error baselines (absolute ||E||^2 and relative ||E||^2
 ``--validate-by-type`` measures instead, per module type (every layer's qkv at once, ...), the
 exact update drift of its backward GEMMs in each format, split into its own weights and the rest
 next to SNIP's local and propagated parts, the drift its forward GEMMs cause (which SNIP's update
-term leaves out), and how much of each repeats between batches (whole, own weights, the rest),
-which Adam's momentum keeps (``research.ground_truth.group_drift``; docs/quality.md, "Why SNIP ranks
+term leaves out), how much of each repeats between batches (whole, own weights, the rest),
+which Adam's momentum keeps, and the drift and persistence of the input-gradient error that the
+quantized weight alone causes in dgrad (``research.ground_truth.group_drift``; docs/quality.md, "Why SNIP ranks
 qkv and fc1 above fc2").
-It costs one forward + backward per (type, side, format, batch), where the per-module truth costs
+It costs three forward + backward passes per (type, format, batch), where the per-module truth costs
 one per (module, format, seed, batch): at 16 layers 64 modules against 4 types.
 """
 
@@ -63,6 +64,9 @@ def by_type(trainer, stats, est, batches, formats, seed: int) -> dict[str, dict[
                           Precision("bf16", fmt), **common)
         fwd = group_drift(trainer.model, trainer.optimizer, trainer.precision, batches, groups,
                           Precision(fmt, "bf16"), **common)
+        # the input gradient's error from the quantized weight alone: the part that repeats (docs/quality.md)
+        dgrad_w = group_drift(trainer.model, trainer.optimizer, trainer.precision, batches, groups,
+                              Precision("bf16", fmt), operands={("dgrad", "w")}, **common)
         out[fmt] = {t: {
             "SNIP local": sum(est[n][fmt].update_local for n in names if fmt in est[n]) / stats.update_sq,
             "bwd: own": bwd[t].own,
@@ -71,6 +75,8 @@ def by_type(trainer, stats, est, batches, formats, seed: int) -> dict[str, dict[
             "bwd: persistence": bwd[t].persistence,
             "bwd: own persistence": bwd[t].own_persistence,
             "bwd: other persistence": bwd[t].other_persistence,
+            "dgrad W only: other": dgrad_w[t].other,
+            "dgrad W only: other persistence": dgrad_w[t].other_persistence,
             "fwd: own + other": fwd[t].own + fwd[t].other,
             "fwd: persistence": fwd[t].persistence} for t, names in groups.items()}
     return out
@@ -98,7 +104,8 @@ def main() -> int:
                      help="instead of every module alone, every module type at once: the exact update drift "
                           "of its backward (own weights / other weights, next to SNIP's local / propagated "
                           "parts) and of its forward GEMMs, and the cosine of the drift between batches "
-                          "(persistence; whole, own weights, the rest); needs --validate-batches 2 or more")
+                          "(persistence; whole, own weights, the rest), and the drift of dgrad's quantized "
+                          "weight alone; needs --validate-batches 2 or more")
     opts, rest = own.parse_known_args()
     if opts.validate_by_type and opts.validate_batches < 2:
         print(f"snip_validate.py: error: --validate-by-type compares the update drift of different batches: "

@@ -70,16 +70,19 @@ def _module_formats(controller: PrecisionController, formats: Sequence[str], sid
 
 @contextlib.contextmanager
 def _only(modules: Mapping[str, QuantizedLinearMixin], names: Collection[str], precision: Precision,
-          seed: int) -> Iterator[None]:
+          seed: int, operands: Collection[tuple[str, str]] | None = None) -> Iterator[None]:
     """Modules ``names`` (those on this rank) in ``precision``, each with a fresh quantization state
     for rounding seed ``seed`` (same Hadamard signs on every TP rank of a module, independent
-    stochastic rounding per rank); back to bf16 and their own states afterwards."""
+    stochastic rounding per rank), only ``operands`` quantized where given; back to bf16 and their
+    own states afterwards."""
     held = [n for n in names if n in modules]
     own = {n: modules[n].quant_state for n in held}
     rank = dist.get_rank() if dist.is_initialized() else 0
     for n in held:
         modules[n].quant_state = QuantState(noise_key("ground-truth", seed, n) & ((1 << 31) - 1), stream=rank)
         modules[n].precision = precision
+        if operands is not None:
+            modules[n].quantize_only(operands)
     try:
         yield
     finally:
@@ -320,6 +323,7 @@ def group_drift(
     seq_length: int,
     micro_batch_size: int,
     seed: int = 0,
+    operands: Collection[tuple[str, str]] | None = None,
     forward_step_func: ForwardStep = forward_step,
     loss_key: str = LOSS_KEY,
 ) -> dict[str, GroupDrift]:
@@ -330,8 +334,13 @@ def group_drift(
     ``Precision("bf16", f)`` measures what SNIP's update term estimates; ``Precision(f, "bf16")``
     the update drift that the forward GEMMs cause, which the update term leaves out.
 
-    Args: as :func:`backward_ground_truth`, plus ``groups`` (group name -> global module names)
-        and the rounding ``seed``. Costs one forward + backward per (group, batch), plus one per batch.
+    ``operands`` quantizes only those of the GEMMs' operands (``{("dgrad", "w")}``: the error the
+    input gradient takes from the quantized weight alone, the same at every step for a weight that
+    barely moves; docs/quality.md, "Which part of the error repeats").
+
+    Args: as :func:`backward_ground_truth`, plus ``groups`` (group name -> global module names),
+        the rounding ``seed`` and ``operands`` ((gemm, operand) pairs; None: all of ``precision``'s).
+        Costs one forward + backward per (group, batch), plus one per batch.
     Returns:
         group name -> :class:`GroupDrift`, on every rank.
     """
@@ -351,7 +360,7 @@ def group_drift(
                      "other": lambda s: s.name not in weights}
             drifts, sq = [], []  # per batch: the drift, and its squared norm over each part
             for runner, ref in zip(runners, refs):
-                with _only(local, names, precision, seed):
+                with _only(local, names, precision, seed, operands):
                     u = _update(runner, adam, rng)
                 d = {s: u[s] - ref[s] for s in ref}
                 drifts.append(d)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
+from collections.abc import Collection
 
 import torch
 import torch.distributed as dist
@@ -160,6 +161,14 @@ class QuantizedLinearMixin(PlanLinear):
     def _use(self, precision: Precision, recipe: RecipeConfig) -> None:
         """Resolve the GEMMs' operand quantizers once, for every forward and backward until the next change."""
         self._quantizers = LinearQuantizers.resolve(precision, recipe)
+
+    def quantize_only(self, operands: Collection[tuple[str, str]]) -> None:
+        """Keep the precision's quantizers on ``operands`` ((gemm, operand) pairs such as
+        ``("dgrad", "w")``) and run every other operand in bf16, until the precision or recipe next
+        changes: the ground truth's split of a GEMM's error by operand (research.ground_truth)."""
+        exact = LinearQuantizers.resolve(BF16, self.recipe).table
+        self._quantizers = LinearQuantizers({key: q if key in operands else exact[key]
+                                             for key, q in self._quantizers.table.items()})
 
     def check_precision(self, precision: Precision, recipe: RecipeConfig) -> None:
         """Raise ValueError if this module cannot run ``precision`` under ``recipe``."""
