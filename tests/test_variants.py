@@ -13,6 +13,7 @@ import torch
 from conftest import ROOT
 
 from megatron_snip.cli.screen_estimators import main
+from megatron_snip.precision.plan import PrecisionPlan
 from megatron_snip.research.variants import (
     VARIANTS,
     Variant,
@@ -22,11 +23,13 @@ from megatron_snip.research.variants import (
     module_type,
     momentum_gain,
     type_terms,
+    variant_plan,
     with_curvature,
 )
 from megatron_snip.snip.estimators import cost_tables, divergences
+from megatron_snip.snip.planner import to_precision_plan
 from megatron_snip.snip.statistics import ModuleStatistics
-from megatron_snip.snip.statistics_file import StatisticsFile
+from megatron_snip.snip.statistics_file import Budget, StatisticsFile
 
 STATS = ROOT / "tests" / "data" / "snip_iter_schema1.json"  # the quickstart's first cycle: 4 layers, fp8 nvfp4
 
@@ -225,8 +228,17 @@ def test_the_by_type_rows_come_from_each_seeds_record(tmp_path, capsys):
     record = {"iteration": stats.iteration, "by_type": _by_type(stats, persistence={"linear_fc2": 0.6})}
     (tmp_path / "bt_s1.json").write_text(json.dumps(record))
     pattern = str(tmp_path / "bt_s{seed}.json")
-    assert main([str(out), "--solver", "highs", "--by-type", pattern, "--json", str(tmp_path / "s.json")]) == 0
+    plans = tmp_path / "plans"
+    assert main([str(out), "--solver", "highs", "--by-type", pattern, "--json", str(tmp_path / "s.json"),
+                 "--write-plans", str(plans)]) == 0
     assert f"| {MEASURED_MOMENTUM} |" in capsys.readouterr().out
+    # every row's plan is written for training; SNIP's is the plan SNIP's ILP makes from the statistics
+    names = {p.name for p in (plans / "seed1").iterdir()}
+    assert names == {f"{n.replace(' ', '-')}_fp4-{t}.json" for n in [v.name for v in VARIANTS]
+                     + [MEASURED, MEASURED_MOMENTUM, "oracle"] for t in ("0.50", "0.75")}
+    problem = StatisticsFile.load(STATS).problem(Budget(0.75), formats=["bf16", "fp8", "nvfp4"], solver="highs")
+    snip = to_precision_plan(variant_plan(problem, stats, VARIANTS[0], "highs"), split=problem.split)
+    assert PrecisionPlan.load(plans / "seed1" / "snip_fp4-0.75.json") == snip
     for s in json.loads((tmp_path / "s.json").read_text())["screens"]:
         rows = s["rows"]
         assert rows[MEASURED] == pytest.approx(rows["snip"])  # measured = SNIP's own terms: the same plan

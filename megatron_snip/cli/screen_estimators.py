@@ -57,6 +57,9 @@ def main(argv=None) -> int:
                    help="each seed's tools/snip_validate.py --validate-by-type --output of its trunk's branch point, "
                         "'{seed}' standing for the seed (e.g. 'by_type_s{seed}.json'): adds the update term "
                         "rescaled to the measured drift, and weighted by what Adam's momentum keeps")
+    p.add_argument("--write-plans", metavar="DIR",
+                   help="also write every row's plan, DIR/seedS/<row>_fp4-<target>.json (spaces as '-'), for "
+                        "pretrain_llama.py --precision-plan: a variant worth training, from the same trunk")
     a = p.parse_args(argv)
     if a.by_type is not None and "{seed}" not in a.by_type:
         p.error(f"--by-type {a.by_type}: the pattern must hold '{{seed}}' (one file per seed, e.g. "
@@ -96,6 +99,12 @@ def main(argv=None) -> int:
             regret = statistics.fmean(s.regret(name) for s in screens)
             print(f"| {name} | {share:.1%} | {gap:+.4f} | {regret:+.4f} |")
         record += [{"seed": s.seed, "fp4_target": target, "rows": s.rows} for s in screens]
+        if a.write_plans:
+            for s in screens:
+                folder = Path(a.write_plans) / f"seed{s.seed}"
+                folder.mkdir(parents=True, exist_ok=True)
+                for name, plan in s.plans.items():
+                    plan.save(folder / f"{name.replace(' ', '-')}_fp4-{target:.2f}.json")
     measured = type_costs(costs)
     print(f"\nSpearman correlation over the modules of each variant's {fmt} cost with the measured cost "
           "(mean over seeds):\n")

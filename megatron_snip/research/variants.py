@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from megatron_snip.numerics.registry import is_fp4
-from megatron_snip.precision.plan import parse_module_name
+from megatron_snip.precision.plan import PrecisionPlan, parse_module_name
 from megatron_snip.snip.estimators import (
     CURVATURES,
     cost_tables,
@@ -33,6 +33,7 @@ from megatron_snip.snip.estimators import (
     unresolved_curvatures,
 )
 from megatron_snip.snip.ilp import Plan, SnipProblem, evaluate_plan, solve
+from megatron_snip.snip.planner import to_precision_plan
 from megatron_snip.snip.statistics import ModuleStatistics, ProbeStatistics
 from megatron_snip.snip.statistics_file import Budget, StatisticsFile
 
@@ -216,11 +217,13 @@ def module_rank_correlation(stats: ProbeStatistics, variant: Variant, costs: Ora
 
 @dataclass(frozen=True)
 class Screen:
-    """One seed's screen at one budget: variant (and "oracle") -> (FP4 share, predicted gap)."""
+    """One seed's screen at one budget: variant (and "oracle") -> (FP4 share, predicted gap), and
+    the plans, each as the precision plan ``--precision-plan`` trains."""
 
     seed: int
     budget: Budget
     rows: dict[str, tuple[float, float]]
+    plans: dict[str, PrecisionPlan]
 
     def regret(self, name: str) -> float:
         return self.rows[name][1] - self.rows["oracle"][1]
@@ -238,7 +241,8 @@ def screen(stats: StatisticsFile, costs: OracleCosts, budget: Budget, seed: int,
     plans["oracle"] = oracle_plan(problem, costs, solver)
     return Screen(seed, budget, {name: (evaluate_plan(problem, plan).fp4_fraction,
                                         predicted_gap(costs, fp4_modules(problem, plan)))
-                                 for name, plan in plans.items()})
+                                 for name, plan in plans.items()},
+                  {name: to_precision_plan(plan, split=problem.split) for name, plan in plans.items()})
 
 
 def load_run(out: Path) -> tuple[dict, OracleCosts, dict[int, StatisticsFile]]:
