@@ -336,7 +336,7 @@ def group_drift(
 
     ``operands`` quantizes only those of the GEMMs' operands (``{("dgrad", "w")}``: the error the
     input gradient takes from the quantized weight alone, the same at every step for a weight that
-    barely moves; docs/quality.md, "Which part of the error repeats").
+    barely moves; docs/quality.md, "Why SNIP ranks qkv and fc1 above fc2", point 3).
 
     Args: as :func:`backward_ground_truth`, plus ``groups`` (group name -> global module names),
         the rounding ``seed`` and ``operands`` ((gemm, operand) pairs; None: all of ``precision``'s).
