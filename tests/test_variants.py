@@ -248,6 +248,15 @@ def test_the_by_type_rows_come_from_each_seeds_record(tmp_path, capsys):
     assert "the pattern must hold '{seed}'" in capsys.readouterr().err
     assert main([str(out), "--by-type", str(tmp_path / "none_s{seed}.json")]) == 2
     assert "none_s1.json does not exist: run tools/snip_validate.py --validate-by-type" in capsys.readouterr().err
+    other = json.loads(json.dumps(record))
+    other["by_type"]["nvfp4"]["linear_fc2"]["SNIP propagated"] *= 2
+    (tmp_path / "bt_s1.json").write_text(json.dumps(other))
+    assert main([str(out), "--by-type", pattern]) == 2
+    assert "bt_s1.json: the record's nvfp4 'SNIP propagated' of linear_fc2" in capsys.readouterr().err
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(SystemExit):
+        main([str(out), "--write-plans", str(tmp_path / "a_file" / "plans")])
+    assert "--write-plans" in capsys.readouterr().err
     (tmp_path / "bt_s1.json").write_text(json.dumps({**record, "iteration": 7}))
     assert main([str(out), "--by-type", pattern]) == 2
     assert "is not a --validate-by-type record of iteration" in capsys.readouterr().err

@@ -61,6 +61,11 @@ def main(argv=None) -> int:
                    help="also write every row's plan, DIR/seedS/<row>_fp4-<target>.json (spaces as '-'), for "
                         "pretrain_llama.py --precision-plan: a variant worth training, from the same trunk")
     a = p.parse_args(argv)
+    if a.write_plans is not None:
+        try:
+            Path(a.write_plans).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            p.error(f"--write-plans {a.write_plans}: cannot create the folder ({e.strerror}); give a writable path")
     if a.by_type is not None and "{seed}" not in a.by_type:
         p.error(f"--by-type {a.by_type}: the pattern must hold '{{seed}}' (one file per seed, e.g. "
                 "'by_type_s{seed}.json')")
@@ -158,6 +163,9 @@ def by_type_rows(pattern: str, stats: dict, beta1: float) -> dict[int, dict]:
         if record.get("iteration") != sf.stats.iteration or "by_type" not in record:
             raise ValueError(f"{path} is not a --validate-by-type record of iteration {sf.stats.iteration}, the "
                              f"branch point of seed {seed}")
-        out[seed] = {MEASURED: measured_update_stats(sf.stats, record["by_type"]),
-                     MEASURED_MOMENTUM: measured_update_stats(sf.stats, record["by_type"], beta1)}
+        try:
+            out[seed] = {MEASURED: measured_update_stats(sf.stats, record["by_type"]),
+                         MEASURED_MOMENTUM: measured_update_stats(sf.stats, record["by_type"], beta1)}
+        except ValueError as e:
+            raise ValueError(f"{path}: {e} (run --validate-by-type on seed {seed}'s trunk of this run)") from e
     return out

@@ -143,8 +143,8 @@ def measured_update_stats(stats: ProbeStatistics, by_type: Mapping[str, Mapping[
             row = rows.get(kind, {})
             for est, key in (("update, local", "SNIP local"), ("update, propagated", "SNIP propagated")):
                 if key in row and not math.isclose(row[key], terms[est], rel_tol=1e-6, abs_tol=1e-30):
-                    raise ValueError(f"its {fmt} {key} of {kind} is {row[key]:.6g} where these statistics give "
-                                     f"{terms[est]:.6g}: it was measured on another probe cycle")
+                    raise ValueError(f"the record's {fmt} '{key}' of {kind} is {row[key]:.6g} where these statistics "
+                                     f"give {terms[est]:.6g}: it was measured on another probe cycle")
     scales: dict[str, dict[str, tuple[float, float]]] = {}
     for name, m in stats.modules.items():
         kind = module_type(name)
