@@ -356,8 +356,7 @@ def group_drift(
         norms = [adam.model_sum(lambda s, r=r: squared_norm(r[s])) for r in refs]
         for group, names in groups.items():
             weights = {f"{n}.weight" for n in names}
-            parts = {"all": lambda s: True, "own": lambda s: s.name in weights,
-                     "other": lambda s: s.name not in weights}
+            mine = {"own": lambda s: s.name in weights, "other": lambda s: s.name not in weights}
             drifts, sq = [], []  # per batch: the drift, and its squared norm over each part
             for runner, ref in zip(runners, refs):
                 with _only(local, names, precision, seed, operands):
@@ -365,16 +364,23 @@ def group_drift(
                 d = {s: u[s] - ref[s] for s in ref}
                 drifts.append(d)
                 sq.append({p: adam.model_sum(lambda s, keep=keep: squared_norm(d[s]) * keep(s))
-                           for p, keep in parts.items()})
+                           for p, keep in mine.items()})
+            # inner products between batches, per part; the whole model's are their sums
+            dots = {(i, j): {p: adam.model_sum(lambda s, keep=keep: (drifts[i][s].double()
+                                                                     * drifts[j][s].double()).sum() * keep(s))
+                             for p, keep in mine.items()}
+                    for i, j in itertools.combinations(range(len(drifts)), 2)}
 
-            def persistence(part: str) -> float:
-                keep = parts[part]
-                cosines = [adam.model_sum(lambda s: (drifts[i][s].double() * drifts[j][s].double()).sum() * keep(s))
-                           / math.sqrt(sq[i][part] * sq[j][part])
-                           for i, j in itertools.combinations(range(len(drifts)), 2) if sq[i][part] * sq[j][part] > 0]
+            def persistence(parts: tuple[str, ...]) -> float:
+                cosines = []
+                for (i, j), dot in dots.items():
+                    ni, nj = sum(sq[i][p] for p in parts), sum(sq[j][p] for p in parts)
+                    if ni * nj > 0:
+                        cosines.append(sum(dot[p] for p in parts) / math.sqrt(ni * nj))
                 return sum(cosines) / len(cosines) if cosines else math.nan
 
             own = sum(q["own"] / norm for q, norm in zip(sq, norms)) / len(runners)
             other = sum(q["other"] / norm for q, norm in zip(sq, norms)) / len(runners)
-            out[group] = GroupDrift(own, other, persistence("all"), persistence("own"), persistence("other"))
+            out[group] = GroupDrift(own, other, persistence(("own", "other")), persistence(("own",)),
+                                    persistence(("other",)))
     return out

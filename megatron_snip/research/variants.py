@@ -134,7 +134,8 @@ def measured_update_stats(stats: ProbeStatistics, by_type: Mapping[str, Mapping[
     Returns:
         statistics whose ``cost_tables`` carry the rescaled update terms (the loss term as before).
     Raises:
-        ValueError: a measured format or module type of ``stats`` is missing from ``by_type``.
+        ValueError: a measured format or module type of ``stats`` is missing from ``by_type``, or its
+            SNIP sums differ from those of ``stats`` (a record of another probe cycle).
     """
     for fmt, rows in by_type.items():
         if fmt not in stats.formats:
