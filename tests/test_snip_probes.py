@@ -33,6 +33,7 @@ compared within 10% (2% observed).
 
 from __future__ import annotations
 
+import copy
 import gc
 import math
 import os
@@ -252,6 +253,16 @@ def single_worker(rank, world, port, out_dir):
         out[f"forward_calls_{curvature}"] = passes["n"]
     handle.remove()
     out["fisher_pair"] = (counted["hutchinson"].to_dict(), counted["fisher"].to_dict())
+    # The same cycle with the gains leaving out the embedding's drift, and every parameter below layer 1's.
+    out["gain_excludes"] = {excludes: run_probe_cycle(
+        chunks, optimizer, controller, iter(batches[0]), num_microbatches=MICRO, seq_length=SEQ, micro_batch_size=MBS,
+        config=ProbeConfig(gain_excludes=excludes, restore_grads=True), iteration=STEPS).to_dict()
+        for excludes in (("embedding",), ("embedding", "decoder.layers.0."))}
+    try:
+        run_probe_cycle(chunks, optimizer, controller, iter(batches[0]), num_microbatches=MICRO, seq_length=SEQ,
+                        micro_batch_size=MBS, config=ProbeConfig(gain_excludes=("embeding",), restore_grads=True))
+    except ValueError as e:
+        out["gain_excludes_error"] = str(e)
     run_probe_cycle(chunks, optimizer, controller, iter(batches[0]), num_microbatches=MICRO, seq_length=SEQ,
                     micro_batch_size=MBS, config=ProbeConfig(hutchinson_probes=1, perturbation_probes=1))
     out["grads_zeroed"] = all(b.grad_data.abs().max().item() == 0 for b in chunks[0].buffers)
@@ -379,7 +390,7 @@ def test_fisher_curvature_skips_the_hutchinson_passes_and_changes_nothing_else(s
     micro, k = MICRO, 3
     assert single["forward_calls_hutchinson"] == (2 + 2 * k) * micro
     assert single["forward_calls_fisher"] == (2 + k) * micro
-    hutchinson, fisher = single["fisher_pair"]
+    hutchinson, fisher = copy.deepcopy(single["fisher_pair"])  # the fixture is shared: pop from copies
     assert fisher["settings"].pop("curvature") == "fisher"
     assert hutchinson["settings"].pop("curvature") == "hutchinson"
     for name, m in fisher["modules"].items():
@@ -392,6 +403,32 @@ def test_fisher_curvature_skips_the_hutchinson_passes_and_changes_nothing_else(s
         assert m == h, name
     assert {k: v for k, v in fisher.items() if k != "modules"} == {k: v for k, v in hutchinson.items()
                                                                    if k != "modules"}
+
+
+@pytest.mark.integration
+def test_gain_excludes_leave_those_parameters_out_of_the_gains_and_change_nothing_else(single):
+    """``--snip-gain-exclude``: with the embedding and layer 0 left unperturbed nothing below layer 0's
+    modules moves, so their gains are exactly 0 and layer 1's are not; leaving out the embedding alone
+    changes every module's gain (every input depends on it) and no other statistic, the perturbation
+    scale included; a pattern that names no parameter is refused, naming the flag."""
+    default = copy.deepcopy(single["fisher_pair"][0])
+    only_above_0 = single["gain_excludes"][("embedding", "decoder.layers.0.")]
+    for name, m in only_above_0["modules"].items():
+        if m["layer"] == 0:
+            assert m["gain"] == 0 and set(m["gain_probes"]) == {0.0}, name
+        else:
+            assert m["gain"] > 0, name
+    no_embedding = copy.deepcopy(single["gain_excludes"][("embedding",)])
+    assert tuple(no_embedding["settings"].pop("gain_excludes")) == ("embedding",)
+    assert tuple(default["settings"].pop("gain_excludes")) == ()
+    for name, m in no_embedding["modules"].items():
+        d = default["modules"][name]
+        assert m.pop("gain") != d.pop("gain"), name
+        m.pop("gain_probes"), d.pop("gain_probes")
+        assert m == d, name
+    assert {k: v for k, v in no_embedding.items() if k != "modules"} == {k: v for k, v in default.items()
+                                                                          if k != "modules"}
+    assert "--snip-gain-exclude embeding: names no parameter" in single["gain_excludes_error"]
 
 
 @pytest.mark.integration

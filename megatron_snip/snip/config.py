@@ -53,6 +53,11 @@ class SnipConfig:
         "gradient + 1 clean + 3 curvature + 3 perturbation passes, 8 in all; 2 + 2K, or 2 + K with "
         "--snip-curvature fisher).", ours=True)
 
+    snip_gain_exclude: tuple[str, ...] = flag(
+        (), "Parameters (name substrings, e.g. embedding) whose drift the update divergence's propagated part leaves "
+        "out: the probes' parameter perturbation skips them (default: none, the paper's). On the 8-layer CPU models "
+        "the embedding held nearly all of layer 0's propagated part (docs/quality.md).", ours=True)
+
     def due(self, iteration: int) -> bool:
         """Whether a cycle runs after ``iteration``."""
         return self.enabled and iteration % self.snip_interval == 0

@@ -93,6 +93,10 @@ class ProbeConfig:
             ``||sigma P~ w|| = param_noise * ||theta||``; None: 1e-3 for fp32 parameters,
             3e-2 for 16-bit ones (a smaller step would round away in bf16).
         seed: seed of the noise.
+        gain_excludes: name substrings of parameters the perturbation passes leave unperturbed, so
+            every module's gain, hence its propagated update drift, leaves out their drift
+            (``--snip-gain-exclude``); sigma is the unrestricted one, so the other parameters
+            move exactly as in a cycle without exclusions.
         restore_grads: put the DDP gradient buffers back as they were (costs a copy of them);
             otherwise they are left zeroed, as every training step begins anyway.
     """
@@ -104,6 +108,7 @@ class ProbeConfig:
     output_noise: float = 0.05
     param_noise: float | None = None
     seed: int = 0
+    gain_excludes: tuple[str, ...] = ()
     restore_grads: bool = False
 
     def __post_init__(self):
@@ -121,7 +126,7 @@ class ProbeConfig:
         ``--snip-probe-passes`` draws per estimator."""
         return cls(formats=tuple(f for f in snip.snip_formats if precision_format(f).quantized),
                    curvature=snip.snip_curvature, hutchinson_probes=snip.snip_probe_passes,
-                   perturbation_probes=snip.snip_probe_passes, seed=seed)
+                   perturbation_probes=snip.snip_probe_passes, gain_excludes=snip.snip_gain_exclude, seed=seed)
 
     @property
     def curvature_passes(self) -> int:
@@ -432,7 +437,8 @@ def run_probe_cycle(
             rms = math.sqrt(clean[p.name][Sum("output_sq")] / clean[p.name][Sum("output_numel")])
             p.sigma = config.output_noise * (rms if rms > 0 else 1.0)
         param_sigma = _param_sigma(adam, sensitivity, config)
-        _perturbation_passes(runner, probes, rng, sensitivity, param_sigma, config, clean_inputs)
+        _perturbation_passes(runner, probes, rng, _perturbed(adam, sensitivity, config.gain_excludes), param_sigma,
+                             config, clean_inputs)
         clean_inputs.clear()  # before the Hutchinson passes need activation memory
         for k, key in enumerate(curvature_keys):
             _hutchinson_pass(runner, probes, rng, key, k, loss_scale)
@@ -551,6 +557,24 @@ def _param_sigma(adam: AdamView, sensitivity: dict[AdamSlice, torch.Tensor], con
     theta_sq = adam.model_sum(lambda s: squared_norm(s.flat(s.param.detach())))
     sens_sq = adam.model_sum(lambda s: squared_norm(sensitivity[s]))
     return rel * math.sqrt(theta_sq / sens_sq)
+
+
+def _perturbed(adam: AdamView, sensitivity: dict[AdamSlice, torch.Tensor],
+               excludes: tuple[str, ...]) -> dict[AdamSlice, torch.Tensor]:
+    """``sensitivity`` with the slices of parameters named by ``excludes`` at 0: the perturbation
+    passes leave those parameters where they are. A pattern that names no parameter of the model
+    (on any rank) is refused: it would silently measure the default gains."""
+    if not excludes:
+        return sensitivity
+    found = torch.tensor([float(any(e in s.name for s in sensitivity)) for e in excludes], dtype=torch.float64,
+                         device=next(iter(adam.slices)).device)
+    dist.all_reduce(found, op=dist.ReduceOp.MAX)  # a pipeline stage may hold none of a pattern's parameters
+    missing = [e for e, f in zip(excludes, found.tolist()) if not f]
+    if missing:
+        names = sorted({s.name for s in adam.slices.values()})
+        raise ValueError(f"--snip-gain-exclude {' '.join(missing)}: names no parameter of the model; give a part of "
+                         f"a parameter name, e.g. 'embedding' (the model has {', '.join(names[:4])}, ...)")
+    return {s: torch.zeros_like(v) if any(e in s.name for e in excludes) else v for s, v in sensitivity.items()}
 
 
 def _perturbation_passes(runner: PassRunner, probes: list[_Probe], rng: RngStates,
