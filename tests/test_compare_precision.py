@@ -91,6 +91,22 @@ def test_each_arm_starts_from_its_plan_and_the_replanned_ones_run_snip(tmp_path)
     assert value("uniform", "--load") == str(tmp_path / "seed1" / "trunk" / "ckpt")
 
 
+def test_probe_settings_are_shared_by_every_arm_and_the_trunk(tmp_path):
+    """--snip-gain-exclude and --snip-probe-passes change only what SNIP measures: allowed among the
+    training flags, they reach the trunk's cycle and every branch (a SNIP flag that plans is refused above)."""
+    shared = ("--lr", "1e-3", "--snip-gain-exclude", "embedding", "--snip-probe-passes", "6")
+    c = config(out=str(tmp_path), policies=("snip", "uniform"), seeds=(1,), train_args=shared)
+    plans = tmp_path / "seed1" / "plans"
+    plans.mkdir(parents=True)
+    for policy in ("snip", "uniform"):
+        PrecisionPlan.uniform("nvfp4").save(plans / f"{policy}_{BUDGET.tag}.json")
+    comparison = Comparison(c, log=lambda *_: None)
+    trunk = comparison.trunk_args(1)
+    for args in [trunk, *(comparison.branch_args(b) for b in branches(c) if b.budget is not None)]:
+        assert args[:len(shared)] == list(shared)
+    assert "--snip" in trunk
+
+
 @pytest.mark.parametrize("bad, message", [
     (dict(trunk_iters=8), "--trunk-iters 8 must be > 0 and below --train-iters 8"),
     (dict(policies=("snip", "best")), "unknown ['best']"),

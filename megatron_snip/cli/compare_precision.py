@@ -13,7 +13,9 @@ re-planning every --snip-interval ("snip"; "snip-loss-term-replanned" with --sni
 ("snip-fixed"), and the baselines, each at
 exactly the same budget (plans from the trunk's statistics, megatron_snip/research/offline.py).
 Flags after "--" go to every pretrain_llama.py run (model, data, optimizer, layout: add
---tensor-model-parallel-size etc. with --nproc-per-node).
+--tensor-model-parallel-size etc. with --nproc-per-node). Of SNIP's flags only the probe settings
+--snip-gain-exclude and --snip-probe-passes may be among them: they change what SNIP measures (the
+trunk's cycle, hence every first plan from its statistics, and every re-plan), not how an arm trains.
 
 --ablations layers types adds the per-module ground truth: one arm per layer / module type
 with only that group in FP4, and the rank correlation of SNIP's predicted divergence (and of

@@ -78,6 +78,9 @@ REPLANNED = {
                                         ("--snip-update-weight", "0", "--snip-curvature", "fisher")),
 }
 FIXED = {"snip-fixed": "snip"}  # arm -> offline policy whose plan it keeps fixed
+# SNIP flags the training flags may set: they change what the probes measure, not how an arm trains, so
+# every arm shares them: the trunk's cycle (hence every statistics-based first plan) and every re-plan.
+SHARED_PROBE_FLAGS = ("--snip-gain-exclude", "--snip-probe-passes")
 # ORACLE plans with the costs the ablation arms measured, so its branches train after theirs (oracle.py).
 ARMS = (*REPLANNED, *FIXED, *(p for p in POLICIES if p != "snip"), ORACLE)
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -140,7 +143,8 @@ class ComparisonConfig:
                              f"GPUs, CUDA_VISIBLE_DEVICES={','.join(visible)} has {len(visible)}; lower --jobs")
         taken = {"--seed", "--train-iters", "--save", "--load", "--tensorboard-dir", "--snip", "--precision",
                  "--precision-plan", "--save-interval", "--snip-interval", "--exit-interval", "--finetune"}
-        clash = sorted(a for a in self.train_args if a in taken or a.startswith("--snip-"))
+        clash = sorted(a for a in self.train_args
+                       if a in taken or (a.startswith("--snip-") and a not in SHARED_PROBE_FLAGS))
         if clash:
             raise ValueError(f"training flags {clash} are set by the comparison for each arm; remove them "
                              f"(use --seeds, --trunk-iters, --train-iters, --formats and the budget flags)")
@@ -295,14 +299,20 @@ class Comparison:
             self.log(f"seed {seed}: trunk done ({trunk})")
             return
         self.log(f"seed {seed}: trunk, bf16 to iteration {c.trunk_iters} then one SNIP cycle")
-        # --train-iters is the branches' so the learning-rate schedule is the one they continue.
-        self._train(trunk, [*c.train_args, "--seed", str(seed), "--train-iters", str(c.train_iters),
-                            "--exit-interval", str(c.trunk_iters), "--save", str(trunk / "ckpt"),
-                            "--load", str(trunk / "ckpt"), "--save-interval", str(c.trunk_iters),
-                            "--snip", "--snip-formats", *c.formats], log=trunk / "log.txt", slot=slot)
+        self._train(trunk, self.trunk_args(seed), log=trunk / "log.txt", slot=slot)
         if not self._stats_path(seed).exists():
             raise RuntimeError(f"the trunk of seed {seed} wrote no SNIP statistics ({self._stats_path(seed)}); "
                                f"see {trunk / 'log.txt'}")
+
+    def trunk_args(self, seed: int) -> list[str]:
+        """pretrain_llama.py's flags for the trunk of ``seed``: BF16, one SNIP cycle at --trunk-iters."""
+        c = self.config
+        trunk = self.out / f"seed{seed}" / "trunk"
+        # --train-iters is the branches' so the learning-rate schedule is the one they continue.
+        return [*c.train_args, "--seed", str(seed), "--train-iters", str(c.train_iters),
+                "--exit-interval", str(c.trunk_iters), "--save", str(trunk / "ckpt"),
+                "--load", str(trunk / "ckpt"), "--save-interval", str(c.trunk_iters),
+                "--snip", "--snip-formats", *c.formats]
 
     def _stats_path(self, seed: int) -> Path:
         return self.out / f"seed{seed}" / "trunk" / "ckpt" / "snip" / f"snip_iter_{self.config.trunk_iters:07d}.json"
