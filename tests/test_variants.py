@@ -262,6 +262,37 @@ def test_the_by_type_rows_come_from_each_seeds_record(tmp_path, capsys):
     assert "is not a --validate-by-type record of iteration" in capsys.readouterr().err
 
 
+def test_the_other_row_plans_from_the_other_runs_statistics_of_the_same_trunk(tmp_path, capsys):
+    """``--other NAME=DIR``: a row planned with SNIP's cost from DIR's branch-point statistics, the same
+    trunk measured with other probe settings (here: layer 0's gains 0, as --snip-gain-exclude of the
+    parameters below it would give); DIR needs no oracle. Another trunk is refused."""
+    out = _run_dir(tmp_path)
+    stats = StatisticsFile.load(STATS).stats
+    data = json.loads(STATS.read_text())
+    for m in data["statistics"]["modules"].values():
+        if m["layer"] == 0:
+            m["gain"], m["gain_probes"] = 0.0, [0.0 for _ in m["gain_probes"]]
+    other = tmp_path / "other"
+    (other / "seed1" / "trunk" / "ckpt" / "snip").mkdir(parents=True)
+    shutil.copy(out / "comparison.json", other / "comparison.json")
+    (other / "seed1" / "trunk" / "ckpt" / "snip" / "snip_iter_0000100.json").write_text(json.dumps(data))
+    changed = StatisticsFile.load(other / "seed1" / "trunk" / "ckpt" / "snip" / "snip_iter_0000100.json").stats
+    assert changed.modules != stats.modules
+    plans = tmp_path / "plans"
+    assert main([str(out), "--solver", "highs", "--other", f"layer 0 local={other}", "--write-plans", str(plans)]) == 0
+    assert "| layer 0 local |" in capsys.readouterr().out
+    problem = StatisticsFile.load(STATS).problem(Budget(0.75), formats=["bf16", "fp8", "nvfp4"], solver="highs")
+    expected = to_precision_plan(variant_plan(problem, changed, VARIANTS[0], "highs"), split=problem.split)
+    assert PrecisionPlan.load(plans / "seed1" / "layer-0-local_fp4-0.75.json") == expected
+    assert PrecisionPlan.load(plans / "seed1" / "snip_fp4-0.75.json") != expected  # the row is not SNIP's own
+    data["statistics"]["loss"] *= 1.01
+    (other / "seed1" / "trunk" / "ckpt" / "snip" / "snip_iter_0000100.json").write_text(json.dumps(data))
+    assert main([str(out), "--other", f"x={other}"]) == 2
+    assert "seed 1: " in (err := capsys.readouterr().err) and "is not this run's" in err
+    assert main([str(out), "--other", str(other)]) == 2
+    assert "give NAME=DIR" in capsys.readouterr().err
+
+
 def test_a_target_outside_0_1_is_refused_naming_the_flag(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([str(_run_dir(tmp_path)), "--targets", "0.75", "1.5"])

@@ -14,6 +14,10 @@ gap minus the oracle plan's), the mean over seeds. Below, each module type's sum
 what its ablation measured, and per seed how well the Hutchinson draws resolve the curvatures
 (docs/snip.md, "Unresolved curvatures").
 
+``--other NAME=DIR`` adds a row planned with SNIP's default cost from another comparison's
+branch-point statistics of the same trunks, measured with other probe settings (e.g. DIR run with
+``-- ... --snip-gain-exclude embedding``): what those settings would plan, against the same oracle.
+
 ``--by-type`` adds two rows from each seed's ``tools/snip_validate.py --validate-by-type --output``
 on the same trunk: SNIP's update term rescaled per module type to the exact drift measured, and
 that weighted by how much of it Adam's momentum keeps (its persistence between batches,
@@ -33,6 +37,7 @@ from pathlib import Path
 from megatron_snip.numerics.registry import is_fp4
 from megatron_snip.research.variants import (
     VARIANTS,
+    branch_points,
     curvature_resolution,
     load_run,
     measured_update_stats,
@@ -57,6 +62,9 @@ def main(argv=None) -> int:
                    help="each seed's tools/snip_validate.py --validate-by-type --output of its trunk's branch point, "
                         "'{seed}' standing for the seed (e.g. 'by_type_s{seed}.json'): adds the update term "
                         "rescaled to the measured drift, and weighted by what Adam's momentum keeps")
+    p.add_argument("--other", metavar="NAME=DIR", action="append", default=[],
+                   help="a row NAME planned with SNIP's cost from the branch-point statistics of the comparison DIR, "
+                        "the same trunks measured with other probe settings (repeatable)")
     p.add_argument("--write-plans", metavar="DIR",
                    help="also write every row's plan, DIR/seedS/<row>_fp4-<target>.json (spaces as '-'), for "
                         "pretrain_llama.py --precision-plan: a variant worth training, from the same trunk")
@@ -83,6 +91,13 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: --by-type {a.by_type}: {e}", file=sys.stderr)
         return 2
+    for other in a.other:
+        try:
+            for seed, row in other_rows(other, stats).items():
+                rescaled.setdefault(seed, {}).update(row)
+        except ValueError as e:
+            print(f"error: --other {other}: {e}", file=sys.stderr)
+            return 2
     targets = a.targets or [float(tag[len("fp4-"):]) for tag in settings["budgets"] if tag.startswith("fp4-")]
     fmt = next(f for f in settings["formats"] if is_fp4(f))
     print(f"{a.run}: oracle costs from the {costs.source} ablations of seeds {costs.seeds}; "
@@ -149,6 +164,27 @@ def adam_beta1(settings: dict) -> float:
     """The run's ``--adam-beta1`` (Megatron's default 0.9 where its flags do not set it)."""
     args = settings.get("train_args", [])
     return float(args[args.index("--adam-beta1") + 1]) if "--adam-beta1" in args else 0.9
+
+
+def other_rows(spec: str, stats: dict) -> dict[int, dict]:
+    """seed -> {NAME: the statistics of comparison DIR's branch point} for ``--other NAME=DIR``; refused
+    unless DIR holds every seed's statistics of the same trunk (the same iteration, modules and clean loss)."""
+    name, sep, folder = spec.partition("=")
+    if not sep or not name or not folder:
+        raise ValueError("give NAME=DIR, e.g. 'no embedding drift=runs/qs8n'")
+    _, other = branch_points(Path(folder))
+    out = {}
+    for seed, sf in stats.items():
+        theirs = other.get(seed)
+        if theirs is None:
+            raise ValueError(f"{folder} has no statistics of seed {seed}'s trunk; run its comparison with --seeds "
+                             f"{' '.join(map(str, sorted(stats)))}")
+        mine, their = sf.stats, theirs.stats
+        if (mine.iteration, sorted(mine.modules), mine.loss) != (their.iteration, sorted(their.modules), their.loss):
+            raise ValueError(f"seed {seed}: {folder}'s branch point is not this run's (iteration, modules or clean "
+                             "loss differ): it must be the same trunk with other probe settings")
+        out[seed] = {name: their}
+    return out
 
 
 def by_type_rows(pattern: str, stats: dict, beta1: float) -> dict[int, dict]:

@@ -248,14 +248,21 @@ def screen(stats: StatisticsFile, costs: OracleCosts, budget: Budget, seed: int,
 
 def load_run(out: Path) -> tuple[dict, OracleCosts, dict[int, StatisticsFile]]:
     """A comparison run's settings, its oracle costs and each seed's branch-point statistics."""
-    settings_path, costs_path = out / "comparison.json", out / "oracle" / "costs.json"
-    for path, what in ((settings_path, "tools/compare_precision.py --out DIR"),
-                       (costs_path, "the oracle arm (--policies oracle with --ablations)")):
-        if not path.exists():
-            raise ValueError(f"{path} does not exist: {out} is not the --out of a finished comparison with "
-                             f"{what}")
+    costs_path = out / "oracle" / "costs.json"
+    settings, stats = branch_points(out)
+    if not costs_path.exists():
+        raise ValueError(f"{costs_path} does not exist: {out} is not the --out of a finished comparison with "
+                         "the oracle arm (--policies oracle with --ablations)")
+    return settings, OracleCosts(**json.loads(costs_path.read_text())), stats
+
+
+def branch_points(out: Path) -> tuple[dict, dict[int, StatisticsFile]]:
+    """A comparison run's settings and each seed's branch-point statistics (the seeds whose trunk is done)."""
+    settings_path = out / "comparison.json"
+    if not settings_path.exists():
+        raise ValueError(f"{settings_path} does not exist: {out} is not the --out of a "
+                         "tools/compare_precision.py run")
     settings = json.loads(settings_path.read_text())
-    costs = OracleCosts(**json.loads(costs_path.read_text()))
     stats = {}
     for seed in settings["seeds"]:
         path = out / f"seed{seed}" / "trunk" / "ckpt" / "snip" / f"snip_iter_{settings['trunk_iters']:07d}.json"
@@ -263,7 +270,7 @@ def load_run(out: Path) -> tuple[dict, OracleCosts, dict[int, StatisticsFile]]:
             stats[seed] = StatisticsFile.load(path)
     if not stats:
         raise ValueError(f"{out}: no seed's trunk has written its SNIP statistics yet")
-    return settings, costs, stats
+    return settings, stats
 
 
 def type_costs(costs: OracleCosts) -> Mapping[str, float]:
