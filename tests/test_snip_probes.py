@@ -683,6 +683,19 @@ def test_noise_is_layout_invariant():
 
 
 @pytest.mark.integration
+def test_a_gain_exclude_naming_no_parameter_is_refused_at_start_up(tiny_data, tmp_path):
+    """A mistyped --snip-gain-exclude would measure the default gains without a word: refused once
+    the model is built (on both pipeline stages), before the first iteration, naming the flag."""
+    run = train_args(tiny_data, "--snip", "--snip-interval", "4", "--snip-gain-exclude", "embeding",
+                     "--pipeline-model-parallel-size", "2", "--save", str(tmp_path / "ckpt"), iters=4)
+    proc = torchrun(2, run, check=False)
+    assert proc.returncode != 0
+    assert "error: --snip-gain-exclude embeding: names no parameter of the model" in proc.stderr
+    assert "iteration        1/" not in proc.stdout
+    assert "megatron_snip/" not in proc.stderr  # one line, no traceback of ours (torchrun prints its own)
+
+
+@pytest.mark.integration
 def test_snip_validate_by_type_measures_every_type_in_every_format(tiny_data, tmp_path):
     """tools/snip_validate.py --validate-by-type, as a user runs it: one row per module type and
     quantized format, SNIP's update terms next to the measured drifts, all of them finite."""

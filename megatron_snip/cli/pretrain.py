@@ -65,6 +65,9 @@ def main(argv: list[str] | None = None, on_build: Callable[[Trainer], None] | No
     setup_device()
     try:
         pretrain(config, on_build)
+    except ArgumentError as e:  # found once the model is built (--snip-gain-exclude)
+        _error(e)
+        return 2
     except checkpointing.CheckpointError as e:
         _error(e)
         return 1

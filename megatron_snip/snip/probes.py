@@ -50,7 +50,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -58,6 +58,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.utils import get_pg_size
 
+from megatron_snip.compat.device import current_device
 from megatron_snip.model.precision.controller import PrecisionController
 from megatron_snip.model.precision.layers import PlanLinear
 from megatron_snip.model.step import LOSS_KEY, forward_step
@@ -559,21 +560,30 @@ def _param_sigma(adam: AdamView, sensitivity: dict[AdamSlice, torch.Tensor], con
     return rel * math.sqrt(theta_sq / sens_sq)
 
 
+def unmatched_gain_excludes(names: Collection[str], excludes: Sequence[str]) -> str | None:
+    """Why ``--snip-gain-exclude`` is wrong, or None: a pattern that names no parameter of the model
+    (``names``: this rank's global parameter names) would silently measure the default gains.
+    Collective over every rank: a pipeline stage may hold none of a pattern's parameters."""
+    found = torch.tensor([float(any(e in n for n in names)) for e in excludes], dtype=torch.float64,
+                         device=current_device())
+    dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    missing = [e for e, f in zip(excludes, found.tolist()) if not f]
+    if not missing:
+        return None
+    some = ", ".join(sorted(names)[:4])
+    return (f"--snip-gain-exclude {' '.join(missing)}: names no parameter of the model; give a part of a parameter "
+            f"name, e.g. 'embedding' (the model has {some}, ...)")
+
+
 def _perturbed(adam: AdamView, sensitivity: dict[AdamSlice, torch.Tensor],
                excludes: tuple[str, ...]) -> dict[AdamSlice, torch.Tensor]:
     """``sensitivity`` with the slices of parameters named by ``excludes`` at 0: the perturbation
-    passes leave those parameters where they are. A pattern that names no parameter of the model
-    (on any rank) is refused: it would silently measure the default gains."""
+    passes leave those parameters where they are."""
     if not excludes:
         return sensitivity
-    found = torch.tensor([float(any(e in s.name for s in sensitivity)) for e in excludes], dtype=torch.float64,
-                         device=next(iter(adam.slices)).device)
-    dist.all_reduce(found, op=dist.ReduceOp.MAX)  # a pipeline stage may hold none of a pattern's parameters
-    missing = [e for e, f in zip(excludes, found.tolist()) if not f]
-    if missing:
-        names = sorted({s.name for s in adam.slices.values()})
-        raise ValueError(f"--snip-gain-exclude {' '.join(missing)}: names no parameter of the model; give a part of "
-                         f"a parameter name, e.g. 'embedding' (the model has {', '.join(names[:4])}, ...)")
+    error = unmatched_gain_excludes([s.name for s in adam.slices.values()], excludes)
+    if error:
+        raise ValueError(error)
     return {s: torch.zeros_like(v) if any(e in s.name for e in excludes) else v for s, v in sensitivity.items()}
 
 
