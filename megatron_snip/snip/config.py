@@ -53,8 +53,8 @@ class SnipConfig:
         "gradient + 1 clean + 3 curvature + 3 perturbation passes, 8 in all; 2 + 2K, or 2 + K with "
         "--snip-curvature fisher).", ours=True)
 
-    snip_gain_exclude: tuple[str, ...] = flag(
-        (), "Parameters (name substrings, e.g. embedding) whose drift the update divergence's propagated part leaves "
+    snip_gain_exclude: tuple[str, ...] | None = flag(
+        None, "Parameters (name substrings, e.g. embedding) whose drift the update divergence's propagated part leaves "
         "out: the probes' parameter perturbation skips them (default: none, the paper's). The embedding holds most of "
         "the propagated drift of the CPU-scale models; leaving it out trained worse at 75%% FP4 and no better at 90%% "
         "(docs/quality.md).", ours=True)

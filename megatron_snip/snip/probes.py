@@ -127,7 +127,7 @@ class ProbeConfig:
         ``--snip-probe-passes`` draws per estimator."""
         return cls(formats=tuple(f for f in snip.snip_formats if precision_format(f).quantized),
                    curvature=snip.snip_curvature, hutchinson_probes=snip.snip_probe_passes,
-                   perturbation_probes=snip.snip_probe_passes, gain_excludes=snip.snip_gain_exclude, seed=seed)
+                   perturbation_probes=snip.snip_probe_passes, gain_excludes=snip.snip_gain_exclude or (), seed=seed)
 
     @property
     def curvature_passes(self) -> int:
