@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None, on_build: Callable[[Trainer], None] | No
     from megatron.core import parallel_state
 
     from megatron_snip.compat.device import setup_device
+    from megatron_snip.snip.config import SnipConfigError
     from megatron_snip.training import checkpointing
     from megatron_snip.training.safety import NonFiniteError
     from megatron_snip.training.trainer import pretrain
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None, on_build: Callable[[Trainer], None] | No
     setup_device()
     try:
         pretrain(config, on_build)
-    except ArgumentError as e:  # found once the model is built (--snip-gain-exclude)
+    except SnipConfigError as e:  # found once the model is built (--snip-gain-exclude)
         _error(e)
         return 2
     except checkpointing.CheckpointError as e:

@@ -10,6 +10,11 @@ from megatron_snip.snip.estimators import CURVATURES
 DEFAULT_FP4_TARGET = 0.75  # the paper's headline budget: 75% of the linear-layer FLOPs in FP4
 
 
+class SnipConfigError(ValueError):
+    """A ``--snip-*`` setting found wrong only once the model is built (``--snip-gain-exclude`` naming no
+    parameter): the command line answers it as a flag error."""
+
+
 @dataclass(frozen=True)
 class SnipConfig:
     """Whether and how SNIP re-plans (docs/snip.md)."""

@@ -22,7 +22,6 @@ from dataclasses import asdict, dataclass, field, fields
 import torch
 import torch.distributed as dist
 
-from megatron_snip.arguments.errors import ArgumentError
 from megatron_snip.fileio import write_text_atomic
 from megatron_snip.model.precision.controller import PrecisionController
 from megatron_snip.model.precision.megatron_config import megatron_config_files
@@ -31,7 +30,7 @@ from megatron_snip.precision.flops import LlamaLinearDims
 from megatron_snip.precision.gemm_speed import GemmSpeedModel
 from megatron_snip.precision.plan import PrecisionPlan, parse_module_name
 from megatron_snip.snip.adam_view import global_parameter_names
-from megatron_snip.snip.config import SnipConfig
+from megatron_snip.snip.config import SnipConfig, SnipConfigError
 from megatron_snip.snip.decisions import Decision, decision_table, decisions
 from megatron_snip.snip.estimators import cost_tables, divergences, unresolved_curvatures
 from megatron_snip.snip.ilp import InfeasibleBudgetError
@@ -100,7 +99,7 @@ class SnipReplanner:
         if self.probe.gain_excludes:  # checked at start-up, not at the first cycle hours in
             error = unmatched_gain_excludes(global_parameter_names(chunks).values(), self.probe.gain_excludes)
             if error:
-                raise ArgumentError(error)
+                raise SnipConfigError(error)
         self.modules = linear_modules(dims, step.tokens, pipeline_stages, virtual_stages)
         self.statistics: ProbeStatistics | None = None
         self.reports: list[CycleReport] = []
