@@ -87,14 +87,14 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        rescaled = by_type_rows(a.by_type, stats, adam_beta1(settings)) if a.by_type else {}
+        extra = by_type_rows(a.by_type, stats, adam_beta1(settings)) if a.by_type else {}
     except ValueError as e:
         print(f"error: --by-type {a.by_type}: {e}", file=sys.stderr)
         return 2
     for other in a.other:
         try:
             for seed, row in other_rows(other, stats).items():
-                rescaled.setdefault(seed, {}).update(row)
+                extra.setdefault(seed, {}).update(row)
         except ValueError as e:
             print(f"error: --other {other}: {e}", file=sys.stderr)
             return 2
@@ -106,14 +106,14 @@ def main(argv=None) -> int:
     for target in targets:
         try:
             screens = [screen(sf, costs, Budget(target), seed, formats=settings["formats"],
-                              rescaled=rescaled.get(seed), solver=a.solver)
+                              extra_stats=extra.get(seed), solver=a.solver)
                        for seed, sf in stats.items()]
         except InfeasibleBudgetError as e:
             print(f"error: --targets {target}: {e}", file=sys.stderr)
             return 2
         print(f"\nFP4 target {target:.2f}: predicted from the measured costs (mean over {len(screens)} seeds)\n")
         print("| variant | FP4 FLOPs | predicted gap | predicted regret |\n|---|---:|---:|---:|")
-        for name in [v.name for v in VARIANTS] + list(next(iter(rescaled.values()), {})) + ["oracle"]:
+        for name in [v.name for v in VARIANTS] + list(next(iter(extra.values()), {})) + ["oracle"]:
             share = statistics.fmean(s.rows[name][0] for s in screens)
             gap = statistics.fmean(s.rows[name][1] for s in screens)
             regret = statistics.fmean(s.regret(name) for s in screens)

@@ -231,14 +231,16 @@ class Screen:
 
 
 def screen(stats: StatisticsFile, costs: OracleCosts, budget: Budget, seed: int, *, formats: Sequence[str],
-           variants: Sequence[Variant] = VARIANTS, rescaled: Mapping[str, ProbeStatistics] | None = None,
+           variants: Sequence[Variant] = VARIANTS, extra_stats: Mapping[str, ProbeStatistics] | None = None,
            solver: str = "auto") -> Screen:
     """Every variant's plan and the oracle's at ``budget`` from one seed's branch-point statistics,
-    each with its FP4 share and its gap predicted from the measured costs; ``rescaled`` adds rows
-    planned with SNIP's cost from other statistics of the same cycle (:func:`measured_update_stats`)."""
+    each with its FP4 share and its gap predicted from the measured costs; ``extra_stats`` adds a row
+    per entry, planned with SNIP's cost from other statistics of the same trunk (the update terms
+    rescaled by :func:`measured_update_stats`, or another comparison's branch point:
+    :func:`branch_points`)."""
     problem = stats.problem(budget, formats=formats, solver=solver)
     plans = {v.name: variant_plan(problem, stats.stats, v, solver) for v in variants}
-    plans |= {name: variant_plan(problem, other, VARIANTS[0], solver) for name, other in (rescaled or {}).items()}
+    plans |= {name: variant_plan(problem, other, VARIANTS[0], solver) for name, other in (extra_stats or {}).items()}
     plans["oracle"] = oracle_plan(problem, costs, solver)
     return Screen(seed, budget, {name: (evaluate_plan(problem, plan).fp4_fraction,
                                         predicted_gap(costs, fp4_modules(problem, plan)))
