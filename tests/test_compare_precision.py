@@ -91,6 +91,42 @@ def test_each_arm_starts_from_its_plan_and_the_replanned_ones_run_snip(tmp_path)
     assert value("uniform", "--load") == str(tmp_path / "seed1" / "trunk" / "ckpt")
 
 
+def test_arms_with_the_same_fixed_plan_train_once_and_share_the_result(tmp_path):
+    """uniform's plan is the same file at every budget: one branch per seed trains it and the other
+    budgets take its result; a re-planning arm starting from that plan, and another plan, train on their own."""
+    budgets = (Budget(0.5), BUDGET)
+    c = config(out=str(tmp_path), policies=("snip", "uniform", "threshold"), budgets=budgets, seeds=(1, 2))
+    for seed in (1, 2):
+        plans = tmp_path / f"seed{seed}" / "plans"
+        plans.mkdir(parents=True)
+        for budget in budgets:
+            PrecisionPlan.uniform("nvfp4").save(plans / f"uniform_{budget.tag}.json")
+            PrecisionPlan.uniform("nvfp4").save(plans / f"snip_{budget.tag}.json")  # the same bytes, but re-planned
+            PrecisionPlan.uniform("fp8" if budget is BUDGET else "nvfp4").save(plans / f"threshold_{budget.tag}.json")
+    logs, trained = [], []
+
+    def train(b, slot=0):  # stands in for the branch's training (tested above): its result names the branch
+        trained.append(b.name)
+        (tmp_path / f"seed{b.seed}" / b.name).mkdir(parents=True)
+        (tmp_path / f"seed{b.seed}" / b.name / "result.json").write_text(f"{b.name}, seed {b.seed}")
+
+    comparison = Comparison(c, log=logs.append)
+    comparison._branch = train
+    tasks = comparison._tasks(branches(c))
+    # bf16 x 2 seeds, snip x 2 budgets x 2 seeds, uniform once per seed, threshold: at 0.5 the same plan as
+    # uniform's (one task with it), at 0.75 its own.
+    assert len(tasks) == 2 + 4 + 2 + 2
+    for task in tasks:
+        task(0)
+    assert sorted(trained) == sorted(["bf16"] * 2 + ["snip_fp4-0.50", "snip_fp4-0.75"] * 2
+                                     + ["uniform_fp4-0.50"] * 2 + ["threshold_fp4-0.75"] * 2)
+    for seed in (1, 2):
+        for name in ("uniform_fp4-0.75", "threshold_fp4-0.50"):
+            result = (tmp_path / f"seed{seed}" / name / "result.json").read_text()
+            assert result == f"uniform_fp4-0.50, seed {seed}"
+    assert "seed 2: uniform_fp4-0.75: the plan of uniform_fp4-0.50, trained once: its result" in logs
+
+
 def test_probe_settings_are_shared_by_every_arm_and_the_trunk(tmp_path):
     """--snip-gain-exclude and --snip-probe-passes change only what SNIP measures: allowed among the
     training flags, they reach the trunk's cycle and every branch (a SNIP flag that plans is refused above)."""

@@ -32,7 +32,8 @@ whose paired gap to BF16 is what arms differ by when nothing but the batches dif
 sets every arm at a budget against SNIP's with the paired difference's 95% interval.
 
 --jobs N trains N runs at once (on a 2-core CPU, --jobs 2: every run is single-threaded; on a GPU
-node, each run gets its own --nproc-per-node GPUs); the results do not depend on it.
+node, each run gets its own --nproc-per-node GPUs); the results do not depend on it. Arms of one
+seed that start from the same fixed plan (uniform at every budget) train once and share the result.
 
 Writes OUT/results.md, OUT/results.json, OUT/gap_to_bf16.png and TensorBoard runs side by
 side under OUT/tensorboard. Rerunning the same command finishes what an interrupted one left.

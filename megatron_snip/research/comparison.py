@@ -286,11 +286,36 @@ class Comparison:
             self.log(f"noise floor: the training documents reordered under {self.out / 'reordered'}")
             reordered_data_args(c.train_args, self.out / "reordered", NOISE_ORDER_SEED)
         every = branches(c, self.ablation_arms)
-        run_all([lambda slot, b=b: self._branch(b, slot) for b in every if b.arm != ORACLE], c.jobs)
+        run_all(self._tasks([b for b in every if b.arm != ORACLE]), c.jobs)
         if ORACLE in c.policies:  # its plan needs every ablation branch's result
             self._oracle_plans()
-            run_all([lambda slot, b=b: self._branch(b, slot) for b in every if b.arm == ORACLE], c.jobs)
+            run_all(self._tasks([b for b in every if b.arm == ORACLE]), c.jobs)
         return self.report()
+
+    def _tasks(self, todo: Sequence[Branch]) -> list[Callable[[int], None]]:
+        """One task per branch, except that the branches of one seed that start from the same fixed plan
+        (uniform at every budget; two policies that agree) are one task: a branch is a function of its
+        seed's trunk and its plan, so one training run answers for all of them."""
+        groups: dict[object, list[Branch]] = {}
+        for b in todo:
+            plan = None if b.arm in (REFERENCE, NOISE) or b.arm in REPLANNED else self.plan_path(b)
+            key = (b.seed, plan.read_bytes()) if plan is not None and plan.exists() else b
+            groups.setdefault(key, []).append(b)
+        return [lambda slot, g=g: self._train_once(g, slot) for g in groups.values()]
+
+    def _train_once(self, same_plan: Sequence[Branch], slot: int = 0) -> None:
+        """Train the first of ``same_plan`` (branches of one seed with one fixed plan); the others take its result."""
+        first, *others = same_plan
+        self._branch(first, slot)
+        for b in others:
+            where = self.out / f"seed{b.seed}" / b.name
+            if (where / "result.json").exists():
+                self.log(f"seed {b.seed}: {b.name} done")
+                continue
+            where.mkdir(parents=True, exist_ok=True)
+            result = (self.out / f"seed{first.seed}" / first.name / "result.json").read_text()
+            write_text_atomic(str(where / "result.json"), result)
+            self.log(f"seed {b.seed}: {b.name}: the plan of {first.name}, trained once: its result")
 
     def _trunk(self, seed: int, slot: int = 0) -> None:
         c = self.config
