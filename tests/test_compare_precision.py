@@ -149,6 +149,8 @@ def test_probe_settings_are_shared_by_every_arm_and_the_trunk(tmp_path):
     (dict(train_args=("--lr", "1e-3", "--seed", "3")), "['--seed'] are set by the comparison"),
     (dict(train_args=("--snip-fp4-target", "0.9")), "['--snip-fp4-target'] are set by the comparison"),
     (dict(budgets=()), "at least one budget"),
+    (dict(budgets=(BUDGET, Budget(1.5))), "budgets ['FP4 target 1.50']: an FP4 target is a share"),
+    (dict(budgets=(Budget(time_target=0.0),)), "a time target a positive ratio"),
     (dict(jobs=0), "--jobs 0: give 1 or more"),
 ])
 def test_bad_settings_are_refused(bad, message):

@@ -122,6 +122,11 @@ class ComparisonConfig:
                              f"{self.train_iters} (the branches train from the trunk to --train-iters)")
         if not self.budgets and not self.ablations:
             raise ValueError("give at least one budget (--fp4-targets or --time-targets) or --ablations")
+        bad = [b.label for b in self.budgets
+               if not (0 < b.time_target if b.time_target is not None else 0 < b.fp4_target <= 1)]
+        if bad:
+            raise ValueError(f"budgets {bad}: an FP4 target is a share of the linear FLOPs in (0, 1] (--fp4-targets "
+                             "0.75 0.9), a time target a positive ratio to all-BF16 GEMM time (--time-targets 0.4)")
         if set(self.ablations) - set(KINDS):
             raise ValueError(f"--ablations: unknown {sorted(set(self.ablations) - set(KINDS))}; choose from {KINDS}")
         if ORACLE in self.policies and not any(set(n) <= set(self.ablations) for n in NEEDS):
