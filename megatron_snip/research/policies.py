@@ -82,7 +82,7 @@ def uniform(problem: SnipProblem, fmt: str | None = None) -> dict[UnitKey, str]:
     Raises :class:`InfeasibleTargetError` when that plan misses the budget,
     e.g. a uniform FP8 plan with a target above what the pins put in FP4.
     """
-    fmt = _fp4_format(problem, None) if fmt is None else fmt
+    fmt = _baseline_format(problem, None, fp4=True) if fmt is None else fmt
     if fmt not in problem.formats:
         raise ValueError(f"uniform: unknown format {fmt!r}; candidates are {list(problem.formats)}")
     plan = {u.key: u.pin or fmt for u in problem.units}
@@ -166,7 +166,7 @@ def keep_ends_high(problem: SnipProblem, first: int = 1, last: int = 1, *, fp4_f
         raise ValueError(f"keep_ends_high: first and last must be >= 0, got {first}, {last}")
     lo, hi = _layer_span(problem)
     is_protected = {u.key: u.layer < lo + first or u.layer > hi - last for u in problem.units}
-    fp4 = _fp4_format(problem, fp4_format)
+    fp4 = _baseline_format(problem, fp4_format, fp4=True)
     start = {u.key: fp4 for u in problem.units if not is_protected[u.key]}
     protected = [u for u in problem.units if is_protected[u.key]]
     return _fill(problem, _center_out(problem, protected), fp4_format, high_format, start)
@@ -186,7 +186,7 @@ def error_threshold(problem: SnipProblem, rel_error: CostTable, *, fp4_format: s
     crosses a threshold (no production stack ships this as a named feature; Transformer Engine's
     debug tools can disable quantization per GEMM by configuration); the threshold is the lowest
     that meets the budget, i.e. units go FP4 in increasing order of ``rel_error[module][fp4 format]``."""
-    fp4 = _fp4_format(problem, fp4_format)
+    fp4 = _baseline_format(problem, fp4_format, fp4=True)
     order = sorted(problem.units, key=lambda u: rel_error[u.module][fp4])
     return _fill(problem, order, fp4, high_format)
 
@@ -236,7 +236,7 @@ def _two_format_ilp(problem: SnipProblem, fp4_cost: Mapping[UnitKey, float], fp4
     twice the largest FP4 cost: it is slower than the high format and counts no FP4 FLOPs, so
     it is never chosen.
     """
-    fp4, high = _fp4_format(problem, fp4_format), _high_format(problem, high_format)
+    fp4, high = _baseline_format(problem, fp4_format, fp4=True), _baseline_format(problem, high_format, fp4=False)
     pinned = {u.pin for u in problem.units}
     formats = tuple(f for f in problem.formats if f in (fp4, high) or f in pinned)
     other = 2.0 * max((fp4_cost.get(u.key, 0.0) for u in problem.units), default=0.0) or 1.0
@@ -264,26 +264,21 @@ def _ilp_plan(problem, table, bwd_table, solver, time_limit) -> dict[UnitKey, st
 
 
 
-def _fp4_format(problem: SnipProblem, fmt: str | None) -> str:
-    """The FP4 format a baseline assigns to the units it puts in FP4."""
+def _baseline_format(problem: SnipProblem, fmt: str | None, *, fp4: bool) -> str:
+    """The format a baseline assigns to the units it puts in FP4 (``fp4``) or leaves out of it.
+
+    ``fmt`` is the caller's choice (checked against the candidates); None takes the candidate
+    :func:`baseline_formats` picks."""
+    name, kind = ("fp4_format", "FP4") if fp4 else ("high_format", "non-FP4")
     if fmt is not None:
-        fp4 = [f for f in problem.formats if f in problem.fp4_formats]
-        if fmt not in fp4:
-            raise ValueError(f"fp4_format {fmt!r} is not one of the FP4 candidates {fp4}")
+        candidates = [f for f in problem.formats if (f in problem.fp4_formats) == fp4]
+        if fmt not in candidates:
+            raise ValueError(f"{name} {fmt!r} is not one of the {kind} candidates {candidates}")
         return fmt
-    fmt = baseline_formats(problem.formats, problem.fp4_formats)[0]
+    fmt = baseline_formats(problem.formats, problem.fp4_formats)[0 if fp4 else 1]
     if fmt is None:
-        raise ValueError("the problem has no FP4 candidate format, so FP4 baselines do not apply")
+        raise ValueError(f"the problem has no {kind} candidate format, so FP4 baselines do not apply")
     return fmt
-
-
-def _high_format(problem: SnipProblem, fmt: str | None) -> str:
-    """The non-FP4 format a baseline assigns to units it leaves out of FP4."""
-    if fmt is not None:
-        high = [f for f in problem.formats if f not in problem.fp4_formats]
-        if fmt not in high:
-            raise ValueError(f"high_format {fmt!r} is not one of the non-FP4 candidates {high}")
-        return fmt
     fmt = baseline_formats(problem.formats, problem.fp4_formats)[1]
     if fmt is None:
         raise ValueError("the problem has no non-FP4 candidate format for a baseline's high-precision units")
@@ -318,8 +313,8 @@ def _fill(problem: SnipProblem, order: Sequence[DecisionUnit], fp4_format: str |
     checked feasible when built; a time target the two formats cannot reach
     raises :class:`InfeasibleBudgetError`.
     """
-    high = _high_format(problem, high_format)
-    fp4 = _fp4_format(problem, fp4_format)
+    high = _baseline_format(problem, high_format, fp4=False)
+    fp4 = _baseline_format(problem, fp4_format, fp4=True)
     plan = {u.key: u.pin or (start or {}).get(u.key, high) for u in problem.units}
 
     def scope(u: DecisionUnit) -> int | None:
