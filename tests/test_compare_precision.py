@@ -491,6 +491,65 @@ def test_the_oracle_arm_trains_its_plan_and_needs_the_ablations(tmp_path, capsys
     assert "--policies oracle plans with the costs the ablations measure" in capsys.readouterr().err
     assert compare_precision.main([*base, "--ablations", "modules", "--", "--seed", "1"]) == 1
     assert "['--seed'] are set by the comparison" in capsys.readouterr().err  # parsed, refused at the flags after --
+    assert compare_precision.main([*base, "--oracle-costs", str(tmp_path / "none.json")]) == 1
+    assert f"{tmp_path / 'none.json'}: not the oracle's costs.json" in capsys.readouterr().err
+
+
+def test_the_oracle_plans_with_an_earlier_comparisons_costs(tmp_path):
+    """--oracle-costs: the oracle arm planned from a costs.json of an earlier comparison, no ablations;
+    its plan is the oracle's ILP on those costs, and the folder keeps the costs it planned with."""
+    import random
+
+    from megatron_snip.research.oracle import load_costs, oracle_plan
+    from megatron_snip.snip.statistics_file import StatisticsFile
+
+    stats_file = ROOT / "tests" / "data" / "snip_iter_schema1.json"  # 4 layers, candidates fp8 nvfp4
+    rng = random.Random(5)
+    modules = {n: rng.uniform(0.0, 0.01) for n in StatisticsFile.load(stats_file).stats.modules}
+    costs = {"modules": modules, "groups": {}, "base_gap": math.nan, "source": "modules", "seeds": [1]}
+    earlier = tmp_path / "earlier_costs.json"
+    earlier.write_text(json.dumps(costs))
+    out = tmp_path / "cmp"
+    c = config(out=str(out), policies=("oracle", "snip"), seeds=(4, 5), oracle_costs=str(earlier))
+    assert not [b for b in branches(c) if b.arm.startswith("ablate")]  # nothing measured again
+
+    def trunks(out):  # each seed's trunk statistics at the branch point (iteration 4)
+        for seed in c.seeds:
+            snip = out / f"seed{seed}" / "trunk" / "ckpt" / "snip"
+            snip.mkdir(parents=True)
+            shutil.copy(stats_file, snip / "snip_iter_0000004.json")
+
+    trunks(out)
+    logs = []
+    Comparison(c, log=logs.append)._oracle_plans()
+    assert f"copied from {earlier}" in logs[0]
+    problem = StatisticsFile.load(stats_file).problem(BUDGET, formats=c.formats, solver="highs")
+    want = oracle_plan(problem, load_costs(earlier), "highs")
+    plan = PrecisionPlan.load(out / "oracle" / "oracle_fp4-0.75.json")
+    assert {m: p.fwd for m, p in plan.modules.items()} == want
+    assert sorted(set(want.values())) == ["fp8", "nvfp4"]  # a real choice: not every module in FP4
+    assert json.loads((out / "oracle" / "costs.json").read_text())["modules"] == modules
+    Comparison(c, log=logs.append)._oracle_plans()  # a rerun with the same file: accepted
+
+    # Other costs than the folder planned with, costs of another model, a file that is not costs: refused.
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**costs, "modules": {m: 0.0 for m in modules}}))
+    with pytest.raises(ValueError, match=f"{out / 'oracle' / 'costs.json'} holds other costs"):
+        Comparison(replace(c, oracle_costs=str(other)), log=logs.append)._oracle_plans()
+    other.write_text(json.dumps({**costs, "modules": {m: 0.0 for m in list(modules)[1:]}}))
+    trunks(tmp_path / "cmp2")
+    with pytest.raises(ValueError, match=r"no cost for 1 of this model's modules"):
+        Comparison(replace(c, out=str(tmp_path / "cmp2"), oracle_costs=str(other)), log=logs.append)._oracle_plans()
+    assert not (tmp_path / "cmp2" / "oracle" / "costs.json").exists()
+    other.write_text(json.dumps({**costs, "modules": {**modules, next(iter(modules)): -1.0}}))
+    with pytest.raises(ValueError, match="must be finite numbers >= 0"):
+        replace(c, oracle_costs=str(other))
+    with pytest.raises(ValueError, match="not the oracle's costs.json"):
+        replace(c, oracle_costs=str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="--oracle-costs plans the oracle arm"):
+        replace(c, ablations=("layers", "types"))
+    with pytest.raises(ValueError, match="--oracle-costs plans the oracle arm"):
+        replace(c, policies=("snip",))
 
 
 # -- statistical power: the noise floor, fewer seeds for the ablations, paired differences with 95% intervals ------

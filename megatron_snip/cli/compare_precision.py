@@ -24,7 +24,9 @@ arm per module.
 
 --policies ... oracle (with --ablations layers types, or modules) adds the oracle: the same ILP
 with the costs the ablation arms measured, trained after them at every budget, and each policy's
-regret to it (megatron_snip/research/oracle.py; it adds the all-high arm ablate-none).
+regret to it (megatron_snip/research/oracle.py; it adds the all-high arm ablate-none). The costs
+are kept in OUT/oracle/costs.json; --oracle-costs FILE plans the oracle with such a file of an
+earlier comparison of the same model instead of ablations (more seeds in another folder).
 
 --noise-floor adds the noise floor: BF16 again from each trunk on another order of the training
 documents (the validation documents and samples unchanged; megatron_snip/research/reorder.py),
@@ -61,7 +63,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="output folder (reused to resume)")
     p.add_argument("--policies", nargs="*", choices=ARMS, default=[a for a in ARMS if a != ORACLE],
                    help=f"arms besides the BF16 reference (default: all but {ORACLE}, which needs --ablations "
-                        "layers types, or modules)")
+                        "layers types, or modules, or --oracle-costs)")
     p.add_argument("--fp4-targets", type=float, nargs="*", default=None,
                    help="FP4 budgets (share of linear FLOPs; default 0.75 when no --time-targets)")
     p.add_argument("--time-targets", type=float, nargs="*", default=[],
@@ -90,6 +92,9 @@ def main(argv=None) -> int:
     p.add_argument("--ablation-seeds", type=int, nargs="+", default=[],
                    help="train the ablation arms on these of the --seeds only (default: all); the oracle's costs "
                         "come from them, its branch trains on every seed")
+    p.add_argument("--oracle-costs", default=None, metavar="COSTS_JSON",
+                   help=f"plan the {ORACLE} arm with an earlier comparison's OUT/{ORACLE}/costs.json (the same model "
+                        "and data) instead of --ablations")
     p.add_argument("--versus", default=None, metavar="POLICY",
                    help="set every arm against this one of --policies in the report's paired table (default: "
                         "snip, else snip-fixed, else snip-loss-term)")
@@ -101,7 +106,8 @@ def main(argv=None) -> int:
             budgets=parse_budgets(fp4_targets, a.time_targets), seeds=tuple(a.seeds), trunk_iters=a.trunk_iters,
             train_iters=a.train_iters, snip_interval=a.snip_interval or a.trunk_iters, formats=tuple(a.formats),
             nproc=a.nproc_per_node, window=a.window, solver=a.solver, ablations=tuple(a.ablations),
-            jobs=a.jobs, noise_floor=a.noise_floor, ablation_seeds=tuple(a.ablation_seeds), versus=a.versus)
+            jobs=a.jobs, noise_floor=a.noise_floor, ablation_seeds=tuple(a.ablation_seeds), versus=a.versus,
+            oracle_costs=a.oracle_costs)
         comparison = Comparison(config, log=lambda m: print(m, flush=True))
         for sig in (signal.SIGTERM, signal.SIGUSR1):  # kill, SLURM's --signal: the runs save and stop
             signal.signal(sig, comparison.stop)

@@ -51,6 +51,7 @@ from megatron_snip.research.oracle import (
     ORACLE,
     OracleCosts,
     group_costs,
+    load_costs,
     module_costs,
     oracle_plan,
     predicted_gap,
@@ -112,6 +113,7 @@ class ComparisonConfig:
     noise_floor: bool = False  # train the NOISE arm for every seed
     ablation_seeds: tuple[int, ...] = ()  # seeds that train the ablation arms (default: every seed)
     versus: str | None = None  # the arm the report sets every other against (default: SNIP's, report.FOCUS)
+    oracle_costs: str | None = None  # an earlier comparison's OUT/oracle/costs.json: the oracle's costs, no ablations
 
     def __post_init__(self):
         unknown = sorted(set(self.policies) - set(ARMS))
@@ -129,9 +131,15 @@ class ComparisonConfig:
                              "0.75 0.9), a time target a positive ratio to all-BF16 GEMM time (--time-targets 0.4)")
         if set(self.ablations) - set(KINDS):
             raise ValueError(f"--ablations: unknown {sorted(set(self.ablations) - set(KINDS))}; choose from {KINDS}")
-        if ORACLE in self.policies and not any(set(n) <= set(self.ablations) for n in NEEDS):
+        if self.oracle_costs is not None:
+            if ORACLE not in self.policies or self.ablations:
+                raise ValueError(f"--oracle-costs plans the {ORACLE} arm with costs measured before: give it with "
+                                 f"--policies ... {ORACLE} and without --ablations (which would measure them again)")
+            load_costs(self.oracle_costs)
+        elif ORACLE in self.policies and not any(set(n) <= set(self.ablations) for n in NEEDS):
             raise ValueError(f"--policies {ORACLE} plans with the costs the ablations measure: add --ablations "
-                             f"{' or --ablations '.join(' '.join(n) for n in NEEDS)} (got {list(self.ablations)})")
+                             f"{' or --ablations '.join(' '.join(n) for n in NEEDS)} (got {list(self.ablations)}), "
+                             f"or --oracle-costs with an earlier comparison's OUT/{ORACLE}/costs.json")
         if not self.seeds:
             raise ValueError("give at least one --seeds value")
         if self.versus is not None and self.versus not in self.policies:
@@ -272,7 +280,9 @@ class Comparison:
         if path.exists():
             theirs = json.loads(path.read_text())
             # may change between reruns (arms and seeds added; how the work is scheduled)
-            free = ("policies", "budgets", "seeds", "ablations", "jobs", "noise_floor", "ablation_seeds", "versus")
+            # (a costs.json already there must equal --oracle-costs: _oracle_plans)
+            free = ("policies", "budgets", "seeds", "ablations", "jobs", "noise_floor", "ablation_seeds", "versus",
+                    "oracle_costs")
             differ = sorted(k for k in set(mine) | set(theirs) if k not in free and mine.get(k) != theirs.get(k))
             if differ:
                 raise ValueError(f"{self.out} holds a comparison with other settings ({', '.join(differ)} differ); "
@@ -376,7 +386,8 @@ class Comparison:
             self.ablation_arms = list(plans)
 
     def _oracle_plans(self) -> None:
-        """The oracle's plan at each budget (``OUT/oracle/``) from the ablation branches' measured costs.
+        """The oracle's plan at each budget (``OUT/oracle/``) from the ablation branches' measured costs,
+        or from ``--oracle-costs``.
 
         The costs are taken once, from the seeds measured then (``costs.json``); a rerun keeps them,
         so every oracle branch trains the same plan even when seeds are added (delete ``OUT/oracle``
@@ -387,12 +398,25 @@ class Comparison:
         directory.mkdir(parents=True, exist_ok=True)
         stats = StatisticsFile.load(self._stats_path(c.seeds[0]))  # every seed's problem has the same budgets
         path = directory / "costs.json"
+        given = load_costs(c.oracle_costs) if c.oracle_costs is not None else None
+        if given is not None:
+            problem = stats.problem(Budget(0.0), formats=c.formats, solver=c.solver)
+            missing = sorted(u.key for u in problem.units if u.pin is None and u.key not in given.modules)
+            if missing:
+                raise ValueError(f"--oracle-costs {c.oracle_costs}: no cost for {len(missing)} of this model's "
+                                 f"modules ({missing[0]}, ...); they come from another model: give the costs.json "
+                                 "of a comparison of the same model")
         if path.exists():
-            costs = OracleCosts(**json.loads(path.read_text()))
+            costs = load_costs(path)
+            if given is not None and _json(given) != _json(costs):
+                raise ValueError(f"--oracle-costs {c.oracle_costs}: {path} holds other costs, which this folder's "
+                                 "oracle branches planned with; choose another --out, or delete that file, the "
+                                 f"{ORACLE}_*.json plans beside it and the {ORACLE} branches")
         else:
-            costs = self._measured_costs(stats)
-            write_text_atomic(str(path), json.dumps(asdict(costs), indent=1))
-        self.log(f"oracle: costs from the {costs.source} ablations of seeds {costs.seeds} ({path})")
+            costs = given or self._measured_costs(stats)
+            write_text_atomic(str(path), _json(costs))
+        origin = f", copied from {c.oracle_costs}" if given is not None else ""
+        self.log(f"oracle: costs from the {costs.source} ablations of seeds {costs.seeds} ({path}{origin})")
         for budget in c.budgets:
             plan_path = directory / f"{ORACLE}_{budget.tag}.json"
             if plan_path.exists():
@@ -512,7 +536,7 @@ class Comparison:
         path = self.out / ORACLE / "costs.json"
         if not path.exists():
             return None
-        costs = OracleCosts(**json.loads(path.read_text()))
+        costs = load_costs(path)
         predicted: dict[str, dict[int, float]] = {}
         for b in every:
             plan = self.plan_path(b) if b.budget is not None and b.arm not in REPLANNED else None
@@ -595,6 +619,11 @@ def read_result(save_dir: Path, train_iters: int, window_start: int) -> BranchRe
                         fp4_fraction=fp4[max(fp4)] if fp4 else math.nan,
                         time_ratio=gemm_time[max(gemm_time)] if gemm_time else math.nan,
                         valid_curve=valid, train_curve=train)
+
+
+def _json(costs: OracleCosts) -> str:
+    """costs.json's text (nan as NaN, as json writes it): equal texts, equal costs."""
+    return json.dumps(asdict(costs), indent=1)
 
 
 def _settings(config: ComparisonConfig) -> dict:

@@ -24,13 +24,20 @@ two totals agree, reproduces both kinds' group costs exactly.
 plus the sum of its FP4 modules' costs (:func:`predicted_gap`). The oracle's own branch tests it:
 the report sets its measured gap beside that prediction, and beside the same prediction for every
 fixed-plan arm.
+
+**Costs from an earlier comparison.** The costs are written once, to ``OUT/oracle/costs.json``;
+``--oracle-costs`` plans another comparison's oracle with such a file instead of its own ablations
+(more seeds of the same model and data in a new folder, without training the ablation arms again).
 """
 
 from __future__ import annotations
 
+import json
+import math
 import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from megatron_snip.research.policies import min_fp4_cost
 from megatron_snip.snip.ilp import Plan, SnipProblem
@@ -62,6 +69,24 @@ class OracleCosts:
     base_gap: float
     source: str
     seeds: list[int]
+
+
+def load_costs(path: str | Path) -> OracleCosts:
+    """The costs a comparison wrote to ``OUT/oracle/costs.json``.
+
+    Raises ValueError naming the file when it is not such a file or a module's cost is not a
+    finite number >= 0 (``base_gap`` may be nan: the comparison had no BF16 branch)."""
+    try:
+        costs = OracleCosts(**json.loads(Path(path).read_text()))
+        bad = sorted(m for m, c in costs.modules.items()
+                     if isinstance(c, bool) or not isinstance(c, int | float) or not math.isfinite(c) or c < 0)
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path}: not the oracle's costs.json of a comparison (OUT/oracle/costs.json) "
+                         f"({type(e).__name__}: {e})") from e
+    if bad or not costs.modules:
+        raise ValueError(f"{path}: the oracle's module costs must be finite numbers >= 0, one per module; "
+                         f"{'none given' if not bad else f'bad: {bad[:3]}'}")
+    return costs
 
 
 def group_costs(losses: Mapping[str, Mapping[int, float]], arms: list[str]) -> tuple[dict[str, float], list[int]]:
