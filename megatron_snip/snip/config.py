@@ -44,9 +44,10 @@ class SnipConfig:
                                    ours=True)
     snip_loss_weight: float = flag(1.0, "Weight of the loss divergence (alpha).", ours=True)
     snip_update_weight: float = flag(
-        1.0, "Weight of the update divergence (beta; 1 as in the paper). 0 plans by the loss divergence alone: with "
-        "the Hutchinson curvature it trained better at 90%% FP4 and worse at 50%% in the CPU-scale comparisons, with "
-        "--snip-curvature fisher better or equal at 50-90%% on two corpora (docs/quality.md).", ours=True)
+        1.0, "Weight of the update divergence (beta; 1 as in the paper). 0 plans by the loss divergence alone: in the "
+        "CPU-scale comparisons, with the Hutchinson curvature it trained better at 90%% FP4 and worse at 50%%; with "
+        "--snip-curvature fisher, re-planned, better or equal at 90%% in every setting, but behind the default at 75%% "
+        "on the quickstart corpus at 8 layers (docs/quality.md).", ours=True)
     snip_switch_penalty: float = flag(0.0, "Objective penalty per module whose precision changes from the current "
                                       "plan.", ours=True)
     snip_curvature: str = flag(
