@@ -3,6 +3,7 @@ the page it names (GitHub's anchors), so moving a section between pages cannot l
 a dead link."""
 
 import re
+from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -10,7 +11,8 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
-def anchors(page: Path) -> set[str]:
+@cache
+def anchors(page: Path) -> frozenset[str]:
     """GitHub's heading anchors: lower case, punctuation but '-' and '_' dropped, spaces to '-',
     repeats numbered -1, -2, ...; headings inside code fences do not count."""
     found, seen, fenced = set(), {}, False
@@ -24,7 +26,7 @@ def anchors(page: Path) -> set[str]:
             n = seen.get(slug, 0)
             seen[slug] = n + 1
             found.add(slug if n == 0 else f"{slug}-{n}")
-    return found
+    return frozenset(found)
 
 
 def test_the_anchor_rule_matches_githubs():
