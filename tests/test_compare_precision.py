@@ -28,6 +28,7 @@ from megatron_snip.research.comparison import (
     devices,
     run_all,
 )
+from megatron_snip.research.merge import merge_reports
 from megatron_snip.research.report import ci95, markdown, summarize
 from megatron_snip.snip.statistics_file import Budget
 from megatron_snip.training import tags
@@ -238,6 +239,10 @@ def test_compare_precision_branches_resume_and_report(tiny_data, tmp_path):
     summary = json.loads((out / "results.json").read_text())
     rows = {row["arm"]: row for row in summary["rows"]}
     assert set(rows) == {"bf16", "snip", "uniform", "threshold"} and summary["complete"]
+    # The report records its settings (what a merge of reports checks); merged with itself it is itself.
+    assert summary["settings"]["train_iters"] == 8 and summary["settings"]["train_args"] == train_args
+    merged = merge_reports([out, out / "results.json"], str(tmp_path / "merged"))
+    assert {r["arm"]: r["gap"] for r in merged["rows"]} == {a: r["gap"] for a, r in rows.items()}
     assert rows["bf16"]["fp4_fraction"] == 0.0 and rows["uniform"]["fp4_fraction"] == 1.0
     # Equal budgets: every arm's plan runs at least 75% of the linear FLOPs in FP4 (the logged fraction).
     assert all(rows[a]["fp4_fraction"] >= 0.75 - 1e-6 for a in ("snip", "uniform", "threshold"))

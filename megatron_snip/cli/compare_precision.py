@@ -40,7 +40,8 @@ seed that start from the same fixed plan (uniform at every budget) train once an
 Writes OUT/results.md, OUT/results.json, OUT/gap_to_bf16.png and TensorBoard runs side by
 side under OUT/tensorboard. Rerunning the same command finishes what an interrupted one left.
 SIGTERM or SIGUSR1 (kill, SLURM's --signal) stops it cleanly: the runs in flight save a checkpoint,
-no new one starts, and the tool exits with 128 + the signal's number.
+no new one starts, and the tool exits with 128 + the signal's number. Seeds or arms run as separate
+jobs in separate --out folders make one table with tools/merge_comparisons.py.
 """
 
 from __future__ import annotations

@@ -85,6 +85,10 @@ SHARED_PROBE_FLAGS = ("--snip-gain-exclude", "--snip-probe-passes")
 # ORACLE plans with the costs the ablation arms measured, so its branches train after theirs (oracle.py).
 ARMS = (*REPLANNED, *FIXED, *(p for p in POLICIES if p != "snip"), ORACLE)
 TRACKER = "latest_checkpointed_iteration.txt"
+# Settings that may change between reruns of one comparison (arms and seeds added; how the work is
+# scheduled): the others fix what a branch measures, so branches of one folder, or merged reports, share them.
+FREE_SETTINGS = ("policies", "budgets", "seeds", "ablations", "jobs", "noise_floor", "ablation_seeds", "versus",
+                 "oracle_costs")
 
 
 @dataclass(frozen=True)
@@ -276,14 +280,12 @@ class Comparison:
     def check_settings(self) -> None:
         """Record the settings; refuse to mix branches of different settings in one folder."""
         path = self.out / "comparison.json"
-        mine = _settings(self.config)
+        mine = settings(self.config)
         if path.exists():
             theirs = json.loads(path.read_text())
-            # may change between reruns (arms and seeds added; how the work is scheduled)
             # (a costs.json already there must equal --oracle-costs: _oracle_plans)
-            free = ("policies", "budgets", "seeds", "ablations", "jobs", "noise_floor", "ablation_seeds", "versus",
-                    "oracle_costs")
-            differ = sorted(k for k in set(mine) | set(theirs) if k not in free and mine.get(k) != theirs.get(k))
+            differ = sorted(k for k in set(mine) | set(theirs)
+                            if k not in FREE_SETTINGS and mine.get(k) != theirs.get(k))
             if differ:
                 raise ValueError(f"{self.out} holds a comparison with other settings ({', '.join(differ)} differ); "
                                  f"choose another --out or the same settings")
@@ -526,6 +528,7 @@ class Comparison:
         predicted = {s: json.loads((self.out / f"seed{s}" / "plans" / "predictions.json").read_text())
                      for s in self.config.seeds if self.ablation_arms}
         summary = summarize(self.config, results, every, predicted, self._additive_predictions(every))
+        summary["settings"] = settings(self.config)  # what a merge of reports checks (merge.py)
         write_report(self.config, summary, results, self.out)
         return summary
 
@@ -626,7 +629,8 @@ def _json(costs: OracleCosts) -> str:
     return json.dumps(asdict(costs), indent=1)
 
 
-def _settings(config: ComparisonConfig) -> dict:
+def settings(config: ComparisonConfig) -> dict:
+    """The settings as comparison.json records them (budgets as tags, no ``out``)."""
     d = asdict(config)
     d["budgets"] = [b.tag for b in config.budgets]
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items() if k != "out"}

@@ -176,7 +176,8 @@ def markdown(summary: dict) -> str:
              f"of the same seed, mean ± sample std over seeds; train gap over the last {summary['window']} "
              f"iterations. BF16 seed-to-seed std of the validation loss: "
              + ("n/a (one seed)" if math.isnan(summary["bf16_seed_std"]) else f"{summary['bf16_seed_std']:.4f}")
-             + ". Estimated GEMM time: under the run's speed model (an estimate).", *_noise_line(summary), "",
+             + ". Estimated GEMM time: under the run's speed model (an estimate).", *_noise_line(summary),
+             *_sources_line(summary), "",
              "| budget | policy | seeds | FP4 FLOPs | est. GEMM time | val loss | gap to bf16 | train gap |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in summary["rows"]:
@@ -225,7 +226,9 @@ def markdown(summary: dict) -> str:
                          f"{_pm(r['gap'], r['gap_std'])} | {_ci(r['regret'], r['regret_ci'])} | "
                          f"{_ci(r['train_regret'], r['train_regret_ci'])} |")
     if not summary["complete"]:
-        lines += ["", "**Incomplete**: some branches have not finished; rerun the same command to finish them."]
+        lines += ["", "**Incomplete**: some arms lack some of the seeds (the seeds column); each paired number uses "
+                  "the seeds both of its arms have." if summary.get("sources") else
+                  "**Incomplete**: some branches have not finished; rerun the same command to finish them."]
     return "\n".join(lines) + "\n"
 
 
@@ -238,6 +241,12 @@ def _noise_line(summary: dict) -> list[str]:
             f"{len(floor['seeds'])} seeds): val {_pm(floor['val'], floor['val_std'])} on the same validation "
             f"samples (its training window, {_pm(floor['train'], floor['train_std'])}, is over other batches: "
             "not a floor for the train gaps, which every other arm measures on bf16's batches)."]
+
+
+def _sources_line(summary: dict) -> list[str]:
+    """A merged report's sources (merge.py); nothing for one comparison's."""
+    sources = summary.get("sources")
+    return [f"Merged from {len(sources)} reports: {', '.join(sources)}."] if sources else []
 
 
 def write_report(config: ComparisonConfig, summary: dict, results: dict[tuple[str, int], BranchResult],
