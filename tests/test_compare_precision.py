@@ -463,10 +463,13 @@ def test_regret_to_the_oracle_and_the_additive_prediction_by_hand():
     assert rows["oracle"]["regret"] == 0.0 and rows["uniform"]["additive_prediction"] == pytest.approx(0.025)
     table = markdown(s)
     assert "layers x types ablations of seeds [1, 2]" in table
+    # gap / oracle's: uniform's mean gap (0.03, 0.04 val; 0.04, 0.03 train) over the oracle's (0.01, 0.01; 0.01, 0.02).
+    assert rows["uniform"]["ratio_to_oracle"] == pytest.approx(3.5)
+    assert rows["uniform"]["train_ratio_to_oracle"] == pytest.approx(0.035 / 0.015)
     assert "| FP4 target 0.75 | oracle | +0.0120 | +0.0100 ± 0.0000 | +0.0000 [+0.0000, +0.0000] |" in table
     # 95% intervals over 2 seeds: 12.706 x std / sqrt(2).
     assert ("| FP4 target 0.75 | uniform | +0.0250 | +0.0350 ± 0.0071 | +0.0250 [-0.0385, +0.0885] | "
-            "+0.0200 [-0.1071, +0.1471] |" in table)
+            "+0.0200 [-0.1071, +0.1471] | 3.50x / 2.33x |" in table)
 
 
 def test_the_oracle_arm_trains_its_plan_and_needs_the_ablations(tmp_path, capsys, monkeypatch):

@@ -75,7 +75,7 @@ def test_reports_of_separate_seeds_merge_into_the_report_of_all_seeds(tmp_path):
         r = rows[(w["arm"], w["budget"])]
         assert r["seeds"] == w["seeds"]
         for key in ("gap", "gap_std", "train_gap", "train_gap_std", "fp4_fraction", "time_ratio", "regret",
-                    "regret_ci", "train_regret", "additive_prediction"):
+                    "regret_ci", "train_regret", "ratio_to_oracle", "train_ratio_to_oracle", "additive_prediction"):
             assert r.get(key, 0.0) == pytest.approx(w.get(key, 0.0), nan_ok=True), (w["arm"], w["budget"], key)
     assert rows[("uniform", "FP4 target 0.90")]["additive_prediction"] == pytest.approx(0.03)  # (0.01 + ... + 0.05) / 5
     assert len(got["versus_snip"]) == len(want["versus_snip"]) == 4  # uniform and oracle against snip, 2 budgets

@@ -92,7 +92,7 @@ def summarize(config: ComparisonConfig, results: dict[tuple[str, int], BranchRes
                          for s, r in per_seed.items()},
         })
         if b.budget is not None:
-            rows[-1].update(_regret(results, per_seed, f"{ORACLE}_{b.budget.tag}", config.seeds))
+            rows[-1].update(_regret(results, per_seed, ref, f"{ORACLE}_{b.budget.tag}", config.seeds))
             additive = (oracle or {}).get("predicted", {}).get(name, {})
             rows[-1]["additive_prediction"] = statistics.fmean(additive.values()) if additive else math.nan
     noise = mean_std(ref_valid)[1]
@@ -121,15 +121,22 @@ def _versus_focus(config: ComparisonConfig, results: dict[tuple[str, int], Branc
     return rows
 
 
-def _regret(results: dict[tuple[str, int], BranchResult], per_seed: dict[int, BranchResult], oracle: str,
-            seeds) -> dict:
+def _regret(results: dict[tuple[str, int], BranchResult], per_seed: dict[int, BranchResult],
+            ref: dict[int, BranchResult], oracle: str, seeds) -> dict:
     """A budget row's regret: its loss minus the oracle branch's of the same seed (validation and
-    training window), mean and sample std over the seeds that have both; nan without an oracle."""
+    training window), mean and sample std over the seeds that have both; and its gap to BF16 over the
+    oracle's on those seeds (ratio of the mean gaps: the issue's "within 1.25x"); nan without an oracle."""
     paired = [s for s in seeds if s in per_seed and (oracle, s) in results]
     val = mean_std([per_seed[s].final_valid_loss - results[(oracle, s)].final_valid_loss for s in paired])
     train = mean_std([per_seed[s].mean_train_loss - results[(oracle, s)].mean_train_loss for s in paired])
-    return {"regret": val[0], "regret_std": val[1], "regret_ci": ci95(val[1], len(paired)),
-            "train_regret": train[0], "train_regret_std": train[1], "train_regret_ci": ci95(train[1], len(paired))}
+    out = {"regret": val[0], "regret_std": val[1], "regret_ci": ci95(val[1], len(paired)),
+           "train_regret": train[0], "train_regret_std": train[1], "train_regret_ci": ci95(train[1], len(paired))}
+    for key, attr in (("ratio_to_oracle", "final_valid_loss"), ("train_ratio_to_oracle", "mean_train_loss")):
+        both = [s for s in paired if s in ref]
+        mine = mean_std([getattr(per_seed[s], attr) - getattr(ref[s], attr) for s in both])[0]
+        theirs = mean_std([getattr(results[(oracle, s)], attr) - getattr(ref[s], attr) for s in both])[0]
+        out[key] = mine / theirs if both and theirs > 0 else math.nan
+    return out
 
 
 def _ablation(rows: list[dict], predicted: dict[int, dict]) -> dict | None:
@@ -164,6 +171,10 @@ def _ci(mean: float, half: float, digits: int = 4) -> str:
         return "-"
     interval = "" if math.isnan(half) else f" [{mean - half:+.{digits}f}, {mean + half:+.{digits}f}]"
     return f"{mean:+.{digits}f}" + interval
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None or math.isnan(x) else f"{x:.2f}x"
 
 
 def _sigmas(mean: float, std: float) -> str:
@@ -215,16 +226,17 @@ def markdown(summary: dict) -> str:
         costs = summary.get("oracle") or {}
         lines += ["", "Regret to the oracle (the ILP on the costs the ablations measured"
                   + (f", {costs['source']} ablations of seeds {costs['seeds']}" if costs else "")
-                  + "): loss minus the oracle branch's of the same seed, mean over seeds [95% confidence interval]. "
-                  "Additive "
-                  "prediction: the all-high arm's gap plus the measured costs of the plan's FP4 modules (the "
-                  "oracle's own row tests additivity: prediction vs measured gap).", "",
+                  + "): loss minus the oracle branch's of the same seed, mean over seeds [95% confidence interval]; "
+                  "the mean gap to BF16 over the oracle's on the same seeds. Additive prediction: the all-high "
+                  "arm's gap plus the measured costs of the plan's FP4 modules (the oracle's own row tests "
+                  "additivity: prediction vs measured gap).", "",
                   "| budget | policy | additive prediction | gap to bf16 | regret (val) [95% CI] | "
-                  "regret (train) [95% CI] |", "|---|---|---:|---:|---:|---:|"]
+                  "regret (train) [95% CI] | gap / oracle's (val / train) |", "|---|---|---:|---:|---:|---:|---:|"]
         for r in regret:
             lines.append(f"| {r['budget']} | {r['arm']} | {_pm(r['additive_prediction'], math.nan)} | "
                          f"{_pm(r['gap'], r['gap_std'])} | {_ci(r['regret'], r['regret_ci'])} | "
-                         f"{_ci(r['train_regret'], r['train_regret_ci'])} |")
+                         f"{_ci(r['train_regret'], r['train_regret_ci'])} | "
+                         f"{_ratio(r.get('ratio_to_oracle'))} / {_ratio(r.get('train_ratio_to_oracle'))} |")
     if not summary["complete"]:
         lines += ["", "**Incomplete**: some arms lack some of the seeds (the seeds column); each paired number uses "
                   "the seeds both of its arms have." if summary.get("sources") else
