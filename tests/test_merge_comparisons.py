@@ -112,6 +112,10 @@ def test_a_merge_refuses_other_trunks_other_settings_and_two_oracles(tmp_path, c
     b = report(config((2, 3)), other, tmp_path / "b_other.json")
     with pytest.raises(ValueError, match=rf"bf16 of seed 2 differs between {a} .* and {b} \(4.9, "):
         merge_reports([a, b], str(tmp_path / "m2"))
+    summary = json.loads(b.read_text())  # other trunks whose oracles differ too: the trunks are named first
+    b.write_text(json.dumps({**summary, "oracle": {**COSTS, "seeds": [2]}}))
+    with pytest.raises(ValueError, match=r"bf16 of seed 2 differs between"):
+        merge_reports([a, b], str(tmp_path / "m2"))
     # Other settings: what differs is named.
     b = report(config((3,), train_args=("--num-layers", "16")), results, tmp_path / "b_deeper.json")
     with pytest.raises(ValueError, match=rf"{b} and {a} differ in train_args"):

@@ -92,32 +92,22 @@ def merge_reports(paths: Sequence[str | Path], out: str, oracle_from: str | Path
     if len(reports) < 2:
         raise ValueError("give two or more reports to merge")
     common = _common_settings(reports, log)
-    keep = _oracle_costs(reports, oracle_from)
     results: dict[tuple[str, int], BranchResult] = {}
     origin: dict[tuple[str, int], str] = {}
-    predicted: dict[str, dict[int, float]] = {}
     budgets: dict[str, Budget] = {}
+    # Every branch but the oracle's first: a branch that differs between two reports (other trunks) is the
+    # clearer error when their oracles differ too.
     for rep in reports:
         for row in rep.summary["rows"]:
-            if row["arm"] == ORACLE and rep.costs != keep:
-                continue
-            budget = None if row["budget"] is None else budgets.setdefault(row["budget"], parse_budget(row["budget"]))
-            name = row["arm"] if budget is None else f"{row['arm']}_{budget.tag}"
-            for seed, v in row["per_seed"].items():
-                key, r = (name, int(seed)), BranchResult(final_valid_loss=v["valid_loss"],
-                                                         mean_train_loss=v["mean_train_loss"],
-                                                         fp4_fraction=v["fp4_fraction"], time_ratio=v["time_ratio"])
-                if key in results and not _same(results[key], r):
-                    raise ValueError(
-                        f"{name} of seed {key[1]} differs between {origin[key]} (validation "
-                        f"{results[key].final_valid_loss!r}, training {results[key].mean_train_loss!r}) and "
-                        f"{rep.path} ({r.final_valid_loss!r}, {r.mean_train_loss!r}): the same branch from the "
-                        "same trunk trains to the same numbers, so these are other trunks or other settings; "
-                        "merge reports of one comparison's settings")
-                results.setdefault(key, r)
-                origin.setdefault(key, rep.path)
-                if rep.costs == keep and not math.isnan(row.get("additive_prediction", math.nan)):
-                    # The row's mean over its seeds for each (the merged mean is exact where the seeds are disjoint).
+            if row["arm"] != ORACLE:
+                _add(rep, row, results, origin, budgets)
+    keep = _oracle_costs(reports, oracle_from)
+    predicted: dict[str, dict[int, float]] = {}
+    for rep in reports:
+        for row in rep.summary["rows"] if rep.costs == keep else ():
+            name = _add(rep, row, results, origin, budgets) if row["arm"] == ORACLE else _name(row, budgets)
+            if not math.isnan(row.get("additive_prediction", math.nan)):
+                for seed in row["per_seed"]:  # the row's mean for each seed (exact where the seeds are disjoint)
                     predicted.setdefault(name, {}).setdefault(int(seed), row["additive_prediction"])
     head = {k: reports[0].summary[k] for k in HEAD}
     config = _config(common, head, results, budgets, versus, out, keep)
@@ -129,6 +119,31 @@ def merge_reports(paths: Sequence[str | Path], out: str, oracle_from: str | Path
                               if not b.arm.startswith("ablate-"))
     summary.update(settings=common, sources=[r.path for r in reports])
     return summary
+
+
+def _name(row: dict, budgets: dict[str, Budget]) -> str:
+    """The branch name of a report row (``Branch.name``), its budget parsed from the label once."""
+    if row["budget"] is None:
+        return row["arm"]
+    return f"{row['arm']}_{budgets.setdefault(row['budget'], parse_budget(row['budget'])).tag}"
+
+
+def _add(rep: Report, row: dict, results: dict, origin: dict, budgets: dict[str, Budget]) -> str:
+    """Put a row's per-seed numbers into ``results``, refusing a branch that another report has with other
+    numbers; returns the branch name."""
+    name = _name(row, budgets)
+    for seed, v in row["per_seed"].items():
+        key, r = (name, int(seed)), BranchResult(final_valid_loss=v["valid_loss"], mean_train_loss=v["mean_train_loss"],
+                                                 fp4_fraction=v["fp4_fraction"], time_ratio=v["time_ratio"])
+        if key in results and not _same(results[key], r):
+            raise ValueError(
+                f"{name} of seed {key[1]} differs between {origin[key]} (validation {results[key].final_valid_loss!r}, "
+                f"training {results[key].mean_train_loss!r}) and {rep.path} ({r.final_valid_loss!r}, "
+                f"{r.mean_train_loss!r}): the same branch from the same trunk trains to the same numbers, so these "
+                "are other trunks or other settings; merge reports of one comparison's settings")
+        results.setdefault(key, r)
+        origin.setdefault(key, rep.path)
+    return name
 
 
 def write_merged(summary: dict, out: Path) -> None:
