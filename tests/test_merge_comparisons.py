@@ -85,12 +85,13 @@ def test_reports_of_separate_seeds_merge_into_the_report_of_all_seeds(tmp_path):
             [w[k] for k in ("val", "val_ci", "train", "train_ci")])
     assert got["noise_floor"]["seeds"] == [1, 2, 3, 4, 5] and got["oracle"] == COSTS
     assert got["noise_floor"]["val_ci"] == pytest.approx(want["noise_floor"]["val_ci"])
-    assert json.loads((tmp_path / "merged" / "oracle" / "costs.json").read_text()) == COSTS
+    assert not (tmp_path / "merged").exists()  # merge_reports writes nothing; write_merged (the command) does
 
     # The command: the merged table, printed and written.
     assert merge_comparisons.main(["--out", str(tmp_path / "cli"), str(a), str(b), str(c)]) == 0
     table = (tmp_path / "cli" / "results.md").read_text()
     assert f"Merged from 3 reports: {a}, {b}, {c}." in table and "| FP4 target 0.90 | oracle | 5 |" in table
+    assert json.loads((tmp_path / "cli" / "oracle" / "costs.json").read_text()) == COSTS  # for --oracle-costs
     assert [r["gap"] for r in json.loads((tmp_path / "cli" / "results.json").read_text())["rows"]] == pytest.approx(
         [r["gap"] for r in got["rows"]], nan_ok=True)
     # A report whose seeds an arm lacks: incomplete, and said so in the merge's own words.
@@ -155,7 +156,9 @@ def test_a_merge_refuses_other_trunks_other_settings_and_two_oracles(tmp_path, c
     assert f"{tmp_path / 'none.json'}: not a comparison's report" in capsys.readouterr().err
     assert merge_comparisons.main(["--out", str(tmp_path / "m9"), str(a)]) == 1
     assert "give two or more reports" in capsys.readouterr().err
-    assert not (tmp_path / "m8").exists() and not (tmp_path / "m9").exists()
+    assert merge_comparisons.main(["--out", str(tmp_path / "m10"), "--versus", "threshold", str(a), str(a)]) == 1
+    assert "--versus threshold is not among --policies ['snip', 'uniform', 'oracle']" in capsys.readouterr().err
+    assert not [p for p in ("m8", "m9", "m10") if (tmp_path / p).exists()]
 
 
 def test_budgets_parse_back_from_their_labels():

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,8 +85,8 @@ def merge_reports(paths: Sequence[str | Path], out: str, oracle_from: str | Path
                   versus: str | None = None, log=print) -> dict:
     """The summary of every branch of the reports at ``paths`` (``report.summarize``'s dict, plus the
     ``sources`` it was merged from and their common ``settings``); the oracle's rows from the report
-    ``oracle_from`` where the reports' oracles planned with different costs, and their costs written to
-    ``out/oracle/costs.json``. Raises ValueError naming the reports that cannot be merged, and why."""
+    ``oracle_from`` where the reports' oracles planned with different costs. Writes nothing; raises
+    ValueError naming the reports that cannot be merged, and why."""
     if (Path(out) / "comparison.json").exists():  # a merge there would mix with branches the tool resumes
         raise ValueError(f"--out {out} holds a comparison (comparison.json): write the merge to a folder of its own")
     reports = [Report.load(p) for p in paths]
@@ -147,8 +148,12 @@ def _add(rep: Report, row: dict, results: dict, origin: dict, budgets: dict[str,
 
 
 def write_merged(summary: dict, out: Path) -> None:
-    """results.md and results.json under ``out`` (merge_reports's ``out``)."""
+    """results.md and results.json under ``out`` (merge_reports's ``out``), and the oracle's costs as
+    ``out/oracle/costs.json`` (what ``compare_precision.py --oracle-costs`` takes)."""
     out.mkdir(parents=True, exist_ok=True)
+    if summary.get("oracle"):
+        (out / ORACLE).mkdir(exist_ok=True)
+        write_text_atomic(str(out / ORACLE / "costs.json"), json.dumps(summary["oracle"], indent=1))
     write_text_atomic(str(out / "results.md"), markdown(summary))
     write_text_atomic(str(out / "results.json"), json.dumps(summary, indent=1))
 
@@ -209,16 +214,17 @@ def _config(common: dict, head: dict, results: dict, budgets: dict[str, Budget],
     policies = tuple(a for a in ARMS if any(f"{a}_{b.tag}" in names for b in ordered))
     if versus is None:
         versus = next((f for f in FOCUS if f in policies), None)
-    oracle_costs = None
-    if ORACLE in policies:  # the costs its rows planned with (no ablations needed: nothing trains here)
-        path = Path(out) / ORACLE / "costs.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(str(path), json.dumps(json.loads(costs), indent=1))
-        oracle_costs = str(path)
     known = {k: tuple(v) if isinstance(v, list) else v for k, v in common.items()
              if k in ("train_args", "snip_interval", "formats", "nproc", "solver")}
-    return ComparisonConfig(
-        out=out, policies=policies, budgets=tuple(ordered), seeds=tuple(sorted({s for _, s in results})),
-        trunk_iters=head["trunk_iters"], train_iters=head["train_iters"], window=head["window"],
-        noise_floor=any(name == NOISE for name in names), versus=versus, oracle_costs=oracle_costs,
-        **{"train_args": (), "snip_interval": head["trunk_iters"], **known})
+    with tempfile.TemporaryDirectory() as tmp:
+        # The oracle arm needs its costs (nothing trains here, so no ablations): the config checks them in a
+        # file, kept only while it is made (write_merged writes them to OUT/oracle/costs.json).
+        oracle_costs = None
+        if ORACLE in policies:
+            oracle_costs = str(Path(tmp) / "costs.json")
+            Path(oracle_costs).write_text(costs)
+        return ComparisonConfig(
+            out=out, policies=policies, budgets=tuple(ordered), seeds=tuple(sorted({s for _, s in results})),
+            trunk_iters=head["trunk_iters"], train_iters=head["train_iters"], window=head["window"],
+            noise_floor=any(name == NOISE for name in names), versus=versus, oracle_costs=oracle_costs,
+            **{"train_args": (), "snip_interval": head["trunk_iters"], **known})
