@@ -208,6 +208,25 @@ def test_a_stop_reaches_the_runs_in_flight_and_starts_no_new_one(tmp_path):
     assert not (tmp_path / "started").exists()
 
 
+def test_a_trunk_is_done_only_with_its_statistics_and_its_checkpoint(tmp_path, monkeypatch):
+    """A stop after the trunk's SNIP cycle but before its checkpoint was saved leaves the statistics and no
+    checkpoint: the trunk trains again (resume-or-start), where it had been taken as done and every branch
+    failed on --load."""
+    c = config(out=str(tmp_path), seeds=(1,))
+    comparison = Comparison(c, log=lambda *_: None)
+    trained = []
+    monkeypatch.setattr(comparison, "_train", lambda where, args, log, slot=0: trained.append(where))
+    stats = comparison._stats_path(1)
+    stats.parent.mkdir(parents=True)
+    stats.write_text("{}")
+    (stats.parents[1] / "iter_0000004.tmp").mkdir()  # the save cut short
+    comparison._trunk(1)
+    assert trained == [tmp_path / "seed1" / "trunk"]
+    (stats.parents[1] / "latest_checkpointed_iteration.txt").write_text("4")
+    comparison._trunk(1)
+    assert len(trained) == 1  # statistics and checkpoint at the branch point: done
+
+
 def test_each_job_gets_its_own_gpus(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert devices(0, nproc=4, jobs=1) == {}  # one run at a time sees every device

@@ -337,7 +337,10 @@ class Comparison:
     def _trunk(self, seed: int, slot: int = 0) -> None:
         c = self.config
         trunk = self.out / f"seed{seed}" / "trunk"
-        if self._stats_path(seed).exists():
+        # Done = its statistics and its checkpoint at the branch point: a stop between the two (the statistics
+        # written, the save cut short) leaves no checkpoint to branch from, so the trunk trains again.
+        tracker = trunk / "ckpt" / TRACKER
+        if self._stats_path(seed).exists() and tracker.exists() and tracker.read_text().strip() == str(c.trunk_iters):
             self.log(f"seed {seed}: trunk done ({trunk})")
             return
         self.log(f"seed {seed}: trunk, bf16 to iteration {c.trunk_iters} then one SNIP cycle")
