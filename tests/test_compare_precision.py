@@ -393,15 +393,10 @@ ABLATION_LOSSES = {
 }
 
 
-def oracle_costs(losses=ABLATION_LOSSES, kinds=("layers", "types")):
-    from megatron_snip.research.ablation import ablation_groups
-    from megatron_snip.research.oracle import OracleCosts, group_costs, module_costs
+def oracle_costs(losses=ABLATION_LOSSES, kinds=("layers", "types"), clip=True):
+    from megatron_snip.research.oracle import measured_costs, oracle_groups
 
-    groups = ablation_groups(two_by_two_problem(), kinds)
-    arm_costs, seeds = group_costs(losses, list(groups))
-    modules, source = module_costs(groups, arm_costs)
-    base = sum(losses["ablate-none"][s] - losses["bf16"][s] for s in seeds) / len(seeds)
-    return OracleCosts(modules=modules, groups=arm_costs, base_gap=base, source=source, seeds=seeds)
+    return measured_costs(oracle_groups(two_by_two_problem(), kinds), losses, "bf16", clip)
 
 
 def test_oracle_module_costs_are_the_layer_share_times_the_type_share_of_the_measured_total():
@@ -421,6 +416,11 @@ def test_oracle_module_costs_are_the_layer_share_times_the_type_share_of_the_mea
     # A group the high format matches or beats costs 0 (noise), not a negative cost.
     costs = oracle_costs({**ABLATION_LOSSES, "ablate-layer1": {1: 4.990, 2: 5.100}})
     assert costs.groups["ablate-layer1"] == 0.0 and costs.modules[QKV1] == costs.modules[FC2_1] == 0.0
+    # Unclipped (the cross-fit's held-out prices): the noise stays, so a price is not biased upward.
+    costs = oracle_costs({**ABLATION_LOSSES, "ablate-layer1": {1: 4.990, 2: 5.100}}, clip=False)
+    assert costs.groups["ablate-layer1"] == pytest.approx(-0.005)
+    # C = (.030 + .049) / 2, layer shares .035 / .030 and -.005 / .030: layer 1's modules cost < 0.
+    assert costs.modules[FC2_1] == pytest.approx(0.0395 * (-0.005 / 0.030) * (4 / 7))
 
 
 def test_oracle_module_ablations_are_the_costs_and_missing_ablations_are_refused():

@@ -306,3 +306,35 @@ def test_a_run_without_the_oracle_arm_is_refused(tmp_path, capsys):
     assert main([str(out)]) == 2
     err = capsys.readouterr().err
     assert "costs.json does not exist" in err and "--policies oracle" in err
+
+
+def test_the_cross_fit_holds_out_each_ablation_seed_and_the_oracle_wins_in_sample(tmp_path, capsys):
+    """A run with per-module ablations on two seeds: the screen adds the cross-fit (research/crossfit.py)
+    at each budget, one fold per seed; in-sample, on the costs it was fitted on, the oracle's plan is
+    never beaten by a variant's, held out it can be. One ablation seed: no cross-fit, said so."""
+    from megatron_snip.research.oracle import oracle_groups
+
+    out = _run_dir(tmp_path)
+    settings = json.loads((out / "comparison.json").read_text())
+    (out / "comparison.json").write_text(json.dumps({**settings, "seeds": [1, 2], "ablations": ["modules"]}))
+    shutil.copytree(out / "seed1" / "trunk", out / "seed2" / "trunk")
+    problem = StatisticsFile.load(STATS).problem(Budget(0.5), formats=["bf16", "fp8", "nvfp4"], solver="highs")
+    rng = random.Random(5)
+    for seed in (1, 2):
+        for arm in [*oracle_groups(problem, ("modules",)), "ablate-none", "bf16"]:
+            loss = 5.0 + (0.0 if arm == "bf16" else 0.002 if arm == "ablate-none" else rng.uniform(0.0, 0.01))
+            (out / f"seed{seed}" / arm).mkdir()
+            (out / f"seed{seed}" / arm / "result.json").write_text(json.dumps(
+                {"final_valid_loss": loss, "mean_train_loss": loss, "fp4_fraction": 0.0, "time_ratio": 1.0}))
+    assert main([str(out), "--solver", "highs", "--json", str(tmp_path / "screen.json")]) == 0
+    printed = capsys.readouterr().out
+    assert "Cross-fit at FP4 target 0.50" in printed and "The oracle's optimism" in printed
+    folds = json.loads((tmp_path / "screen.json").read_text())["cross_fit"]
+    assert sorted((f["fp4_target"], f["held_out"]) for f in folds) == [(0.5, 1), (0.5, 2), (0.75, 1), (0.75, 2)]
+    for f in folds:
+        assert set(f["in_sample"]) == {v.name for v in VARIANTS} | {"oracle"}
+        assert f["in_sample"]["oracle"] <= min(f["in_sample"].values()) + 1e-12
+    assert any(f["held_out_price"]["oracle"] > min(f["held_out_price"].values()) for f in folds)
+    shutil.rmtree(out / "seed2" / "ablate-none")
+    assert main([str(out), "--solver", "highs"]) == 0
+    assert "No cross-fit: a cross-fit holds one ablation seed out of the others" in capsys.readouterr().out

@@ -14,6 +14,11 @@ gap minus the oracle plan's), the mean over seeds. Below, each module type's sum
 what its ablation measured, and per seed how well the Hutchinson draws resolve the curvatures
 (docs/snip.md, "Unresolved curvatures").
 
+With ablations of two or more seeds, each budget also gets the cross-fit (research/crossfit.py): the
+oracle planned without one ablation seed, every plan priced with the other seeds' costs and with the
+held-out seed's; the oracle's excess beyond the variants' is its optimism, how much its choice
+exploited noise in the costs (docs/quality.md, "Estimator variants against the oracle's costs").
+
 ``--other NAME=DIR`` adds a row planned with SNIP's default cost from another comparison's
 branch-point statistics of the same trunks, measured with other probe settings (e.g. DIR run with
 ``-- ... --snip-gain-exclude embedding``): what those settings would plan, against the same oracle.
@@ -35,6 +40,10 @@ import sys
 from pathlib import Path
 
 from megatron_snip.numerics.registry import is_fp4
+from megatron_snip.research.ablation import NONE_ARM
+from megatron_snip.research.comparison import REFERENCE, Branch, branch_results, final_losses
+from megatron_snip.research.crossfit import Fold, cross_fit
+from megatron_snip.research.oracle import ORACLE, oracle_groups
 from megatron_snip.research.variants import (
     VARIANTS,
     branch_points,
@@ -102,7 +111,7 @@ def main(argv=None) -> int:
     fmt = next(f for f in settings["formats"] if is_fp4(f))
     print(f"{a.run}: oracle costs from the {costs.source} ablations of seeds {costs.seeds}; "
           f"statistics of seeds {sorted(stats)} at iteration {settings['trunk_iters']}")
-    record = []
+    record, fits = [], []
     for target in targets:
         try:
             screens = [screen(sf, costs, Budget(target), seed, formats=settings["formats"],
@@ -119,6 +128,9 @@ def main(argv=None) -> int:
             regret = statistics.fmean(s.regret(name) for s in screens)
             print(f"| {name} | {share:.1%} | {gap:+.4f} | {regret:+.4f} |")
         record += [{"seed": s.seed, "fp4_target": target, "rows": s.rows} for s in screens]
+        folds = print_cross_fit(Path(a.run), settings, stats, screens, target, a.solver)
+        fits += [{"fp4_target": target, "held_out": f.held_out, "in_sample": f.in_sample,
+                  "held_out_price": f.held_out_price} for f in folds]
         if a.write_plans:
             for s in screens:
                 folder = Path(a.write_plans) / f"seed{s.seed}"
@@ -151,10 +163,57 @@ def main(argv=None) -> int:
                 print(f"| {seed} | {r['modules']} | {r['median |mean| / standard error']:.2f} | {r['unresolved']:.0%} "
                       f"| {r['negative']:.0%} |")
     if a.json:
-        Path(a.json).write_text(json.dumps({"run": a.run, "screens": record, "type_terms": terms,
+        Path(a.json).write_text(json.dumps({"run": a.run, "screens": record, "cross_fit": fits, "type_terms": terms,
                                             "type_costs": dict(measured), "curvature_resolution": resolution},
                                            indent=1))
     return 0
+
+
+def print_cross_fit(run: Path, settings: dict, stats: dict, screens: list, target: float, solver: str) -> list[Fold]:
+    """Print the cross-fit at ``target`` (research/crossfit.py) and return its folds; nothing where the run's
+    oracle costs did not come from its own ablations of two or more seeds."""
+    problem = stats[min(stats)].problem(Budget(target), formats=settings["formats"], solver=solver)
+    groups = oracle_groups(problem, tuple(settings.get("ablations", ())))
+    if not groups:
+        return []
+    seeds = settings["seeds"]
+    losses = final_losses(branch_results(run, [Branch(arm, None, s) for arm in [*groups, NONE_ARM, REFERENCE]
+                                                for s in seeds]))
+    plans = {s.seed: {name: modules for name, modules in s.fp4.items() if name != ORACLE} for s in screens}
+    try:
+        folds = cross_fit(problem, groups, losses, REFERENCE, plans, solver)
+    except ValueError as e:
+        print(f"\nNo cross-fit: {e}")
+        return []
+    if not folds:
+        return []
+    print(f"\nCross-fit at FP4 target {target:.2f} (research/crossfit.py): the oracle planned on the ablation costs "
+          "of all seeds but one; each plan's gap predicted with those costs (in-sample) and with the held-out "
+          f"seed's alone, mean over the held-out seeds {[f.held_out for f in folds]}\n")
+    print("| plan | in-sample | held out | excess |\n|---|---:|---:|---:|")
+    for name in folds[0].in_sample:
+        print(f"| {name} | {statistics.fmean(f.in_sample[name] for f in folds):+.4f} "
+              f"| {statistics.fmean(f.held_out_price[name] for f in folds):+.4f} "
+              f"| {statistics.fmean(f.excess(name) for f in folds):+.4f} |")
+    optimism = [f.optimism() for f in folds]
+    spread = f" ± {statistics.stdev(optimism):.4f} (sd over folds)" if len(optimism) > 1 else ""
+    print(f"\nThe oracle's optimism (its excess minus the other plans' mean): "
+          f"{statistics.fmean(optimism):+.4f}{spread}")
+    trained = trained_excess(run / "results.json", Budget(target).label)
+    if trained is not None:
+        print(f"Trained (results.json): the oracle's gap is {trained:+.4f} above its additive prediction (that "
+              "prediction from the costs of every ablation seed, one more than each fold's)")
+    return folds
+
+
+def trained_excess(report: Path, label: str) -> float | None:
+    """The trained oracle's validation gap minus its additive prediction at the budget ``label``, from a
+    comparison's report; None without one."""
+    if not report.exists():
+        return None
+    rows = [r for r in json.loads(report.read_text())["rows"]
+            if r["arm"] == ORACLE and r["budget"] == label and r.get("additive_prediction") is not None]
+    return rows[0]["gap"] - rows[0]["additive_prediction"] if rows else None
 
 
 MEASURED, MEASURED_MOMENTUM = "update measured by type", "update measured by type x momentum"

@@ -31,7 +31,6 @@ import math
 import os
 import queue
 import signal
-import statistics
 import subprocess
 import sys
 import threading
@@ -44,15 +43,15 @@ from pathlib import Path
 from megatron_snip.fileio import write_text_atomic
 from megatron_snip.numerics.registry import FP4_NAMES
 from megatron_snip.precision.plan import PrecisionPlan
-from megatron_snip.research.ablation import KINDS, NONE_ARM, ablation_groups, ablation_plans, predictions
+from megatron_snip.research.ablation import KINDS, NONE_ARM, ablation_plans, predictions
 from megatron_snip.research.offline import POLICIES, policy_plans
 from megatron_snip.research.oracle import (
     NEEDS,
     ORACLE,
     OracleCosts,
-    group_costs,
     load_costs,
-    module_costs,
+    measured_costs,
+    oracle_groups,
     oracle_plan,
     predicted_gap,
 )
@@ -437,27 +436,9 @@ class Comparison:
         """The oracle's costs from the finished ablation branches (oracle.py: group and module costs)."""
         c = self.config
         problem = stats.problem(Budget(0.0), formats=c.formats, solver=c.solver)
-        pinned = {u.key for u in problem.units if u.pin is not None}
-        groups = {arm: (kind, group, keys - pinned)
-                  for arm, (kind, group, keys) in ablation_groups(problem, c.ablations).items()}
-        results = self._results(branches(c, [*groups, NONE_ARM]))
-        losses: dict[str, dict[int, float]] = {}
-        for (name, seed), r in results.items():
-            losses.setdefault(name, {})[seed] = r.final_valid_loss
-        arm_costs, seeds = group_costs(losses, list(groups))
-        modules, source = module_costs(groups, arm_costs)
-        base = [losses[NONE_ARM][s] - losses[REFERENCE][s] for s in seeds if s in losses.get(REFERENCE, {})]
-        return OracleCosts(modules=modules, groups=arm_costs, base_gap=statistics.fmean(base) if base else math.nan,
-                           source=source, seeds=seeds)
-
-    def _results(self, every: Sequence[Branch]) -> dict[tuple[str, int], BranchResult]:
-        """(branch name, seed) -> result of each finished branch of ``every``."""
-        results = {}
-        for b in every:
-            path = self.out / f"seed{b.seed}" / b.name / "result.json"
-            if path.exists():
-                results[(b.name, b.seed)] = BranchResult(**json.loads(path.read_text()))
-        return results
+        groups = oracle_groups(problem, c.ablations)
+        return measured_costs(groups, final_losses(branch_results(self.out, branches(c, [*groups, NONE_ARM]))),
+                              REFERENCE)
 
     def _branch(self, b: Branch, slot: int = 0) -> None:
         c = self.config
@@ -527,7 +508,7 @@ class Comparison:
         from megatron_snip.research.report import summarize, write_report
 
         every = branches(self.config, self.ablation_arms)
-        results = self._results(every)
+        results = branch_results(self.out, every)
         predicted = {s: json.loads((self.out / f"seed{s}" / "plans" / "predictions.json").read_text())
                      for s in self.config.seeds if self.ablation_arms}
         summary = summarize(self.config, results, every, predicted, self._additive_predictions(every))
@@ -555,6 +536,24 @@ class Comparison:
 def fp4_modules(plan: Mapping[str, str]) -> list[str]:
     """The modules a joint plan (module -> format) runs in an FP4 format."""
     return [m for m, f in plan.items() if f in FP4_NAMES]
+
+
+def branch_results(out: Path, every: Sequence[Branch]) -> dict[tuple[str, int], BranchResult]:
+    """(branch name, seed) -> result of each finished branch of ``every`` in the comparison ``out``."""
+    results = {}
+    for b in every:
+        path = out / f"seed{b.seed}" / b.name / "result.json"
+        if path.exists():
+            results[(b.name, b.seed)] = BranchResult(**json.loads(path.read_text()))
+    return results
+
+
+def final_losses(results: Mapping[tuple[str, int], BranchResult]) -> dict[str, dict[int, float]]:
+    """branch name -> seed -> final validation loss, of :func:`branch_results`."""
+    losses: dict[str, dict[int, float]] = {}
+    for (name, seed), r in results.items():
+        losses.setdefault(name, {})[seed] = r.final_valid_loss
+    return losses
 
 
 def first_plan_policy(arm: str) -> str:

@@ -42,7 +42,7 @@ from pathlib import Path
 from megatron_snip.research.policies import min_fp4_cost
 from megatron_snip.snip.ilp import Plan, SnipProblem
 
-from .ablation import NONE_ARM
+from .ablation import NONE_ARM, ablation_groups
 
 ORACLE = "oracle"
 # What the oracle needs measured: every module alone, or every layer and every type.
@@ -89,8 +89,10 @@ def load_costs(path: str | Path) -> OracleCosts:
     return costs
 
 
-def group_costs(losses: Mapping[str, Mapping[int, float]], arms: list[str]) -> tuple[dict[str, float], list[int]]:
-    """arm -> mean over seeds of (its loss - :data:`NONE_ARM`'s loss), clipped at 0, and the seeds used.
+def group_costs(losses: Mapping[str, Mapping[int, float]], arms: list[str],
+                clip: bool = True) -> tuple[dict[str, float], list[int]]:
+    """arm -> mean over seeds of (its loss - :data:`NONE_ARM`'s loss), clipped at 0 unless ``clip``
+    is False, and the seeds used.
 
     ``losses``: arm -> seed -> final validation loss. Raises ValueError naming an arm that no seed
     measured together with :data:`NONE_ARM`.
@@ -101,9 +103,32 @@ def group_costs(losses: Mapping[str, Mapping[int, float]], arms: list[str]) -> t
         seeds = sorted(set(losses.get(arm, {})) & set(base))
         if not seeds:
             raise ValueError(f"the oracle needs {arm} and {NONE_ARM} measured on a common seed; neither finished")
-        costs[arm] = max(statistics.fmean(losses[arm][s] - base[s] for s in seeds), 0.0)
+        mean = statistics.fmean(losses[arm][s] - base[s] for s in seeds)
+        costs[arm] = max(mean, 0.0) if clip else mean
         used.update(seeds)
     return costs, sorted(used)
+
+
+def oracle_groups(problem: SnipProblem, kinds: tuple[str, ...]) -> dict[str, tuple[str, str, set]]:
+    """The ablation groups the oracle prices (``ablation.ablation_groups``), pinned modules left out:
+    a pinned module runs its pinned format in every arm, so no ablation measures it."""
+    pinned = {u.key for u in problem.units if u.pin is not None}
+    return {arm: (kind, group, keys - pinned) for arm, (kind, group, keys) in ablation_groups(problem, kinds).items()}
+
+
+def measured_costs(groups: Mapping[str, tuple[str, str, set]], losses: Mapping[str, Mapping[int, float]],
+                   reference: str, clip: bool = True) -> OracleCosts:
+    """The oracle's costs from the ablation arms' final validation losses.
+
+    ``groups``: :func:`oracle_groups`; ``losses``: arm -> seed -> loss, for the groups' arms,
+    :data:`NONE_ARM` and the BF16 ``reference`` (its gap to the all-high arm is ``base_gap``; nan
+    where no seed has both). ``clip`` as in :func:`group_costs`.
+    """
+    arm_costs, seeds = group_costs(losses, list(groups), clip)
+    modules, source = module_costs(groups, arm_costs)
+    base = [losses[NONE_ARM][s] - losses[reference][s] for s in seeds if s in losses.get(reference, {})]
+    return OracleCosts(modules=modules, groups=arm_costs, base_gap=statistics.fmean(base) if base else math.nan,
+                       source=source, seeds=seeds)
 
 
 def module_costs(groups: Mapping[str, tuple[str, str, set]],

@@ -218,13 +218,14 @@ def module_rank_correlation(stats: ProbeStatistics, variant: Variant, costs: Ora
 
 @dataclass(frozen=True)
 class Screen:
-    """One seed's screen at one budget: variant (and "oracle") -> (FP4 share, predicted gap), and
-    the plans, each as the precision plan ``--precision-plan`` trains."""
+    """One seed's screen at one budget: variant (and "oracle") -> (FP4 share, predicted gap), the
+    plans, each as the precision plan ``--precision-plan`` trains, and the modules each runs in FP4."""
 
     seed: int
     budget: Budget
     rows: dict[str, tuple[float, float]]
     plans: dict[str, PrecisionPlan]
+    fp4: dict[str, list[str]]
 
     def regret(self, name: str) -> float:
         return self.rows[name][1] - self.rows["oracle"][1]
@@ -242,10 +243,10 @@ def screen(stats: StatisticsFile, costs: OracleCosts, budget: Budget, seed: int,
     plans = {v.name: variant_plan(problem, stats.stats, v, solver) for v in variants}
     plans |= {name: variant_plan(problem, other, VARIANTS[0], solver) for name, other in (extra_stats or {}).items()}
     plans["oracle"] = oracle_plan(problem, costs, solver)
-    return Screen(seed, budget, {name: (evaluate_plan(problem, plan).fp4_fraction,
-                                        predicted_gap(costs, fp4_modules(problem, plan)))
+    fp4 = {name: fp4_modules(problem, plan) for name, plan in plans.items()}
+    return Screen(seed, budget, {name: (evaluate_plan(problem, plan).fp4_fraction, predicted_gap(costs, fp4[name]))
                                  for name, plan in plans.items()},
-                  {name: to_precision_plan(plan, split=problem.split) for name, plan in plans.items()})
+                  {name: to_precision_plan(plan, split=problem.split) for name, plan in plans.items()}, fp4)
 
 
 def load_run(out: Path) -> tuple[dict, OracleCosts, dict[int, StatisticsFile]]:
