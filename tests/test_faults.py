@@ -92,6 +92,29 @@ def test_sigterm_after_a_periodic_save_still_saves(tiny_data, tmp_path):
     assert tracker(ckpt) == 5 and (ckpt / "iter_0000005" / ".metadata").is_file()
 
 
+@pytest.mark.integration
+def test_a_stop_during_a_slow_save_keeps_the_save_within_the_tools_grace(tiny_data, tmp_path):
+    """SIGTERM reaches torchrun while the final checkpoint is being written, and the write takes 6 s more.
+    torchrun SIGKILLs its workers a grace period after passing the signal on (TORCH_ELASTIC_SHUTDOWN_TIMEOUT):
+    with 2 s the save is cut and the checkpoint lost (what tools/compare_precision.py hit with torch's 30 s
+    default under load); with the grace the tool gives its runs (comparison.run_env) the save completes."""
+    from megatron_snip.research.comparison import STOP_GRACE_S, run_env
+
+    assert run_env(0, 1, 1)["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == str(STOP_GRACE_S) and STOP_GRACE_S >= 300
+    fault = {"FAULT": "slow_save", "FAULT_AT": "3", "FAULT_SLEEP": "6"}
+    for grace, saved in (("2", False), (run_env(0, 1, 1)["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"], True)):
+        ckpt = tmp_path / f"grace{grace}"
+        run = torchrun(1, train_args(tiny_data, "--save", str(ckpt), iters=3), check=False, script=DRIVER,
+                       timeout=600, env={**fault, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": grace})
+        log = run.stdout + run.stderr
+        assert "exit signal received" not in log  # the signal came after the last iteration: no extra step
+        if saved:
+            assert tracker(ckpt) == 3 and (ckpt / "iter_0000003" / ".metadata").is_file(), log[-3000:]
+        else:
+            assert not (ckpt / "latest_checkpointed_iteration.txt").exists(), log[-3000:]
+            assert not (ckpt / "iter_0000003").exists()
+
+
 @pytest.mark.integration  # it starts the helper process
 def test_the_checkpoint_writer_helper_survives_stop_signals():
     """The Manager process megatron-core's writer would spawn (and a stop signal would kill) is ours: SIGTERM

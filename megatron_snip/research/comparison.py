@@ -498,7 +498,7 @@ class Comparison:
         with open(log, "a") as f:
             f.write("$ " + " ".join(cmd) + "\n")
             f.flush()
-            env = {"OMP_NUM_THREADS": "1", **os.environ, **devices(slot, self.config.nproc, self.config.jobs)}
+            env = run_env(slot, self.config.nproc, self.config.jobs)
             status = self.runs.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
         if status != 0:
             raise RuntimeError(f"training run failed (exit {status}); see {log}")
@@ -587,6 +587,20 @@ def run_all(tasks: Sequence[Callable[[int], None]], jobs: int) -> None:
         futures = [pool.submit(one, t) for t in tasks]
     for f in futures:
         f.result()  # re-raises the first task's error in task order
+
+
+# torchrun SIGKILLs its workers this long after passing a stop signal on to them (torch's default: 30 s).
+# A run asked to stop finishes its iteration and saves, which can take longer: under load (two runs on
+# two cores) a 16-layer trunk's final save was cut, leaving no checkpoint at the branch point.
+STOP_GRACE_S = 300
+
+
+def run_env(slot: int, nproc: int, jobs: int) -> dict[str, str]:
+    """The environment of one training run: one OpenMP thread per process and torchrun's grace for a save
+    after a stop signal (:data:`STOP_GRACE_S`; either set in the tool's environment wins), and the run's
+    devices (:func:`devices`)."""
+    return {"OMP_NUM_THREADS": "1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(STOP_GRACE_S), **os.environ,
+            **devices(slot, nproc, jobs)}
 
 
 def devices(slot: int, nproc: int, jobs: int) -> dict[str, str]:

@@ -11,6 +11,8 @@ Environment:
                   term_in_probe  SIGTERM every worker (as SLURM does) at that same moment
                   enospc_in_save the shard files of the checkpoint of iteration FAULT_AT fail part-way
                                  with ENOSPC (the disk is full) on this rank
+                  slow_save      the save of iteration FAULT_AT sends SIGTERM to torchrun's agent (as a
+                                 stop of the job does), then takes FAULT_SLEEP seconds more before writing
     FAULT_AT      the iteration (as logged)
     FLUSH_TENSORBOARD  if set, TensorBoard events are flushed at each log, so a killed run keeps them
 """
@@ -111,6 +113,18 @@ def instrument(trainer) -> None:
             return _FullDisk(f, room=4096) if saving() and "w" in mode else f
 
         filesystem_async.open = full_disk_open  # the shard writers' open (forked from this process)
+    elif fault == "slow_save":
+        import time
+
+        write = FileSystemWriterAsync.write_preloaded_data_multiproc
+
+        def stopped_then_slow(*args, **kwargs):
+            if saving():
+                os.kill(os.getppid(), signal.SIGTERM)  # the agent passes it on to every worker
+                time.sleep(float(os.environ["FAULT_SLEEP"]))
+            write(*args, **kwargs)
+
+        FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(stopped_then_slow)
     elif fault in ("kill_in_probe", "term_in_probe"):
         cycle, in_cycle = trainer.snip.cycle, [False]
 
