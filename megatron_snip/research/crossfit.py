@@ -31,8 +31,9 @@ from .variants import fp4_modules
 
 @dataclass(frozen=True)
 class Fold:
-    """One held-out seed: plan name -> its gap predicted under additivity (loss units), with the
-    costs of the other ablation seeds (``in_sample``) and with the held-out seed's (``held_out``)."""
+    """One held-out seed (``held_out``): plan name -> its gap predicted under additivity (loss units),
+    with the costs of the other ablation seeds (``in_sample``) and with the held-out seed's
+    (``held_out_price``)."""
 
     held_out: int
     in_sample: dict[str, float]
