@@ -4,22 +4,10 @@ priced with the other seeds' costs and with the held-out seed's, by hand."""
 from __future__ import annotations
 
 import pytest
+from test_compare_precision import FC2_0, FC2_1, QKV0, QKV1, two_by_two_problem
 
 from megatron_snip.research.crossfit import cross_fit
 from megatron_snip.research.oracle import ORACLE, oracle_groups
-from megatron_snip.snip.ilp import LinearModule, SnipProblem
-
-QKV0, FC2_0, QKV1, FC2_1 = (f"decoder.layers.{i}.{t}" for i in range(2)
-                            for t in ("self_attention.linear_qkv", "mlp.linear_fc2"))
-
-
-def problem(target: float) -> SnipProblem:
-    """2 layers x (qkv 32->96, fc2 64->32): 3072 and 2048 FLOPs per layer (x 3 x 2 x 64 tokens)."""
-    shapes = {"self_attention.linear_qkv": (32, 96), "mlp.linear_fc2": (64, 32)}
-    mods = [LinearModule.from_shape(f"decoder.layers.{i}.{t}", i, 64, *shapes[t]) for i in range(2) for t in shapes]
-    return SnipProblem(mods, ("bf16", "fp8", "nvfp4"), target,
-                       cost={m.name: {"bf16": 0.0, "fp8": 0.0, "nvfp4": 1.0} for m in mods})
-
 
 # Per-module ablations (arm minus ablate-none of the same seed):
 #   seed 1: qkv0 .004, fc2_0 .016, qkv1 -.002, fc2_1 .011 (ablate-none - bf16 .010)
@@ -35,7 +23,7 @@ FIXED = {"layer 1": [QKV1, FC2_1], "layer 0": [QKV0, FC2_0]}
 def test_cross_fit_by_hand():
     """At 50% FP4 (>= 5120 of 10240 FLOPs: two modules, one a qkv) the oracle takes the cheapest pair of
     the seed it is fitted on, which the held-out seed prices higher; the fixed plans it does not beat."""
-    p = problem(0.5)
+    p = two_by_two_problem(0.5)  # 2 layers x (qkv 3072, fc2 2048 FLOPs): 10240
     folds = cross_fit(p, oracle_groups(p, ("modules",)), LOSSES, "bf16", {1: FIXED, 2: FIXED}, solver="highs")
     one, two = folds
     assert [f.held_out for f in folds] == [1, 2]
@@ -56,7 +44,7 @@ def test_cross_fit_by_hand():
 
 
 def test_a_cross_fit_needs_two_ablation_seeds():
-    p = problem(0.5)
+    p = two_by_two_problem(0.5)  # 2 layers x (qkv 3072, fc2 2048 FLOPs): 10240
     one_seed = {arm: {1: per[1]} for arm, per in LOSSES.items()}
     with pytest.raises(ValueError, match="needs the ablations of two or more seeds"):
         cross_fit(p, oracle_groups(p, ("modules",)), one_seed, "bf16", {1: FIXED})
