@@ -518,6 +518,7 @@ NONFINITE_REACH = {
     "bf16": "element",
     "fp8_e4m3": "tensor",
     "fp8_e5m2": "tensor",
+    "fp8_rowwise": "block",  # the row
     "fp8_block": "block",  # 1x128
     "mxfp8": "block",  # 1x32
     "mxfp4": "block",
@@ -539,7 +540,7 @@ def test_nonfinite_inputs_propagate(fmt, bad):
         else:
             assert y[0, 5].item() == bad
         return
-    block = {"fp8_block": 128, "mxfp8": 32, "mxfp4": 32}.get(fmt)
+    block = {"fp8_rowwise": 256, "fp8_block": 128, "mxfp8": 32, "mxfp4": 32}.get(fmt)
     expect_nan = torch.zeros_like(x, dtype=torch.bool)
     if reach == "tensor":
         expect_nan[:] = True

@@ -4,7 +4,8 @@ NVFP4), the amax of a block or of a whole tensor, and the block-scaled result ty
 A tensor of shape (..., R, C) is viewed as a batch of L = prod(...) matrices
 R x C. A block is ``(block_rows, block_cols)`` elements of one matrix:
 ``(1, n)`` is a 1-D block of n consecutive elements along the last dimension,
-``(n, n)`` a 2-D tile (used for weights so that W and W.T get the same blocks).
+``(n, n)`` a 2-D tile (used for weights so that W and W.T get the same blocks), ``(1, 0)``
+(``registry.ROW``) one block per row, however long (FP8 rowwise).
 
 Blocked layout: (L, R/br, br, C/bc, bc). A per-block quantity (amax, scale)
 has shape (L, R/br, 1, C/bc, 1) and broadcasts against it, so no Python loop
@@ -67,7 +68,7 @@ def to_blocks(x: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, Bl
     rows = x.shape[-2] if x.dim() >= 2 else 1
     cols = x.shape[-1] if x.dim() >= 1 else 1
     block_rows = block[0] if x.dim() >= 2 else 1
-    block_cols = block[1]
+    block_cols = block[1] or cols  # registry.ROW (0): the whole row
     matrices = x.reshape(-1, rows, cols)
     pad_rows = -rows % block_rows
     pad_cols = -cols % block_cols

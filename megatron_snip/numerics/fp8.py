@@ -168,6 +168,7 @@ def quantize_fp8_block(
     *,
     block: tuple[int, int] = (1, FP8_BLOCK),
     pow2_scale: bool = True,
+    amax: torch.Tensor | None = None,
 ) -> BlockScaled:
     """FP8 block scaling (TE ``Float8BlockScaling``, DeepSeek-V3): one fp32 scale per block.
 
@@ -175,9 +176,13 @@ def quantize_fp8_block(
         x: tensor (..., R, C) of any float dtype (computed in fp32).
         fmt: element format (TE uses E4M3 for all roles).
         block: (1, 128) along the last dim for activations/grads, (128, 128) tiles
-            for weights. Partial blocks are zero-padded (see blocks.py).
+            for weights, (1, ``ROW``) one block per row (FP8 rowwise). Partial blocks are
+            zero-padded (see blocks.py).
         pow2_scale: power-of-two scales (TE's default); False keeps exact fp32 scales.
+        amax: override of the block amaxes (any shape with one per block, in block order), e.g.
+            row amaxes all-reduced over the tensor-parallel shards of each row.
     """
     xb, view = to_blocks(x.float(), block)
-    scale = fp8_scale_from_amax(block_amax(xb), fmt, pow2=pow2_scale)
+    amax = block_amax(xb) if amax is None else amax.float().reshape(xb.shape[0], xb.shape[1], 1, xb.shape[3], 1)
+    scale = fp8_scale_from_amax(amax, fmt, pow2=pow2_scale)
     return blocked_result(round_to_format(xb * scale, fmt), torch.reciprocal(scale), view)

@@ -28,6 +28,7 @@ split falls on block boundaries (checked by the layers).
 from __future__ import annotations
 
 import copy
+import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -36,12 +37,24 @@ import torch.nn.functional as F
 
 from megatron_snip.compat.device import has_cuda
 from megatron_snip.numerics.blocks import tensor_amax
-from megatron_snip.numerics.formats import FloatFormat, to_elements
+from megatron_snip.numerics.formats import E4M3, FloatFormat
 from megatron_snip.numerics.fp8 import FP8DelayedScaling, fp8_scale_from_amax
+from megatron_snip.numerics.fp8_gemm import (
+    FP8Operand,
+    cast_current,
+    cast_per_tensor,
+    cast_rowwise,
+    casts_to_bytes,
+    row_amax,
+    scaled_mm,
+    shapes_ok,
+)
 from megatron_snip.numerics.hadamard import HADAMARD_SIZE, random_hadamard_transform, random_signs
 from megatron_snip.numerics.health import HealthStats
 from megatron_snip.numerics.quantize import quantize_dequantize
+from megatron_snip.numerics.recipes import GEMM_OPERANDS as GEMM_OPERAND_NAMES
 from megatron_snip.numerics.recipes import OperandQuantizer, Precision, RecipeConfig, operand_quantizer
+from megatron_snip.numerics.registry import ROW
 
 AmaxReduce = Callable[[torch.Tensor], torch.Tensor]
 _SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: distinct (seed, stream) pairs give distinct seeds
@@ -167,47 +180,36 @@ class LinearQuantization:
     def quantizer(self, gemm: str, operand: str) -> OperandQuantizer:
         return self.quantizers(gemm, operand)
 
-    def global_amax(self, t: torch.Tensor, operand: str) -> torch.Tensor | None:
-        """The amax override for a per-tensor scale of ``t`` (None: the quantizer's own amax)."""
+    def global_amax(self, local: torch.Tensor, operand: str) -> torch.Tensor | None:
+        """The amax over all shards of ``operand`` from its ``local`` 0-d amax, where the operand is split
+        (None: it is not; the quantizer's own amax serves)."""
         if self.amax_reduce is None or operand not in self.sharded:
             return None
-        return self.amax_reduce(tensor_amax(t).float())
+        return self.amax_reduce(local)
 
-
-@dataclass(frozen=True)
-class FP8Operand:
-    """A per-tensor-scaled FP8 operand kept as bytes, for ``torch._scaled_mm``.
-
-    Attributes:
-        data: float8 tensor (e4m3fn / e5m2), the operand's shape and layout.
-        scale_inv: 0-d fp32 decode scale: the value is ``data * scale_inv``.
-    """
-
-    data: torch.Tensor
-    scale_inv: torch.Tensor
-
-    def t(self) -> FP8Operand:
-        return FP8Operand(self.data.t(), self.scale_inv)
-
-    def dequantized(self) -> torch.Tensor:
-        return self.data.float() * self.scale_inv
+    def row_amax(self, src: torch.Tensor, gemm: str | None, kernels) -> torch.Tensor | None:
+        """The (R,) row amaxes of a per-row-scaled operand over all shards of each row, where ``gemm``'s
+        reduction dim is split (both its operands are), else None (each row is whole here)."""
+        if self.amax_reduce is None or gemm is None or not set(GEMM_OPERAND_NAMES[gemm]) <= self.sharded:
+            return None
+        return self.amax_reduce(row_amax(src, kernels))
 
 
 Operand = torch.Tensor | FP8Operand
 
 
-def _triton_qdq(recipe: RecipeConfig, t: torch.Tensor):
-    """The fused-kernel module when ``recipe.kernels`` selects it for ``t``, else None."""
+def _triton(recipe: RecipeConfig, t: torch.Tensor, module: str = "triton_qdq"):
+    """The fused-kernel module ``module`` (``triton_qdq``: quantize-dequantize; ``triton_fp8``: casts to
+    FP8 bytes) when ``recipe.kernels`` selects the kernels for ``t``, else None."""
     if recipe.kernels == "torch" or (recipe.kernels == "auto" and not t.is_cuda):
         return None
     try:
-        from . import triton_qdq
+        return importlib.import_module(f"{__package__}.{module}")
     except ImportError as e:
         if recipe.kernels == "triton":
             raise ImportError(f"--quant-kernels triton needs the triton package ({e}); "
                               "pip install triton, or use --quant-kernels torch") from e
         return None
-    return triton_qdq
 
 
 def scaled_mm_enabled(recipe: RecipeConfig, t: torch.Tensor) -> bool:
@@ -220,18 +222,19 @@ def scaled_mm_enabled(recipe: RecipeConfig, t: torch.Tensor) -> bool:
 def describe_backend(recipe: RecipeConfig, device: torch.device) -> str:
     """One line for the start-up log: what quantizes the operands and what runs the GEMMs on ``device``."""
     probe = torch.empty(0, device=device)
-    kernels = "fused Triton kernels" if _triton_qdq(recipe, probe) is not None else "torch reference quantizers"
-    fp8 = ("per-tensor FP8 GEMMs on torch._scaled_mm, other GEMMs" if scaled_mm_enabled(recipe, probe)
-           else "GEMMs")
+    kernels = "fused Triton kernels" if _triton(recipe, probe) is not None else "torch reference quantizers"
+    fp8 = ("per-tensor and rowwise FP8 GEMMs on torch._scaled_mm (operands cast to FP8 bytes, transposed copies "
+           "by the cast), other GEMMs" if scaled_mm_enabled(recipe, probe) else "GEMMs")
     return f"torch: operands quantized by {kernels}; {fp8} on dequantized operands with fp32 accumulation"
 
 
 def _quantize(t: torch.Tensor, q: OperandQuantizer, operand: str, quant: LinearQuantization,
-              keep_fp8: bool = False, gemm: str | None = None) -> Operand:
-    """:func:`quantize_operand`; with ``keep_fp8`` a per-tensor FP8 operand comes back as an
-    :class:`FP8Operand` (bytes + scale) instead of dequantized."""
+              keep_fp8: bool = False, gemm: str | None = None, transpose: bool = False) -> Operand:
+    """:func:`quantize_operand`; with ``keep_fp8`` a per-tensor or per-row FP8 operand comes back as an
+    :class:`FP8Operand` (bytes + scales, with ``transpose`` also the transposed bytes of a per-tensor
+    one) instead of dequantized."""
     src = t.t() if q.columnwise else t
-    out = _quantize_src(src, q, operand, quant, keep_fp8)
+    out = _quantize_src(src, q, operand, quant, keep_fp8 and casts_to_bytes(q), gemm, transpose)
     health = quant.state.health
     if health is not None and gemm is not None:  # kept per GEMM operand, on the device (--quant-health)
         health.record(f"{gemm}.{operand}", src, out.dequantized() if isinstance(out, FP8Operand) else out, q)
@@ -239,24 +242,36 @@ def _quantize(t: torch.Tensor, q: OperandQuantizer, operand: str, quant: LinearQ
 
 
 def _quantize_src(src: torch.Tensor, q: OperandQuantizer, operand: str, quant: LinearQuantization,
-                  keep_fp8: bool) -> Operand:
+                  keep_fp8: bool, gemm: str | None = None, transpose: bool = False) -> Operand:
     """The quantized ``src`` (already transposed for a columnwise quantizer)."""
-    kernels = _triton_qdq(quant.recipe, src)
     scale = generator = None
+    if q.block == (1, ROW):  # per-row scales: the row amaxes of a split reduction dim over all shards
+        fp8 = _triton(quant.recipe, src, "triton_fp8")
+        amax = quant.row_amax(src, gemm, fp8)
+        if keep_fp8:
+            return cast_rowwise(src, E4M3, amax, kernels=fp8)
+        return quantize_dequantize(src, q, global_amax=amax)
     if q.spec.per_tensor:
-        amax = tensor_amax(src, quant.global_amax(src, operand)).float()
+        fp8 = _triton(quant.recipe, src, "triton_fp8") if keep_fp8 else None
+        local = fp8.tensor_amax_bits(src) if fp8 is not None else tensor_amax(src).float()
+        amax = quant.global_amax(local, operand)
+        if keep_fp8 and not q.spec.amax_history:  # per-tensor quantizers are never columnwise: src is t
+            return cast_current(src, q.element, amax if amax is not None else local, transpose=transpose,
+                                kernels=fp8)
+        amax = local if amax is None else amax
         if not q.spec.amax_history:
             scale = fp8_scale_from_amax(amax, q.element)
         else:
             scaler = quant.state.delayed_scaler(operand, q.element, quant.recipe)
             scale = scaler.scale_for(amax)
             scaler.record(amax)
-        if keep_fp8:  # per-tensor quantizers are never columnwise: src is t
-            return FP8Operand(to_elements(src.float() * scale, q.element), torch.reciprocal(scale))
+        if keep_fp8:
+            return cast_per_tensor(src, q.element, scale, amax, transpose=transpose, kernels=fp8)
     if q.stochastic:
         generator = quant.state.generator(src.device)
-    global_amax = quant.global_amax(src, operand) if q.spec.global_scale else None  # nvfp4's per-tensor part
-    return quantize_dequantize(src, q, scale=scale, global_amax=global_amax, generator=generator, kernels=kernels)
+    global_amax = quant.global_amax(tensor_amax(src).float(), operand) if q.spec.global_scale else None  # nvfp4
+    return quantize_dequantize(src, q, scale=scale, global_amax=global_amax, generator=generator,
+                               kernels=_triton(quant.recipe, src))
 
 
 def quantize_operand(t: torch.Tensor, q: OperandQuantizer, operand: str, quant: LinearQuantization,
@@ -282,21 +297,14 @@ def _record_output(quant: LinearQuantization, key: str, out: torch.Tensor) -> No
         quant.state.health.record_output(key, out)
 
 
-def _scaled_mm_shapes_ok(a: FP8Operand, b: FP8Operand) -> bool:
-    # torch._scaled_mm: all dims multiples of 16, and at most one operand in E5M2.
-    dims_ok = all(d % 16 == 0 for d in (*a.data.shape, b.data.shape[1]))
-    return dims_ok and not (a.data.dtype == b.data.dtype == torch.float8_e5m2)
-
-
-def _matmul(a: Operand, b: Operand) -> torch.Tensor:
-    """fp32 ``a @ b`` for a (M, K), b (K, N): tensor-core FP8 when both are FP8 bytes and
-    ``torch._scaled_mm`` takes their shapes, else an fp32 GEMM on the dequantized values."""
-    if isinstance(a, FP8Operand) and isinstance(b, FP8Operand) and _scaled_mm_shapes_ok(a, b):
-        # _scaled_mm wants A row-major and B column-major.
-        return torch._scaled_mm(a.data.contiguous(), b.data.t().contiguous().t(),
-                                scale_a=a.scale_inv, scale_b=b.scale_inv, out_dtype=torch.float32)
+def _matmul(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` for a (M, K), b (K, N) in ``out_dtype``: tensor-core FP8 when both are FP8 bytes and
+    ``torch._scaled_mm`` takes them (written in ``out_dtype`` directly), else an fp32 GEMM on the
+    dequantized values, then cast."""
+    if isinstance(a, FP8Operand) and isinstance(b, FP8Operand) and shapes_ok(a, b):
+        return scaled_mm(a, b, out_dtype)
     dense = [op.dequantized() if isinstance(op, FP8Operand) else op for op in (a, b)]
-    return dense[0] @ dense[1]
+    return (dense[0] @ dense[1]).to(out_dtype)
 
 
 def _keep(quantized: Operand, q: OperandQuantizer) -> bool:
@@ -343,9 +351,13 @@ class _QuantizedLinearFn(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         fp8_bytes = scaled_mm_enabled(quant.recipe, x2)
         q_x, q_w = quant.quantizer("fprop", "x"), quant.quantizer("fprop", "w")
-        x_q = _quantize(x2, q_x, "x", quant, fp8_bytes, "fprop")
-        w_q = _quantize(weight, q_w, "w", quant, fp8_bytes, "fprop")
-        y = _matmul(x_q, w_q.t())
+        # A backward GEMM that reuses fprop's bytes of X (wgrad) or W (dgrad) reads them transposed:
+        # the cast writes that copy too (only per-tensor bytes are reused: see below).
+        x_reused = quant.quantizer("wgrad", "x") == q_x and weight.requires_grad
+        w_reused = quant.quantizer("dgrad", "w") == q_w and x.requires_grad
+        x_q = _quantize(x2, q_x, "x", quant, fp8_bytes, "fprop", transpose=x_reused)
+        w_q = _quantize(weight, q_w, "w", quant, fp8_bytes, "fprop", transpose=w_reused)
+        y = _matmul(x_q, w_q.t(), x.dtype)
         _record_output(quant, "fprop.y", y)
         # Where the backward GEMM quantizes an operand exactly as fprop did, it may keep the
         # fprop copy. It does so for FP8 bytes (1 byte/element, less than the operand itself)
@@ -359,7 +371,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
         _save(ctx, x_q if ctx.x_ready else x2, w_q if ctx.w_ready else weight)
         ctx.quant, ctx.fp8_bytes = quant, fp8_bytes
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
-        return y.reshape(*x.shape[:-1], weight.shape[0]).to(x.dtype)
+        return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
@@ -369,13 +381,14 @@ class _QuantizedLinearFn(torch.autograd.Function):
         fp8_bytes = ctx.fp8_bytes
         q_dy_d, q_dy_w = quant.quantizer("dgrad", "dy"), quant.quantizer("wgrad", "dy")
         dx = dw = dy_q = None
+        reuse_dy = q_dy_w == q_dy_d and not q_dy_w.hadamard and ctx.needs_input_grad[1]
         if ctx.needs_input_grad[0]:
-            dy_q = _quantize(dy2, q_dy_d, "dy", quant, fp8_bytes, "dgrad")
+            dy_q = _quantize(dy2, q_dy_d, "dy", quant, fp8_bytes, "dgrad", transpose=reuse_dy)
             w_q = w_saved if ctx.w_ready else _quantize(w_saved, quant.quantizer("dgrad", "w"), "w", quant,
-                                                        fp8_bytes, "dgrad")
-            dx = _matmul(dy_q, w_q)
+                                                        fp8_bytes, "dgrad", transpose=True)
+            dx = _matmul(dy_q, w_q, ctx.x_dtype)
             _record_output(quant, "dgrad.dx", dx)
-            dx = dx.reshape(ctx.x_shape).to(ctx.x_dtype)
+            dx = dx.reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             q_x = quant.quantizer("wgrad", "x")
             if q_dy_w.hadamard:
@@ -383,10 +396,11 @@ class _QuantizedLinearFn(torch.autograd.Function):
                 dy_wq = quantize_operand(dy_w, q_dy_w, "dy", quant, "wgrad")
                 x_wq = quantize_operand(x_w, q_x, "x", quant, "wgrad")
             else:
-                reuse_dy = dy_q is not None and q_dy_w == q_dy_d
-                dy_wq = dy_q if reuse_dy else _quantize(dy2, q_dy_w, "dy", quant, fp8_bytes, "wgrad")
-                x_wq = x_saved if ctx.x_ready else _quantize(x_saved, q_x, "x", quant, fp8_bytes, "wgrad")
-            dw = _matmul(dy_wq.t(), x_wq).to(ctx.w_dtype)
+                dy_wq = dy_q if reuse_dy and dy_q is not None else _quantize(dy2, q_dy_w, "dy", quant, fp8_bytes,
+                                                                             "wgrad", transpose=True)
+                x_wq = x_saved if ctx.x_ready else _quantize(x_saved, q_x, "x", quant, fp8_bytes, "wgrad",
+                                                             transpose=True)
+            dw = _matmul(dy_wq.t(), x_wq, ctx.w_dtype)
         return dx, dw, None
 
 

@@ -2,12 +2,15 @@
 
 :func:`quantize_dequantize` is what the quantized linear layers (``linear.py``) and
 ``fake_quantize`` both call, so a scheme name (``registry.SCHEMES``) means one thing
-everywhere. The fused Triton kernels (``triton_qdq.py``) are bit-identical to the torch
+everywhere: :data:`QUANTIZERS` holds one function per registered scheme (no chain of
+tests on names). The fused Triton kernels (``triton_qdq.py``) are bit-identical to the torch
 reference and are used where the caller passes them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -18,6 +21,7 @@ from megatron_snip.numerics.fp8 import _apply_tensor_scale, quantize_fp8_block
 from megatron_snip.numerics.mx import quantize_mxfp4, quantize_mxfp8
 from megatron_snip.numerics.nvfp4 import quantize_nvfp4
 from megatron_snip.numerics.recipes import OperandQuantizer
+from megatron_snip.numerics.registry import SCHEMES
 
 
 def quantize_dequantize(x: torch.Tensor, q: OperandQuantizer, *, scale: torch.Tensor | None = None,
@@ -29,7 +33,8 @@ def quantize_dequantize(x: torch.Tensor, q: OperandQuantizer, *, scale: torch.Te
         x: (..., C) tensor of any float dtype; the caller transposes for columnwise quantizers.
         q: the operand quantizer (``q.hadamard`` is the caller's business).
         scale: per-tensor FP8 schemes: the 0-d fp32 encode scale (required for them).
-        global_amax: nvfp4: the amax of the whole tensor when ``x`` is one shard of it.
+        global_amax: nvfp4: the amax of the whole tensor when ``x`` is one shard of it; fp8_rowwise:
+            the (R,) row amaxes over every shard of each row.
         generator: RNG of stochastic rounding (``q.stochastic``), on x's device.
         kernels: the ``triton_qdq`` module to use its fused kernels, or None for the reference.
     Returns:
@@ -46,28 +51,70 @@ def quantize_dequantize(x: torch.Tensor, q: OperandQuantizer, *, scale: torch.Te
     return out if out.stride() == target.stride() else target.copy_(out)
 
 
+@dataclass(frozen=True)
+class _Args:
+    """What a quantizer may need besides the tensor and its :class:`OperandQuantizer`."""
+
+    scale: torch.Tensor | None
+    global_amax: torch.Tensor | None
+    generator: torch.Generator | None
+    kernels: ModuleType | None
+
+
+def _bf16(x: torch.Tensor, q: OperandQuantizer, a: _Args) -> torch.Tensor:
+    return x.float().to(torch.bfloat16).float()
+
+
+def _fp8_per_tensor(x: torch.Tensor, q: OperandQuantizer, a: _Args) -> torch.Tensor:
+    if a.scale is None:
+        raise ValueError(f"{q.scheme} needs the per-tensor scale")
+    if a.kernels is not None:
+        return a.kernels.qdq_fp8_tensorwise(x, a.scale, q.element)
+    return _apply_tensor_scale(x.float(), a.scale, q.element).dequantized
+
+
+def _fp8_rowwise(x: torch.Tensor, q: OperandQuantizer, a: _Args) -> torch.Tensor:
+    # Emulation only runs where no FP8 tensor cores do (the GPU path casts to bytes: fp8_gemm.py),
+    # so the reference serves both kernel settings.
+    return quantize_fp8_block(x, block=q.block, amax=a.global_amax).dequantized
+
+
+def _fp8_block(x: torch.Tensor, q: OperandQuantizer, a: _Args) -> torch.Tensor:
+    if a.kernels is not None:
+        return a.kernels.qdq_fp8_block(x, block=q.block)
+    return quantize_fp8_block(x, block=q.block).dequantized
+
+
+def _mxfp8(x: torch.Tensor, q: OperandQuantizer, a: _Args) -> torch.Tensor:
+    return a.kernels.qdq_mx(x, E4M3, scale_rule="ceil") if a.kernels is not None else quantize_mxfp8(x).dequantized
+
+
+def _stochastic(q: OperandQuantizer, a: _Args) -> dict:
+    return dict(stochastic=q.stochastic, generator=a.generator if q.stochastic else None)
+
+
+def _mxfp4(x: torch.Tensor, q: OperandQuantizer, a: _Args) -> torch.Tensor:
+    if a.kernels is not None:
+        return a.kernels.qdq_mx(x, E2M1, scale_rule="ocp", **_stochastic(q, a))
+    return quantize_mxfp4(x, **_stochastic(q, a)).dequantized
+
+
+def _nvfp4(x: torch.Tensor, q: OperandQuantizer, a: _Args) -> torch.Tensor:
+    if a.kernels is not None:
+        return a.kernels.qdq_nvfp4(x, block=q.block, global_amax=tensor_amax(x, a.global_amax).float(),
+                                   **_stochastic(q, a))
+    return quantize_nvfp4(x, block=q.block, amax=a.global_amax, **_stochastic(q, a)).dequantized
+
+
+#: Each registered scheme's quantize-dequantize (``registry.SCHEMES``; checked complete below).
+QUANTIZERS: dict[str, Callable[[torch.Tensor, OperandQuantizer, _Args], torch.Tensor]] = {
+    "bf16": _bf16, "fp8_tensorwise": _fp8_per_tensor, "fp8_delayed": _fp8_per_tensor, "fp8_rowwise": _fp8_rowwise,
+    "fp8_block": _fp8_block, "mxfp8": _mxfp8, "mxfp4": _mxfp4, "nvfp4": _nvfp4,
+}
+if set(QUANTIZERS) != set(SCHEMES):
+    raise ImportError(f"quantize.QUANTIZERS and registry.SCHEMES disagree: {sorted(set(QUANTIZERS) ^ set(SCHEMES))}")
+
+
 def _dispatch(x: torch.Tensor, q: OperandQuantizer, scale: torch.Tensor | None, global_amax: torch.Tensor | None,
               generator: torch.Generator | None, kernels: ModuleType | None) -> torch.Tensor:
-    scheme = q.scheme
-    sr = dict(stochastic=q.stochastic, generator=generator if q.stochastic else None)
-    if scheme == "bf16":
-        return x.float().to(torch.bfloat16).float()
-    if q.spec.per_tensor:
-        if scale is None:
-            raise ValueError(f"{scheme} needs the per-tensor scale")
-        if kernels is not None:
-            return kernels.qdq_fp8_tensorwise(x, scale, q.element)
-        return _apply_tensor_scale(x.float(), scale, q.element).dequantized
-    if scheme == "fp8_block":
-        return (kernels.qdq_fp8_block(x, block=q.block) if kernels is not None
-                else quantize_fp8_block(x, block=q.block).dequantized)
-    if scheme == "mxfp8":
-        return kernels.qdq_mx(x, E4M3, scale_rule="ceil") if kernels is not None else quantize_mxfp8(x).dequantized
-    if scheme == "mxfp4":
-        return (kernels.qdq_mx(x, E2M1, scale_rule="ocp", **sr) if kernels is not None
-                else quantize_mxfp4(x, **sr).dequantized)
-    if scheme == "nvfp4":
-        if kernels is not None:
-            return kernels.qdq_nvfp4(x, block=q.block, global_amax=tensor_amax(x, global_amax).float(), **sr)
-        return quantize_nvfp4(x, block=q.block, amax=global_amax, **sr).dequantized
-    raise ValueError(f"no quantizer for scheme {scheme!r}")
+    return QUANTIZERS[q.scheme](x, q, _Args(scale, global_amax, generator, kernels))

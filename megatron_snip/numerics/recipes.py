@@ -27,6 +27,7 @@ from megatron_snip.numerics.registry import (
     FP4_NAMES,
     FP8_RECIPE_SCHEMES,
     PRECISION_NAMES,
+    ROW,
     SCHEMES,
     SchemeFormat,
     precision_format,
@@ -104,10 +105,12 @@ class RecipeConfig:
         fp8_recipe: "tensorwise" (current scaling, TE ``Float8CurrentScaling``; the default
             because it is stateless, so a module that switches to fp8 mid-run is scaled
             correctly from its first step), "delayed" (amax history, TE ``DelayedScaling``),
-            "blockwise" (TE ``Float8BlockScaling``), "mxfp8" (TE ``MXFP8BlockScaling``).
+            "rowwise" (one power-of-two scale per row of each GEMM's reduction dim, E4M3 for every
+            operand: torchao's float8 rowwise recipe), "blockwise" (TE ``Float8BlockScaling``),
+            "mxfp8" (TE ``MXFP8BlockScaling``).
         fp8_format: "hybrid" (E4M3 for X and W, E5M2 for dY; TE's and Megatron's usual
             choice) or "e4m3" (E4M3 everywhere). Only the per-tensor recipes use it:
-            blockwise and mxfp8 are E4M3 for all operands, as in TE.
+            rowwise, blockwise and mxfp8 are E4M3 for all operands (as torchao and TE).
         fp8_amax_history_len: delayed scaling: amaxes kept per operand.
         fp8_amax_compute_algo: delayed scaling: "max" or "most_recent" over the history.
         fp8_margin: delayed scaling: headroom in binades.
@@ -120,8 +123,8 @@ class RecipeConfig:
         kernels: how operands are quantized: "torch" (the reference quantizers), "triton"
             (fused kernels, bit-identical; CUDA, or Triton's interpreter), "auto" (triton
             for CUDA tensors when it imports, else torch). Changes speed, never bits.
-        fp8_gemm: how per-tensor-scaled FP8 GEMMs run: "emulated" (dequantize, fp32 GEMM),
-            "scaled_mm" (``torch._scaled_mm`` on the FP8 bytes: tensor cores on GPU), "auto"
+        fp8_gemm: how per-tensor- and per-row-scaled FP8 GEMMs run: "emulated" (dequantize, fp32
+            GEMM), "scaled_mm" (``torch._scaled_mm`` on the FP8 bytes: tensor cores on GPU), "auto"
             (scaled_mm on CUDA GPUs with FP8 tensor cores, compute capability >= 8.9).
             The two agree up to fp32 accumulation order.
     """
@@ -183,8 +186,9 @@ class OperandQuantizer:
 
     @property
     def reduction_block(self) -> int:
-        """Elements per scaling block along the reduction dim (1 for per-tensor and bf16)."""
-        return 1 if self.block is None else self.block[1]
+        """Elements per scaling block along the reduction dim that a tensor-parallel split must respect
+        (1 for per-tensor and bf16, and for per-row scales, whose row amaxes are all-reduced instead)."""
+        return 1 if self.block is None or self.block[1] == ROW else self.block[1]
 
     @property
     def spec(self) -> SchemeFormat:

@@ -6,9 +6,10 @@ Two levels, each a frozen description read by every part that dispatches on a na
   module's GEMMs: ``bf16``, ``fp8``, ``nvfp4``, ``mxfp4``. Their *family* (bf16 / fp8 / fp4)
   is what FLOP fractions, the ILP's FP4 budget and the plots count.
 * **Schemes** (:data:`SCHEMES`): how one GEMM operand is quantized: ``bf16``,
-  ``fp8_tensorwise``, ``fp8_delayed``, ``fp8_block``, ``mxfp8``, ``mxfp4``, ``nvfp4``. The recipe
+  ``fp8_tensorwise``, ``fp8_delayed``, ``fp8_rowwise``, ``fp8_block``, ``mxfp8``, ``mxfp4``, ``nvfp4``. The recipe
   (``recipes.operand_quantizer``) picks one per (precision, GEMM, operand); the quantizers
-  (``quantize.py``), the fused kernels and the GEMM speed model (``gemm_speed.py``) are keyed by it.
+  (``quantize.py``'s table), the fused kernels and the GEMM speed model (``gemm_speed.py``, through
+  each scheme's ``speed_key``) are keyed by it.
 
 Element formats themselves (E4M3, E2M1, ...) are :class:`formats.FloatFormat`, named here by
 their ``name`` ("e4m3", "e5m2", "e2m1"). Code that must treat formats differently asks these
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 FP8_BLOCK = 128  # DeepSeek-V3 / TE Float8BlockScaling: 1x128 activations, 128x128 weights
 MX_BLOCK = 32  # OCP MX
 NVFP4_BLOCK = 16  # NVFP4: 1x16, or 16x16 weight tiles
+ROW = 0  # a block length meaning "the whole reduction dim": one scale per row (FP8 rowwise)
 
 @dataclass(frozen=True)
 class PrecisionFormat:
@@ -72,6 +74,8 @@ class SchemeFormat:
             rather than always on.
         wgrad_hadamard: its wgrad operands may take the random Hadamard transform (NVFP4).
         stochastic_rounding: the scheme can round its elements stochastically (E2M1 gradients).
+        speed_key: the class of tensor-core kernel its GEMMs need ("bf16", "fp8", "fp8_block", "mx8",
+            "fp4"): the key of the published-peak speed tables (``precision/gemm_speed.py``).
     """
 
     name: str
@@ -79,6 +83,7 @@ class SchemeFormat:
     block: tuple[int, int] | None
     weight_block: tuple[int, int] | None
     scale: str
+    speed_key: str
     elements: tuple[str, ...] = ()
     per_tensor: bool = False
     amax_history: bool = False
@@ -105,23 +110,29 @@ PRECISION_NAMES = tuple(PRECISIONS)
 FP4_NAMES = tuple(n for n, p in PRECISIONS.items() if p.family == "fp4")
 
 SCHEMES: dict[str, SchemeFormat] = {s.name: s for s in (
-    SchemeFormat("bf16", 16, None, None, "none", ("bf16",)),
-    SchemeFormat("fp8_tensorwise", 8, None, None, "fp32 per tensor from its amax (current scaling)",
+    SchemeFormat("bf16", 16, None, None, "none", "bf16", ("bf16",)),
+    SchemeFormat("fp8_tensorwise", 8, None, None, "fp32 per tensor from its amax (current scaling)", "fp8",
                  ("e4m3", "e5m2"), per_tensor=True),
-    SchemeFormat("fp8_delayed", 8, None, None, "fp32 per tensor from an amax history (delayed scaling)",
+    SchemeFormat("fp8_delayed", 8, None, None, "fp32 per tensor from an amax history (delayed scaling)", "fp8",
                  ("e4m3", "e5m2"), per_tensor=True, amax_history=True),
-    SchemeFormat("fp8_block", 8, (1, FP8_BLOCK), (FP8_BLOCK, FP8_BLOCK), "fp32 power of 2 per block", ("e4m3",)),
-    SchemeFormat("mxfp8", 8, (1, MX_BLOCK), (1, MX_BLOCK), "E8M0 per block", ("e4m3",)),
-    SchemeFormat("mxfp4", 4, (1, MX_BLOCK), (1, MX_BLOCK), "E8M0 per block", ("e2m1",), stochastic_rounding=True),
-    SchemeFormat("nvfp4", 4, (1, NVFP4_BLOCK), (NVFP4_BLOCK, NVFP4_BLOCK), "E4M3 per block x fp32 per tensor",
+    SchemeFormat("fp8_rowwise", 8, (1, ROW), (1, ROW), "fp32 power of 2 per row of the reduction dim", "fp8",
+                 ("e4m3",)),
+    SchemeFormat("fp8_block", 8, (1, FP8_BLOCK), (FP8_BLOCK, FP8_BLOCK), "fp32 power of 2 per block", "fp8_block",
+                 ("e4m3",)),
+    SchemeFormat("mxfp8", 8, (1, MX_BLOCK), (1, MX_BLOCK), "E8M0 per block", "mx8", ("e4m3",)),
+    SchemeFormat("mxfp4", 4, (1, MX_BLOCK), (1, MX_BLOCK), "E8M0 per block", "fp4", ("e2m1",),
+                 stochastic_rounding=True),
+    SchemeFormat("nvfp4", 4, (1, NVFP4_BLOCK), (NVFP4_BLOCK, NVFP4_BLOCK), "E4M3 per block x fp32 per tensor", "fp4",
                  ("e2m1",), global_scale=True, weight_tiles_optional=True, wgrad_hadamard=True,
                  stochastic_rounding=True),
 )}
+SPEED_KEYS = tuple(dict.fromkeys(s.speed_key for s in SCHEMES.values()))
 SCHEME_NAMES = tuple(SCHEMES)
 
 # --fp8-recipe -> the scheme of the fp8 precision's operands (TE's recipes; Megatron-LM's values).
-FP8_RECIPE_SCHEMES = {"tensorwise": "fp8_tensorwise", "delayed": "fp8_delayed", "blockwise": "fp8_block",
-                      "mxfp8": "mxfp8"}
+# rowwise is ours (torchao's float8 rowwise recipe; Transformer Engine has none).
+FP8_RECIPE_SCHEMES = {"tensorwise": "fp8_tensorwise", "delayed": "fp8_delayed", "rowwise": "fp8_rowwise",
+                      "blockwise": "fp8_block", "mxfp8": "mxfp8"}
 
 # fake_quantize names per-tensor FP8 by its element ("fp8_e4m3"), as no recipe is there to pick
 # one: name -> (scheme, element). Every other scheme is its own name there, but delayed scaling,

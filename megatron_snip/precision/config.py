@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from megatron_snip.flags import derived, flag, flag_values
-from megatron_snip.numerics.registry import FP4_NAMES, PRECISION_NAMES
+from megatron_snip.numerics.registry import FP4_NAMES, FP8_RECIPE_SCHEMES, PRECISION_NAMES
 
 if TYPE_CHECKING:  # numerics.recipes imports torch; --help does not
     from megatron_snip.numerics.recipes import RecipeConfig
@@ -35,7 +35,9 @@ class PrecisionConfig:
         "attention stay high precision.", choices=(*PRECISION_NAMES, "fp4"), ours=True)
     fp8_recipe: str | None = flag(
         None, "How fp8 is scaled (default tensorwise: stateless, so a module that switches to fp8 mid-run is scaled "
-        "right from its first step).", choices=("tensorwise", "delayed", "blockwise", "mxfp8"))
+        "right from its first step). rowwise (ours, torchao's float8 rowwise: a power-of-two scale per row of each "
+        "GEMM's reduction dim, E4M3 throughout) runs on torch._scaled_mm like tensorwise; Transformer Engine has no "
+        "rowwise recipe.", choices=tuple(FP8_RECIPE_SCHEMES))
     fp8_format: str | None = flag(
         None, "E4M3 forward / E5M2 gradients (hybrid, default) or E4M3 everywhere. As in Megatron, giving it without "
         "--precision selects --precision fp8.", choices=("hybrid", "e4m3"))
@@ -84,14 +86,20 @@ class PrecisionConfig:
         "auto", "Who quantizes the GEMM operands: fused Triton kernels (bit-identical to the torch reference) or the "
         "torch reference; auto = triton on CUDA when it imports.", choices=("auto", "triton", "torch"), ours=True)
     fp8_gemm: str = flag(
-        "auto", "Per-tensor FP8 GEMMs on the FP8 bytes with torch._scaled_mm (tensor cores) or emulated in fp32; "
-        "auto = scaled_mm on GPUs with FP8 tensor cores (sm_89+).", choices=("auto", "scaled_mm", "emulated"),
+        "auto", "Per-tensor and rowwise FP8 GEMMs on the FP8 bytes with torch._scaled_mm (tensor cores) or emulated in "
+        "fp32; auto = scaled_mm on GPUs with FP8 tensor cores (sm_89+).", choices=("auto", "scaled_mm", "emulated"),
         ours=True)
     gemm_speed_model: str = flag(
-        "auto", "GEMM throughput of each format relative to bf16, for the estimated GEMM time that logs report and "
-        "--snip-time-target budgets: published dense peaks of hopper (FP8 2x, FP4 emulated 1x), blackwell (FP8 2x, "
-        "FP4 4x), ada (FP8 2x), ampere (1x), or measured at the model's shapes on this device at start-up. auto: "
-        "from the GPU; blackwell without one.", choices=SPEED_MODELS, ours=True)
+        "measured", "GEMM throughput of each format relative to bf16, for the GEMM time ratio the logs report and "
+        "--snip-time-target budgets: measured (default): every linear shape of the model timed forward and backward "
+        "in every precision on this device at start-up, through the path training runs (real kernels or emulation; "
+        "cached, see --gemm-speed-cache); or, to plan ahead for hardware one does not have, the published dense "
+        "peaks of hopper (FP8 2x, FP4 emulated 1x), blackwell (FP8 2x, FP4 4x), ada (FP8 2x), ampere (1x), or auto "
+        "(from the GPU; blackwell without one), labelled estimates.", choices=SPEED_MODELS, ours=True)
+    gemm_speed_cache: str | None = flag(
+        None, "Directory of measured GEMM speed tables, one file per device, software versions, recipe and shapes "
+        "(default $MEGATRON_SNIP_CACHE, else $XDG_CACHE_HOME/megatron_snip or ~/.cache/megatron_snip).",
+        metavar="DIR", ours=True)
     precision_notes: tuple[str, ...] = derived(())  # where a given recipe flag replaces a resumed checkpoint's
 
     def recipe(self) -> RecipeConfig:

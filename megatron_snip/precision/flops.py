@@ -141,16 +141,31 @@ def flop_fractions(plan: PrecisionPlan, dims: LlamaLinearDims, names: Iterable[s
 
 
 def estimated_time_ratio(plan: PrecisionPlan, dims: LlamaLinearDims, speeds: Mapping[str, float],
-                         names: Iterable[str] | None = None) -> float:
-    """Estimated linear-layer GEMM time of ``plan`` / the time of the same GEMMs in BF16.
+                         names: Iterable[str] | None = None,
+                         module_speeds: Mapping[str, Mapping[str, tuple[float, float]]] | None = None) -> float:
+    """Linear-layer GEMM time of ``plan`` / the time of the same GEMMs in BF16, from a speed model.
 
     Args:
         speeds: precision name -> GEMM throughput relative to bf16
             (``GemmSpeedModel.precision_speeds``).
         names: modules to count (default: all of the model).
+        module_speeds: a measured model's ``module_speeds()`` (module type -> precision -> (forward,
+            backward) throughput vs the model-wide bf16 rate): each module's passes then take their
+            own measured time, and ``speeds`` is not used.
     """
-    totals = flops_by_format(plan, dims, names=names)
-    total = sum(totals.values())
-    if total == 0:
+    if module_speeds is None:
+        totals = flops_by_format(plan, dims, names=names)
+        total = sum(totals.values())
+        if total == 0:
+            raise ValueError("no linear modules to count")
+        return sum(v / speeds[n] for n, v in totals.items() if v) / total
+    time = bf16 = 0.0
+    for name in module_names(dims.num_layers) if names is None else names:
+        gemm = module_gemm_flops(dims, name)
+        row = module_speeds[parse_module_name(name)[1]]
+        precision = plan[name]
+        time += gemm / row[precision.fwd][0] + 2 * gemm / row[precision.bwd][1]
+        bf16 += gemm / row["bf16"][0] + 2 * gemm / row["bf16"][1]
+    if bf16 == 0:
         raise ValueError("no linear modules to count")
-    return sum(v / speeds[n] for n, v in totals.items() if v) / total
+    return time / bf16

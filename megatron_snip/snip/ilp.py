@@ -166,8 +166,11 @@ class SnipProblem:
 
     ``speed`` maps every candidate format to its GEMM throughput relative to bf16 (from a
     ``GemmSpeedModel``); a unit's estimated time in format f is ``flops / speed[f]``, in
-    BF16-FLOP units, so the all-BF16 time is the FLOP total. With ``time_target`` T the plan's
-    estimated time is at most T times the all-BF16 time (per stage with ``per_stage``).
+    BF16-FLOP units, so the all-BF16 time is the FLOP total. ``unit_speed`` (a measured speed
+    table) gives each unit its own: unit key -> format -> throughput relative to the model-wide
+    bf16 FLOP rate, "bf16" included whether or not it is a candidate, so a unit's bf16 time is
+    ``flops / unit_speed[key]["bf16"]`` and the all-BF16 time their sum. With ``time_target`` T
+    the plan's time is at most T times the all-BF16 time (per stage with ``per_stage``).
 
     Building the problem raises ``ValueError`` for malformed inputs and
     :class:`InfeasibleBudgetError` when a budget cannot be met on its own. The cost,
@@ -188,6 +191,7 @@ class SnipProblem:
     switch_penalty: float = 0.0  # objective added per unit whose format differs from current
     speed: Mapping[str, float] | None = None  # format -> GEMM throughput relative to bf16
     time_target: float | None = None  # max estimated GEMM time / all-BF16 time
+    unit_speed: Mapping[UnitKey, Mapping[str, float]] | None = None  # per unit (measured); overrides speed
     units: tuple[DecisionUnit, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -214,6 +218,7 @@ class SnipProblem:
         set_(self, "units", self._build_units())
         if sum(u.flops for u in self.units) <= 0:
             raise ValueError("the modules have no FLOPs in total; the FP4 fraction is undefined")
+        self._check_unit_speed()
         _check_feasible(self)
 
     def _check_speed(self):
@@ -234,9 +239,36 @@ class SnipProblem:
                 raise ValueError(f"time target must be a ratio > 0, got {self.time_target!r}")
             object.__setattr__(self, "time_target", float(self.time_target))
 
+    def _check_unit_speed(self):
+        if self.unit_speed is None:
+            return
+        if self.speed is None:
+            raise ValueError("unit_speed needs speed too (the formats' overall throughputs, for messages)")
+        table = {}
+        for u in self.units:
+            row = self.unit_speed.get(u.key)
+            missing = [] if row is None else [f for f in (*self.formats, "bf16") if f not in row]
+            if row is None or missing:
+                raise ValueError(f"unit_speed: no throughput for unit {u.key!r}" + (f" in {missing}" if row else ""))
+            bad = {f: row[f] for f in (*self.formats, "bf16") if not (math.isfinite(row[f]) and row[f] > 0)}
+            if bad:
+                raise ValueError(f"unit_speed[{u.key!r}]: throughputs must be finite and > 0, got {bad}")
+            table[u.key] = MappingProxyType({f: float(row[f]) for f in (*self.formats, "bf16")})
+        object.__setattr__(self, "unit_speed", MappingProxyType(table))
+
     def unit_time(self, unit: DecisionUnit, fmt: str) -> float:
         """Estimated GEMM time of ``unit`` in ``fmt``, in BF16-FLOP units (needs ``speed``)."""
+        if self.unit_speed is not None:
+            return unit.flops / self.unit_speed[unit.key][fmt]
         return unit.flops / self.speed[fmt]
+
+    def bf16_time(self, unit: DecisionUnit) -> float:
+        """``unit``'s time in bf16 (the time budgets' denominator): its FLOPs under a global speed."""
+        return unit.flops if self.unit_speed is None else unit.flops / self.unit_speed[unit.key]["bf16"]
+
+    def scope_bf16_time(self, stage: int | None = None) -> float:
+        """All-BF16 time of the units of ``stage`` (None: of every unit)."""
+        return sum(self.bf16_time(u) for u in self.units if stage is None or u.stage == stage)
 
     @property
     def split(self) -> bool:
@@ -389,8 +421,9 @@ def time_capacity(problem: SnipProblem) -> tuple[float, dict[int, float]]:
     stage_time: dict[int, float] = {}
     for u in problem.units:
         stage_time[u.stage] = stage_time.get(u.stage, 0.0) + min(problem.unit_time(u, f) for f in u.allowed)
-    glob = sum(stage_time.values()) / problem.total_flops
-    return glob, {s: stage_time[s] / f for s, f in sorted(problem.stage_flops.items()) if f > 0}
+    glob = sum(stage_time.values()) / problem.scope_bf16_time()
+    return glob, {s: stage_time[s] / problem.scope_bf16_time(s) for s, f in sorted(problem.stage_flops.items())
+                  if f > 0}
 
 
 def smallest_feasible_time_target(problem: SnipProblem) -> float:
@@ -451,7 +484,7 @@ def _check_feasible(problem: SnipProblem) -> None:
 
 def _fastest(problem: SnipProblem) -> str:
     best = max(problem.formats, key=problem.speed.get)
-    return f"{best}: {problem.speed[best]:g}x bf16"
+    return f"{best}: {problem.speed[best]:.3g}x bf16" + (" overall" if problem.unit_speed is not None else "")
 
 
 def evaluate_plan(problem: SnipProblem, plan: Plan) -> PlanEvaluation:
@@ -482,8 +515,8 @@ def evaluate_plan(problem: SnipProblem, plan: Plan) -> PlanEvaluation:
     meets = all(v >= problem.target - FRACTION_TOL for v in binding)
     time_ratio = stage_time = None
     if problem.speed is not None:
-        time_ratio = sum(time.values()) / problem.total_flops
-        stage_time = {s: time[s] / f for s, f in stage_flops.items()}
+        time_ratio = sum(time.values()) / problem.scope_bf16_time()
+        stage_time = {s: time[s] / problem.scope_bf16_time(s) for s in stage_flops}
         if problem.time_target is not None:
             binding = stage_time.values() if problem.per_stage else [time_ratio]
             meets = meets and all(v <= problem.time_target + FRACTION_TOL for v in binding)
@@ -536,14 +569,14 @@ def build_matrix_model(problem: SnipProblem) -> tuple[solvers.MatrixModel, tuple
             rows.append((cols, [problem.units[columns[j][0]].flops / scope_flops for j in cols], False,
                          float(problem.target)))
     if problem.time_target is not None:
-        # time <= T * all-BF16 time, written as -time / FLOPs >= -T (rows are == or >=).
+        # time <= T * all-BF16 time, written as -time / all-BF16 time >= -T (rows are == or >=).
         scopes = sorted(problem.stage_flops) if problem.per_stage else [None]
         for scope in scopes:
-            scope_flops = sum(u.flops for u in problem.units if scope is None or u.stage == scope)
-            if scope_flops <= 0:
+            scope_time = problem.scope_bf16_time(scope)
+            if scope_time <= 0:
                 continue
             cols = [j for j, (i, _) in enumerate(columns) if scope is None or problem.units[i].stage == scope]
-            rows.append((cols, [-problem.unit_time(problem.units[columns[j][0]], columns[j][1]) / scope_flops
+            rows.append((cols, [-problem.unit_time(problem.units[columns[j][0]], columns[j][1]) / scope_time
                                 for j in cols], False, -float(problem.time_target)))
 
     model = solvers.MatrixModel(

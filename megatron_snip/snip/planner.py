@@ -15,8 +15,8 @@ from megatron_snip.model.precision.megatron_config import model_chunks
 from megatron_snip.numerics.recipes import Precision, RecipeConfig
 from megatron_snip.numerics.registry import FP4_NAMES
 from megatron_snip.precision.flops import LlamaLinearDims
-from megatron_snip.precision.gemm_speed import GemmSpeedModel
-from megatron_snip.precision.plan import LINEAR_MODULES, PrecisionPlan, module_name
+from megatron_snip.precision.gemm_speed import GemmSpeedModel, ModuleSpeeds, peak_speed_model
+from megatron_snip.precision.plan import LINEAR_MODULES, PrecisionPlan, module_name, parse_module_name
 from megatron_snip.snip.config import SnipConfig
 from megatron_snip.snip.estimators import CostTables
 from megatron_snip.snip.ilp import BWD, FWD, LinearModule, SnipProblem, Solution, UnitKey, solve
@@ -32,10 +32,12 @@ class PlannerConfig:
     """The ILP's settings (flags ``--snip-*``).
 
     ``speed`` (precision -> GEMM throughput relative to bf16, from the run's
-    ``GemmSpeedModel``) turns on time accounting. Without ``time_target`` the plan's
-    estimated GEMM time is then held to :func:`implied_time_target`, the time of the
-    baselines' plans at the same FP4 share, so the non-FP4 remainder runs in FP8 unless
-    BF16 pays for itself (docs/ilp.md, "Budgets").
+    ``GemmSpeedModel``) turns on time accounting; ``module_speed`` (a measured model's
+    per-module-type speeds) prices every module at its own measured time. Without
+    ``time_target`` (research mode: the paper's FP4 share) the plan's GEMM time is held to
+    :func:`implied_time_target`, the time of the baselines' plans at the same FP4 share, so the
+    non-FP4 remainder runs in FP8 unless BF16 pays for itself (docs/ilp.md, "Budgets"); that
+    time is a proxy, priced by a peak estimate (:meth:`from_snip`).
 
     ``pins`` (global module name -> precision: ``--first-last-layers-bf16``, the modules a
     ``--te-precision-config-file`` fixes) are never re-planned: the ILP keeps them in their
@@ -51,16 +53,31 @@ class PlannerConfig:
     speed: Mapping[str, float] | None = None  # precision -> GEMM throughput relative to bf16
     time_target: float | None = None  # max estimated GEMM time / all-BF16 time (None: implied)
     pins: Mapping[str, Precision] = field(default_factory=dict)  # module -> the precision it keeps
+    module_speed: ModuleSpeeds | None = None  # module type -> precision -> (fwd, bwd) throughput (measured)
 
     @classmethod
     def from_snip(cls, snip: SnipConfig, recipe: RecipeConfig, speed_model: GemmSpeedModel,
                   pins: Mapping[str, Precision] | None = None) -> PlannerConfig:
-        """The settings of a run's ``--snip-*`` flags under its GEMM speed model, with its ``pins``."""
-        return cls(formats=snip.snip_formats, fp4_target=snip.snip_fp4_target,
+        """The settings of a run's ``--snip-*`` flags under its GEMM speed model, with its ``pins``.
+
+        With ``--snip-time-target`` the budget is priced by ``speed_model`` (per module where it was
+        measured). Without one (research mode) a measured model is replaced by :func:`proxy_speed_model`
+        (the device's peak estimate): the implied time budget only makes SNIP and the baselines
+        comparable at equal estimated cost, and a plan must not depend on a timing's noise."""
+        model = speed_model if snip.snip_time_target is not None else proxy_speed_model(speed_model)
+        formats = snip.snip_formats
+        return cls(formats=formats, fp4_target=snip.snip_fp4_target,
                    per_stage=snip.snip_budget == "per-stage", split_passes=snip.snip_split_passes,
                    switch_penalty=snip.snip_switch_penalty, solver=snip.snip_solver,
-                   speed=speed_model.precision_speeds(recipe, snip.snip_formats), time_target=snip.snip_time_target,
-                   pins=dict(pins or {}))
+                   speed=model.precision_speeds(recipe, formats), time_target=snip.snip_time_target,
+                   pins=dict(pins or {}),
+                   module_speed=model.module_speeds(dict.fromkeys((*formats, "bf16"))))
+
+
+def proxy_speed_model(speed_model: GemmSpeedModel) -> GemmSpeedModel:
+    """The speed model research mode (an FP4 share, no time target) prices its implied budget with: the
+    run's own if it is a peak estimate, else the peak estimate of this device (``auto``)."""
+    return peak_speed_model("auto") if speed_model.measured else speed_model
 
 
 def pipeline_stage(layer: int, num_layers: int, pipeline_stages: int, virtual_stages: int = 1) -> int:
@@ -115,7 +132,8 @@ def build_problem(modules: Sequence[LinearModule], costs: CostTables, config: Pl
         time_target = implied_time_target(modules, config)
     common = dict(modules=modules, formats=config.formats, target=config.fp4_target, per_stage=config.per_stage,
                   switch_penalty=config.switch_penalty, speed=config.speed, time_target=time_target,
-                  pins=unit_pins(config.pins, config.split_passes))
+                  pins=unit_pins(config.pins, config.split_passes),
+                  unit_speed=unit_speeds(modules, config.module_speed, config.split_passes))
     if config.split_passes:
         now = None if current is None else {
             **{(m.name, FWD): current[m.name].fwd for m in modules},
@@ -129,6 +147,25 @@ def build_problem(modules: Sequence[LinearModule], costs: CostTables, config: Pl
     if config.split_passes:
         return SnipProblem(fwd_cost=costs.forward, bwd_cost=costs.backward, current=now, **common)
     return SnipProblem(cost=costs.joint, current=now, **common)
+
+
+def unit_speeds(modules: Sequence[LinearModule], module_speed: ModuleSpeeds | None,
+                split: bool) -> dict[UnitKey, dict[str, float]] | None:
+    """Per-module-type (forward, backward) speeds as the ILP's per-unit speeds: in split mode one per
+    pass; jointly the module's FLOP-weighted speed over its three GEMMs (its FLOPs / its time)."""
+    if module_speed is None:
+        return None
+    out: dict[UnitKey, dict[str, float]] = {}
+    for m in modules:
+        row = module_speed[parse_module_name(m.name)[1]]
+        if split:
+            out[(m.name, FWD)] = {f: v[0] for f, v in row.items()}
+            out[(m.name, BWD)] = {f: v[1] for f, v in row.items()}
+        elif m.flops > 0:
+            out[m.name] = {f: m.flops / (m.fprop_flops / v[0] + m.bwd_flops / v[1]) for f, v in row.items()}
+        else:
+            out[m.name] = {f: v[0] for f, v in row.items()}
+    return out
 
 
 def unit_pins(pins: Mapping[str, Precision], split: bool) -> dict[UnitKey, str]:

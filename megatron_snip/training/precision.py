@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import torch
 
+from megatron_snip.compat.device import has_cuda
 from megatron_snip.model.precision.megatron_config import read_megatron_config
 from megatron_snip.numerics.recipes import BF16, PRECISION_NAMES, Precision, RecipeConfig, misaligned_split
 from megatron_snip.numerics.registry import is_fp4
 from megatron_snip.precision.flops import LlamaLinearDims
-from megatron_snip.precision.gemm_speed import GemmSpeedModel, measure_gemm_speed, peak_speed_model
+from megatron_snip.precision.gemm_speed import GemmSpeedModel, peak_speed_model
 from megatron_snip.precision.plan import LINEAR_MODULES as LINEAR_MODULE_TYPES
 from megatron_snip.precision.plan import (
     PlanError,
@@ -237,30 +238,89 @@ def _load(path: str, flag: str, num_layers: int) -> PrecisionPlan:
     return plan
 
 
+def linear_shapes(config: RunConfig, dims: LlamaLinearDims) -> dict[str, tuple[int, int, int]]:
+    """Module type -> (tokens, in, out) of its GEMMs on one rank for one micro-batch: the shapes a
+    measured speed table times (every layer's modules of a type share theirs)."""
+    tp = config.parallel.tensor_model_parallel_size
+    tokens = config.training.micro_batch_size * config.model.seq_length
+    return {module: (tokens, *dims.tp_shape(module, tp)) for module in LINEAR_MODULE_TYPES}
+
+
 def speed_model(config: RunConfig, dims: LlamaLinearDims) -> GemmSpeedModel:
-    """The ``--gemm-speed-model``: a published-peak table, or (``measured``) this device's GEMMs
-    timed at the model's per-rank shapes, averaged over all ranks so every rank plans alike
-    (collective: call on every rank at once)."""
+    """The ``--gemm-speed-model``: a published-peak estimate, or (``measured``, the default) this
+    device's linears timed at the model's per-rank shapes in every precision
+    (``gemm_speed.cached_times``: read from ``--gemm-speed-cache`` when this device, software, recipe
+    and shapes were timed before), averaged over all ranks so every rank plans alike (collective:
+    call on every rank at once).
+
+    Start-up cost when not cached: per module type (4) and precision (4), 1 + 3 forwards and 1 + 3
+    forward + backward passes of one micro-batch's linear, i.e. about 8 x 16 = 128 single-linear
+    steps (under a second for the CPU test models; a few seconds on a GPU at 8B shapes)."""
     if config.precision.gemm_speed_model != "measured":
         return peak_speed_model(config.precision.gemm_speed_model)
     import torch.distributed as dist
 
     from megatron_snip.compat.device import current_device
+    from megatron_snip.precision.execution import SIMULATED, gemm_execution
+    from megatron_snip.precision.gemm_speed import cached_times, device_label, speed_model_from_times
 
-    tp = config.parallel.tensor_model_parallel_size
-    tokens = config.training.micro_batch_size * config.model.seq_length
-    shapes = []
-    for module in LINEAR_MODULE_TYPES:
-        shapes.append((tokens, *dims.tp_shape(module, tp)))
-    device = current_device()
-    model = measure_gemm_speed(shapes, config.precision.recipe(), device=device, dtype=config.model.params_dtype)
-    if not dist.is_initialized():
-        return model
-    values = torch.tensor(list(model.throughput.values()), dtype=torch.float64, device=device)
-    dist.all_reduce(values)
-    values /= dist.get_world_size()
-    return GemmSpeedModel(model.name, dict(zip(model.throughput, values.tolist())),
-                          f"{model.source}, mean over {dist.get_world_size()} ranks")
+    shapes = linear_shapes(config, dims)
+    device, recipe = current_device(), config.precision.recipe()
+    times, cached, path = cached_times(shapes, recipe, device=device, dtype=config.model.params_dtype,
+                                       names=PRECISION_NAMES, cache_dir=config.precision.gemm_speed_cache)
+    ranks = 1
+    if dist.is_initialized():
+        ranks = dist.get_world_size()
+        flat = torch.tensor([v for m in times for p in times[m] for v in times[m][p]], dtype=torch.float64,
+                            device=device)
+        dist.all_reduce(flat)
+        values = iter((flat / ranks).tolist())
+        times = {m: {p: (next(values), next(values)) for p in times[m]} for m in times}
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    emulated = [p for p, how in gemm_execution(PRECISION_NAMES, recipe, config.model.transformer_impl,
+                                               capability).items() if how == SIMULATED]
+    how = f"{'read from' if cached else 'timed, cached in'} {path}"
+    source = (f"forward + backward of each linear shape ({len(shapes)}) in each precision, {how}"
+              + (f", mean over {ranks} ranks" if ranks > 1 else "")
+              + (f"; emulated, capped at bf16's speed: {', '.join(emulated)}" if emulated else ""))
+    return speed_model_from_times(times, shapes, recipe, device=device_label(device), source=source,
+                                  emulated=emulated)
+
+
+def describe_speed_model(config: RunConfig, model: GemmSpeedModel, time_ratio: float) -> str:
+    """The start-up line about GEMM time: what the time ratios of the logs rest on, and, in SNIP's
+    research mode (an FP4 share without --snip-time-target), that its planned time is a proxy."""
+    from megatron_snip.snip.planner import proxy_speed_model
+
+    line = (f"GEMM speed model {model.describe()}" + "".join(f"; {note}" for note in model.notes)
+            + f". Linear-GEMM time of the plan: {time_ratio:.3f} of all-bf16 ({model.basis}: "
+            f"'{model.ratio_label}' in the logs)")
+    if config.snip.enabled and config.snip.snip_time_target is None:
+        proxy = proxy_speed_model(model)
+        line += (f". SNIP research mode (--snip-fp4-target {config.snip.snip_fp4_target:g}): its plans' time is a "
+                 f"proxy under the {proxy.basis}; give --snip-time-target to budget measured time")
+    return line
+
+
+def time_target_refusal(config: RunConfig, capability: tuple[int, int] | None) -> str | None:
+    """Why ``--snip-time-target`` below 1 cannot be met under a measured speed model on a device where every
+    quantized candidate runs emulated (no GPU, or a GPU without their tensor cores), else None. Emulation
+    is never faster than bf16, so the fastest feasible target is 1 (every module in bf16), or above 1
+    when bf16 is not a candidate."""
+    from megatron_snip.precision.execution import SIMULATED, gemm_execution
+
+    target, formats = config.snip.snip_time_target, config.snip.snip_formats
+    if target is None or target >= 1 or config.precision.gemm_speed_model != "measured":
+        return None
+    execution = gemm_execution(formats, config.precision.recipe(), config.model.transformer_impl, capability)
+    if any(how != SIMULATED for f, how in execution.items() if f != "bf16"):
+        return None  # a real low-precision kernel: the measured table decides (the first solve checks it)
+    fastest = "1 (every module in bf16)" if "bf16" in formats else "above 1 (bf16 is not among --snip-formats)"
+    where = "no GPU" if capability is None else f"compute capability {capability[0]}.{capability[1]}"
+    return (f"--snip-time-target {target:g} cannot be met: on this device ({where}) every candidate precision "
+            f"below bf16 ({', '.join(f for f in formats if f != 'bf16')}) runs emulated, no faster than bf16, so "
+            f"the fastest feasible target is {fastest}; give --snip-time-target 1 or more, or "
+            "--gemm-speed-model blackwell to plan for hardware with FP8/FP4 tensor cores")
 
 
 def check_snip_budgets(config: RunConfig, pins: tuple[dict[str, Precision], str] | None = None) -> None:
@@ -268,8 +328,9 @@ def check_snip_budgets(config: RunConfig, pins: tuple[dict[str, Precision], str]
     result, computed here if not given), so
     budgets no plan can meet (an FP4 share the candidates and pins cannot reach, a time target below
     what they can run at, or the two together) fail before training instead of at the first cycle.
-    With ``--gemm-speed-model measured`` the speeds are not known yet: only the FP4 share is checked
-    here, the first cycle's solve checks the time. PlanError naming the flags and the pins."""
+    With ``--gemm-speed-model measured`` the speeds are not known yet: a time target below 1 is refused
+    where every candidate runs emulated (:func:`time_target_refusal`), otherwise only the FP4 share is
+    checked here and the first cycle's solve checks the time. PlanError naming the flags and the pins."""
     from dataclasses import replace
 
     from megatron_snip.snip.estimators import CostTables
@@ -279,6 +340,9 @@ def check_snip_budgets(config: RunConfig, pins: tuple[dict[str, Precision], str]
     dims = LlamaLinearDims.from_config(config.model)
     pins, described = pins if pins is not None else snip_pins(config)
     measured = config.precision.gemm_speed_model == "measured"
+    refusal = time_target_refusal(config, torch.cuda.get_device_capability() if has_cuda() else None)
+    if refusal is not None:
+        raise PlanError(refusal)
     planner = PlannerConfig.from_snip(config.snip, config.precision.recipe(),
                                        peak_speed_model("auto" if measured else config.precision.gemm_speed_model),
                                        pins=pins)
