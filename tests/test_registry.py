@@ -45,14 +45,14 @@ def test_every_operand_quantizer_is_its_precisions_registered_scheme(fp8_recipe)
 
 
 def test_fake_quantize_names_resolve_to_schemes_and_elements():
-    assert FORMATS == ("bf16", "fp8_e4m3", "fp8_e5m2", "fp8_block", "mxfp8", "mxfp4", "nvfp4")
+    assert FORMATS == ("bf16", "fp8_e4m3", "fp8_e5m2", "fp8_rowwise", "fp8_block", "mxfp8", "mxfp4", "nvfp4")
     assert resolve_named("fp8_e5m2") == (SCHEMES["fp8_tensorwise"], "e5m2")
     assert resolve_named("nvfp4") == (SCHEMES["nvfp4"], None)
     assert all(set(s.elements) <= set(ELEMENTS) for s in SCHEMES.values())
-    assert [element_bits(f) for f in FORMATS] == [16, 8, 8, 8, 8, 4, 4]
+    assert [element_bits(f) for f in FORMATS] == [16, 8, 8, 8, 8, 8, 4, 4]
     # a scheme that needs a recipe's choice (the element) or state (an amax history) has no bare name
     for name in ("fp8_tensorwise", "fp8_delayed", "e4m3"):
-        with pytest.raises(ValueError, match="valid formats: bf16, fp8_e4m3, fp8_e5m2, fp8_block"):
+        with pytest.raises(ValueError, match="valid formats: bf16, fp8_e4m3, fp8_e5m2, fp8_rowwise, fp8_block"):
             resolve_named(name)
 
 

@@ -22,8 +22,18 @@ GEMM made non-finite values from finite operands (an overflow, a bad scale) from
 them; the wgrad output is the parameter's gradient, which the trainer checks by name.
 
 That full measurement costs more than the quantization itself, so the trainer asks for it only on
-the steps it logs, and there only for the first micro-batch that reaches each GEMM; every other
-micro-batch and step keeps only a max-abs per operand (:class:`HealthStats`).
+the steps it logs, and there only for the first micro-batch that reaches each GEMM. Every other
+micro-batch and step keeps only non-finite flags (:class:`HealthStats`), and where it can, at no
+cost on the hot path (no kernel, no read of the tensor; references to tensors that exist anyway,
+reduced only when the rows are read, i.e. on logged steps and on faults):
+
+- an operand whose quantizer computed its max-abs anyway (per-tensor FP8 scales, FP8 rowwise, the
+  NVFP4 global scale) is flagged from that amax;
+- a GEMM output computed from FP8 bytes is flagged by the bound its operands' scales put on it
+  (:class:`OutputBound`): ``|y| <= K * max|a| * max|b|``, so it is finite when its operands are and
+  the bound lies below its dtype's largest value (a NaN in an operand makes its scale NaN);
+- elsewhere (block-scaled and emulated formats, bf16 sides of a split precision, emulated GEMM
+  outputs) one ``aminmax`` per operand or output, small beside the emulated quantization itself.
 
 They are computed only when a module's :class:`HealthStats` exists (``--quant-health``).
 Rows from tensor-parallel shards of one operand combine with :func:`combine` (sums, and
@@ -33,6 +43,8 @@ MAX for the amax), so the reduced numbers describe the whole tensor.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -105,6 +117,24 @@ def output_health(y: torch.Tensor) -> torch.Tensor:
     return torch.stack([numel, numel - torch.count_nonzero(finite), amax, zero, zero, zero, zero])
 
 
+@dataclass(frozen=True)
+class OutputBound:
+    """What bounds a GEMM output computed from FP8 bytes, kept instead of reading the output:
+    ``|y| <= elements * max(a_scale_inv) * max(b_scale_inv)``, with ``elements`` = K times the two
+    element formats' largest values. Reduced only when rows are read."""
+
+    a_scale_inv: torch.Tensor
+    b_scale_inv: torch.Tensor
+    elements: float  # K * max element of a * max element of b
+    out_max: float  # the output dtype's largest finite value
+
+    def flag(self) -> torch.Tensor:
+        """0-d: 1 where the output may be non-finite (NaN scale: a non-finite operand; or a bound within
+        a factor 2 of overflow, which leaves room for the accumulation's rounding), else 0."""
+        bound = self.a_scale_inv.float().amax() * self.b_scale_inv.float().amax() * self.elements
+        return (~(bound * 2 < self.out_max)).float()
+
+
 def nonfinite_row(amax: torch.Tensor) -> torch.Tensor:
     """The row of an operand on a step not measured in full, from its NaN-propagating max-abs: ``nonfinite``
     is 1 if any element was NaN/Inf (a flag, not a count), ``numel`` 0 marks the row as partial."""
@@ -138,18 +168,29 @@ class HealthStats:
     def __init__(self):
         self.full = True
         self._rows: dict[str, torch.Tensor] = {}
-        self._amax: dict[str, list[torch.Tensor]] = {}  # key -> the min and max of each check
+        self._amax: dict[str, list[torch.Tensor]] = {}  # key -> max-abs tensors (or aminmax extremes) of each check
+        self._bounds: dict[str, list[OutputBound]] = {}
 
-    def record(self, key: str, x: torch.Tensor, q: torch.Tensor, quantizer: OperandQuantizer) -> None:
+    def record(self, key: str, x: torch.Tensor, q: torch.Tensor | Callable[[], torch.Tensor],
+               quantizer: OperandQuantizer, amax: torch.Tensor | None = None) -> None:
+        """Keep operand ``key``'s health: ``x`` quantized to ``q`` (or a function giving the dequantized
+        values, called only when it is measured in full); ``amax``: x's max-abs (0-d or per row) if the
+        quantizer computed it, which then serves as the non-finite check at no cost."""
         if self.full and key not in self._rows:
-            self._rows[key] = operand_health(x.detach(), q.detach(), quantizer)
+            self._rows[key] = operand_health(x.detach(), (q() if callable(q) else q).detach(), quantizer)
         elif not any(_SEEN_ELSEWHERE.get(key) in seen for seen in (self._rows, self._amax)):
-            self._max_abs(key, x)
+            if amax is not None:
+                self._amax.setdefault(key, []).append(amax.detach())
+            else:
+                self._max_abs(key, x)
 
-    def record_output(self, key: str, y: torch.Tensor) -> None:
-        """Keep a GEMM output's row (``key`` in :data:`OUTPUTS`): in full, or its max-abs only."""
+    def record_output(self, key: str, y: torch.Tensor, bound: OutputBound | None = None) -> None:
+        """Keep a GEMM output's row (``key`` in :data:`OUTPUTS`): in full, else from ``bound`` (a GEMM on
+        FP8 bytes) or its max-abs."""
         if self.full and key not in self._rows:
             self._rows[key] = output_health(y.detach())
+        elif bound is not None:
+            self._bounds.setdefault(key, []).append(bound)
         else:
             self._max_abs(key, y)
 
@@ -165,12 +206,16 @@ class HealthStats:
         ``nonfinite`` per later check that found any (rows of max-abs checks alone have ``numel`` 0)."""
         rows = dict(self._rows)
         for key, extremes in self._amax.items():
-            flags = nonfinite_row(torch.stack(extremes).abs().amax())
+            flags = nonfinite_row(torch.cat([t.reshape(-1) for t in extremes]).abs().amax())
             rows[key] = combine(rows[key], flags) if key in rows else flags
+        for key, bounds in self._bounds.items():
+            flags = nonfinite_row(torch.zeros((), device=bounds[0].a_scale_inv.device))
+            flags[FIELDS.index("nonfinite")] = torch.stack([b.flag() for b in bounds]).amax().to(flags.device)
+            rows[key] = combine(rows[key], flags.to(rows[key].device)) if key in rows else flags
         return rows
 
     def reset(self, full: bool = True) -> None:
-        self._rows, self._amax = {}, {}
+        self._rows, self._amax, self._bounds = {}, {}, {}
         self.full = full
 
 

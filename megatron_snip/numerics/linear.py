@@ -50,7 +50,7 @@ from megatron_snip.numerics.fp8_gemm import (
     shapes_ok,
 )
 from megatron_snip.numerics.hadamard import HADAMARD_SIZE, random_hadamard_transform, random_signs
-from megatron_snip.numerics.health import HealthStats
+from megatron_snip.numerics.health import HealthStats, OutputBound
 from megatron_snip.numerics.quantize import quantize_dequantize
 from megatron_snip.numerics.recipes import GEMM_OPERANDS as GEMM_OPERAND_NAMES
 from megatron_snip.numerics.recipes import OperandQuantizer, Precision, RecipeConfig, operand_quantizer
@@ -187,12 +187,12 @@ class LinearQuantization:
             return None
         return self.amax_reduce(local)
 
-    def row_amax(self, src: torch.Tensor, gemm: str | None, kernels) -> torch.Tensor | None:
-        """The (R,) row amaxes of a per-row-scaled operand over all shards of each row, where ``gemm``'s
-        reduction dim is split (both its operands are), else None (each row is whole here)."""
+    def row_amax(self, local: torch.Tensor, gemm: str | None) -> torch.Tensor | None:
+        """The (R,) row amaxes of a per-row-scaled operand over all shards of each row from its ``local``
+        ones, where ``gemm``'s reduction dim is split (both its operands are), else None (rows are whole)."""
         if self.amax_reduce is None or gemm is None or not set(GEMM_OPERAND_NAMES[gemm]) <= self.sharded:
             return None
-        return self.amax_reduce(row_amax(src, kernels))
+        return self.amax_reduce(local)
 
 
 Operand = torch.Tensor | FP8Operand
@@ -234,30 +234,34 @@ def _quantize(t: torch.Tensor, q: OperandQuantizer, operand: str, quant: LinearQ
     :class:`FP8Operand` (bytes + scales, with ``transpose`` also the transposed bytes of a per-tensor
     one) instead of dequantized."""
     src = t.t() if q.columnwise else t
-    out = _quantize_src(src, q, operand, quant, keep_fp8 and casts_to_bytes(q), gemm, transpose)
+    out, amax = _quantize_src(src, q, operand, quant, keep_fp8 and casts_to_bytes(q), gemm, transpose)
     health = quant.state.health
     if health is not None and gemm is not None:  # kept per GEMM operand, on the device (--quant-health)
-        health.record(f"{gemm}.{operand}", src, out.dequantized() if isinstance(out, FP8Operand) else out, q)
+        health.record(f"{gemm}.{operand}", src, out.dequantized if isinstance(out, FP8Operand) else out, q, amax)
     return out.t() if q.columnwise else out
 
 
 def _quantize_src(src: torch.Tensor, q: OperandQuantizer, operand: str, quant: LinearQuantization,
-                  keep_fp8: bool, gemm: str | None = None, transpose: bool = False) -> Operand:
-    """The quantized ``src`` (already transposed for a columnwise quantizer)."""
+                  keep_fp8: bool, gemm: str | None = None, transpose: bool = False
+                  ) -> tuple[Operand, torch.Tensor | None]:
+    """The quantized ``src`` (already transposed for a columnwise quantizer), and the max-abs of ``src``
+    (0-d, or one per row) where the quantizer computed one anyway (None elsewhere): quantization health
+    takes its non-finite flags from it at no cost."""
     scale = generator = None
     if q.block == (1, ROW):  # per-row scales: the row amaxes of a split reduction dim over all shards
         fp8 = _triton(quant.recipe, src, "triton_fp8")
-        amax = quant.row_amax(src, gemm, fp8)
+        local = row_amax(src, fp8)
+        amax = quant.row_amax(local, gemm)
         if keep_fp8:
-            return cast_rowwise(src, E4M3, amax, kernels=fp8)
-        return quantize_dequantize(src, q, global_amax=amax)
+            return cast_rowwise(src, E4M3, local if amax is None else amax, kernels=fp8), local
+        return quantize_dequantize(src, q, global_amax=local if amax is None else amax), local
     if q.spec.per_tensor:
         fp8 = _triton(quant.recipe, src, "triton_fp8") if keep_fp8 else None
         local = fp8.tensor_amax_bits(src) if fp8 is not None else tensor_amax(src).float()
         amax = quant.global_amax(local, operand)
         if keep_fp8 and not q.spec.amax_history:  # per-tensor quantizers are never columnwise: src is t
             return cast_current(src, q.element, amax if amax is not None else local, transpose=transpose,
-                                kernels=fp8)
+                                kernels=fp8), local
         amax = local if amax is None else amax
         if not q.spec.amax_history:
             scale = fp8_scale_from_amax(amax, q.element)
@@ -266,12 +270,18 @@ def _quantize_src(src: torch.Tensor, q: OperandQuantizer, operand: str, quant: L
             scale = scaler.scale_for(amax)
             scaler.record(amax)
         if keep_fp8:
-            return cast_per_tensor(src, q.element, scale, amax, transpose=transpose, kernels=fp8)
+            return cast_per_tensor(src, q.element, scale, amax, transpose=transpose, kernels=fp8), local
+    else:
+        local = tensor_amax(src).float() if q.spec.global_scale else None  # nvfp4's per-tensor scale
     if q.stochastic:
         generator = quant.state.generator(src.device)
-    global_amax = quant.global_amax(tensor_amax(src).float(), operand) if q.spec.global_scale else None  # nvfp4
-    return quantize_dequantize(src, q, scale=scale, global_amax=global_amax, generator=generator,
-                               kernels=_triton(quant.recipe, src))
+    global_amax = None
+    if q.spec.global_scale:
+        reduced = quant.global_amax(local, operand)
+        global_amax = local if reduced is None else reduced
+    out = quantize_dequantize(src, q, scale=scale, global_amax=global_amax, generator=generator,
+                              kernels=_triton(quant.recipe, src))
+    return out, local
 
 
 def quantize_operand(t: torch.Tensor, q: OperandQuantizer, operand: str, quant: LinearQuantization,
@@ -291,10 +301,15 @@ def quantize_operand(t: torch.Tensor, q: OperandQuantizer, operand: str, quant: 
     return _quantize(t, q, operand, quant, gemm=gemm)
 
 
-def _record_output(quant: LinearQuantization, key: str, out: torch.Tensor) -> None:
-    """Keep a GEMM output's health (``--quant-health``): whether this GEMM made non-finite values."""
+def _record_output(quant: LinearQuantization, key: str, out: torch.Tensor, a: Operand, b: Operand) -> None:
+    """Keep a GEMM output's health (``--quant-health``): whether this GEMM made non-finite values. Where
+    it read FP8 bytes, the bound their scales put on it (``OutputBound``) says so without reading it."""
     if quant.state.health is not None:
-        quant.state.health.record_output(key, out)
+        bound = None
+        if isinstance(a, FP8Operand) and isinstance(b, FP8Operand):
+            bound = OutputBound(a.scale_inv, b.scale_inv, a.data.shape[1] * torch.finfo(a.data.dtype).max
+                                * torch.finfo(b.data.dtype).max, torch.finfo(out.dtype).max)
+        quant.state.health.record_output(key, out, bound)
 
 
 def _matmul(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
@@ -313,10 +328,15 @@ def _keep(quantized: Operand, q: OperandQuantizer) -> bool:
 
 
 def _save(ctx, *operands: Operand) -> None:
-    """save_for_backward for operands, FP8 ones as their (bytes, scale) pair."""
+    """save_for_backward for operands, FP8 ones as their (bytes, scale) pair: of the bytes, the transposed
+    copy where the cast wrote one (the backward GEMMs read X and W only transposed: column-major B), so
+    one byte per element is kept."""
     tensors = []
     for op in operands:
-        tensors.extend((op.data, op.scale_inv) if isinstance(op, FP8Operand) else (op,))
+        if isinstance(op, FP8Operand):
+            tensors.extend((op.data if op.data_t is None else op.data_t.t(), op.scale_inv))
+        else:
+            tensors.append(op)
     ctx.fp8_saved = [isinstance(op, FP8Operand) for op in operands]
     ctx.save_for_backward(*tensors)
 
@@ -358,7 +378,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
         x_q = _quantize(x2, q_x, "x", quant, fp8_bytes, "fprop", transpose=x_reused)
         w_q = _quantize(weight, q_w, "w", quant, fp8_bytes, "fprop", transpose=w_reused)
         y = _matmul(x_q, w_q.t(), x.dtype)
-        _record_output(quant, "fprop.y", y)
+        _record_output(quant, "fprop.y", y, x_q, w_q)
         # Where the backward GEMM quantizes an operand exactly as fprop did, it may keep the
         # fprop copy. It does so for FP8 bytes (1 byte/element, less than the operand itself)
         # and for delayed scaling (whose scale has moved on since fprop, and which must record
@@ -387,7 +407,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
             w_q = w_saved if ctx.w_ready else _quantize(w_saved, quant.quantizer("dgrad", "w"), "w", quant,
                                                         fp8_bytes, "dgrad", transpose=True)
             dx = _matmul(dy_q, w_q, ctx.x_dtype)
-            _record_output(quant, "dgrad.dx", dx)
+            _record_output(quant, "dgrad.dx", dx, dy_q, w_q)
             dx = dx.reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             q_x = quant.quantizer("wgrad", "x")

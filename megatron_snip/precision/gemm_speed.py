@@ -134,7 +134,7 @@ class GemmSpeedModel:
 
     def describe(self) -> str:
         if self.measured:
-            table = ", ".join(f"{p} {v:.3g}" for p, v in self.overall.items() if p != "bf16")
+            table = ", ".join(f"{p} {v:.3g}" for p, v in self.overall.items() if precision_format(p).quantized)
             return f"measured on {self.device} ({self.source}): GEMM throughput vs bf16: {table}"
         table = ", ".join(f"{s} {v:.3g}" for s, v in self.throughput.items() if SCHEMES[s].quantized)
         return f"{self.name} ({self.source}, an estimate): GEMM throughput vs bf16: {table}"

@@ -11,7 +11,7 @@ import torch
 from megatron_snip.compat.device import has_cuda
 from megatron_snip.model.precision.megatron_config import read_megatron_config
 from megatron_snip.numerics.recipes import BF16, PRECISION_NAMES, Precision, RecipeConfig, misaligned_split
-from megatron_snip.numerics.registry import is_fp4
+from megatron_snip.numerics.registry import is_fp4, precision_format
 from megatron_snip.precision.flops import LlamaLinearDims
 from megatron_snip.precision.gemm_speed import GemmSpeedModel, peak_speed_model
 from megatron_snip.precision.plan import LINEAR_MODULES as LINEAR_MODULE_TYPES
@@ -313,12 +313,14 @@ def time_target_refusal(config: RunConfig, capability: tuple[int, int] | None) -
     if target is None or target >= 1 or config.precision.gemm_speed_model != "measured":
         return None
     execution = gemm_execution(formats, config.precision.recipe(), config.model.transformer_impl, capability)
-    if any(how != SIMULATED for f, how in execution.items() if f != "bf16"):
+    if any(how != SIMULATED for f, how in execution.items() if precision_format(f).quantized):
         return None  # a real low-precision kernel: the measured table decides (the first solve checks it)
-    fastest = "1 (every module in bf16)" if "bf16" in formats else "above 1 (bf16 is not among --snip-formats)"
+    low = [f for f in formats if precision_format(f).quantized]
+    fastest = ("1 (every module in bf16)" if len(low) < len(formats)
+               else "above 1 (bf16 is not among --snip-formats)")
     where = "no GPU" if capability is None else f"compute capability {capability[0]}.{capability[1]}"
     return (f"--snip-time-target {target:g} cannot be met: on this device ({where}) every candidate precision "
-            f"below bf16 ({', '.join(f for f in formats if f != 'bf16')}) runs emulated, no faster than bf16, so "
+            f"below bf16 ({', '.join(low)}) runs emulated, no faster than bf16, so "
             f"the fastest feasible target is {fastest}; give --snip-time-target 1 or more, or "
             "--gemm-speed-model blackwell to plan for hardware with FP8/FP4 tensor cores")
 
