@@ -555,9 +555,10 @@ def test_nonfinite_inputs_propagate(fmt, bad):
 
 
 def test_format_helpers():
-    assert FORMATS == ("bf16", "fp8_e4m3", "fp8_e5m2", "fp8_block", "mxfp8", "mxfp4", "nvfp4")
+    assert FORMATS == ("bf16", "fp8_e4m3", "fp8_e5m2", "fp8_rowwise", "fp8_block", "mxfp8", "mxfp4", "nvfp4")
     assert [f for f in FORMATS if element_bits(f) == 4] == ["mxfp4", "nvfp4"]
-    assert [f for f in FORMATS if element_bits(f) == 8] == ["fp8_e4m3", "fp8_e5m2", "fp8_block", "mxfp8"]
+    assert [f for f in FORMATS if element_bits(f) == 8] == ["fp8_e4m3", "fp8_e5m2", "fp8_rowwise", "fp8_block",
+                                                              "mxfp8"]
     assert element_bits("bf16") == 16
     with pytest.raises(ValueError, match="nvfp4"):
         element_bits("fp3")

@@ -93,13 +93,10 @@ class PrecisionConfig:
         "measured", "GEMM throughput of each format relative to bf16, for the GEMM time ratio the logs report and "
         "--snip-time-target budgets: measured (default): every linear shape of the model timed forward and backward "
         "in every precision on this device at start-up, through the path training runs (real kernels or emulation; "
-        "cached, see --gemm-speed-cache); or, to plan ahead for hardware one does not have, the published dense "
-        "peaks of hopper (FP8 2x, FP4 emulated 1x), blackwell (FP8 2x, FP4 4x), ada (FP8 2x), ampere (1x), or auto "
-        "(from the GPU; blackwell without one), labelled estimates.", choices=SPEED_MODELS, ours=True)
-    gemm_speed_cache: str | None = flag(
-        None, "Directory of measured GEMM speed tables, one file per device, software versions, recipe and shapes "
-        "(default $MEGATRON_SNIP_CACHE, else $XDG_CACHE_HOME/megatron_snip or ~/.cache/megatron_snip).",
-        metavar="DIR", ours=True)
+        "cached in $MEGATRON_SNIP_CACHE, default ~/.cache/megatron_snip); or, to plan ahead for hardware one does "
+        "not have, the published dense peaks of hopper (FP8 2x, FP4 emulated 1x), blackwell (FP8 2x, FP4 4x), ada "
+        "(FP8 2x), ampere (1x), or auto (from the GPU; blackwell without one), labelled estimates.",
+        choices=SPEED_MODELS, ours=True)
     precision_notes: tuple[str, ...] = derived(())  # where a given recipe flag replaces a resumed checkpoint's
 
     def recipe(self) -> RecipeConfig:

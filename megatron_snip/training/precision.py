@@ -249,8 +249,8 @@ def linear_shapes(config: RunConfig, dims: LlamaLinearDims) -> dict[str, tuple[i
 def speed_model(config: RunConfig, dims: LlamaLinearDims) -> GemmSpeedModel:
     """The ``--gemm-speed-model``: a published-peak estimate, or (``measured``, the default) this
     device's linears timed at the model's per-rank shapes in every precision
-    (``gemm_speed.cached_times``: read from ``--gemm-speed-cache`` when this device, software, recipe
-    and shapes were timed before), averaged over all ranks so every rank plans alike (collective:
+    (``gemm_speed.cached_times``: read from the cache when this device, software, recipe and shapes were
+    timed before), averaged over all ranks so every rank plans alike (collective:
     call on every rank at once).
 
     Start-up cost when not cached: per module type (4) and precision (4), 1 + 3 forwards and 1 + 3
@@ -267,7 +267,7 @@ def speed_model(config: RunConfig, dims: LlamaLinearDims) -> GemmSpeedModel:
     shapes = linear_shapes(config, dims)
     device, recipe = current_device(), config.precision.recipe()
     times, cached, path = cached_times(shapes, recipe, device=device, dtype=config.model.params_dtype,
-                                       names=PRECISION_NAMES, cache_dir=config.precision.gemm_speed_cache)
+                                       names=PRECISION_NAMES)
     ranks = 1
     if dist.is_initialized():
         ranks = dist.get_world_size()

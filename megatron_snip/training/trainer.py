@@ -46,7 +46,7 @@ from megatron_snip.training.config import RunConfig
 from megatron_snip.training.cycle_log import log_cycle
 from megatron_snip.training.data import build_datasets
 from megatron_snip.training.logger import MetricsLogger, hms, peak_tflops, progress_line, setup_console
-from megatron_snip.training.precision import speed_model
+from megatron_snip.training.precision import describe_speed_model, speed_model
 from megatron_snip.training.quant_health import HealthTable, gather_health, promote
 from megatron_snip.training.safety import NumericalGuard, Verdict
 from megatron_snip.training.setup import build_optimizer, build_scheduler, initialize_distributed, wrap_ddp
@@ -165,7 +165,8 @@ class Trainer:
         self.precision.apply(effective)
         self.effective_plan = effective
         self.flop_fractions = flop_fractions(effective, self.linear_dims)
-        self.time_ratio = estimated_time_ratio(effective, self.linear_dims, self.speeds)
+        self.time_ratio = estimated_time_ratio(effective, self.linear_dims, self.speeds,
+                                               module_speeds=self.speed_model.module_speeds())
 
     def formats_in_use(self) -> list[str]:
         """The precisions this run's GEMMs can take: its plan's, its schedule's and SNIP's candidates."""
@@ -513,7 +514,7 @@ class Trainer:
             fields.append(("MFU", f"{tflops / peak:.1%}"))
         fields += [("fp4 flops fraction", f"{self.flop_fractions.fp4:.3f}"),
                    ("fp8 flops fraction", f"{self.flop_fractions.fp8:.3f}"),
-                   ("estimated gemm time vs bf16", f"{self.time_ratio:.3f}")]
+                   (self.speed_model.ratio_label, f"{self.time_ratio:.3f}")]
         if self.guard.config.check_nan:
             fields.append(("skipped iterations in the run", str(self.guard.skipped)))
         if self.guard.config.check_spiky_loss:
@@ -613,10 +614,7 @@ def pretrain(config: RunConfig, on_build: Callable[[Trainer], None] | None = Non
         log.text(f"{trainer.pins_text}: never re-planned, counted in the budgets")
     if trainer.schedule:
         log.text(f"precision schedule ({trainer.schedule_source}): {' '.join(trainer.schedule.to_list())}")
-    log.text(f"GEMM speed model {trainer.speed_model.describe()}"
-             + "".join(f"; {note}" for note in trainer.speed_model.notes)
-             + f". Estimated linear-GEMM time of the plan: {trainer.time_ratio:.3f} of all-bf16 (an estimate: "
-               "'estimated gemm time vs bf16' in the logs)")
+    log.text(describe_speed_model(c, trainer.speed_model, trainer.time_ratio))
     if c.training.skip_train:
         trainer._log_validation(trainer.state.iteration)
     else:
