@@ -20,8 +20,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 import gpu_suite
 import prepare_gpu_wheels as wheels
 
-CUDA_FILES = {"tests/test_triton_qdq.py", "tests/test_fp8_gemm.py", "tests/test_quantizers.py",
-              "tests/test_gpu_training.py"}
+CUDA_FILES = {"tests/test_triton_qdq.py", "tests/test_fp8_gemm.py", "tests/test_fp8_linear.py",
+              "tests/test_quantizers.py", "tests/test_gpu_training.py"}
 
 
 def suite(*args: str) -> subprocess.CompletedProcess:

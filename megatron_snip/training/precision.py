@@ -6,6 +6,9 @@ shape, the checkpoint being resumed), so they live here, above the sections them
 
 from __future__ import annotations
 
+import os
+import time
+
 import torch
 
 from megatron_snip.compat.device import has_cuda
@@ -254,8 +257,10 @@ def speed_model(config: RunConfig, dims: LlamaLinearDims) -> GemmSpeedModel:
     call on every rank at once).
 
     Start-up cost when not cached: per module type (4) and precision (4), 1 + 3 forwards and 1 + 3
-    forward + backward passes of one micro-batch's linear, i.e. about 8 x 16 = 128 single-linear
-    steps (under a second for the CPU test models; a few seconds on a GPU at 8B shapes)."""
+    forward + backward passes of one micro-batch's linear on a GPU (about 128 single-linear steps: a
+    few seconds at 8B shapes), 1 + 1 of each on a CPU, where one process per machine times (the
+    quickstart's shapes: about 3 s on the 2-core machine) and the others read its file. The start-up
+    log says which and how long it took."""
     if config.precision.gemm_speed_model != "measured":
         return peak_speed_model(config.precision.gemm_speed_model)
     import torch.distributed as dist
@@ -266,8 +271,22 @@ def speed_model(config: RunConfig, dims: LlamaLinearDims) -> GemmSpeedModel:
 
     shapes = linear_shapes(config, dims)
     device, recipe = current_device(), config.precision.recipe()
-    times, cached, path = cached_times(shapes, recipe, device=device, dtype=config.model.params_dtype,
-                                       names=PRECISION_NAMES)
+    start = time.perf_counter()
+
+    def table():
+        return cached_times(shapes, recipe, device=device, dtype=config.model.params_dtype, names=PRECISION_NAMES,
+                            repeats=3 if device.type == "cuda" else 1)
+
+    if dist.is_initialized() and device.type == "cpu":
+        # Ranks on one machine share its cores: its first rank times, the others then read its cache file.
+        first = int(os.environ.get("LOCAL_RANK", "0")) == 0
+        times, cached, path = table() if first else (None, None, None)
+        dist.barrier()
+        if not first:
+            times, cached, path = table()
+    else:
+        times, cached, path = table()
+    seconds = time.perf_counter() - start
     ranks = 1
     if dist.is_initialized():
         ranks = dist.get_world_size()
@@ -279,7 +298,7 @@ def speed_model(config: RunConfig, dims: LlamaLinearDims) -> GemmSpeedModel:
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     emulated = [p for p, how in gemm_execution(PRECISION_NAMES, recipe, config.model.transformer_impl,
                                                capability).items() if how == SIMULATED]
-    how = f"{'read from' if cached else 'timed, cached in'} {path}"
+    how = f"read from {path}" if cached else f"timed in {seconds:.1f} s, cached in {path}"
     source = (f"forward + backward of each linear shape ({len(shapes)}) in each precision, {how}"
               + (f", mean over {ranks} ranks" if ranks > 1 else "")
               + (f"; emulated, capped at bf16's speed: {', '.join(emulated)}" if emulated else ""))
