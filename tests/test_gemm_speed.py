@@ -113,3 +113,19 @@ def test_a_time_target_below_1_is_refused_where_every_low_precision_runs_emulate
         run_config("--snip", "--snip-interval", "2", "--snip-time-target", "0.85", "--snip-formats", "fp8", "nvfp4")
     run_config("--snip", "--snip-interval", "2", "--snip-time-target", "1")  # no speed-up asked: planned
     run_config("--snip", "--snip-interval", "2", "--snip-time-target", "0.85", "--gemm-speed-model", "blackwell")
+
+
+def test_a_replan_whose_measured_step_misses_its_target_is_named():
+    from megatron_snip.training.precision import bf16_gemm_seconds, missed_time_target
+
+    model = speed_model_from_times(TIMES, SHAPES, RecipeConfig(), device="CPU", source="by hand")
+    names = ["decoder.layers.0.self_attention.linear_qkv", "decoder.layers.0.mlp.linear_fc2",
+             "decoder.layers.1.mlp.linear_fc2"]
+    assert bf16_gemm_seconds(model, names, micro_batches=2) == 2 * (3.0 + 6.0 + 6.0)
+    # bf16 step 40 s of which 30 s GEMMs; a plan at 0.8 should take 34 s
+    assert missed_time_target(0.8, 40.0, 30.0, 34.0) is None
+    assert missed_time_target(0.8, 40.0, 30.0, 36.4) is None  # GEMM ratio 0.88: within 10% of 0.8
+    message = missed_time_target(0.8, 40.0, 30.0, 37.0)  # 0.9: 12% over
+    assert message == ("SNIP plan missed --snip-time-target 0.8: its steps took 37000.0 ms against 40000.0 ms in "
+                       "bf16, whose linear GEMMs take 30000.0 ms by the speed table: a GEMM time of 0.900 of bf16, "
+                       "+12% over the target (more than 10%)")

@@ -78,6 +78,8 @@ class GemmSpeedModel:
         overall: measured models: precision -> whole-model throughput vs bf16 (each module type once,
             by its FLOPs), under the recipe it was timed with.
         device: measured models: the device the times were taken on ("NVIDIA H200", "CPU").
+        bf16_seconds: measured models: module type -> seconds of its bf16 forward + backward for one
+            micro-batch (what a step's bf16 GEMMs cost, for checking a plan's measured step).
     """
 
     name: str
@@ -87,6 +89,7 @@ class GemmSpeedModel:
     modules: ModuleSpeeds | None = None
     overall: Mapping[str, float] | None = None
     device: str = ""
+    bf16_seconds: Mapping[str, float] | None = None
 
     def __post_init__(self):
         missing = [s for s in SCHEME_NAMES if s not in self.throughput]
@@ -266,8 +269,9 @@ def speed_model_from_times(times: Times, shapes: Shapes, recipe: RecipeConfig, *
     for p, v in overall.items():
         throughput[operand_quantizer(p, "fprop", "x", recipe).scheme] = v
     frozen = MappingProxyType({m: MappingProxyType(row) for m, row in modules.items()})
+    bf16_seconds = MappingProxyType({m: sum(row["bf16"]) for m, row in times.items()})
     return GemmSpeedModel("measured", throughput, source, modules=frozen, overall=MappingProxyType(overall),
-                          device=device)
+                          device=device, bf16_seconds=bf16_seconds)
 
 
 def device_label(device: torch.device) -> str:

@@ -306,6 +306,30 @@ def speed_model(config: RunConfig, dims: LlamaLinearDims) -> GemmSpeedModel:
                                   emulated=emulated)
 
 
+def bf16_gemm_seconds(model: GemmSpeedModel, module_names: list[str], micro_batches: int) -> float | None:
+    """Seconds a step's linear GEMMs take in bf16 on this rank by a measured speed table (``module_names``: this
+    rank's modules; ``micro_batches`` per step); None for a peak estimate, which knows no seconds."""
+    if model.bf16_seconds is None:
+        return None
+    return micro_batches * sum(model.bf16_seconds[parse_module_name(n)[1]] for n in module_names)
+
+
+def missed_time_target(time_target: float, bf16_step: float, bf16_gemm: float, step: float,
+                       tolerance: float = 0.10) -> str | None:
+    """A re-plan's check against the device: the GEMM time ratio its steps actually ran at, inferred from the
+    measured step ``step`` (s), the bf16 steps before it ``bf16_step`` (s) and the table's bf16 GEMM seconds
+    of such a step ``bf16_gemm`` (everything but the linear GEMMs taken as unchanged), compared with
+    ``time_target``. A sentence for the log when it misses the target by more than ``tolerance`` (relative),
+    else None."""
+    ratio = (step - bf16_step + bf16_gemm) / bf16_gemm
+    if ratio <= time_target * (1 + tolerance):
+        return None
+    return (f"SNIP plan missed --snip-time-target {time_target:g}: its steps took {step * 1e3:.1f} ms against "
+            f"{bf16_step * 1e3:.1f} ms in bf16, whose linear GEMMs take {bf16_gemm * 1e3:.1f} ms by the speed "
+            f"table: a GEMM time of {ratio:.3f} of bf16, {ratio / time_target - 1:+.0%} over the target "
+            f"(more than {tolerance:.0%})")
+
+
 def describe_speed_model(config: RunConfig, model: GemmSpeedModel, time_ratio: float) -> str:
     """The start-up line about GEMM time: what the time ratios of the logs rest on, and, in SNIP's
     research mode (an FP4 share without --snip-time-target), that its planned time is a proxy."""
