@@ -68,15 +68,17 @@ def test_adapter_switches_the_module_recipe_and_names_the_module_on_errors():
     module = _TELinearStandIn()
     linear = TELinearPrecision(module)
     assert module.te_quant_params is None and str(linear.precision) == "bf16"
-    linear.precision = "fp8"
+    linear.precision = Precision.uniform("fp8")
     assert module.te_quant_params.training_recipe.fp8_quantization_recipe == Fp8Recipe.tensorwise
     linear.set_recipe(RecipeConfig(fp8_recipe="mxfp8"))
     assert module.te_quant_params.training_recipe.fp8_quantization_recipe == Fp8Recipe.mxfp8
     linear.module_name = "decoder.layers.3.mlp.linear_fc2"
     with pytest.raises(ValueError, match=r"decoder.layers.3.mlp.linear_fc2: precision mxfp4"):
-        linear.precision = "mxfp4"
+        linear.precision = Precision.uniform("mxfp4")
     assert str(linear.precision) == "fp8"  # a refused precision changes nothing
-    linear.precision = "bf16"
+    with pytest.raises(TypeError, match="must be a Precision"):
+        linear.precision = "bf16"
+    linear.precision = Precision.uniform("bf16")
     assert module.te_quant_params is None
 
 

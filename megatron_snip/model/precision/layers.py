@@ -75,8 +75,10 @@ class PlanLinear(abc.ABC):
         return self._precision
 
     @precision.setter
-    def precision(self, precision: Precision | str) -> None:
-        precision = Precision.parse(precision) if isinstance(precision, str) else precision
+    def precision(self, precision: Precision) -> None:
+        if not isinstance(precision, Precision):  # text is parsed once, at the edge (plans, flags)
+            raise TypeError(f"{self.module_name}: precision must be a Precision, got {precision!r}; "
+                            "use Precision.parse for text such as 'fp8/bf16'")
         self.check_precision(precision, self.recipe)
         self._use(precision, self.recipe)
         self._precision = precision
@@ -139,8 +141,8 @@ class QuantizedLinearMixin(PlanLinear):
     """What the column- and row-parallel quantized layers share (listed before the megatron base).
 
     Attributes:
-        precision: the module's :class:`Precision` (validated on assignment; text such as
-            "fp8/bf16" is parsed), effective from the next forward.
+        precision: the module's :class:`Precision` (validated on assignment; a Precision value, not
+            text), effective from the next forward.
         recipe: the :class:`RecipeConfig` realising it (set through :meth:`set_recipe`).
         quant_state: the module's :class:`QuantState`.
         module_name: the global plan name, set by ``PrecisionController`` (used in messages).
