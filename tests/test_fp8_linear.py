@@ -235,3 +235,18 @@ def test_health_between_logged_steps_adds_no_kernel_on_the_fp8_bytes_path(fp8_re
     assert step(bad, w)[1]["fprop.x"] == 1
     huge = step(torch.full((32, 64), 1e20, device=DEVICE), torch.full((48, 64), 1e20, device=DEVICE))[1]
     assert huge["fprop.x"] == huge["fprop.w"] == 0 and huge["fprop.y"] == 1  # the GEMM made the Inf
+
+
+def test_a_compiled_region_runs_the_quantized_linear_eagerly_and_exactly():
+    """torch.compile around the linear breaks the graph at it (torch.compiler.disable) and gives the eager bits."""
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(16, 32, generator=g).to(DEVICE), torch.randn(16, 32, generator=g).to(DEVICE)
+    recipe = RecipeConfig(kernels="torch", fp8_gemm="emulated")
+
+    def block(t):
+        return torch.nn.functional.silu(quantized_linear(t * 2, w, Precision.uniform("fp8"), recipe, QuantState())) + 1
+
+    compiled = torch.compile(block, backend="eager")
+    assert_same_bits(compiled(x), block(x))
+    explained = torch._dynamo.explain(block)(x)
+    assert explained.graph_break_count >= 1

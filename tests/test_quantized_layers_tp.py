@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 from conftest import free_port, run_config, running_plan
 
 LEAD, OUT = (8, 4), 64  # leading (token) dims of the layer inputs; base width
-PRECISIONS = ("nvfp4", "mxfp4", "fp8")
+PRECISIONS = ("nvfp4", "mxfp4", "fp8", "fp8:rowwise")  # precision[:fp8 recipe]
 EXACT = {"column": ("y", "dw"), "row": ("dx", "dw")}
 SUMMED = {"column": "dx", "row": "y"}  # outputs of an all-reduce over a split reduction dim
 
@@ -95,8 +95,10 @@ def _layer_case(kind, precision, tp_group, world, sequence_parallel=False):
     else:
         layer = QuantizedRowParallelLinear(2 * OUT, OUT, input_is_parallel=True, skip_bias_add=True, **common)
     # Deterministic rounding: stochastic rounding draws per shard, so it is equal in law, not in bits.
-    layer.set_recipe(RecipeConfig(fp4_stochastic_rounding=False))
-    layer.precision = Precision.uniform(precision)
+    # rowwise: per-row scales along a split reduction dim need the row amaxes of every shard.
+    name, _, fp8_recipe = precision.partition(":")
+    layer.set_recipe(RecipeConfig(fp4_stochastic_rounding=False, fp8_recipe=fp8_recipe or "tensorwise"))
+    layer.precision = Precision.uniform(name)
     return layer
 
 

@@ -424,6 +424,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
         return dx, dw, None
 
 
+@torch.compiler.disable  # see below: a compiled region around the linear breaks here, cleanly
 def quantized_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -448,6 +449,10 @@ def quantized_linear(
         quantizers: ``LinearQuantizers.resolve(precision, recipe)``, if the caller keeps it.
     Returns:
         (..., out) in x's dtype. Gradients: dX in x's dtype, dW in weight's dtype.
+
+    Under ``torch.compile`` it runs eagerly (``torch.compiler.disable``): its casts are fused kernels
+    of their own, its GEMMs library calls, and its state (delayed-scaling histories, RNGs, health)
+    changes per call; the regions between the linears compile around it.
     """
     quant = LinearQuantization(precision, recipe, state, amax_reduce, frozenset(sharded), quantizers)
     return _QuantizedLinearFn.apply(x, weight, quant)
