@@ -12,8 +12,8 @@ input element: 2 for bf16, 4 for fp32):
 
 * per-tensor scaling (``cast_tensorwise``): ``_amax_kernel`` (one pass: read E*b bytes, one
   atomic max per tile into a 4-byte buffer zeroed by one memset) then ``_cast_kernel`` (read
-  E*b, write E bytes, and E more for the transposed copy): 3 launches and 3b + 2 bytes per
-  element with the transposed copy (8 for bf16), against about 21 launches and ~29 bytes per
+  E*b, write E bytes, and E more for the transposed copy): 3 launches and 2b + 2 bytes per
+  element with the transposed copy (6 for bf16), against about 21 launches and ~29 bytes per
   element of the plain-torch path it replaces (amax in 4 launches, the scale in ~11, then
   float copy, multiply, clamp and cast through fp32 temporaries), plus one ``.contiguous()``
   copy per transposed operand (2 bytes per element) for dgrad and wgrad. The scale is computed
