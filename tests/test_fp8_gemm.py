@@ -33,8 +33,8 @@ def scaled_mm_calls(monkeypatch):
     return calls
 
 
-def run_layer(x, w, dy, fp8_gemm, *, fp8_recipe="tensorwise", fp8_format="hybrid", steps=1):
-    recipe = RecipeConfig(fp8_recipe=fp8_recipe, fp8_format=fp8_format, fp8_gemm=fp8_gemm, kernels="torch")
+def run_layer(x, w, dy, fp8_gemm, *, fp8_recipe="tensorwise", fp8_format="hybrid", steps=1, kernels="torch"):
+    recipe = RecipeConfig(fp8_recipe=fp8_recipe, fp8_format=fp8_format, fp8_gemm=fp8_gemm, kernels=kernels)
     state = QuantState(seed=1)
     for _ in range(steps):
         xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()

@@ -14,6 +14,8 @@ import torch
 
 pytest.importorskip("triton")
 
+from test_fp8_gemm import run_layer
+
 from megatron_snip.numerics import fp8_gemm, triton_fp8
 from megatron_snip.numerics.blocks import tensor_amax
 from megatron_snip.numerics.formats import E4M3, E5M2, to_elements
@@ -116,15 +118,6 @@ def test_non_2d_or_non_fp8_casts_are_refused():
         triton_fp8.cast_rowwise(torch.zeros(2, 3, device=DEVICE), E2M1)
 
 
-def run_layer(x, w, dy, recipe: RecipeConfig, steps: int = 1):
-    state = QuantState(seed=1)
-    for _ in range(steps):
-        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-        y = quantized_linear(xr, wr, Precision.uniform("fp8"), recipe, state)
-        y.backward(dy)
-    return y.detach(), xr.grad, wr.grad
-
-
 @pytest.fixture
 def traced(monkeypatch):
     """Records the storage of every cast's output and the operands every _scaled_mm call reads."""
@@ -156,13 +149,12 @@ def test_the_layer_reads_the_casts_bytes_without_copies_and_equals_the_reference
     x = torch.randn(2, 48, 64, generator=g).to(DEVICE)
     w = (torch.randn(32, 64, generator=g) * 0.05).to(DEVICE)
     dy = torch.randn(2, 48, 32, generator=g).to(DEVICE)
-    fast = run_layer(x, w, dy, RecipeConfig(fp8_recipe=fp8_recipe, kernels="triton", fp8_gemm="scaled_mm"), steps=2)
+    fast = run_layer(x, w, dy, "scaled_mm", fp8_recipe=fp8_recipe, kernels="triton", steps=2)
     assert len(calls) == 6, "fprop, dgrad and wgrad of both steps on the FP8 bytes"
     for a, b in calls:
         assert a.is_contiguous() and b.t().is_contiguous()
         assert {a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr()} <= casts
-    reference = run_layer(x, w, dy, RecipeConfig(fp8_recipe=fp8_recipe, kernels="torch", fp8_gemm="scaled_mm"),
-                          steps=2)
+    reference = run_layer(x, w, dy, "scaled_mm", fp8_recipe=fp8_recipe, kernels="torch", steps=2)
     for actual, expected in zip(fast, reference):
         assert_same_bits(actual, expected)
 
@@ -173,8 +165,8 @@ def test_rowwise_scaled_mm_equals_its_emulation_within_accumulation_order():
     x = torch.randn(64, 96, generator=g).to(DEVICE)
     w = (torch.randn(48, 96, generator=g) * 0.1).to(DEVICE)
     dy = torch.randn(64, 48, generator=g).to(DEVICE)
-    fast = run_layer(x, w, dy, RecipeConfig(fp8_recipe="rowwise", kernels="triton", fp8_gemm="scaled_mm"))
-    emulated = run_layer(x, w, dy, RecipeConfig(fp8_recipe="rowwise", kernels="torch", fp8_gemm="emulated"))
+    fast = run_layer(x, w, dy, "scaled_mm", fp8_recipe="rowwise", kernels="triton")
+    emulated = run_layer(x, w, dy, "emulated", fp8_recipe="rowwise")
     u = 2.0**-24 if DEVICE == "cpu" else 2.0**-14  # Hopper's FP8 accumulator (see test_fp8_gemm.py)
     for actual, expected, (a, b) in zip(fast, emulated, ((x, w.t()), (dy, w), (dy.t(), x))):
         bound = 2 * 2 * (a.shape[1] + 2) * u * (a.abs() @ b.abs())  # operands within 2x of their FP8 values
