@@ -129,3 +129,26 @@ def test_a_replan_whose_measured_step_misses_its_target_is_named():
     assert message == ("SNIP plan missed --snip-time-target 0.8: its steps took 37000.0 ms against 40000.0 ms in "
                        "bf16, whose linear GEMMs take 30000.0 ms by the speed table: a GEMM time of 0.900 of bf16, "
                        "+12% over the target (more than 10%)")
+
+
+def test_research_mode_plans_do_not_depend_on_the_measured_table():
+    """The quickstart's path (--snip-fp4-target, no time target): its implied time budget is priced by the
+    device's peak estimate whatever was measured, so its plans are the same run to run and as before
+    the measured default; and timing the table draws nothing from the global RNGs its training uses."""
+    from megatron_snip.precision.gemm_speed import peak_speed_model
+    from megatron_snip.snip.config import SnipConfig
+    from megatron_snip.snip.planner import PlannerConfig
+
+    model = speed_model_from_times(TIMES, SHAPES, RecipeConfig(), device="CPU", source="by hand")
+    research = SnipConfig(enabled=True, snip_fp4_target=0.75, snip_formats=("bf16", "fp8", "nvfp4"))
+    planner = PlannerConfig.from_snip(research, RecipeConfig(), model)
+    auto = peak_speed_model("auto")
+    assert planner.speed == auto.precision_speeds(RecipeConfig(), research.snip_formats)
+    assert planner.module_speed is None
+    timed = PlannerConfig.from_snip(SnipConfig(enabled=True, snip_fp4_target=0.0, snip_time_target=0.9,
+                                               snip_formats=("bf16", "fp8")), RecipeConfig(), model)
+    assert timed.module_speed is not None and timed.speed == {"bf16": 1.0, "fp8": pytest.approx(9 / 7.5)}
+    state = torch.get_rng_state()
+    time_linears({"mlp.linear_fc2": (16, 32, 32)}, RecipeConfig(), device=torch.device("cpu"), dtype=torch.float32,
+                 repeats=1)
+    assert torch.equal(torch.get_rng_state(), state)
