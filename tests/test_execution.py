@@ -16,16 +16,24 @@ def test_on_cpu_every_low_precision_gemm_is_simulated():
     assert got == {"bf16": "real: fp32/bf16 GEMM on the CPU", "fp8": SIMULATED, "nvfp4": SIMULATED, "mxfp4": SIMULATED}
 
 
-@pytest.mark.parametrize("capability,fp8_recipe,fp8_gemm,real_fp8", [
-    (H100, "tensorwise", "auto", True),
-    (H100, "delayed", "auto", True),
-    (H100, "blockwise", "auto", False),  # block-scaled FP8 has no torch._scaled_mm path here
-    (H100, "tensorwise", "emulated", False),
-    (A100, "tensorwise", "auto", False),  # no FP8 tensor cores
+SCALED_MM = "real: torch._scaled_mm FP8 tensor cores"
+BLOCK_GEMM = ("real where torch's block-scaled GEMM agrees with the emulation at first use (checked per shape), else "
+              "simulated")
+
+
+@pytest.mark.parametrize("capability,fp8_recipe,fp8_gemm,fp8", [
+    (H100, "tensorwise", "auto", SCALED_MM),
+    (H100, "delayed", "auto", SCALED_MM),
+    (H100, "rowwise", "auto", SCALED_MM),
+    (H100, "blockwise", "auto", BLOCK_GEMM),  # cuBLAS's 1x128 / 128x128 scales: sm_90 only
+    (B200, "blockwise", "auto", SIMULATED),
+    (H100, "mxfp8", "auto", SIMULATED),
+    (H100, "tensorwise", "emulated", SIMULATED),
+    (A100, "tensorwise", "auto", SIMULATED),  # no FP8 tensor cores
 ])
-def test_local_backend_runs_per_tensor_fp8_on_scaled_mm_only(capability, fp8_recipe, fp8_gemm, real_fp8):
+def test_local_backend_runs_per_tensor_fp8_on_scaled_mm_only(capability, fp8_recipe, fp8_gemm, fp8):
     got = gemm_execution(ALL, RecipeConfig(fp8_recipe=fp8_recipe, fp8_gemm=fp8_gemm), "local", capability)
-    assert got["fp8"] == ("real: torch._scaled_mm FP8 tensor cores" if real_fp8 else SIMULATED)
+    assert got["fp8"] == fp8
     assert got["nvfp4"] == got["mxfp4"] == SIMULATED and got["bf16"] == "real: bf16 GEMM"
 
 

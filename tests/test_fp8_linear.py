@@ -242,3 +242,58 @@ def test_a_compiled_region_runs_the_quantized_linear_eagerly_and_exactly():
     assert_same_bits(compiled(x), block(x))
     explained = torch._dynamo.explain(block)(x)
     assert explained.graph_break_count >= 1
+
+
+@pytest.mark.parametrize("block", [(1, 128), (128, 128)])
+@pytest.mark.parametrize("layout", ["rows", "columns", "bf16"])
+def test_blockwise_cast_writes_the_reference_bytes_and_block_scales(block, layout):
+    x = operand(150, 300)
+    x = {"rows": x, "columns": x.t(), "bf16": x.to(torch.bfloat16)}[layout]
+    data, data_t, scale_inv = triton_fp8.cast_blockwise(x, block, transpose=True)
+    reference = quantize_fp8_block(x, block=block)
+    expected = reference.elements.to(torch.float8_e4m3fn)
+    assert_same_bytes(data, expected)
+    assert_same_bytes(data_t, expected.t().contiguous())
+    assert_same_bits(scale_inv, reference.scales)
+
+
+def _block_scales(scale: torch.Tensor, recipe, shape: tuple[int, int], transposed: bool) -> torch.Tensor:
+    """A block grid as a full (rows, cols) tensor of scales, by the layout fp8_gemm assumes torch reads."""
+    block = (128, 128) if recipe == torch.nn.functional.ScalingType.BlockWise128x128 else (1, 128)
+    rows, cols = shape[::-1] if transposed else shape
+    full = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:rows, :cols]
+    return full.t() if transposed else full
+
+
+def test_blockwise_layers_feed_the_block_scaled_gemm_consistent_operands(monkeypatch):
+    """Where torch's block-scaled GEMM runs (Hopper), fprop, dgrad and wgrad hand it bytes and scale grids
+    that, read by the layout the first-use check settles on, give the emulated GEMMs' results. On CPU
+    torch has no such GEMM: a stand-in reads the scales by the contract fp8_gemm assumes (A's grid
+    (M, K / 128); B's 1x128 grid as B^T's, (N, K / 128); B's tiles (K / 128, N / 128)), so this checks
+    the operands, orientations and the fallback, not cuBLAS (the GPU run does, through the same check)."""
+    calls = []
+
+    def scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, output_dtype):
+        calls.append((recipe_a, recipe_b))
+        transposed = recipe_b != torch.nn.functional.ScalingType.BlockWise128x128
+        sa = _block_scales(scale_a, recipe_a, tuple(a.shape), False)
+        sb = _block_scales(scale_b, recipe_b, tuple(b.shape), transposed)
+        return ((a.float() * sa) @ (b.float() * sb)).to(output_dtype)
+
+    monkeypatch.setattr(fp8_gemm, "blockwise_enabled", lambda device: True)
+    monkeypatch.setattr(torch.nn.functional, "scaled_mm", scaled_mm)
+    fp8_gemm._BLOCK_LAYOUTS.clear()
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(256, 256, generator=g).to(DEVICE)
+    w = (torch.randn(128, 256, generator=g) * 0.1).to(DEVICE)
+    dy = torch.randn(256, 128, generator=g).to(DEVICE)
+    fast = run_layer(x, w, dy, "scaled_mm", fp8_recipe="blockwise", kernels="triton")
+    layouts = fp8_gemm.blockwise_layouts()
+    assert len(layouts) == 3 and None not in layouts.values(), "fprop, dgrad and wgrad ran block-scaled"
+    assert {r for call in calls for r in call} == {torch.nn.functional.ScalingType.BlockWise1x128,
+                                                    torch.nn.functional.ScalingType.BlockWise128x128}
+    emulated = run_layer(x, w, dy, "emulated", fp8_recipe="blockwise")
+    for actual, expected, (a, b) in zip(fast, emulated, ((x, w.t()), (dy, w), (dy.t(), x))):
+        bound = 2 * 2 * (a.shape[1] + 2) * 2.0**-24 * (a.abs() @ b.abs())
+        assert torch.all((actual - expected).abs() <= bound)
+    fp8_gemm._BLOCK_LAYOUTS.clear()

@@ -55,21 +55,29 @@ class FP8Operand:
             a per-row cast of the transpose, seen through ``t()``).
         data_t: the same bytes transposed, (C, R) row-major, where the cast wrote them; None elsewhere.
         amax: the 0-d or per-row amax the scales came from (quantization health reads it), or None.
+        block: block-scaled operands: the (rows, cols) block, ``scale_inv`` then holds one scale per
+            block, (ceil(R / rows), ceil(C / cols)); None for per-tensor and per-row scales.
     """
 
     data: torch.Tensor
     scale_inv: torch.Tensor
     data_t: torch.Tensor | None = None
     amax: torch.Tensor | None = None
+    block: tuple[int, int] | None = None
 
     def t(self) -> FP8Operand:
         scale = self.scale_inv.t() if self.scale_inv.dim() == 2 else self.scale_inv
+        block = None if self.block is None else self.block[::-1]
         if self.data_t is not None:
-            return FP8Operand(self.data_t, scale, self.data, self.amax)
-        return FP8Operand(self.data.t(), scale, None, self.amax)
+            return FP8Operand(self.data_t, scale, self.data, self.amax, block)
+        return FP8Operand(self.data.t(), scale, None, self.amax, block)
 
     def dequantized(self) -> torch.Tensor:
-        return self.data.float() * self.scale_inv
+        if self.block is None:
+            return self.data.float() * self.scale_inv
+        rows, cols = self.data.shape
+        scales = self.scale_inv.repeat_interleave(self.block[0], 0).repeat_interleave(self.block[1], 1)
+        return self.data.float() * scales[:rows, :cols]
 
     @property
     def per_tensor(self) -> bool:
@@ -90,9 +98,31 @@ class FP8Operand:
         return self.data.t().contiguous().t()
 
 
-def casts_to_bytes(q: OperandQuantizer) -> bool:
-    """Whether ``q``'s operands can travel as FP8 bytes to ``_scaled_mm`` (per-tensor or per-row scales)."""
-    return q.spec.per_tensor or q.block == (1, ROW)
+def casts_to_bytes(q: OperandQuantizer, device: torch.device) -> bool:
+    """Whether ``q``'s operands travel as FP8 bytes to a scaled GEMM on ``device``: per-tensor and per-row
+    scales (``_scaled_mm``), block scales where torch's block-scaled GEMM runs (:func:`blockwise_enabled`)."""
+    return q.spec.per_tensor or q.block == (1, ROW) or (q.spec.block_gemm and blockwise_enabled(device))
+
+
+def blockwise_enabled(device: torch.device) -> bool:
+    """Whether torch offers its block-scaled FP8 GEMM (``F.scaled_mm``, 1x128 / 128x128 scales) on ``device``:
+    cuBLAS has it for Hopper (sm_90); it is still checked against the emulation at first use per shape."""
+    scaling = getattr(torch.nn.functional, "ScalingType", None)
+    return (device.type == "cuda" and scaling is not None and hasattr(scaling, "BlockWise128x128")
+            and torch.cuda.get_device_capability(device) == (9, 0))
+
+
+def cast_block(src: torch.Tensor, element: FloatFormat, block: tuple[int, int], *, transpose: bool,
+               kernels: ModuleType | None) -> FP8Operand:
+    """Block-scaled FP8 bytes of 2-D ``src`` (blocks along its last dim; square tiles may also write the
+    transposed bytes, their scales being the same grid transposed)."""
+    transpose = transpose and block[0] == block[1]
+    if kernels is not None:
+        data, data_t, scale_inv = kernels.cast_blockwise(src, block, element, transpose=transpose)
+        return FP8Operand(data, scale_inv, data_t, None, block)
+    q = quantize_fp8_block(src, element, block=block)
+    data = q.elements.to(element.torch_dtype)
+    return FP8Operand(data, q.scales, data.t().contiguous() if transpose else None, None, block)
 
 
 def cast_per_tensor(src: torch.Tensor, element: FloatFormat, scale: torch.Tensor, amax: torch.Tensor, *,
@@ -144,7 +174,7 @@ def shapes_ok(a: FP8Operand, b: FP8Operand) -> bool:
     """Whether ``_scaled_mm`` takes a (M, K) @ b (K, N): every dim a multiple of 16, at most one operand in
     E5M2, and both scaled alike (per tensor, or per row of A and per column of B)."""
     dims_ok = all(d % 16 == 0 for d in (*a.data.shape, b.data.shape[1]))
-    if not dims_ok or a.data.dtype == b.data.dtype == torch.float8_e5m2:
+    if not dims_ok or a.data.dtype == b.data.dtype == torch.float8_e5m2 or a.block or b.block:
         return False
     if a.per_tensor and b.per_tensor:
         return True
@@ -179,3 +209,59 @@ def rowwise_out_dtype_ok(device: torch.device, out_dtype: torch.dtype) -> bool:
         except RuntimeError:
             _ROWWISE_OUT[key] = False
     return _ROWWISE_OUT[key]
+
+
+# Block-scaled GEMMs: how each operand's block grid is laid out for torch, found at first use per shape by
+# comparing with the emulated GEMM (torch's contract for the scales' layout is cuBLAS's, which its docs
+# leave implicit); None: no layout gave the emulated result (or torch refused), so that shape runs emulated.
+_BLOCK_LAYOUTS: dict[tuple, tuple[str, str] | None] = {}
+_LAYOUTS = ("outer", "row")  # scales column-major (outer-dim-major, cuBLAS's 1x128 order) or row-major
+
+
+def _scales(op: FP8Operand, side: str, layout: str) -> torch.Tensor:
+    """The operand's block scales in torch's orientation: A's grid as is (M, K / 128); B's (K, N) as the grid
+    of B^T for 1x128 blocks, (N, K / 128), and of B for 128x128 tiles, (K / 128, N / 128)."""
+    grid = op.scale_inv.t() if side == "b" and op.block[0] != op.block[1] else op.scale_inv
+    return grid.t().contiguous().t() if layout == "outer" else grid.contiguous()
+
+
+def _recipe(op: FP8Operand, side: str):
+    kind = op.block if side == "a" else op.block[::-1]  # B's blocks run along its rows (K)
+    return (torch.nn.functional.ScalingType.BlockWise128x128 if kind[0] == kind[1]
+            else torch.nn.functional.ScalingType.BlockWise1x128)
+
+
+def _block_call(a: FP8Operand, b: FP8Operand, out_dtype: torch.dtype, layouts: tuple[str, str]) -> torch.Tensor:
+    return torch.nn.functional.scaled_mm(a.row_major(), b.col_major(), _scales(a, "a", layouts[0]), _recipe(a, "a"),
+                                         _scales(b, "b", layouts[1]), _recipe(b, "b"), output_dtype=out_dtype)
+
+
+def blockwise_mm(a: FP8Operand, b: FP8Operand, out_dtype: torch.dtype) -> torch.Tensor | None:
+    """``a @ b`` on block-scaled FP8 bytes (a: 1x128 blocks along K; b: 1x128 along K or 128x128 tiles) with
+    torch's block-scaled GEMM, or None where it does not run this shape (the caller emulates). The first
+    call per shape tries the scale layouts and keeps the one whose result agrees with the emulated GEMM
+    within fp32-accumulation error of Hopper's FP8 tensor cores (2 (K + 2) 2^-14 |A| |B|)."""
+    key = (tuple(a.data.shape), tuple(b.data.shape), a.block, b.block, out_dtype, a.data.device)
+    if key not in _BLOCK_LAYOUTS:
+        _BLOCK_LAYOUTS[key] = None
+        dense_a, dense_b = a.dequantized(), b.dequantized()
+        want = dense_a @ dense_b
+        if not torch.isfinite(want).all():  # nothing to compare against: decide at a later call
+            del _BLOCK_LAYOUTS[key]
+            return None
+        bound = 2 * (a.data.shape[1] + 2) * 2.0**-14 * (dense_a.abs() @ dense_b.abs()) + 2.0**-7 * want.abs()
+        for layouts in [(x, y) for x in _LAYOUTS for y in _LAYOUTS]:
+            try:
+                got = _block_call(a, b, out_dtype, layouts).float()
+            except (RuntimeError, ValueError, NotImplementedError):
+                continue
+            if torch.all((got - want).abs() <= bound):
+                _BLOCK_LAYOUTS[key] = layouts
+                break
+    layouts = _BLOCK_LAYOUTS[key]
+    return None if layouts is None else _block_call(a, b, out_dtype, layouts)
+
+
+def blockwise_layouts() -> dict[tuple, tuple[str, str] | None]:
+    """What the first calls found, per shape (for the bench and the GPU tests to report)."""
+    return dict(_BLOCK_LAYOUTS)

@@ -41,6 +41,9 @@ from megatron_snip.numerics.formats import E4M3, FloatFormat
 from megatron_snip.numerics.fp8 import FP8DelayedScaling, fp8_scale_from_amax
 from megatron_snip.numerics.fp8_gemm import (
     FP8Operand,
+    blockwise_enabled,
+    blockwise_mm,
+    cast_block,
     cast_current,
     cast_per_tensor,
     cast_rowwise,
@@ -50,7 +53,7 @@ from megatron_snip.numerics.fp8_gemm import (
     shapes_ok,
 )
 from megatron_snip.numerics.hadamard import HADAMARD_SIZE, random_hadamard_transform, random_signs
-from megatron_snip.numerics.health import HealthStats, OutputBound
+from megatron_snip.numerics.health import HealthStats, OutputBound, element_format
 from megatron_snip.numerics.quantize import quantize_dequantize
 from megatron_snip.numerics.recipes import GEMM_OPERANDS as GEMM_OPERAND_NAMES
 from megatron_snip.numerics.recipes import OperandQuantizer, Precision, RecipeConfig, operand_quantizer
@@ -224,7 +227,9 @@ def describe_backend(recipe: RecipeConfig, device: torch.device) -> str:
     probe = torch.empty(0, device=device)
     kernels = "fused Triton kernels" if _triton(recipe, probe) is not None else "torch reference quantizers"
     fp8 = ("per-tensor and rowwise FP8 GEMMs on torch._scaled_mm (operands cast to FP8 bytes, transposed copies "
-           "by the cast), other GEMMs" if scaled_mm_enabled(recipe, probe) else "GEMMs")
+           "by the cast)" + (", blockwise FP8 on torch's block-scaled GEMM where it agrees with the emulation at "
+                             "first use" if blockwise_enabled(device) else "") + ", other GEMMs"
+           if scaled_mm_enabled(recipe, probe) else "GEMMs")
     return f"torch: operands quantized by {kernels}; {fp8} on dequantized operands with fp32 accumulation"
 
 
@@ -234,7 +239,7 @@ def _quantize(t: torch.Tensor, q: OperandQuantizer, operand: str, quant: LinearQ
     :class:`FP8Operand` (bytes + scales, with ``transpose`` also the transposed bytes of a per-tensor
     one) instead of dequantized."""
     src = t.t() if q.columnwise else t
-    out, amax = _quantize_src(src, q, operand, quant, keep_fp8 and casts_to_bytes(q), gemm, transpose)
+    out, amax = _quantize_src(src, q, operand, quant, keep_fp8 and casts_to_bytes(q, src.device), gemm, transpose)
     health = quant.state.health
     if health is not None and gemm is not None:  # kept per GEMM operand, on the device (--quant-health)
         health.record(f"{gemm}.{operand}", src, out.dequantized if isinstance(out, FP8Operand) else out, q, amax)
@@ -248,6 +253,9 @@ def _quantize_src(src: torch.Tensor, q: OperandQuantizer, operand: str, quant: L
     (0-d, or one per row) where the quantizer computed one anyway (None elsewhere): quantization health
     takes its non-finite flags from it at no cost."""
     scale = generator = None
+    if keep_fp8 and q.spec.block_gemm:  # block scales for torch's block-scaled GEMM (Hopper)
+        return cast_block(src, element_format(q), q.block, transpose=transpose,
+                          kernels=_triton(quant.recipe, src, "triton_fp8")), None
     if q.block == (1, ROW):  # per-row scales: the row amaxes of a split reduction dim over all shards
         fp8 = _triton(quant.recipe, src, "triton_fp8")
         local = row_amax(src, fp8)
@@ -316,8 +324,13 @@ def _matmul(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
     """``a @ b`` for a (M, K), b (K, N) in ``out_dtype``: tensor-core FP8 when both are FP8 bytes and
     ``torch._scaled_mm`` takes them (written in ``out_dtype`` directly), else an fp32 GEMM on the
     dequantized values, then cast."""
-    if isinstance(a, FP8Operand) and isinstance(b, FP8Operand) and shapes_ok(a, b):
-        return scaled_mm(a, b, out_dtype)
+    if isinstance(a, FP8Operand) and isinstance(b, FP8Operand):
+        if shapes_ok(a, b):
+            return scaled_mm(a, b, out_dtype)
+        if a.block is not None and b.block is not None:
+            out = blockwise_mm(a, b, out_dtype)
+            if out is not None:
+                return out
     dense = [op.dequantized() if isinstance(op, FP8Operand) else op for op in (a, b)]
     return (dense[0] @ dense[1]).to(out_dtype)
 
@@ -337,13 +350,14 @@ def _save(ctx, *operands: Operand) -> None:
             tensors.extend((op.data if op.data_t is None else op.data_t.t(), op.scale_inv))
         else:
             tensors.append(op)
-    ctx.fp8_saved = [isinstance(op, FP8Operand) for op in operands]
+    ctx.fp8_saved = [(op.block,) if isinstance(op, FP8Operand) else None for op in operands]  # (its block,)
     ctx.save_for_backward(*tensors)
 
 
 def _saved(ctx) -> list[Operand]:
     tensors = iter(ctx.saved_tensors)
-    return [FP8Operand(next(tensors), next(tensors)) if fp8 else next(tensors) for fp8 in ctx.fp8_saved]
+    return [next(tensors) if fp8 is None else FP8Operand(next(tensors), next(tensors), block=fp8[0])
+            for fp8 in ctx.fp8_saved]
 
 
 def hadamard_wgrad_operands(

@@ -74,6 +74,8 @@ class SchemeFormat:
             rather than always on.
         wgrad_hadamard: its wgrad operands may take the random Hadamard transform (NVFP4).
         stochastic_rounding: the scheme can round its elements stochastically (E2M1 gradients).
+        block_gemm: torch's block-scaled GEMM (``F.scaled_mm`` with 1x128 / 128x128 scales, cuBLAS on
+            Hopper) takes its FP8 bytes and block scales.
         speed_key: the class of tensor-core kernel its GEMMs need ("bf16", "fp8", "fp8_block", "mx8",
             "fp4"): the key of the published-peak speed tables (``precision/gemm_speed.py``).
     """
@@ -91,6 +93,7 @@ class SchemeFormat:
     weight_tiles_optional: bool = False
     wgrad_hadamard: bool = False
     stochastic_rounding: bool = False
+    block_gemm: bool = False
 
     @property
     def quantized(self) -> bool:
@@ -118,7 +121,7 @@ SCHEMES: dict[str, SchemeFormat] = {s.name: s for s in (
     SchemeFormat("fp8_rowwise", 8, (1, ROW), (1, ROW), "fp32 power of 2 per row of the reduction dim", "fp8",
                  ("e4m3",)),
     SchemeFormat("fp8_block", 8, (1, FP8_BLOCK), (FP8_BLOCK, FP8_BLOCK), "fp32 power of 2 per block", "fp8_block",
-                 ("e4m3",)),
+                 ("e4m3",), block_gemm=True),
     SchemeFormat("mxfp8", 8, (1, MX_BLOCK), (1, MX_BLOCK), "E8M0 per block", "mx8", ("e4m3",)),
     SchemeFormat("mxfp4", 4, (1, MX_BLOCK), (1, MX_BLOCK), "E8M0 per block", "fp4", ("e2m1",),
                  stochastic_rounding=True),

@@ -203,3 +203,52 @@ def cast_rowwise(x: torch.Tensor, fmt: FloatFormat = E4M3, *, amax: torch.Tensor
     data, _, scale_inv = _cast(x, fmt, row_amax(x) if amax is None else amax, from_amax=True, per_row=True,
                                pow2=True, transpose=False)
     return data, scale_inv
+
+
+@triton.jit
+def _block_cast_kernel(
+    x_ptr, out_ptr, out_t_ptr, scale_inv_ptr, R, C, stride_r, stride_c, n_col_blocks,
+    TRANSPOSE: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr, MANT: tl.constexpr, MAXV: tl.constexpr,
+    BIAS: tl.constexpr, INV_ULP: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, TR: tl.constexpr,
+):
+    """TR x BC elements of an (R, C) operand (TR // BR blocks of BR x BC) -> FP8 bytes and one power-of-two
+    decode scale per block (``fp8.quantize_fp8_block``): the block amax as the max of ``|x|``'s bit
+    patterns (a NaN wins), the scale as ``fp8_scale_from_amax(pow2=True)``."""
+    pid_r, pid_c = tl.program_id(0), tl.program_id(1)
+    rows = pid_r * TR + tl.arange(0, TR)
+    cols = pid_c * BC + tl.arange(0, BC)
+    mask = (rows[:, None] < R) & (cols[None, :] < C)
+    x = tl.load(x_ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=mask, other=0.0).to(tl.float32)
+    bits = tl.reshape(tl.abs(x).to(tl.int32, bitcast=True), (TR // BR, BR, BC))
+    amax = tl.max(tl.max(bits, axis=2), axis=1).to(tl.float32, bitcast=True)  # (TR // BR,)
+    scale = _scale_from_amax(amax, MAXV, True)
+    xs = tl.reshape(tl.reshape(x, (TR // BR, BR, BC)) * scale[:, None, None], (TR, BC))
+    codes = _encode(_round_signed(xs, xs, EMIN, EMAX, MANT, MAXV, False), EMIN, MANT, BIAS, INV_ULP).to(tl.uint8)
+    tl.store(out_ptr + rows[:, None] * C + cols[None, :], codes, mask=mask)
+    if TRANSPOSE:
+        tl.store(out_t_ptr + cols[:, None] * R + rows[None, :], tl.trans(codes), mask=tl.trans(mask))
+    block_rows = pid_r * (TR // BR) + tl.arange(0, TR // BR)
+    tl.store(scale_inv_ptr + block_rows * n_col_blocks + pid_c, _reciprocal(scale),
+             mask=block_rows < tl.cdiv(R, BR))
+
+
+def cast_blockwise(x: torch.Tensor, block: tuple[int, int], fmt: FloatFormat = E4M3, *, transpose: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Block-scaled FP8 cast of 2-D ``x`` (blocks (1, BC) or square tiles): (bytes (R, C), bytes of x.T (C, R)
+    or None, decode scales (ceil(R / BR), ceil(C / BC))), as ``fp8.quantize_fp8_block`` (power-of-two scales).
+    Launches: one (a program per TR rows x one block column), reading x once."""
+    _check(x, fmt)
+    rows, cols = x.shape
+    br, bc = block
+    tile_r = br if br > 1 else 16
+    out = torch.empty(rows, cols, dtype=fmt.torch_dtype, device=x.device)
+    out_t = torch.empty(cols, rows, dtype=fmt.torch_dtype, device=x.device) if transpose else None
+    n_col_blocks = triton.cdiv(cols, bc)
+    scale_inv = torch.empty(triton.cdiv(rows, br), n_col_blocks, dtype=torch.float32, device=x.device)
+    _block_cast_kernel[(triton.cdiv(rows, tile_r), n_col_blocks)](
+        x, out.view(torch.uint8), (out_t if transpose else out).view(torch.uint8), scale_inv, rows, cols,
+        x.stride(0), x.stride(1), n_col_blocks, TRANSPOSE=transpose,
+        EMIN=fmt.emin, EMAX=fmt.emax, MANT=fmt.mant_bits, MAXV=fmt.max, BIAS=_BIAS[fmt.name],
+        INV_ULP=2.0 ** (fmt.mant_bits - fmt.emin), BR=br, BC=bc, TR=tile_r, enable_fp_fusion=False,
+    )
+    return out, out_t, scale_inv

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from megatron_snip.numerics.recipes import RecipeConfig
-from megatron_snip.numerics.registry import SchemeFormat, precision_format, precision_scheme
+from megatron_snip.numerics.registry import ROW, SchemeFormat, precision_format, precision_scheme
 
 # Compute capabilities of the tensor cores each real kernel needs.
 FP8_TENSOR_CORES = (8, 9)  # Ada / Hopper: per-tensor FP8 (torch._scaled_mm, TE)
@@ -78,8 +78,11 @@ def _execution(fmt: str, recipe: RecipeConfig, backend: str, capability: tuple[i
     if backend == "transformer_engine":
         return _te_execution(fmt, scheme, recipe, capability)
     scaled_mm = recipe.fp8_gemm == "scaled_mm" or (recipe.fp8_gemm == "auto" and capability >= FP8_TENSOR_CORES)
-    if scheme.per_tensor and scaled_mm:
+    if scaled_mm and (scheme.per_tensor or scheme.block == (1, ROW)):
         return "real: torch._scaled_mm FP8 tensor cores"
+    if scaled_mm and scheme.block_gemm and capability == HOPPER:
+        return ("real where torch's block-scaled GEMM agrees with the emulation at first use (checked per shape), "
+                "else simulated")
     return SIMULATED
 
 
