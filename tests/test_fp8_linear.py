@@ -297,3 +297,18 @@ def test_blockwise_layers_feed_the_block_scaled_gemm_consistent_operands(monkeyp
         bound = 2 * 2 * (a.shape[1] + 2) * 2.0**-24 * (a.abs() @ b.abs())
         assert torch.all((actual - expected).abs() <= bound)
     fp8_gemm._BLOCK_LAYOUTS.clear()
+
+
+@pytest.mark.skipif(DEVICE == "cpu" or not fp8_gemm.blockwise_enabled(torch.device(DEVICE)),
+                    reason="torch's block-scaled FP8 GEMM runs on Hopper (sm_90)")
+def test_on_hopper_every_blockwise_gemm_runs_on_torchs_block_scaled_gemm():
+    """The acceptance test of the real kernel: fprop, dgrad and wgrad each find a scale layout under which
+    cuBLAS's block-scaled GEMM agrees with the emulation (else they would run emulated)."""
+    fp8_gemm._BLOCK_LAYOUTS.clear()
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(512, 256, generator=g).to(DEVICE, torch.bfloat16)
+    w = (torch.randn(384, 256, generator=g) * 0.1).to(DEVICE, torch.bfloat16)
+    dy = torch.randn(512, 384, generator=g).to(DEVICE, torch.bfloat16)
+    run_layer(x, w, dy, "scaled_mm", fp8_recipe="blockwise", kernels="triton")
+    layouts = fp8_gemm.blockwise_layouts()
+    assert len(layouts) == 3 and None not in layouts.values(), layouts
