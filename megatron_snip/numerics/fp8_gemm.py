@@ -54,7 +54,6 @@ class FP8Operand:
         scale_inv: fp32 decode scales: 0-d (per tensor), (R, 1) (per row) or (1, C) (per column:
             a per-row cast of the transpose, seen through ``t()``).
         data_t: the same bytes transposed, (C, R) row-major, where the cast wrote them; None elsewhere.
-        amax: the 0-d or per-row amax the scales came from (quantization health reads it), or None.
         block: block-scaled operands: the (rows, cols) block, ``scale_inv`` then holds one scale per
             block, (ceil(R / rows), ceil(C / cols)); None for per-tensor and per-row scales.
     """
@@ -62,15 +61,14 @@ class FP8Operand:
     data: torch.Tensor
     scale_inv: torch.Tensor
     data_t: torch.Tensor | None = None
-    amax: torch.Tensor | None = None
     block: tuple[int, int] | None = None
 
     def t(self) -> FP8Operand:
         scale = self.scale_inv.t() if self.scale_inv.dim() == 2 else self.scale_inv
         block = None if self.block is None else self.block[::-1]
         if self.data_t is not None:
-            return FP8Operand(self.data_t, scale, self.data, self.amax, block)
-        return FP8Operand(self.data.t(), scale, None, self.amax, block)
+            return FP8Operand(self.data_t, scale, self.data, block)
+        return FP8Operand(self.data.t(), scale, None, block)
 
     def dequantized(self) -> torch.Tensor:
         if self.block is None:
@@ -119,14 +117,14 @@ def cast_block(src: torch.Tensor, element: FloatFormat, block: tuple[int, int], 
     transpose = transpose and block[0] == block[1]
     if kernels is not None:
         data, data_t, scale_inv = kernels.cast_blockwise(src, block, element, transpose=transpose)
-        return FP8Operand(data, scale_inv, data_t, None, block)
+        return FP8Operand(data, scale_inv, data_t, block)
     q = quantize_fp8_block(src, element, block=block)
     data = q.elements.to(element.torch_dtype)
-    return FP8Operand(data, q.scales, data.t().contiguous() if transpose else None, None, block)
+    return FP8Operand(data, q.scales, data.t().contiguous() if transpose else None, block)
 
 
-def cast_per_tensor(src: torch.Tensor, element: FloatFormat, scale: torch.Tensor, amax: torch.Tensor, *,
-                    transpose: bool, kernels: ModuleType | None) -> FP8Operand:
+def cast_per_tensor(src: torch.Tensor, element: FloatFormat, scale: torch.Tensor, *, transpose: bool,
+                    kernels: ModuleType | None) -> FP8Operand:
     """``src`` (2-D) as FP8 bytes under the 0-d encode ``scale`` (and its transpose with ``transpose``)."""
     if kernels is not None:
         data, data_t, scale_inv = kernels.cast_tensorwise(src, element, scale=scale, transpose=transpose)
@@ -134,7 +132,7 @@ def cast_per_tensor(src: torch.Tensor, element: FloatFormat, scale: torch.Tensor
         data = to_elements(src.float() * scale, element)
         data_t = data.t().contiguous() if transpose else None
         scale_inv = torch.reciprocal(scale)
-    return FP8Operand(data, scale_inv, data_t, amax)
+    return FP8Operand(data, scale_inv, data_t)
 
 
 def cast_current(src: torch.Tensor, element: FloatFormat, amax: torch.Tensor | None, *, transpose: bool,
@@ -145,10 +143,9 @@ def cast_current(src: torch.Tensor, element: FloatFormat, amax: torch.Tensor | N
         if amax is None:
             amax = kernels.tensor_amax_bits(src)
         data, data_t, scale_inv = kernels.cast_tensorwise(src, element, amax=amax, transpose=transpose)
-        return FP8Operand(data, scale_inv, data_t, amax)
+        return FP8Operand(data, scale_inv, data_t)
     amax = tensor_amax(src, amax).float()
-    return cast_per_tensor(src, element, fp8_scale_from_amax(amax, element), amax, transpose=transpose,
-                           kernels=None)
+    return cast_per_tensor(src, element, fp8_scale_from_amax(amax, element), transpose=transpose, kernels=None)
 
 
 def row_amax(src: torch.Tensor, kernels: ModuleType | None) -> torch.Tensor:
@@ -165,9 +162,9 @@ def cast_rowwise(src: torch.Tensor, element: FloatFormat, amax: torch.Tensor | N
     amaxes over every shard of each row (None: ``src``'s own)."""
     if kernels is not None:
         data, scale_inv = kernels.cast_rowwise(src, element, amax=amax)
-        return FP8Operand(data, scale_inv.reshape(-1, 1), None, amax)
+        return FP8Operand(data, scale_inv.reshape(-1, 1))
     q = quantize_fp8_block(src, element, block=(1, ROW), amax=amax)
-    return FP8Operand(q.elements.to(element.torch_dtype), q.scales, None, amax)
+    return FP8Operand(q.elements.to(element.torch_dtype), q.scales)
 
 
 def shapes_ok(a: FP8Operand, b: FP8Operand) -> bool:

@@ -235,9 +235,9 @@ def describe_backend(recipe: RecipeConfig, device: torch.device) -> str:
 
 def _quantize(t: torch.Tensor, q: OperandQuantizer, operand: str, quant: LinearQuantization,
               keep_fp8: bool = False, gemm: str | None = None, transpose: bool = False) -> Operand:
-    """:func:`quantize_operand`; with ``keep_fp8`` a per-tensor or per-row FP8 operand comes back as an
-    :class:`FP8Operand` (bytes + scales, with ``transpose`` also the transposed bytes of a per-tensor
-    one) instead of dequantized."""
+    """:func:`quantize_operand`; with ``keep_fp8`` an FP8 operand that a scaled GEMM on this device takes
+    (``fp8_gemm.casts_to_bytes``) comes back as an :class:`FP8Operand` (bytes + scales, with ``transpose``
+    also the transposed bytes where its scales allow: per tensor, square tiles) instead of dequantized."""
     src = t.t() if q.columnwise else t
     out, amax = _quantize_src(src, q, operand, quant, keep_fp8 and casts_to_bytes(q, src.device), gemm, transpose)
     health = quant.state.health
@@ -278,7 +278,7 @@ def _quantize_src(src: torch.Tensor, q: OperandQuantizer, operand: str, quant: L
             scale = scaler.scale_for(amax)
             scaler.record(amax)
         if keep_fp8:
-            return cast_per_tensor(src, q.element, scale, amax, transpose=transpose, kernels=fp8), local
+            return cast_per_tensor(src, q.element, scale, transpose=transpose, kernels=fp8), local
     else:
         local = tensor_amax(src).float() if q.spec.global_scale else None  # nvfp4's per-tensor scale
     if q.stochastic:
