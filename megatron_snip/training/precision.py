@@ -263,6 +263,11 @@ def speed_model(config: RunConfig, dims: LlamaLinearDims) -> GemmSpeedModel:
     log says which and how long it took."""
     if config.precision.gemm_speed_model != "measured":
         return peak_speed_model(config.precision.gemm_speed_model)
+    if config.model.transformer_impl == "transformer_engine":  # the table times this package's linears, not TE's
+        auto = peak_speed_model("auto")
+        return GemmSpeedModel(auto.name, auto.throughput, auto.source, notes=(
+            *auto.notes, "--gemm-speed-model measured times this package's quantized linears, not Transformer "
+            "Engine's: the peak estimate serves with --transformer-impl transformer_engine"))
     import torch.distributed as dist
 
     from megatron_snip.compat.device import current_device
