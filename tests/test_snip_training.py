@@ -43,11 +43,16 @@ def test_replans_at_two_intervals_and_meets_the_target(snip_run):
         assert min(stage_fraction.values()) >= TARGET - 1e-9  # per-stage budget
     losses = scalars(snip_run / "tb", tags.LM_LOSS)
     assert losses[6] < losses[1]
-    # The non-FP4 remainder runs in FP8, at the baselines' estimated GEMM time (blackwell without a GPU).
+    # The non-FP4 remainder runs in FP8, at the baselines' GEMM time under research mode's proxy (the peak
+    # estimate: blackwell without a GPU) ...
     fp8 = scalars(snip_run / "tb", tags.FP8_FRACTION)
     assert fp8[4] > 0
+    planned = scalars(snip_run / "tb", tags.snip("estimated gemm time vs bf16"))
+    assert planned[3] <= TARGET / 4 + (1 - TARGET) / 2 + 1e-9
+    # ... while the time every log line reports is the measured one: on a CPU every format below bf16 is
+    # emulated, slower than bf16.
     time = scalars(snip_run / "tb", tags.GEMM_TIME)
-    assert time[1] == 1.0 and time[4] <= TARGET / 4 + (1 - TARGET) / 2 + 1e-9
+    assert time[1] == 1.0 and time[4] > 1.0
 
 
 def test_time_target_with_the_papers_candidates_at_tp2_pp2(tiny_data, tmp_path):
