@@ -32,7 +32,7 @@ import gc
 import math
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -41,51 +41,40 @@ from step_time import BENCH_VOCAB
 from timing import StepClock, device_name, peak_memory_gib, peak_memory_reset
 from torch import nn
 
+from megatron_snip.model.presets import PRESETS, LlamaShape
+
 VARIANTS = ("eager", "compiled", "float8-tensorwise", "float8-rowwise")
 FP8_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada, Hopper and later
 
 
 @dataclass(frozen=True)
 class PeerConfig:
-    """The model and batch (field names as Megatron's flags, underscored)."""
+    """The model (a preset's shape) and the batch: ``num_microbatches`` of ``micro_batch_size`` sequences."""
 
-    num_layers: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    seq_length: int
-    rotary_base: float = 10000.0
-    norm_epsilon: float = 1e-5
+    shape: LlamaShape
     vocab_size: int = BENCH_VOCAB
     micro_batch_size: int = 1
     num_microbatches: int = 8
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
     @classmethod
-    def from_preset(cls, name: str, **overrides) -> PeerConfig:
-        """A ``megatron_snip.model.presets`` shape, with ``overrides`` (None values ignored)."""
-        from megatron_snip.model.presets import PRESETS
-
+    def from_preset(cls, name: str, num_layers: int | None = None, seq_length: int | None = None,
+                    **batch) -> PeerConfig:
+        """A ``megatron_snip.model.presets`` shape, with its layers and sequence length overridden where given."""
         shape = PRESETS[name]
-        config = cls(**{f: getattr(shape, f) for f in ("num_layers", "hidden_size", "ffn_hidden_size",
-                                                        "num_attention_heads", "num_query_groups", "seq_length",
-                                                        "rotary_base", "norm_epsilon")})
-        return replace(config, **{k: v for k, v in overrides.items() if v is not None})
+        shape = replace(shape, num_layers=num_layers or shape.num_layers, seq_length=seq_length or shape.seq_length,
+                        max_position_embeddings=seq_length or shape.max_position_embeddings)
+        return cls(shape, **batch)
 
     def flops_per_iteration(self) -> float:
         """Model FLOPs of one iteration by the project's formula (the trainer bench's figure)."""
         from megatron_snip.model.config import ModelConfig
         from megatron_snip.model.llama import flops_per_token
 
-        model = ModelConfig(num_layers=self.num_layers, hidden_size=self.hidden_size,
-                            ffn_hidden_size=self.ffn_hidden_size, num_attention_heads=self.num_attention_heads,
-                            num_query_groups=self.num_query_groups, seq_length=self.seq_length)
-        tokens = self.micro_batch_size * self.num_microbatches * self.seq_length
-        return flops_per_token(model, self.vocab_size) * tokens
+        s = self.shape
+        model = ModelConfig(num_layers=s.num_layers, hidden_size=s.hidden_size, ffn_hidden_size=s.ffn_hidden_size,
+                            num_attention_heads=s.num_attention_heads, num_query_groups=s.num_query_groups,
+                            seq_length=s.seq_length)
+        return flops_per_token(model, self.vocab_size) * self.micro_batch_size * self.num_microbatches * s.seq_length
 
 
 # -- the model (torchtitan's llama3 model, trimmed) ------------------------------------------------
@@ -106,10 +95,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x.float() * cos + rotated.float() * sin).type_as(x)
 
 
+def head_dim(c: LlamaShape) -> int:
+    return c.hidden_size // c.num_attention_heads
+
+
 class Attention(nn.Module):
-    def __init__(self, c: PeerConfig):
+    def __init__(self, c: LlamaShape):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_query_groups, c.head_dim
+        self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_query_groups, head_dim(c)
         self.wq = nn.Linear(c.hidden_size, self.heads * self.head_dim, bias=False)
         self.wk = nn.Linear(c.hidden_size, self.kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(c.hidden_size, self.kv_heads * self.head_dim, bias=False)
@@ -127,7 +120,7 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, c: PeerConfig):
+    def __init__(self, c: LlamaShape):
         super().__init__()
         self.w1 = nn.Linear(c.hidden_size, c.ffn_hidden_size, bias=False)
         self.w2 = nn.Linear(c.ffn_hidden_size, c.hidden_size, bias=False)
@@ -138,7 +131,7 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, c: PeerConfig):
+    def __init__(self, c: LlamaShape):
         super().__init__()
         self.attention_norm = nn.RMSNorm(c.hidden_size, eps=c.norm_epsilon)
         self.attention = Attention(c)
@@ -151,14 +144,14 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, c: PeerConfig):
+    def __init__(self, c: LlamaShape, vocab_size: int):
         super().__init__()
-        self.config = c
-        self.tok_embeddings = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.shape = c
+        self.tok_embeddings = nn.Embedding(vocab_size, c.hidden_size)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(c) for i in range(c.num_layers)})
         self.norm = nn.RMSNorm(c.hidden_size, eps=c.norm_epsilon)
-        self.output = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-        cos, sin = rope_tables(c.head_dim, c.seq_length, c.rotary_base)
+        self.output = nn.Linear(c.hidden_size, vocab_size, bias=False)
+        cos, sin = rope_tables(head_dim(c), c.seq_length, c.rotary_base)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.init_weights()
@@ -168,7 +161,7 @@ class Transformer(nn.Module):
             if p.dim() == 1:
                 nn.init.ones_(p)  # the norms
             else:  # the output projections scaled down with depth, as torchtitan does
-                scale = 1 / math.sqrt(2 * self.config.num_layers) if name.endswith(("wo.weight", "w2.weight")) else 1
+                scale = 1 / math.sqrt(2 * self.shape.num_layers) if name.endswith(("wo.weight", "w2.weight")) else 1
                 nn.init.trunc_normal_(p, std=std * scale, a=-3 * std, b=3 * std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -209,7 +202,7 @@ def build(config: PeerConfig, variant: str, device: torch.device, backend: str =
     """The model (fp32 weights on ``device``) in ``variant`` and its AdamW."""
     torch.manual_seed(seed)
     with device:  # initialised where it runs: a billion parameters initialised on the host take seconds
-        model = Transformer(config)
+        model = Transformer(config.shape, config.vocab_size)
     if variant.startswith("float8-"):
         convert_float8(model, variant.removeprefix("float8-"))
     if variant != "eager":
@@ -237,7 +230,7 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batches: li
 
 def random_batches(config: PeerConfig, device: torch.device, seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator(device="cpu").manual_seed(seed)
-    return [torch.randint(0, config.vocab_size, (config.micro_batch_size, config.seq_length + 1), generator=g)
+    return [torch.randint(0, config.vocab_size, (config.micro_batch_size, config.shape.seq_length + 1), generator=g)
             .to(device) for _ in range(config.num_microbatches)]
 
 
@@ -298,7 +291,6 @@ def summarise(config: PeerConfig, measured: dict[str, dict], peak_tflops: float 
 
 def main() -> None:
     from megatron_snip.compat.cpu import silence_cpu_warnings
-    from megatron_snip.model.presets import PRESETS
 
     silence_cpu_warnings()
     from megatron_snip.training.logger import peak_tflops
@@ -320,11 +312,11 @@ def main() -> None:
     opts = p.parse_args()
     if opts.iters <= opts.warmup + 1:
         p.error(f"--iters {opts.iters} must exceed --warmup {opts.warmup} + 1 (time at least two iterations)")
-    config = PeerConfig.from_preset(opts.preset, num_layers=opts.num_layers, seq_length=opts.seq_length,
-                                    vocab_size=opts.vocab_size, micro_batch_size=opts.micro_batch_size,
-                                    num_microbatches=opts.num_microbatches)
+    config = PeerConfig.from_preset(opts.preset, opts.num_layers, opts.seq_length, vocab_size=opts.vocab_size,
+                                    micro_batch_size=opts.micro_batch_size, num_microbatches=opts.num_microbatches)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    print(f"peer: preset {opts.preset}, {config.num_layers} layers x {config.hidden_size}, seq {config.seq_length}, "
+    shape = config.shape
+    print(f"peer: preset {opts.preset}, {shape.num_layers} layers x {shape.hidden_size}, seq {shape.seq_length}, "
           f"vocab {config.vocab_size}, {config.num_microbatches} micro-batches of {config.micro_batch_size}; "
           f"{device_name()}; torch {torch.__version__}; {opts.iters - opts.warmup} timed iterations", flush=True)
     measured = {}
@@ -336,7 +328,7 @@ def main() -> None:
     lines, figures = summarise(config, measured, peak_tflops(opts.peak_tflops))
     print("\n".join(lines))
     write_json(opts.json, {"benchmark": "peer_step", "device": device_name(), "preset": opts.preset,
-                           "config": config.__dict__, **figures})
+                           "config": asdict(config), **figures})
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import prepare_gpu_wheels as wheels
 from side_by_side import side_by_side
 
 CUDA_FILES = {"tests/test_triton_qdq.py", "tests/test_fp8_gemm.py", "tests/test_quantizers.py",
-              "tests/test_gpu_training.py"}
+              "tests/test_gpu_training.py", "tests/test_snip_probes.py"}
 
 
 def suite(*args: str) -> subprocess.CompletedProcess:
@@ -68,7 +68,9 @@ def test_without_cuda_the_suite_says_what_it_would_run_within_9_minutes_and_exit
     tests = steps["tests"][2]
     assert "-m pytest -v -m cuda" in tests and all(f in tests for f in CUDA_FILES)
     assert "-p pytest_deadline --test-deadline 60 --durations 15" in tests
-    assert "--deselect 'tests/test_gpu_training.py::test_one_gpu_trains_in_each_precision[mxfp4]'" in tests
+    for slow in ("bf16", "nvfp4", "mxfp4"):
+        assert f"--deselect 'tests/test_gpu_training.py::test_one_gpu_trains_in_each_precision[{slow}]'" in tests
+    assert "[fp8]" not in tests
     assert not (tmp_path / "out").exists(), "nothing runs, nothing is written"
     bad = suite("--wheels", str(tmp_path / "absent"))
     assert bad.returncode == 2 and "--wheels" in bad.stderr and "prepare_gpu_wheels.py" in bad.stderr
@@ -102,7 +104,8 @@ def test_the_cuda_cases_are_selected_by_their_marker():
     for case in ("test_triton_qdq.py::test_quantized_linear_with_kernels_equals_reference",
                  "test_fp8_gemm.py::test_scaled_mm_matches_emulated_within_accumulation_order",
                  "test_gpu_training.py::test_one_gpu_trains_in_each_precision[fp8]",
-                 "test_gpu_training.py::test_one_gpu_snip_replans_and_trains"):
+                 "test_gpu_training.py::test_one_gpu_snip_replans_and_trains",
+                 "test_snip_probes.py::test_the_fused_noise_kernel_draws_the_references_values"):
         assert case in selected, case
 
 

@@ -18,9 +18,12 @@ sys.path.insert(0, str(ROOT / "bench"))
 import peer_step
 from peer_step import PeerConfig
 
+from megatron_snip.model.presets import LlamaShape
+
 CPU = torch.device("cpu")
-TINY = PeerConfig(num_layers=2, hidden_size=64, ffn_hidden_size=160, num_attention_heads=4, num_query_groups=2,
-                  seq_length=32, vocab_size=256, num_microbatches=2)
+SHAPE = LlamaShape(num_layers=2, hidden_size=64, ffn_hidden_size=160, num_attention_heads=4, num_query_groups=2,
+                   seq_length=32, max_position_embeddings=32)
+TINY = PeerConfig(SHAPE, vocab_size=256, num_microbatches=2)
 
 
 @pytest.mark.parametrize("preset, overrides", [("tinyllama-1.1b", {}),
@@ -30,16 +33,17 @@ def test_the_peer_is_the_trainers_llama_in_parameters_and_flops(preset, override
     from megatron_snip.model.llama import flops_per_token, num_parameters
     from megatron_snip.model.presets import PRESETS
 
-    config = PeerConfig.from_preset(preset, **overrides, vocab_size=2048)
+    config = PeerConfig.from_preset(preset, **overrides)
     shape = {**PRESETS[preset].as_args(), **overrides}
     model = ModelConfig(**{k: shape[k] for k in ("num_layers", "hidden_size", "ffn_hidden_size",
                                                  "num_attention_heads", "num_query_groups", "seq_length")},
                         share_embeddings_and_output_weights=False)
     with torch.device("meta"):
-        peer = peer_step.Transformer(config)
+        peer = peer_step.Transformer(config.shape, 2048)
     assert sum(p.numel() for p in peer.parameters()) == num_parameters(model, 2048)
     assert config.flops_per_iteration() == flops_per_token(model, 2048) * 8 * shape["seq_length"]
-    assert config.rotary_base == PRESETS[preset].rotary_base and config.num_microbatches == 8
+    assert config.shape.rotary_base == PRESETS[preset].rotary_base and config.num_microbatches == 8
+    assert config.vocab_size == 2048 and config.shape.max_position_embeddings == shape["seq_length"]
 
 
 def test_rope_rotates_pairs_so_scores_depend_only_on_the_offset():
@@ -64,10 +68,10 @@ def test_attention_is_causal_grouped_query_attention():
     """The module's output against attention written out: softmax(q k^T / sqrt(d) + causal mask) v, each
     query head reading its group's key/value head."""
     torch.manual_seed(0)
-    attention = peer_step.Attention(TINY)
-    b, s, h, kvh, d = 2, 6, TINY.num_attention_heads, TINY.num_query_groups, TINY.head_dim
-    x = torch.randn(b, s, TINY.hidden_size)
-    cos, sin = peer_step.rope_tables(d, s, TINY.rotary_base)
+    attention = peer_step.Attention(SHAPE)
+    b, s, h, kvh, d = 2, 6, SHAPE.num_attention_heads, SHAPE.num_query_groups, peer_step.head_dim(SHAPE)
+    x = torch.randn(b, s, SHAPE.hidden_size)
+    cos, sin = peer_step.rope_tables(d, s, SHAPE.rotary_base)
     q = peer_step.apply_rope(attention.wq(x).view(b, s, h, d), cos, sin)
     k = peer_step.apply_rope(attention.wk(x).view(b, s, kvh, d), cos, sin)
     v = attention.wv(x).view(b, s, kvh, d)
@@ -133,6 +137,6 @@ def test_the_script_runs_and_writes_its_figures(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert set(result["variants"]) == {"eager"} and result["config"]["num_layers"] == 2
+    assert set(result["variants"]) == {"eager"} and result["config"]["shape"]["num_layers"] == 2
     assert all(v["seconds"] > 0 and len(v["losses"]) == 3 for v in result["variants"].values())
     assert "peer eager" in proc.stdout

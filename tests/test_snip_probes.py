@@ -382,14 +382,15 @@ def test_probe_leaves_no_trace(single):
 
 @pytest.mark.integration
 def test_fisher_curvature_skips_the_hutchinson_passes_and_changes_nothing_else(single):
-    """``--snip-curvature fisher``: the cycle runs 2 + K passes instead of 2 + 2K, each module's
-    curvature is ``N ||dY||^2`` of the clean pass, and every other statistic is the Hutchinson
-    cycle's bit for bit (the same state, batch and noise)."""
+    """``--snip-curvature fisher``: the cycle runs 2 + K passes instead of 2 + 2K (and, both, the clean
+    forward the perturbation passes compare against), each module's curvature is ``N ||dY||^2`` of the
+    clean pass, and every other statistic is the Hutchinson cycle's bit for bit (the same state, batch
+    and noise)."""
     from megatron_snip.snip.estimators import fisher_trace
 
     micro, k = MICRO, 3
-    assert single["forward_calls_hutchinson"] == (2 + 2 * k) * micro
-    assert single["forward_calls_fisher"] == (2 + k) * micro
+    assert single["forward_calls_hutchinson"] == (2 + 2 * k + 1) * micro
+    assert single["forward_calls_fisher"] == (2 + k + 1) * micro
     hutchinson, fisher = copy.deepcopy(single["fisher_pair"])  # the fixture is shared: pop from copies
     assert fisher["settings"].pop("curvature") == "fisher"
     assert hutchinson["settings"].pop("curvature") == "hutchinson"
@@ -725,6 +726,7 @@ def test_perturbed_parameters_are_restored_from_the_main_copy_only_where_it_give
     assert view(shard, fp32).main_as_param() is None and view(fp32, fp32).main_as_param() is None
 
 
+@pytest.mark.cuda  # compiled and run on the GPU when there is one (bench/gpu_suite.py), else interpreted
 def test_the_fused_noise_kernel_draws_the_references_values():
     """The Triton kernel the probes use on CUDA (here in Triton's interpreter) gives, bit for bit, the
     torch reference's noise for every layout and slice, for indices past 2^32 and keys past 2^63."""
