@@ -1,14 +1,17 @@
-"""Download the wheels a lent GPU machine lacks into ``.gpu_wheels/``, for bench/gpu_suite.py to install there.
+"""Download the wheels a GPU machine without network lacks into ``.gpu_wheels/``, for bench/gpu_suite.py.
 
-    python bench/prepare_gpu_wheels.py            # then the device call it prints (docs/benchmarks.md)
+    python bench/prepare_gpu_wheels.py      # here, with network
+    python bench/gpu_suite.py --wheels .gpu_wheels --out DIR     # there (docs/benchmarks.md)
 
-The lent machines (H100 / H200) have Python 3.12 on x86-64 with torch (CUDA), triton,
-sentencepiece, tensorboard and transformers, and no network. What the project needs
-beyond that travels with the working tree as wheels (64 MiB per call, the tree
-included): the pins below, each downloaded without its dependencies, so nothing
-large (torch) is pulled in; the pure-Python dependencies that may be missing there
-are pinned too. bench/gpu_suite.py installs the top-level ones with ``--no-index``;
-pip takes the rest from the folder only when the machine lacks them.
+For a CUDA machine with Python 3.12 on x86-64, torch (CUDA), triton, sentencepiece,
+tensorboard and transformers, but no network. What the project needs beyond that is
+copied there as wheels, in a folder kept under CARRY_LIMIT_MIB: the pins below, each
+downloaded without its dependencies, so nothing large (torch) is pulled in; the
+pure-Python dependencies that may be missing there are pinned too. bench/gpu_suite.py
+installs the top-level ones with ``--no-index``; pip takes the rest from the folder only
+when the machine lacks them. OPTIONAL wheels (torchao, for bench/peer_step.py's float8
+variants) are fetched when the index serves them; without them the suite skips what
+needs them.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ DEST = ROOT / ".gpu_wheels"
 PYTHON = "3.12"
 # megatron-core and highspy ship manylinux_2_28 wheels, gurobipy manylinux2014 ones: pip needs both named.
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux2014_x86_64")
-CARRY_LIMIT_MIB = 60  # the device call carries 64 MiB with the working tree (~1 MiB)
+CARRY_LIMIT_MIB = 60  # small enough to copy along with the working tree (~1 MiB)
 
 # Installed on the device by name (bench/gpu_suite.py); versions equal the CPU environment's.
 TOP_LEVEL = {
@@ -42,6 +45,10 @@ DEPENDENCIES = {
     "pygments": "2.21.0",
 }
 WHEELS = {**TOP_LEVEL, **DEPENDENCIES}
+# Installed when present, without dependencies (it has none); the CPU environment does not need them.
+OPTIONAL = {
+    "torchao": "0.18.0",  # torchao-0.18.0-cp310-abi3-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl, 3.4 MB
+}
 
 
 def normalise(name: str) -> str:
@@ -55,17 +62,19 @@ def wheel_pin(path: Path) -> tuple[str, str]:
     return normalise(name), version
 
 
-def download_command(dest: Path) -> list[str]:
+def download_command(dest: Path, pins: dict[str, str] = WHEELS) -> list[str]:
     platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
     return [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", PYTHON,
-            *platforms, "--dest", str(dest), *(f"{name}=={version}" for name, version in WHEELS.items())]
+            *platforms, "--dest", str(dest), *(f"{name}=={version}" for name, version in pins.items())]
 
 
 def check_folder(dest: Path) -> float:
-    """MiB of the folder's wheels; raises unless it holds exactly one wheel per pin and fits the carry limit."""
+    """MiB of the folder's wheels; raises unless it holds exactly one wheel per pin (OPTIONAL ones may be
+    missing) and fits the carry limit."""
     found = {wheel_pin(p): p for p in dest.glob("*.whl")}
     want = {(normalise(n), v) for n, v in WHEELS.items()}
-    missing, extra = want - set(found), set(found) - want
+    optional = {(normalise(n), v) for n, v in OPTIONAL.items()}
+    missing, extra = want - set(found), set(found) - want - optional
     if missing or extra:
         raise SystemExit(f"{dest}: missing {sorted(missing)}, unpinned {sorted(extra)}; run "
                          "python bench/prepare_gpu_wheels.py again")
@@ -80,16 +89,18 @@ def main() -> None:
     p.add_argument("--dest", type=Path, default=DEST, help="wheel folder (default .gpu_wheels, git-ignored)")
     args = p.parse_args()
     args.dest.mkdir(parents=True, exist_ok=True)
-    want = {(normalise(n), v) for n, v in WHEELS.items()}
+    want = {(normalise(n), v) for n, v in {**WHEELS, **OPTIONAL}.items()}
     for stale in args.dest.glob("*.whl"):  # other versions would ride along and count against the limit
         if wheel_pin(stale) not in want:
             stale.unlink()
     subprocess.run(download_command(args.dest), check=True)
+    if subprocess.run(download_command(args.dest, OPTIONAL)).returncode:
+        print(f"optional wheels not fetched ({', '.join(OPTIONAL)}): the suite skips what needs them")
     mib = check_folder(args.dest)
+    count = len(list(args.dest.glob("*.whl")))
     rel = args.dest.resolve().relative_to(ROOT) if args.dest.resolve().is_relative_to(ROOT) else args.dest
-    print(f"{rel}: {len(WHEELS)} wheels, {mib:.1f} MiB (limit {CARRY_LIMIT_MIB} MiB). The device call:")
-    print(f'  run(command="PYTHONUNBUFFERED=1 python3 bench/gpu_suite.py --wheels {rel} --out $OUT", '
-          f'carry=["{rel}"], timeout_s=600)')
+    print(f"{rel}: {count} wheels, {mib:.1f} MiB (limit {CARRY_LIMIT_MIB} MiB). On the GPU machine, from the "
+          f"repository root:\n  python3 bench/gpu_suite.py --wheels {rel} --out DIR")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ Runs pretrain_llama.py with ``--snip`` re-planning once, then reads TensorBoard:
 the cycle's wall time (probe passes, statistics, gather, solve, broadcast) over
 the median seconds per training iteration before the cycle (the warm-up plan,
 bf16) and after it (the new plan), and its share of the wall time at one cycle per 1000 iterations.
-Goals: a cycle costs <= ~10 iterations; on a GPU, <= 1% of 1000 iterations.
+Goals: a cycle costs <= ~10 iterations; on a GPU, <= 1% of 1000 iterations. Options this script
+does not know pass through to pretrain_llama.py.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
-    from step_time import add_layout_args, build_data
+    from step_time import add_layout_args, build_data, shape_args
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from megatron_snip.snip.estimators import CURVATURES
@@ -37,13 +38,13 @@ def main() -> None:
     p.add_argument("--probe-passes", type=int, default=3)
     p.add_argument("--curvature", choices=CURVATURES, default="hutchinson",
                    help="--snip-curvature: fisher runs no Hutchinson passes (2 + K passes instead of 2 + 2K)")
-    opts = p.parse_args()
+    opts, rest = p.parse_known_args()  # the rest passes through to pretrain_llama.py
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        prefix, tok = build_data(work)
+        prefix, tok = build_data(work, opts.data_dir)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(opts.nproc),
-               str(ROOT / "pretrain_llama.py"), "--model-preset", opts.preset,
+               str(ROOT / "pretrain_llama.py"), "--model-preset", opts.preset, *shape_args(opts),
                "--tensor-model-parallel-size", str(opts.tp), "--pipeline-model-parallel-size", str(opts.pp),
                "--micro-batch-size", str(opts.micro_batch_size), "--global-batch-size", str(opts.global_batch_size),
                "--train-iters", str(2 * opts.interval), "--lr", "1e-3", "--lr-decay-style", "constant",
@@ -51,7 +52,7 @@ def main() -> None:
                "--log-interval", "1", "--log-timers-to-tensorboard", "--snip", "--snip-interval", str(opts.interval),
                "--snip-probe-passes", str(opts.probe_passes), "--snip-curvature", opts.curvature,
                "--tensorboard-dir", str(work / "tb"),
-               *(["--bf16"] if opts.bf16 else [])]
+               *(["--bf16"] if opts.bf16 else []), *rest]
         subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                        stdout=subprocess.DEVNULL)
         acc = EventAccumulator(str(next((work / "tb").glob("**/events.out.tfevents.*"))), size_guidance={"scalars": 0})

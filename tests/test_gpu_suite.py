@@ -1,5 +1,6 @@
-"""bench/gpu_suite.py and what it carries: its CPU mode, its step runner and report, the benchmarks'
-figures it reports, the CUDA test selection, and the pinned wheels (bench/prepare_gpu_wheels.py)."""
+"""bench/gpu_suite.py and what it carries: its CPU mode and plan (steps, budgets, caps), its step runner
+and report, the benchmarks' figures it reports side by side, the CUDA test selection and its per-test
+deadline, and the pinned wheels (bench/prepare_gpu_wheels.py)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import gpu_suite
 import prepare_gpu_wheels as wheels
+from side_by_side import side_by_side
 
 CUDA_FILES = {"tests/test_triton_qdq.py", "tests/test_fp8_gemm.py", "tests/test_fp8_linear.py",
-              "tests/test_quantizers.py", "tests/test_gpu_training.py"}
+              "tests/test_quantizers.py", "tests/test_gpu_training.py", "tests/test_snip_probes.py"}
 
 
 def suite(*args: str) -> subprocess.CompletedProcess:
@@ -30,20 +32,64 @@ def suite(*args: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
+DEFAULT_STEPS = ["install", "peer_tinyllama", "ours_tinyllama", "peer_llama3_8b_4l", "ours_llama3_8b_4l", "profile",
+                 "gemm", "quantize", "tests"]
+TINYLLAMA = "--preset tinyllama-1.1b"
+LLAMA3_8B_4L = "--preset llama3-8b --num-layers 4 --seq-length 4096"
+
+
+def listed(stdout: str) -> dict[str, tuple[int | None, int, str]]:
+    """The dry run's steps: name -> (budget, cap, command)."""
+    found = re.findall(r"^  (\w+) +\((?:budget (\d+) s, )?cap (\d+) s\) .*\n +(.*)$", stdout, re.M)
+    return {name: (int(budget) if budget else None, int(cap), cmd) for name, budget, cap, cmd in found}
+
+
 @pytest.mark.integration
-def test_without_cuda_the_suite_says_what_it_would_run_and_exits_0(tmp_path):
+def test_without_cuda_the_suite_says_what_it_would_run_within_9_minutes_and_exits_0(tmp_path):
     (tmp_path / "wheels").mkdir()
     dry = ["--dry-run"] if torch.cuda.is_available() else []  # on a GPU only the dry run prints the plan
     proc = suite("--wheels", str(tmp_path / "wheels"), "--out", str(tmp_path / "out"), *dry)
     assert proc.returncode == 0, proc.stderr
-    for name in ("install", "environment", "tests", "gemm", "quantize", "step_time"):
-        assert re.search(rf"^  {name} +\(cap \d+ s\)", proc.stdout, re.M), name
-    assert f"gpu_suite.py --install {tmp_path / 'wheels'}" in proc.stdout
-    assert "-m pytest -v -m cuda" in proc.stdout and all(f in proc.stdout for f in CUDA_FILES)
-    assert "--preset tinyllama-1.1b" in proc.stdout and "--snip-cycle" in proc.stdout
+    steps = listed(proc.stdout)
+    assert list(steps) == DEFAULT_STEPS
+    assert sum(budget for budget, _, _ in steps.values()) <= gpu_suite.BUDGET_S == 540
+    assert re.search(r"^budgeted \d+ s of --budget 540 s", proc.stdout, re.M)
+    assert all(budget <= cap for budget, cap, _ in steps.values())
+    assert ("extra steps (--only NAME): tests_all, attention, snip_cycle, snip_cycle_fisher, fp8_step_tinyllama, "
+            "fp8_step_llama3_8b_4l, health_overhead") in proc.stdout
+    assert f"gpu_suite.py --install {tmp_path / 'wheels'}" in steps["install"][2]
+    for shape, flags in (("tinyllama", TINYLLAMA), ("llama3_8b_4l", LLAMA3_8B_4L)):
+        peer, ours = steps[f"peer_{shape}"][2], steps[f"ours_{shape}"][2]
+        assert "peer_step.py " + flags in peer and "--micro-batch-size 1 --num-microbatches 8" in peer
+        assert "step_time.py " + flags in ours and "--micro-batch-size 1 --global-batch-size 8" in ours
+        assert "--compare-precision fp8:tensorwise fp8:rowwise fp8:blockwise" in ours and "--snip-cycle" in ours
+        assert ("--snip-time-target 0.85" in ours) == (shape == "llama3_8b_4l")
+    profile = steps["profile"][2]
+    assert "step_time.py " + TINYLLAMA in profile and "--repeats 0 --profile ours --profile-steps 1" in profile
+    tests = steps["tests"][2]
+    assert "-m pytest -v -m cuda" in tests and all(f in tests for f in CUDA_FILES)
+    assert "-p pytest_deadline --test-deadline 60 --durations 15" in tests
+    for slow in ("bf16", "nvfp4", "mxfp4"):
+        assert f"--deselect 'tests/test_gpu_training.py::test_one_gpu_trains_in_each_precision[{slow}]'" in tests
+    assert "[fp8]" not in tests
     assert not (tmp_path / "out").exists(), "nothing runs, nothing is written"
     bad = suite("--wheels", str(tmp_path / "absent"))
     assert bad.returncode == 2 and "--wheels" in bad.stderr and "prepare_gpu_wheels.py" in bad.stderr
+
+
+@pytest.mark.integration
+def test_only_runs_the_steps_named_extras_included_and_trainer_args_reach_every_trainer_command():
+    proc = suite("--dry-run", "--only", "snip_cycle", "profile", "ours_tinyllama", "peer_tinyllama",
+                 "--trainer-args=--num-workers 0")
+    assert proc.returncode == 0, proc.stderr
+    steps = listed(proc.stdout)
+    assert list(steps) == ["peer_tinyllama", "ours_tinyllama", "profile", "snip_cycle"]  # the plan's order
+    for name in ("ours_tinyllama", "profile", "snip_cycle"):
+        assert steps[name][2].endswith("--num-workers 0"), name
+    assert "--num-workers" not in steps["peer_tinyllama"][2]
+    assert "snip_cycle.py " + TINYLLAMA in steps["snip_cycle"][2]
+    bad = suite("--dry-run", "--only", "step_time")
+    assert bad.returncode == 2 and "--only step_time: no such step" in bad.stderr
 
 
 @pytest.mark.integration
@@ -59,7 +105,8 @@ def test_the_cuda_cases_are_selected_by_their_marker():
     for case in ("test_triton_qdq.py::test_quantized_linear_with_kernels_equals_reference",
                  "test_fp8_gemm.py::test_scaled_mm_matches_emulated_within_accumulation_order",
                  "test_gpu_training.py::test_one_gpu_trains_in_each_precision[fp8]",
-                 "test_gpu_training.py::test_one_gpu_snip_replans_and_trains"):
+                 "test_gpu_training.py::test_one_gpu_snip_replans_and_trains",
+                 "test_snip_probes.py::test_the_fused_noise_kernel_draws_the_references_values"):
         assert case in selected, case
 
 
@@ -131,7 +178,7 @@ def test_report_shows_benchmark_goals_and_test_failures(tmp_path):
     summary = gpu_suite.write_report(out, {"date": "d", "device": "dev", "command": "c"}, records)
     for g in goals:
         met = "yes" if g["met"] else "**no**"
-        assert f"| {g['name']} | {g['value']:.3f} | >= 1.3 | {met} |" in summary
+        assert f"| gemm: {g['name']} | {g['value']:.3f} | >= 1.3 | {met} |" in summary
     md = (out / "report.md").read_text()
     assert "1 passed, 1 failed, 0 skipped" in md and "one is not two" in md
 
@@ -160,19 +207,55 @@ def test_step_time_ratios_are_against_the_same_runs_baseline():
                 "phases": {"plain": {"medians": [0.11, 0.10], "peak_gib": 5.0},
                            "ours": {"medians": [0.102, 0.103], "peak_gib": 5.1},
                            "fp8": {"medians": [0.08], "peak_gib": 4.0},
+                           "fp8:blockwise": {"medians": [0.09], "peak_gib": 4.0},
                            "nvfp4": {"medians": [0.2], "peak_gib": 6.0},
                            "snip": {"medians": [0.15], "peak_gib": 5.5}},
-                "snip_cycle_seconds": 1.2, "snip_cycle_peak_gib": 9.0, "snip_plan": {"fp4": 0.75, "time_ratio": 0.3}}
+                "snip_cycle_seconds": 0.918, "snip_cycle_peak_gib": 6.12,
+                "snip_plan": {"fp4": 0.75, "time_ratio": 0.3, "time_target": 0.3, "time_target_given": False}}
     lines, figures = summarise(measured)
     goals = {g["name"]: (round(g["value"], 6), g["met"]) for g in figures["goals"]}
     assert goals == {"trainer step / plain megatron-core step (bf16)": (1.02, True),
-                     "fp8 tensorwise step / bf16 step": (round(0.08 / 0.102, 6), True),
-                     "SNIP cycle in post-plan iterations": (8.0, True)}
+                     "SNIP cycle in bf16 iterations": (9.0, True),
+                     "SNIP cycle peak memory / bf16 step peak": (1.2, True)}
     assert figures["mfu_bf16"] == pytest.approx(3e12 / 0.102 / 1e12 / 100.0)
+    assert figures["fp8_vs_bf16"] == {"tensorwise": pytest.approx(0.08 / 0.102),
+                                      "blockwise": pytest.approx(0.09 / 0.102)}
     text = "\n".join(lines)
     assert "assumed peak of 100 TFLOP/s" in text and "ratio to bf16 1.961" in text
-    assert "snip cycle 9.00" in text and "nvfp4 6.00" in text
-    assert figures["snip_cycle_peak_vs_bf16_step"] == pytest.approx(9.0 / 5.1)
+    assert "uniform fp8 blockwise    :      90.0 ms/iteration" in text
+    assert "9.0 bf16 iterations (goal <= 10), 6.1 iterations of the plan it chose" in text
+    assert "snip cycle 6.12" in text and "nvfp4 6.00" in text
+
+    # A --snip-time-target plan: its step against the target, and what it logged against what it measured.
+    measured["snip_plan"] = {"fp4": 0.0, "time_ratio": 0.8, "time_target": 0.85, "time_target_given": True}
+    measured["phases"]["snip"]["medians"] = [0.0867]
+    goals = {g["name"]: (round(g["value"], 6), g["met"]) for g in summarise(measured)[1]["goals"]}
+    assert goals["SNIP --snip-time-target 0.85 plan step / bf16 step"] == (0.85, True)
+    assert goals["SNIP plan's logged time ratio, relative error against its measured step ratio"] == (
+        round(0.05 / 0.85, 6), True)
+
+
+def test_side_by_side_sets_our_trainer_against_the_peer_at_each_shape():
+    peer = {"variants": {"eager": {"seconds": 0.515, "tflops": 221.0, "mfu": 0.223},
+                         "compiled": {"seconds": 0.338, "tflops": 337.0, "mfu": 0.341},
+                         "float8-tensorwise": {"seconds": 0.522, "tflops": 218.0, "mfu": 0.22},
+                         "float8-rowwise": {"skipped": "torchao does not import"}}}
+    ours = {"seconds_per_iteration": {"plain": 0.604, "ours": 0.632}, "bf16_tflops_per_device": 180.0,
+            "mfu_bf16": 0.182, "fp8_vs_bf16": {"tensorwise": 2.93, "blockwise": 1.1}}
+    ours_8b = {**ours, "fp8_vs_bf16": {"tensorwise": 0.8}}
+    lines, goals = side_by_side({"peer_tinyllama": peer, "ours_tinyllama": ours, "ours_llama3_8b_4l": ours_8b,
+                                 "gemm": {"goals": []}})
+    assert {g["name"]: (round(g["value"], 4), g["met"]) for g in goals} == {
+        "tinyllama: our best fp8 step / our bf16 step": (1.1, True),
+        "tinyllama: our bf16 step / the peer's compiled step": (round(0.632 / 0.338, 4), False),
+        "llama3_8b_4l: our fp8 tensorwise speed-up over our bf16": (1.25, True)}
+    text = "\n".join(lines)
+    assert "ours bf16 / peer compiled: 1.870 (goal <= 1.1); / peer eager 1.227" in text
+    assert "peer torchao float8-tensorwise speed-up over its compiled bf16: 0.648x" in text
+    assert "peer float8-rowwise       skipped: torchao does not import" in text
+    assert "/ plain loop 1.046" in text and "MFU 0.182" in text
+    assert "4 Llama-3-8B layers" in text  # a shape with one of the two results is shown
+    assert side_by_side({}) == ([], [])
 
 
 def test_wheels_are_pinned_to_the_cpu_environments_versions(tmp_path):
@@ -192,6 +275,7 @@ def test_wheels_are_pinned_to_the_cpu_environments_versions(tmp_path):
     assert {"--no-deps", "--only-binary=:all:"} <= set(cmd) and cmd[cmd.index("--python-version") + 1] == "3.12"
     assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--platform"] == list(wheels.PLATFORMS)
     assert cmd[-len(wheels.WHEELS):] == [f"{n}=={v}" for n, v in wheels.WHEELS.items()]
+    assert wheels.download_command(tmp_path, wheels.OPTIONAL)[-1] == "torchao==0.18.0"
 
 
 def test_wheel_folder_check_wants_exactly_the_pins_within_the_carry_limit(tmp_path):
@@ -201,6 +285,8 @@ def test_wheel_folder_check_wants_exactly_the_pins_within_the_carry_limit(tmp_pa
     for name, version in wheels.WHEELS.items():
         wheel(name, version)
     assert wheels.check_folder(tmp_path) == pytest.approx(len(wheels.WHEELS) * 1000 / 2**20)
+    wheel("torchao", wheels.OPTIONAL["torchao"])  # optional: welcome, not required
+    assert wheels.check_folder(tmp_path) == pytest.approx((len(wheels.WHEELS) + 1) * 1000 / 2**20)
     wheel("pytest", "1.0")
     with pytest.raises(SystemExit, match=r"unpinned \[\('pytest', '1.0'\)\]"):
         wheels.check_folder(tmp_path)
@@ -232,23 +318,42 @@ def test_quantize_bench_times_each_formats_own_kernel():
         assert torch.equal(kernel(), expected), name
 
 
-def test_logs_come_back_in_one_file(tmp_path):
-    """The device tool brings back at most 8 files: the logs and pytest's JUnit file travel in one bundle,
-    the report, the four benchmark results and the bundle make 7."""
+def test_logs_and_results_come_back_in_one_file(tmp_path):
+    """The output folder holds three files: the report (.md, .json) and one bundle of every log, every
+    benchmark's JSON result and pytest's JUnit file."""
     import tarfile
 
     raw, out = tmp_path / "raw", tmp_path / "out"
     (raw / "logs").mkdir(parents=True)
     out.mkdir()
-    for name in ("tests", "gemm", "step_time"):
+    for name in ("tests", "gemm", "ours_tinyllama"):
         (raw / "logs" / f"{name}.log").write_text(f"{name} says hello\n")
     (raw / "pytest.xml").write_text("<testsuite/>")
+    (raw / "gemm.json").write_text("{}")
     gpu_suite.bundle(raw, out)
     gpu_suite.bundle(raw, out)  # rewritten after every step
     assert [p.name for p in out.iterdir()] == ["logs.tar.gz"]
     with tarfile.open(out / "logs.tar.gz") as tar:
-        assert tar.getnames() == ["logs/gemm.log", "logs/step_time.log", "logs/tests.log", "pytest.xml"]
+        assert tar.getnames() == ["gemm.json", "logs/gemm.log", "logs/ours_tinyllama.log", "logs/tests.log",
+                                  "pytest.xml"]
         assert tar.extractfile("logs/tests.log").read() == b"tests says hello\n"
-    results = [s.result for s in gpu_suite.plan(None, out, raw) if s.result]
-    assert len(results) + len(["report.md", "report.json", "logs.tar.gz"]) <= 8
-    assert all(str(raw) not in " ".join(s.cmd) or s.name == "tests" for s in gpu_suite.plan(None, out, raw))
+    for step in gpu_suite.plan(None, raw):
+        assert step.result is None or f"--json {raw / step.result}" in " ".join(step.cmd), step.name
+        assert str(out) not in " ".join(step.cmd), step.name
+
+
+@pytest.mark.integration
+def test_a_test_past_its_deadline_fails_and_the_run_goes_on(tmp_path):
+    (tmp_path / "test_sample.py").write_text("import time\n\ndef test_hangs():\n    time.sleep(60)\n\n"
+                                             "def test_after():\n    assert True\n")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "pytest_deadline",
+                           "--test-deadline", "2", "--junitxml", str(tmp_path / "pytest.xml"),
+                           str(tmp_path / "test_sample.py")], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT / "bench")})
+    assert time.monotonic() - start < 40
+    assert proc.returncode == 1, proc.stdout
+    summary = gpu_suite.junit_summary(tmp_path / "pytest.xml")
+    assert (summary["passed"], summary["failures"]) == (1, 1)
+    assert "test_hangs: Failed: still running after the 2 s per-test deadline" in summary["failed"][0]
+    assert summary["slowest"][0][0].endswith("test_hangs") and 2 <= summary["slowest"][0][1] < 10

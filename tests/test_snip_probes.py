@@ -382,14 +382,15 @@ def test_probe_leaves_no_trace(single):
 
 @pytest.mark.integration
 def test_fisher_curvature_skips_the_hutchinson_passes_and_changes_nothing_else(single):
-    """``--snip-curvature fisher``: the cycle runs 2 + K passes instead of 2 + 2K, each module's
-    curvature is ``N ||dY||^2`` of the clean pass, and every other statistic is the Hutchinson
-    cycle's bit for bit (the same state, batch and noise)."""
+    """``--snip-curvature fisher``: the cycle runs 2 + K passes instead of 2 + 2K (and, both, the clean
+    forward the perturbation passes compare against), each module's curvature is ``N ||dY||^2`` of the
+    clean pass, and every other statistic is the Hutchinson cycle's bit for bit (the same state, batch
+    and noise)."""
     from megatron_snip.snip.estimators import fisher_trace
 
     micro, k = MICRO, 3
-    assert single["forward_calls_hutchinson"] == (2 + 2 * k) * micro
-    assert single["forward_calls_fisher"] == (2 + k) * micro
+    assert single["forward_calls_hutchinson"] == (2 + 2 * k + 1) * micro
+    assert single["forward_calls_fisher"] == (2 + k + 1) * micro
     hutchinson, fisher = copy.deepcopy(single["fisher_pair"])  # the fixture is shared: pop from copies
     assert fisher["settings"].pop("curvature") == "fisher"
     assert hutchinson["settings"].pop("curvature") == "hutchinson"
@@ -680,6 +681,81 @@ def test_noise_is_layout_invariant():
     a, b = rademacher(torch.arange(n), key), rademacher(torch.arange(n), noise_key("another"))
     for value in (a.mean(), (a[1:] * a[:-1]).mean(), (a * b).mean()):
         assert abs(value.item()) < 4 / math.sqrt(n)
+
+
+def test_reference_gemms_may_run_on_tf32_only_where_it_rounds_no_operand():
+    """The clean pass's fp32 reference GEMMs run on TF32 tensor cores (CUDA) for 16-bit operands and a
+    power-of-2 loss scale: TF32 keeps 10 fraction bits, so such values pass unrounded (checked here by
+    rounding to TF32 by hand) and their products are exact in fp32; an fp32 operand would be rounded."""
+    from megatron_snip.snip.probes import _tf32_exact
+
+    def to_tf32(t: torch.Tensor) -> torch.Tensor:  # round to nearest even, 13 of fp32's 23 fraction bits dropped
+        bits = t.view(torch.int32)
+        rounded = (bits + 0xFFF + ((bits >> 13) & 1)) & ~0x1FFF
+        return rounded.view(torch.float32)
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, generator=g) * torch.logspace(-30, 30, 4096)
+    for dtype in (torch.bfloat16, torch.float16):
+        values = x.to(dtype).float()
+        values = values[values.isfinite()]
+        assert torch.equal(to_tf32(values), values) and torch.equal(to_tf32(values / 8), values / 8), dtype
+    assert not torch.equal(to_tf32(x), x)
+    bf16, fp16, fp32 = torch.ones(2, dtype=torch.bfloat16), torch.ones(2, dtype=torch.float16), torch.ones(2)
+    assert _tf32_exact(bf16, bf16, bf16, scale=1.0) and _tf32_exact(fp16, bf16, fp16, scale=2.0**-14)
+    assert not _tf32_exact(bf16, fp32, bf16, scale=1.0) and not _tf32_exact(bf16, bf16, bf16, scale=3.0)
+
+
+def test_perturbed_parameters_are_restored_from_the_main_copy_only_where_it_gives_them_bit_for_bit():
+    from megatron_snip.snip.adam_view import AdamSlice
+
+    g = torch.Generator().manual_seed(0)
+    main = torch.randn(64, generator=g)
+    param = torch.nn.Parameter(torch.cat([torch.zeros(16), main]).to(torch.bfloat16))  # a shard: elements 16:80
+
+    def view(main_tensor, param=param):
+        return AdamSlice(param, "w", 16, 80, {}, {}, True, True, main_tensor)
+
+    torch.testing.assert_close(view(main).main_as_param(), param.detach()[16:], rtol=0, atol=0)
+    other = main.clone()
+    other[3] += 1.0
+    assert view(other).main_as_param() is None  # the model's copy is not the cast of this main
+    assert view(None).main_as_param() is None
+    fp32 = torch.nn.Parameter(torch.randn(80, generator=g))
+    shard = fp32.detach().view(-1)[16:80]  # the distributed optimizer's main of an fp32 parameter: a view
+    assert view(shard, fp32).main_as_param() is None and view(fp32, fp32).main_as_param() is None
+
+
+@pytest.mark.cuda  # compiled and run on the GPU when there is one (bench/gpu_suite.py), else interpreted
+def test_the_fused_noise_kernel_draws_the_references_values():
+    """The Triton kernel the probes use on CUDA (here in Triton's interpreter) gives, bit for bit, the
+    torch reference's noise for every layout and slice, for indices past 2^32 and keys past 2^63."""
+    pytest.importorskip("triton")
+    from megatron_snip.snip import noise_triton
+    from megatron_snip.snip.noise import global_flat_index, layout_rademacher, noise_key, rademacher
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    keys = [noise_key(0, "output", 1, "decoder.layers.3.mlp.linear_fc1"), 0xFFFFFFFFFFFFFFFF, 0x80000000]
+    for key in keys:
+        for dim, stride, rank, size in ((None, 1, 0, 1), (0, 1, 1, 2), (1, 2, 1, 2), (-1, 2, 0, 4), (1, 1, 3, 4)):
+            shape = (6, 8, 16)
+            for start, end in ((0, None), (5, 700)):
+                expected = rademacher(global_flat_index(shape, partition_dim=dim, stride=stride, rank=rank, size=size,
+                                                        start=start, end=end, device=device), key)
+                kwargs = {"partition_dim": dim, "stride": stride, "rank": rank, "size": size, "start": start,
+                          "end": end}
+                assert torch.equal(layout_rademacher(shape, key, device=device, **kwargs), expected), kwargs
+                if device == "cpu":  # layout_rademacher takes the kernel on CUDA only: call it here
+                    split = dim is not None and size > 1
+                    d = dim % 3 if split else 0
+                    n_local, inner = (shape[d], math.prod(shape[d + 1:])) if split else (1, 1)
+                    got = noise_triton.rademacher(expected.numel(), key, start=start, n_local=n_local, inner=inner,
+                                                  chunk=n_local // stride if split else 1, size=size, rank=rank,
+                                                  split=split, device=device)
+                    assert torch.equal(got, expected), kwargs
+        far = 2**33 + 12345  # the index's high word enters the hash
+        got = noise_triton.rademacher(300, key, start=far, device=device)
+        assert torch.equal(got, rademacher(torch.arange(far, far + 300, device=device), key))
 
 
 @pytest.mark.integration

@@ -38,6 +38,8 @@ class AdamSlice:
         dp_sharded: held by one data-parallel rank only (distributed optimizer).
         counted: counts in model-wide sums on this rank (not a tensor-parallel duplicate
             held by a rank other than TP rank 0, not a shared copy).
+        main: the optimizer's main parameter of the slice (``end - start`` elements; the model
+            parameter itself where the optimizer keeps no copy).
     """
 
     param: torch.nn.Parameter
@@ -48,6 +50,7 @@ class AdamSlice:
     group: dict
     dp_sharded: bool
     counted: bool
+    main: torch.Tensor | None = None
 
     @property
     def step(self) -> float:
@@ -78,6 +81,17 @@ class AdamSlice:
     def flat(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor.view(-1)[start:end]`` (tensor shaped like the parameter)."""
         return tensor.view(-1)[self.start:self.end]
+
+    def main_as_param(self) -> torch.Tensor | None:
+        """The slice's values as the model holds them, rebuilt from the main parameter (the model's
+        copy is the optimizer's cast of it), or None where that does not give them bit for bit (no
+        separate main copy, or the model's copy differs from it)."""
+        # A shared storage (FP32Optimizer; the distributed optimizer's view of an fp32 parameter's shard)
+        # moves with the model's values: no separate copy to rebuild them from.
+        if self.main is None or self.main.untyped_storage().data_ptr() == self.param.untyped_storage().data_ptr():
+            return None
+        rebuilt = self.main.detach().view(-1).to(self.param.dtype)
+        return rebuilt if torch.equal(rebuilt, self.flat(self.param.detach())) else None
 
 
 class AdamView:
@@ -113,7 +127,7 @@ class AdamView:
                                      "SNIP probes need Adam/AdamW after at least one optimizer step")
                 counted = (param_is_not_shared(param)
                            and (tensor_parallel.param_is_not_tensor_parallel_duplicate(param) or tp_rank == 0))
-                self.slices[param] = AdamSlice(param, names[param], start, end, state, group, sharded, counted)
+                self.slices[param] = AdamSlice(param, names[param], start, end, state, group, sharded, counted, main)
 
     @property
     def dp_sharded(self) -> bool:

@@ -55,9 +55,9 @@ class SnipConfig:
         "N ||dY||^2 of the clean pass, which needs no curvature passes and cannot come out negative "
         "(docs/quality.md).", choices=CURVATURES, ours=True)
     snip_probe_passes: int = flag(
-        3, "Noise draws per estimator, each one pass differenced against the clean pass (default 3: a cycle runs 1 "
-        "gradient + 1 clean + 3 curvature + 3 perturbation passes, 8 in all; 2 + 2K, or 2 + K with "
-        "--snip-curvature fisher).", ours=True)
+        3, "Noise draws per estimator, each one pass differenced against a clean pass (default 3: a cycle runs 1 "
+        "gradient + 1 clean + 3 curvature + 3 perturbation passes, 8 in all, and a clean forward for the "
+        "perturbation passes; 2 + 2K, or 2 + K with --snip-curvature fisher).", ours=True)
 
     snip_gain_exclude: tuple[str, ...] | None = flag(
         None, "Parameters (name substrings, e.g. embedding) whose drift the update divergence's propagated part leaves "

@@ -16,8 +16,6 @@ from megatron.core import parallel_state
 
 _M32 = 0xFFFFFFFF
 
-_M32 = 0xFFFFFFFF
-
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
     """``(x * c) mod 2^32`` for x in [0, 2^32) held in int64, without overflowing int64.
@@ -81,6 +79,42 @@ def global_flat_index(shape: Sequence[int], *, partition_dim: int | None = None,
     outer, rest = local // (n_local * inner), local % (n_local * inner)
     d, within = rest // inner, rest % inner
     return (outer * (n_local * size) + full_row(d)) * inner + within
+
+
+def layout_rademacher(shape: Sequence[int], key: int, *, partition_dim: int | None = None, stride: int = 1,
+                      rank: int = 0, size: int = 1, start: int = 0, end: int | None = None,
+                      device: torch.device | str = "cpu") -> torch.Tensor:
+    """``rademacher(global_flat_index(shape, ...), key)``: the noise of elements ``start:end`` of a
+    flattened shard (arguments as :func:`global_flat_index`'s). On CUDA one fused Triton kernel
+    (``noise_triton``) computes the same values without the index tensor and the ~50 int64 passes."""
+    if torch.device(device).type == "cuda":
+        try:
+            from megatron_snip.snip import noise_triton
+        except ImportError:  # no triton: the torch composition below
+            noise_triton = None
+        if noise_triton is not None:
+            numel = math.prod(shape)
+            end = numel if end is None else end
+            split = partition_dim is not None and size > 1
+            dim = partition_dim % len(shape) if split else 0
+            n_local, inner = (shape[dim], math.prod(shape[dim + 1:])) if split else (1, 1)
+            return noise_triton.rademacher(end - start, key, start=start, n_local=n_local, inner=inner,
+                                           chunk=n_local // stride if split else 1, size=size, rank=rank,
+                                           split=split, device=device)
+    index = global_flat_index(shape, partition_dim=partition_dim, stride=stride, rank=rank, size=size, start=start,
+                              end=end, device=device)
+    return rademacher(index, key)
+
+
+def param_noise(param: torch.nn.Parameter, key: int, start: int = 0, end: int | None = None) -> torch.Tensor:
+    """:func:`layout_rademacher` of elements ``start:end`` of this rank's (flattened) shard of a megatron
+    parameter, from its tensor-parallel attributes: the same values for a parameter element on every layout."""
+    split = getattr(param, "tensor_model_parallel", False)
+    return layout_rademacher(param.shape, key, partition_dim=param.partition_dim if split else None,
+                             stride=getattr(param, "partition_stride", 1),
+                             rank=parallel_state.get_tensor_model_parallel_rank(),
+                             size=parallel_state.get_tensor_model_parallel_world_size(),
+                             start=start, end=end, device=param.device)
 
 
 def param_global_index(param: torch.nn.Parameter, start: int = 0, end: int | None = None) -> torch.Tensor:

@@ -127,14 +127,23 @@ class PassRunner:
         device = next(self.chunks[0].parameters()).device
         return 1.0 if f is None else float(f(torch.ones(1, device=device)).item())
 
-    def _data(self) -> Iterator | list | None:
+    def groups(self) -> list[range]:
+        """The micro-batches a pass may run alone, in order: each one, or the whole batch under the
+        interleaved schedule (its micro-batch groups span the pipeline)."""
+        if len(self.chunks) > 1:
+            return [range(self.num_microbatches)]
+        return [range(m, m + 1) for m in range(self.num_microbatches)]
+
+    def _data(self, microbatches: range) -> Iterator | list | None:
         if self._source is None:
             data = None
         elif self._batches is None:
+            if len(microbatches) != self.num_microbatches:
+                raise ValueError("the first pass reads the whole batch; later passes may run part of it")
             self._batches = []
             data = self._record()
         else:
-            data = iter(self._batches)
+            data = iter(self._batches[microbatches.start:microbatches.stop])
         if len(self.chunks) == 1:
             return data
         # The interleaved schedule reads one iterator per chunk (virtual stage), each the same micro-batches.
@@ -150,14 +159,16 @@ class PassRunner:
             self._batches.append(batch)
             yield batch
 
-    def run(self, forward_only: bool) -> float | None:
-        """One pass; returns the mean loss on the last stage (None elsewhere)."""
+    def run(self, forward_only: bool, microbatches: range | None = None) -> float | None:
+        """One pass over ``microbatches`` (default: all; a part, as :meth:`groups` cuts them, only
+        forward and after the first pass); returns the mean loss on the last stage (None elsewhere)."""
+        microbatches = range(self.num_microbatches) if microbatches is None else microbatches
         if not forward_only:
             for chunk in self.chunks:
                 chunk.zero_grad_buffer()
         with torch.no_grad() if forward_only else contextlib.nullcontext():
-            out = self._schedule(forward_step_func=self.forward_step_func, data_iterator=self._data(),
-                                 model=self.chunks, num_microbatches=self.num_microbatches,
+            out = self._schedule(forward_step_func=self.forward_step_func, data_iterator=self._data(microbatches),
+                                 model=self.chunks, num_microbatches=len(microbatches),
                                  seq_length=self.seq_length, micro_batch_size=self.micro_batch_size,
                                  forward_only=forward_only)
         if not out:

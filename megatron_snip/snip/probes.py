@@ -25,9 +25,10 @@ masks:
    ``<Z_l, G(0)>`` read in the clean pass's backward, gives ``tr(H_l)`` for every module
    (none run with ``--snip-curvature fisher``, whose ``tr(H_l) = N ||dY_l||^2`` the clean
    pass gives: ``estimators.fisher_trace``);
-3. **perturbation passes** (K forward only): every parameter moved by
-   ``+sigma P~ * w``; ``||X(+) - X(0)||^2`` at every module input, X(0) kept from
-   the clean pass, gives the propagated gains ``g_l``.
+3. **perturbation passes** (1 + K forward only, micro-batch by micro-batch): a clean
+   forward keeps the micro-batch's module inputs X(0), then every parameter moved by
+   ``+sigma P~ * w``; ``||X(+) - X(0)||^2`` at every module input gives the
+   propagated gains ``g_l``.
 
 Noise is a counter-based hash of (seed, pass, tensor name, global element
 index), so it is the same for every tensor-/pipeline-parallel layout and
@@ -70,7 +71,7 @@ from megatron_snip.precision.plan import parse_module_name
 from .adam_view import AdamSlice, AdamView
 from .config import SnipConfig
 from .estimators import CURVATURES, REFERENCE_FORMAT, fisher_trace, hutchinson_trace, perturbation_gain
-from .noise import global_flat_index, noise_key, param_global_index, rademacher
+from .noise import layout_rademacher, noise_key, param_noise
 from .passes import ForwardStep, PassRunner, RngStates, preserved_training_state
 from .statistics import FormatErrors, ModuleStatistics, ProbeStatistics
 
@@ -264,11 +265,9 @@ class _Probe:
         """Layout-invariant Rademacher noise shaped like this rank's output (column-parallel
         outputs are split along features like the weight's rows)."""
         dim = self.layout.output_partition_dim()
-        index = global_flat_index(y.shape, partition_dim=dim,
-                                  stride=getattr(self.module.weight, "partition_stride", 1) if dim == -1 else 1,
-                                  rank=self.layout.tp_rank, size=self.layout.tp,
-                                  device=y.device)
-        return rademacher(index, key).view(y.shape)
+        return layout_rademacher(y.shape, key, partition_dim=dim,
+                                 stride=getattr(self.module.weight, "partition_stride", 1) if dim == -1 else 1,
+                                 rank=self.layout.tp_rank, size=self.layout.tp, device=y.device).view(y.shape)
 
     def quantized_gemms(self, fmt: str, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor):
         """(Y, dX, dW) of the module's GEMMs in ``fmt`` on fp32 (tokens, in) x, (out, in) w,
@@ -296,6 +295,7 @@ class _Probe:
     def measure_errors(self, x: torch.Tensor, dy: torch.Tensor, loss_scale: float) -> None:
         """Clean-pass backward: ``||dY||^2`` and every format's exact GEMM errors, measured on the
         operands the GEMM quantizes (under sequence parallelism the all-gathered X / dY)."""
+        exact = x.is_cuda and _tf32_exact(x, dy, self.module.weight, scale=loss_scale)
         w = self.module.weight.detach().float()
         self.add(Sum("output_grad_sq"), self.layout.y_weight * squared_norm(dy.detach().float() / loss_scale))
         if self.layout.sequence_input:
@@ -304,7 +304,8 @@ class _Probe:
             dy = _gather_sequence(dy.detach(), self.module.tp_group)
         x = x.detach().reshape(-1, x.shape[-1]).float()
         dy = dy.detach().reshape(-1, dy.shape[-1]).float() / loss_scale
-        y_ref, dx_ref, dw_ref = x @ w.t(), dy @ w, dy.t() @ x
+        with _tf32_matmuls(exact):
+            y_ref, dx_ref, dw_ref = x @ w.t(), dy @ w, dy.t() @ x
         for fmt in self.formats:
             y, dx, dw = self.quantized_gemms(fmt, x, w, dy)
             e_out, e_in = y - y_ref, dx - dx_ref
@@ -320,6 +321,29 @@ class _Probe:
             self.add(Sum("dy_quant_sq", fmt), self.layout.gemm_y_weight * self.operand_error_sq(fmt, "dgrad", "dy", dy))
             if self.sensitivity is not None:
                 self.add(Sum("update_sq", fmt), squared_norm(self.sensitivity * self.adam.flat(dw - dw_ref)))
+
+
+def _tf32_exact(*tensors: torch.Tensor, scale: float) -> bool:
+    """Whether fp32 GEMMs on these tensors (cast to fp32, divided by ``scale``) may run on TF32 tensor
+    cores and give the fp32 GEMM's result up to summation order: every operand a 16-bit float (8 or 11
+    significant bits, within TF32's 11, and in its exponent range) and ``scale`` a power of 2, so TF32
+    rounds no operand and each product is exact in the fp32 accumulator."""
+    return all(t.dtype in (torch.bfloat16, torch.float16) for t in tensors) and math.frexp(scale)[0] == 0.5
+
+
+@contextlib.contextmanager
+def _tf32_matmuls(enabled: bool) -> Iterator[None]:
+    """fp32 CUDA matmuls on TF32 tensor cores inside (when ``enabled``): ~7x the fp32 GEMM's speed on
+    Hopper; only for operands :func:`_tf32_exact` allows."""
+    if not enabled:
+        yield
+        return
+    matmul = torch.backends.cuda.matmul
+    previous, matmul.fp32_precision = matmul.fp32_precision, "tf32"
+    try:
+        yield
+    finally:
+        matmul.fp32_precision = previous
 
 
 # Fields of a module's statistics that are sums of squares over the module's weight update
@@ -430,8 +454,7 @@ def run_probe_cycle(
             p.sensitivity = sensitivity.get(p.adam)
         rng.restore()
         curvature_keys = [noise_key(config.seed, "output", k) for k in range(config.curvature_passes)]
-        clean_inputs: dict[tuple[str, int], torch.Tensor] = {}
-        loss = _clean_pass(runner, probes, loss_scale, curvature_keys, clean_inputs)
+        loss = _clean_pass(runner, probes, loss_scale, curvature_keys)
         clean_keys = [*map(Sum, CLEAN_QUANTITIES), *[Sum(q, f) for f in config.formats for q in FORMAT_QUANTITIES]]
         clean = _reduce(probes, clean_keys, adam.dp_sharded)
         for p in probes:
@@ -439,8 +462,7 @@ def run_probe_cycle(
             p.sigma = config.output_noise * (rms if rms > 0 else 1.0)
         param_sigma = _param_sigma(adam, sensitivity, config)
         _perturbation_passes(runner, probes, rng, _perturbed(adam, sensitivity, config.gain_excludes), param_sigma,
-                             config, clean_inputs)
-        clean_inputs.clear()  # before the Hutchinson passes need activation memory
+                             config)
         for k, key in enumerate(curvature_keys):
             _hutchinson_pass(runner, probes, rng, key, k, loss_scale)
         noise_keys = ([Sum("curvature", probe=k) for k in range(config.curvature_passes)]
@@ -478,14 +500,12 @@ def _make_probe(name: str, module: PlanLinear, formats: Sequence[str], adam: Ada
     return probe
 
 
-def _clean_pass(runner: PassRunner, probes: list[_Probe], loss_scale: float, curvature_keys: Sequence[int],
-                inputs: dict[tuple[str, int], torch.Tensor]) -> float | None:
-    """The reference pass: norms, every format's exact GEMM errors, ``-<Z_k, G(0)>`` into
-    ``curvature.k`` for the noise each Hutchinson pass k will add (see :func:`_hutchinson_pass`),
-    and every module input into ``inputs`` (for :func:`_perturbation_passes`)."""
+def _clean_pass(runner: PassRunner, probes: list[_Probe], loss_scale: float,
+                curvature_keys: Sequence[int]) -> float | None:
+    """The reference pass: norms, every format's exact GEMM errors, and ``-<Z_k, G(0)>`` into
+    ``curvature.k`` for the noise each Hutchinson pass k will add (see :func:`_hutchinson_pass`)."""
     def hook(p: _Probe, x: torch.Tensor, out):
         microbatch = p.next_microbatch()  # counted as in the noise passes
-        inputs[p.name, microbatch] = x.detach().clone()
         if not needs_grad(out):
             return None
         y = out[0]
@@ -542,10 +562,15 @@ def _hutchinson_pass(runner: PassRunner, probes: list[_Probe], rng: RngStates, k
 
 def _clean_adam_response(adam: AdamView, loss_scale: float) -> tuple[dict[AdamSlice, torch.Tensor], float]:
     """After a plain forward-backward pass: every slice's ``P~ = du/dg`` at the clean gradient, and
-    ``||u||^2`` of the clean update over the whole model (the normaliser of the update divergence)."""
-    grads = {s: s.flat(s.param.main_grad).float() / loss_scale for s in adam.slices.values()}
-    update_sq = adam.model_sum(lambda s: squared_norm(s.update(grads[s])))
-    return {s: s.sensitivity(g) for s, g in grads.items()}, update_sq
+    ``||u||^2`` of the clean update over the whole model (the normaliser of the update divergence).
+    Slice by slice, so that one slice's fp32 gradient copy is alive at a time, not the model's."""
+    sensitivity, update_sq = {}, {}
+    for s in adam.slices.values():
+        grad = s.flat(s.param.main_grad).float() / loss_scale
+        sensitivity[s] = s.sensitivity(grad)
+        if s.counted:  # what model_sum adds up
+            update_sq[s] = squared_norm(s.update(grad))
+    return sensitivity, adam.model_sum(update_sq.__getitem__)
 
 
 def _param_sigma(adam: AdamView, sensitivity: dict[AdamSlice, torch.Tensor], config: ProbeConfig) -> float:
@@ -588,34 +613,69 @@ def _perturbed(adam: AdamView, sensitivity: dict[AdamSlice, torch.Tensor],
 
 
 def _perturbation_passes(runner: PassRunner, probes: list[_Probe], rng: RngStates,
-                         sensitivity: dict[AdamSlice, torch.Tensor], sigma: float, config: ProbeConfig,
-                         clean_inputs: dict[tuple[str, int], torch.Tensor]) -> None:
-    """For each draw k, a forward pass with every parameter at ``theta + sigma P~ w_k``;
-    accumulates every module's ``||X(+) - X(0)||^2`` as ``gain.k``, X(0) from the clean pass.
-    The parameters are restored bit for bit."""
-    saved = {s: s.flat(s.param.detach()).clone() for s in sensitivity}
+                         sensitivity: dict[AdamSlice, torch.Tensor], sigma: float, config: ProbeConfig) -> None:
+    """For each draw k, forward passes with every parameter at ``theta + sigma P~ w_k``; accumulates
+    every module's ``||X(+) - X(0)||^2`` as ``gain.k``.
 
-    def compare(p: _Probe, x: torch.Tensor, out, k: int):
-        x_clean = clean_inputs[p.name, p.next_microbatch()]
+    Micro-batch by micro-batch (``PassRunner.groups``: the whole batch at once under the interleaved
+    schedule): a clean forward keeps the group's module inputs X(0), then one forward per draw, each
+    from the RNG state the group starts with in a whole pass. So only one micro-batch's X(0) is held
+    (a whole batch's is as large as the model's activations), X(0) comes from the same forward-only
+    kernels as X(+), and each sum adds its micro-batches in the order a pass-by-pass loop would. The
+    price: the parameters are perturbed once per draw and micro-batch. They are restored bit for bit."""
+    saved = {s: _Original(s) for s in sensitivity}
+
+    def keep(p: _Probe, x: torch.Tensor, out, inputs: dict):
+        inputs[p.name, p.next_microbatch()] = x.detach().clone()
+
+    def compare(p: _Probe, x: torch.Tensor, out, inputs: dict, k: int):
+        x_clean = inputs[p.name, p.next_microbatch()]
         p.add(Sum("gain", probe=k), p.layout.x_weight * squared_norm(x.detach().float() - x_clean.float()))
 
+    def restore() -> None:
+        for s, original in saved.items():
+            s.flat(s.param.data).copy_(original.values())
+
+    keys = [noise_key(config.seed, "param", k) for k in range(config.perturbation_probes)]
+    start = rng  # the RNG states the group starts with
     try:
-        for k in range(config.perturbation_probes):
-            key = noise_key(config.seed, "param", k)
-            with torch.no_grad():
-                for s, original in saved.items():
-                    w = rademacher(param_global_index(s.param, s.start, s.end), noise_key(key, s.name))
-                    perturbed = original.float() + sigma * sensitivity[s] * w
-                    s.flat(s.param.data).copy_(perturbed.to(s.param.dtype))
+        for group in runner.groups():
+            inputs: dict[tuple[str, int], torch.Tensor] = {}
             for p in probes:
                 p.next_microbatch.reset()
-            rng.restore()
-            with _hooks(probes, lambda p, x, out: compare(p, x, out, k)):
-                runner.run(forward_only=True)
+            start.restore()
+            with _hooks(probes, lambda p, x, out: keep(p, x, out, inputs)):
+                runner.run(forward_only=True, microbatches=group)
+            after = RngStates()
+            for k, key in enumerate(keys):
+                with torch.no_grad():
+                    for s, original in saved.items():
+                        w = param_noise(s.param, noise_key(key, s.name), s.start, s.end)
+                        perturbed = original.values().float() + sigma * sensitivity[s] * w
+                        s.flat(s.param.data).copy_(perturbed.to(s.param.dtype))
+                for p in probes:
+                    p.next_microbatch.reset()
+                start.restore()
+                with _hooks(probes, lambda p, x, out, k=k: compare(p, x, out, inputs, k)):
+                    runner.run(forward_only=True, microbatches=group)
+            with torch.no_grad():
+                restore()
+            start = after
     finally:
         with torch.no_grad():
-            for s, original in saved.items():
-                s.flat(s.param.data).copy_(original)
+            restore()
+
+
+class _Original:
+    """A parameter slice's values before the perturbation passes: rebuilt from the optimizer's main
+    copy on demand where that gives them bit for bit (``AdamSlice.main_as_param``), else copied."""
+
+    def __init__(self, s: AdamSlice):
+        self.slice = s
+        self.copy = None if s.main_as_param() is not None else s.flat(s.param.detach()).clone()
+
+    def values(self) -> torch.Tensor:
+        return self.copy if self.copy is not None else self.slice.main.detach().view(-1).to(self.slice.param.dtype)
 
 
 def _module_statistics(p: _Probe, sums: dict[Sum, float], config: ProbeConfig, param_sigma: float,
