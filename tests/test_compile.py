@@ -134,12 +134,17 @@ def test_compile_flags_are_validated():
 @pytest.mark.integration
 def test_compiled_training_matches_eager_at_tp2_across_a_replan(tiny_data, init_ckpt, tmp_path):
     """TP=2 with sequence parallelism (the linears' collectives stay out of the graphs), the plan changed
-    at step 3 by a precision schedule (every forward GEMM in fp8): the same losses as eager training."""
-    losses = {}
+    at step 3 by a precision schedule (every forward GEMM in fp8): the losses of eager training, to the
+    last digits before the re-plan; after it fp8's rounding amplifies the backward's 1e-8 differences."""
+    losses, logs = {}, {}
     for name, extra in (("eager", ()), ("compiled", ("--torch-compile", "--torch-compile-backend", "aot_eager"))):
         tb = tmp_path / name
-        torchrun(2, train_args(tiny_data, "--tensor-model-parallel-size", "2", "--sequence-parallel",
-                               "--precision-schedule", "fwd=fp8@3", "--load", str(init_ckpt), "--no-load-optim",
-                               "--no-load-rng", "--tensorboard-dir", str(tb), *extra, iters=5))
-        losses[name] = scalars(tb, LOSS)
-    assert_close(losses["compiled"], losses["eager"], rel=1e-5)
+        proc = torchrun(2, train_args(tiny_data, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                      "--precision-schedule", "fwd=fp8@3", "--load", str(init_ckpt),
+                                      "--no-load-optim", "--no-load-rng", "--tensorboard-dir", str(tb), *extra,
+                                      iters=5))
+        losses[name], logs[name] = scalars(tb, LOSS), proc.stdout + proc.stderr
+    before = {step: loss for step, loss in losses["eager"].items() if step < 3}
+    assert_close({step: losses["compiled"][step] for step in before}, before, rel=1e-6)
+    assert_close(losses["compiled"], losses["eager"], rel=2e-4)
+    assert "recompile" not in logs["compiled"].lower()  # dynamo warns when a frame recompiles too often
