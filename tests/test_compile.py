@@ -18,17 +18,20 @@ from megatron_snip.arguments.errors import ArgumentError
 SEQ = 32
 
 
-def _build(compiled: bool, *flags: str):
-    """A TP1 model built by the trainer's builders from fixed seeds, compiled with aot_eager or not."""
+def _build(compiled: bool, swiglu_fusion: bool = False):
+    """A TP1 model built by the trainer's builders from fixed seeds, compiled with aot_eager or not;
+    ``swiglu_fusion``: with megatron-core's fused SwiGLU (a CUDA default, forced on here)."""
     from megatron.core import tensor_parallel
 
     from megatron_snip.model.llama import build_model, transformer_config
 
     extra = ("--torch-compile", "--torch-compile-backend", "aot_eager") if compiled else ()
-    run = run_config("--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ), *flags, *extra)
+    run = run_config("--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ), *extra)
     torch.manual_seed(123)
     tensor_parallel.model_parallel_cuda_manual_seed(123)
-    (model,) = build_model(run.model, run.parallel, transformer_config(run.model, run.parallel), 128)
+    config = transformer_config(run.model, run.parallel)
+    config.bias_activation_fusion = swiglu_fusion
+    (model,) = build_model(run.model, run.parallel, config, 128)
     return model
 
 
@@ -70,6 +73,10 @@ def checks() -> dict:
         positions = torch.arange(SEQ).expand(2, SEQ)
         out["eval"] = model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).mean().item()
     out["recompiles"] = sum(counters["recompiles"].values()) if "recompiles" in counters else 0
+    # megatron-core's fused SwiGLU (its own autograd function, jit-compiled) traced into the compiled layers
+    with torch.compiler.set_stance("force_eager"):  # its kernels eager, not inductor's (a minute on 2 cores)
+        out["swiglu_eager"] = _loss_and_grads(_build(False, swiglu_fusion=True), tokens)
+    out["swiglu_compiled"] = _loss_and_grads(_build(True, swiglu_fusion=True), tokens)
     return out
 
 
@@ -109,6 +116,12 @@ def test_compiled_layers_compute_what_eager_layers_do(results):
     (loss, _), (want, _) = results["compiled"], results["eager"]
     assert loss == want
     _assert_same(results["compiled"], results["eager"], rel=1e-6)
+
+
+@pytest.mark.integration
+def test_megatrons_swiglu_fusion_compiles_into_the_layers(results):
+    _assert_same(results["swiglu_compiled"], results["swiglu_eager"], rel=1e-6)
+    _assert_same(results["swiglu_eager"], results["eager"], rel=1e-5)  # the fused SwiGLU computes SwiGLU
 
 
 @pytest.mark.integration

@@ -93,17 +93,19 @@ class ModelConfig:
         "backward, only its input kept for backward; a CUDA fusion here, off without CUDA, where compiling it "
         "would cost start-up time and change the last bits of CPU runs).", option="--no-bias-swiglu-fusion")
     gradient_accumulation_fusion: bool = flag(
-        True, "Do not add the weight gradients of the bf16 linear layers into the fp32 gradient buffer inside their "
-        "GEMM (apex's kernel where installed, else a cuBLAS GEMM with fp32 output through torch; without it every "
-        "weight gradient is written in bf16, then added in a second pass). CUDA only: off without CUDA, and off "
-        "with a start-up note where this torch cannot accumulate bf16 products in fp32.",
+        True, "Do not add the weight gradients of the unquantized (bf16 in the plan) linear layers into the fp32 "
+        "gradient buffer inside their GEMM (apex's kernel where installed, else a cuBLAS GEMM with fp32 output "
+        "through torch; without it every weight gradient is written in the parameters' dtype, then added in a "
+        "second pass). CUDA only: off without CUDA, and off with a start-up warning where this torch cannot "
+        "accumulate bf16 products in fp32.",
         option="--no-gradient-accumulation-fusion")
     torch_compile: bool = flag(
         False, "Compile every transformer layer with torch.compile, its linear layers left out (what a re-plan "
         "changes, SNIP's probes and the tensor-parallel collectives stay eager, so re-plans recompile nothing): the "
         "norms, RoPE, attention, SwiGLU and residual adds between the linears become fused kernels and the "
-        "layers' Python overhead goes. Off by default: the first step waits for the compile (about 10-60 s on a "
-        "GPU, longer on a CPU, where it gains little); needs --transformer-impl local and no dropout.",
+        "layers' Python overhead goes. Off by default: the first step waits for the compile (about 40 s for a "
+        "small model on a 2-core CPU, where the generated kernels gain little), and recompiles on the first "
+        "evaluation; needs --transformer-impl local and no dropout.",
         ours=True)
     torch_compile_backend: str = flag(
         "inductor", "With --torch-compile: inductor (generated kernels) or aot_eager (traced graphs run by "

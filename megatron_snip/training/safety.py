@@ -107,15 +107,17 @@ def _grad(param: torch.nn.Parameter) -> torch.Tensor | None:
 
 def _local_grads_nonfinite(chunks: Sequence[torch.nn.Module]) -> torch.Tensor:
     """Whether any gradient of this rank is non-finite, as a bool scalar on the device (no host sync): one
-    max-abs reduction per DDP buffer (NaN propagates through max, which cannot overflow)."""
+    min-max reduction per DDP buffer (NaN propagates through both, an infinity shows in one; neither can
+    overflow; on a CPU ten times faster than the infinity norm)."""
     tensors = [b.grad_data for c in chunks
                for b in getattr(c, "buffers", []) + getattr(c, "expert_parallel_buffers", [])]
     if not tensors:  # not wrapped in megatron-core DDP
         tensors = [g for c in chunks for p in c.parameters() if (g := _grad(p)) is not None]
+    tensors = [t for t in tensors if t.numel()]
     if not tensors:
         return torch.zeros((), dtype=torch.bool, device=current_device())
-    amax = torch.stack([torch.linalg.vector_norm(t, ord=math.inf) for t in tensors])
-    return ~torch.isfinite(amax).all()
+    extremes = torch.stack([torch.stack(torch.aminmax(t)) for t in tensors])
+    return ~torch.isfinite(extremes).all()
 
 
 def _local_culprits(chunks: Sequence[torch.nn.Module]) -> list[str]:
