@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from conftest import free_port, run_config
 
 CUDA = torch.cuda.is_available()
+NO_GROUP = object()  # a context-parallel group for calls that never read it (without process groups)
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 
 
@@ -65,17 +66,48 @@ def test_megatrons_swiglu_fusion_computes_swiglu(dtype):
     assert (dx - want_dx).abs().max() <= tol * want_dx.abs().max()
 
 
-def test_cpu_runs_keep_the_unfused_path():
-    """Without CUDA the SwiGLU and wgrad fusions stay off whatever the flags say: CPU runs are unchanged."""
+@pytest.mark.cuda
+def test_rope_fusion_slot_computes_megatrons_rope(monkeypatch):
+    """Where Transformer Engine is absent, megatron-core's RoPE fusion calls our compiled RoPE: it computes what
+    megatron-core's unfused path does (to the bit with its kernels eager, on a CPU; compiled on a GPU)."""
+    import dataclasses
+
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megatron_snip.model.fusions import fused_rope
     from megatron_snip.model.llama import transformer_config
 
-    for flags in ((), ("--bf16",), ("--no-bias-swiglu-fusion", "--no-gradient-accumulation-fusion")):
+    if rope_utils.fused_apply_rotary_pos_emb is None:
+        monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", fused_rope)
+    run = run_config()
+    unfused = transformer_config(run.model, run.parallel)
+    fused = dataclasses.replace(unfused, apply_rope_fusion=True)
+    g = torch.Generator().manual_seed(4)
+    t = torch.randn(64, 2, 4, 16, generator=g).to(DEVICE).requires_grad_()
+    freqs = (torch.arange(64.0)[:, None] * torch.rand(8, generator=g)).repeat(1, 2)[:, None, None, :].to(DEVICE)
+    dy = torch.randn(64, 2, 4, 16, generator=g).to(DEVICE)
+    with torch.compiler.set_stance("default" if CUDA else "force_eager"):
+        out = rope_utils.apply_rotary_pos_emb(t, freqs, config=fused, cp_group=NO_GROUP)
+        (dt,) = torch.autograd.grad(out, t, dy)
+    want = rope_utils.apply_rotary_pos_emb(t, freqs, config=unfused, cp_group=NO_GROUP)
+    (want_dt,) = torch.autograd.grad(want, t, dy)
+    tol = 1e-6 if CUDA else 0.0
+    assert (out - want).abs().max() <= tol and (dt - want_dt).abs().max() <= tol
+
+
+def test_cpu_runs_keep_the_unfused_path():
+    """Without CUDA the RoPE, SwiGLU and wgrad fusions stay off whatever the flags say: CPU runs are unchanged."""
+    from megatron_snip.model.llama import transformer_config
+
+    off = ("--no-bias-swiglu-fusion", "--no-gradient-accumulation-fusion", "--no-rope-fusion")
+    for flags in ((), ("--bf16",), off):
         run = run_config(*flags)
         config = transformer_config(run.model, run.parallel)
-        assert config.bias_activation_fusion == (CUDA and "--no-bias-swiglu-fusion" not in flags)
+        assert config.bias_activation_fusion == config.apply_rope_fusion == (CUDA and flags != off)
         if not CUDA:
             assert not config.gradient_accumulation_fusion
-    assert run_config().model.bias_swiglu_fusion and run_config().model.gradient_accumulation_fusion  # Megatron's
+    model = run_config().model
+    assert model.apply_rope_fusion and model.bias_swiglu_fusion and model.gradient_accumulation_fusion  # Megatron's
 
 
 def test_torch_wgrad_accumulation_adds_the_product_in_place():

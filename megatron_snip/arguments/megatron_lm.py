@@ -52,9 +52,6 @@ class MegatronLMFlags:
                                   "ones, there and here.")
     use_flash_attn: bool = flag(False, "Accepted: Megatron-LM parses and ignores it; choose the kernel with "
                                 "--attention-backend.")
-    apply_rope_fusion: bool = flag(True, "Accepted: rotary embeddings are applied by megatron-core's unfused code "
-                                   "here (the fused kernel is Transformer Engine's); --torch-compile fuses them.",
-                                   option="--no-rope-fusion")
     accumulate_allreduce_grads_in_fp32: bool = flag(
         False, "Accepted: gradients accumulate and all-reduce in fp32 here (Megatron-LM's default with --bf16) unless "
         "--grad-reduce-in-bf16.")

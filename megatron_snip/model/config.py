@@ -88,6 +88,10 @@ class ModelConfig:
         "and megatron's compiled softmax kernels; without them it is off anyway).", option="--no-masked-softmax-fusion")
     bias_dropout_fusion: bool = flag(True, "Do not fuse the residual add with dropout (a CUDA fusion; off without "
                                      "CUDA).", option="--no-bias-dropout-fusion")
+    apply_rope_fusion: bool = flag(
+        True, "Do not fuse rotary embeddings (megatron-core's RoPE fusion: Transformer Engine's kernel where "
+        "installed, else megatron-core's own RoPE compiled by torch.compile; a CUDA fusion here, off without "
+        "CUDA).", option="--no-rope-fusion")
     bias_swiglu_fusion: bool = flag(
         True, "Do not fuse the SwiGLU activation (megatron-core's bias_swiglu: one compiled kernel forward and one "
         "backward, only its input kept for backward; a CUDA fusion here, off without CUDA, where compiling it "

@@ -1,7 +1,13 @@
-"""megatron-core's fusions that this program turns on, and the one kernel it supplies where apex is absent.
+"""megatron-core's fusions that this program turns on, and the kernels it supplies where apex and
+Transformer Engine are absent.
 
 ``--no-bias-swiglu-fusion`` and ``--no-bias-dropout-fusion`` switch megatron-core's own fused
 code (compiled by ``torch.compile`` through ``megatron.core.jit``); they need nothing else.
+
+``--no-rope-fusion`` switches megatron-core's RoPE fusion, whose kernel is Transformer Engine's.
+Without it, :func:`fused_rope` fills megatron-core's slot for that kernel with megatron-core's own
+unfused RoPE compiled by ``torch.compile`` (one kernel forward and one backward for each of query
+and key, instead of six, with cos/sin computed in registers rather than materialised twice).
 
 ``--no-gradient-accumulation-fusion`` switches megatron-core's weight-gradient accumulation: the
 bf16 linear layers' backward adds ``dY^T X`` into the parameter's fp32 ``main_grad`` inside the
@@ -16,6 +22,30 @@ torch), checked once on the device before it is used.
 from __future__ import annotations
 
 import torch
+from megatron.core.jit import jit_fuser
+from megatron.core.models.common.embeddings import rope_utils
+
+
+@jit_fuser
+def _rope(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    return rope_utils._apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=interleaved)
+
+
+def fused_rope(t: torch.Tensor, freqs: torch.Tensor, transpose_output_memory: bool = False,
+               interleaved: bool = False) -> torch.Tensor:
+    """Transformer Engine's ``fused_apply_rotary_pos_emb`` as megatron-core calls it: ``t`` [s, b, heads, hn],
+    ``freqs`` [s, 1, 1, hn] (radians); megatron-core's own RoPE, compiled."""
+    return _rope(t, freqs, interleaved)
+
+
+def enable_rope_fusion() -> str | None:
+    """Make megatron-core's ``apply_rope_fusion`` usable: Transformer Engine's kernel if installed, else
+    :func:`fused_rope`. Returns None when it is usable, else why not."""
+    if not torch.cuda.is_available():
+        return "it needs CUDA"
+    if rope_utils.fused_apply_rotary_pos_emb is None:
+        rope_utils.fused_apply_rotary_pos_emb = fused_rope
+    return None
 
 
 class TorchWgradAccumulation:

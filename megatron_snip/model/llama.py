@@ -19,7 +19,7 @@ from megatron_snip.compat.device import has_cuda
 from megatron_snip.model.attention import SDPAttention
 from megatron_snip.model.compile import compile_layers
 from megatron_snip.model.config import ModelConfig, ParallelConfig
-from megatron_snip.model.fusions import enable_wgrad_accumulation_fusion
+from megatron_snip.model.fusions import enable_rope_fusion, enable_wgrad_accumulation_fusion
 from megatron_snip.model.norms import block_spec, with_torch_norms
 from megatron_snip.model.precision.layers import precision_layer_spec
 from megatron_snip.precision.flops import LlamaLinearDims
@@ -101,7 +101,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Transfor
         bias_activation_fusion=model.bias_swiglu_fusion and cuda,
         gradient_accumulation_fusion=wgrad_accumulation_fusion(model),
         persist_layer_norm=False,
-        apply_rope_fusion=False,
+        apply_rope_fusion=model.apply_rope_fusion and cuda and enable_rope_fusion() is None,
         recompute_granularity=model.recompute_granularity,
         recompute_method=model.recompute_method,
         recompute_num_layers=model.recompute_num_layers,
