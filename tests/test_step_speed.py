@@ -141,9 +141,15 @@ def test_fused_adam_only_where_the_kernel_is():
         def __init__(self, params):
             self.optimizer = torch.optim.AdamW(params, lr=1e-3)
 
-    wrapped = Wrapper([torch.nn.Parameter(torch.randn(4, 4, device=DEVICE))])
+    param = torch.nn.Parameter(torch.randn(4, 4, device=DEVICE))
+    wrapped = Wrapper([param])
+    param.grad = torch.ones_like(param)
+    wrapped.optimizer.step()  # unfused: the step counter lives on the host (as in an unfused run's checkpoint)
     assert use_fused_adam(wrapped) == (1 if CUDA else 0)
     assert wrapped.optimizer.param_groups[0]["fused"] is (True if CUDA else None)
+    wrapped.optimizer.step()  # and the fused kernel takes over from the unfused state
+    assert float(wrapped.optimizer.state[param]["step"]) == 2.0
+    assert wrapped.optimizer.state[param]["step"].device == (param.device if CUDA else torch.device("cpu"))
 
 
 @pytest.mark.cuda

@@ -7,7 +7,7 @@ code (compiled by ``torch.compile`` through ``megatron.core.jit``); they need no
 ``--no-rope-fusion`` switches megatron-core's RoPE fusion, whose kernel is Transformer Engine's.
 Without it, :func:`fused_rope` fills megatron-core's slot for that kernel with megatron-core's own
 unfused RoPE compiled by ``torch.compile`` (one kernel forward and one backward for each of query
-and key, instead of six, with cos/sin computed in registers rather than materialised twice).
+and key, instead of about ten, with cos/sin computed in registers rather than materialised twice).
 
 ``--no-gradient-accumulation-fusion`` switches megatron-core's weight-gradient accumulation: the
 bf16 linear layers' backward adds ``dY^T X`` into the parameter's fp32 ``main_grad`` inside the

@@ -124,6 +124,10 @@ def use_fused_adam(optimizer) -> int:
             if params and all(p.is_cuda and p.is_floating_point() for p in params):
                 group.update(fused=True, foreach=False)
                 switched += 1
+                for p in params:  # a loaded unfused state counts its steps on the host; fused counts on the device
+                    step = torch_optimizer.state.get(p, {}).get("step")
+                    if torch.is_tensor(step) and step.device != p.device:
+                        torch_optimizer.state[p]["step"] = step.to(p.device, torch.float32)
     return switched
 
 
