@@ -5,12 +5,9 @@ the compile flags themselves are checked without a process."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-import torch.multiprocessing as mp
-from conftest import free_port, run_config, scalars, torchrun, train_args
+from conftest import in_world_of_one, run_config, scalars, torchrun, train_args
 from test_parallel import LOSS, assert_close
 
 from megatron_snip.arguments.errors import ArgumentError
@@ -80,25 +77,9 @@ def checks() -> dict:
     return out
 
 
-def worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from megatron_snip.compat.cpu import enable
-
-    torch.set_num_threads(1)
-    enable()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    parallel_state.initialize_model_parallel()
-    torch.save(checks(), os.path.join(out_dir, "results.pt"))
-    dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("compile")
-    mp.spawn(worker, args=(1, free_port(), str(out)), nprocs=1, join=True)
-    return torch.load(out / "results.pt")
+    return in_world_of_one(checks, tmp_path=tmp_path_factory.mktemp("compile"))
 
 
 def _assert_same(got, want, rel: float):

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from conftest import free_port, run_config
+from conftest import free_port, in_world_of_one, run_config
 
 CUDA = torch.cuda.is_available()
 NO_GROUP = object()  # a context-parallel group for calls that never read it (without process groups)
@@ -187,18 +187,8 @@ def _main_grads(fusion: bool) -> dict:
             "grads": {n: p.main_grad.float().cpu().clone() for n, p in model.module.named_parameters()}}
 
 
-def worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from megatron_snip.compat.cpu import enable
-
-    enable()
-    dist.init_process_group("nccl" if CUDA else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    parallel_state.initialize_model_parallel()
-    torch.save({"on": _main_grads(True), "off": _main_grads(False)}, os.path.join(out_dir, "grads.pt"))
-    dist.destroy_process_group()
+def _with_and_without_fusion() -> dict:
+    return {"on": _main_grads(True), "off": _main_grads(False)}
 
 
 @pytest.mark.cuda
@@ -207,8 +197,7 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
 def test_fused_wgrad_accumulation_gives_the_unfused_gradients(tmp_path):
     """Every main_grad after two micro-batches, with and without the fusion (the fused product is not rounded
     to bf16 before it is added, so the two agree to bf16's precision, not to the bit)."""
-    mp.spawn(worker, args=(1, free_port(), str(tmp_path)), nprocs=1, join=True)
-    result = torch.load(tmp_path / "grads.pt")
+    result = in_world_of_one(_with_and_without_fusion, tmp_path=tmp_path)
     assert result["on"]["fusion"] and not result["off"]["fusion"]
     for name, want in result["off"]["grads"].items():
         got = result["on"]["grads"][name]
