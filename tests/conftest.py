@@ -94,6 +94,31 @@ def train_args(data: TinyData, *extra: str, iters: int = 6, model: list[str] = T
             "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "2", *extra]
 
 
+def _run_in_world_of_one(rank: int, port: int, out: str, fn, args: tuple) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_snip.compat.cpu import enable
+
+    torch.set_num_threads(1)
+    enable()
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=1)
+    parallel_state.initialize_model_parallel()
+    torch.save(fn(*args), out)
+    dist.destroy_process_group()
+
+
+def in_world_of_one(fn, *args, tmp_path: Path):
+    """``fn(*args)`` (a module-level function) in a spawned process whose process group is a world of one
+    (gloo, nccl with CUDA) with megatron's parallel groups; what it returned."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / f"{fn.__name__}.pt"
+    mp.spawn(_run_in_world_of_one, args=(free_port(), str(out), fn, args), nprocs=1, join=True)
+    return torch.load(out, weights_only=False)
+
+
 def running_plan(controller):
     """The precisions this rank's quantized linears run now (modules of other stages: the bf16 default)."""
     from megatron_snip.numerics.recipes import BF16

@@ -52,13 +52,6 @@ class MegatronLMFlags:
                                   "ones, there and here.")
     use_flash_attn: bool = flag(False, "Accepted: Megatron-LM parses and ignores it; choose the kernel with "
                                 "--attention-backend.")
-    apply_rope_fusion: bool = flag(True, "Accepted: rotary embeddings are applied unfused here (the fused kernel is "
-                                   "Transformer Engine's).", option="--no-rope-fusion")
-    bias_swiglu_fusion: bool = flag(True, "Accepted: the SwiGLU activation runs unfused here.",
-                                    option="--no-bias-swiglu-fusion")
-    gradient_accumulation_fusion: bool = flag(
-        True, "Accepted: weight gradients accumulate unfused here (the fusion is an APEX / Transformer Engine "
-        "kernel).", option="--no-gradient-accumulation-fusion")
     accumulate_allreduce_grads_in_fp32: bool = flag(
         False, "Accepted: gradients accumulate and all-reduce in fp32 here (Megatron-LM's default with --bf16) unless "
         "--grad-reduce-in-bf16.")

@@ -36,6 +36,17 @@ if TYPE_CHECKING:  # imported where used: --help and flag errors need no megatro
     from megatron_snip.training.config import RunConfig, StartPoint
 
 
+def _validate_compile(args: argparse.Namespace) -> None:
+    if not args.torch_compile:
+        return
+    require(args.transformer_impl == "local", "--torch-compile compiles megatron-core's local layers; drop it with "
+            "--transformer-impl transformer_engine (Transformer Engine fuses its own kernels)")
+    require(args.hidden_dropout == 0 and args.attention_dropout == 0,
+            f"--torch-compile with dropout (--hidden-dropout {args.hidden_dropout}, --attention-dropout "
+            f"{args.attention_dropout}): inside compiled layers dropout would not draw from megatron-core's "
+            "per-rank random streams; set both to 0 (Llama pretrains without dropout) or drop --torch-compile")
+
+
 def _validate_safety(args: argparse.Namespace) -> None:
     require(args.max_consecutive_skips >= 0, "--max-consecutive-skips must be >= 0")
     require(args.spiky_loss_factor > 1.0, f"--spiky-loss-factor {args.spiky_loss_factor} must be > 1")
@@ -182,6 +193,7 @@ def resolve(parsed: argparse.Namespace, world_size: int | None = None, cuda: boo
         args.sequence_parallel = False  # Megatron-LM's rule: nothing to shard over, so no change in numerics
     require(args.transformer_impl == "local" or cuda,
             "--transformer-impl transformer_engine needs a GPU with Transformer Engine; use --transformer-impl local")
+    _validate_compile(args)
     if args.recompute_granularity == "full":
         require(args.recompute_method is not None,
                 "--recompute-granularity full needs --recompute-method uniform|block")

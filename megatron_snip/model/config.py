@@ -9,6 +9,8 @@ from megatron_snip.flags import derived, flag
 from megatron_snip.model.presets import PRESETS
 
 ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
+# --torch-compile-backend: inductor generates kernels; aot_eager traces and runs eager kernels (checks on a CPU)
+COMPILE_BACKENDS = ("inductor", "aot_eager")
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,33 @@ class ModelConfig:
         "and megatron's compiled softmax kernels; without them it is off anyway).", option="--no-masked-softmax-fusion")
     bias_dropout_fusion: bool = flag(True, "Do not fuse the residual add with dropout (a CUDA fusion; off without "
                                      "CUDA).", option="--no-bias-dropout-fusion")
+    apply_rope_fusion: bool = flag(
+        True, "Do not fuse rotary embeddings (megatron-core's RoPE fusion: Transformer Engine's kernel where "
+        "installed, else megatron-core's own RoPE compiled by torch.compile; a CUDA fusion here, off without "
+        "CUDA).", option="--no-rope-fusion")
+    bias_swiglu_fusion: bool = flag(
+        True, "Do not fuse the SwiGLU activation (megatron-core's bias_swiglu: one compiled kernel forward and one "
+        "backward, only its input kept for backward; a CUDA fusion here, off without CUDA, where compiling it "
+        "would cost start-up time and change the last bits of CPU runs).", option="--no-bias-swiglu-fusion")
+    gradient_accumulation_fusion: bool = flag(
+        True, "Do not add the weight gradients of the unquantized (bf16 in the plan) linear layers into the fp32 "
+        "gradient buffer inside their GEMM (apex's kernel where installed, else a cuBLAS GEMM with fp32 output "
+        "through torch; without it every weight gradient is written in the parameters' dtype, then added in a "
+        "second pass). CUDA only: off without CUDA, and off with a start-up warning where this torch cannot "
+        "accumulate bf16 products in fp32.",
+        option="--no-gradient-accumulation-fusion")
+    torch_compile: bool = flag(
+        False, "Compile every transformer layer with torch.compile, its linear layers left out (what a re-plan "
+        "changes, SNIP's probes and the tensor-parallel collectives stay eager, so re-plans recompile nothing): the "
+        "norms, RoPE, attention, SwiGLU and residual adds between the linears become fused kernels and the "
+        "layers' Python overhead goes. Off by default: the first step waits for the compile (about 40 s for a "
+        "small model on a 2-core CPU, where the generated kernels gain little), and recompiles on the first "
+        "evaluation; needs --transformer-impl local and no dropout.",
+        ours=True)
+    torch_compile_backend: str = flag(
+        "inductor", "With --torch-compile: inductor (generated kernels) or aot_eager (traced graphs run by "
+        "eager kernels: no speed-up, for checking the compiled path on a CPU).", choices=COMPILE_BACKENDS,
+        ours=True)
     attention_softmax_in_fp32: bool = flag(
         False, "--attention-backend unfused/local: masking and softmax in fp32 under --bf16 (the fused backends "
         "accumulate in fp32 anyway).")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +17,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_snip.compat.device import has_cuda
 from megatron_snip.model.attention import SDPAttention
+from megatron_snip.model.compile import compile_layers
 from megatron_snip.model.config import ModelConfig, ParallelConfig
+from megatron_snip.model.fusions import enable_rope_fusion, enable_wgrad_accumulation_fusion
 from megatron_snip.model.norms import block_spec, with_torch_norms
 from megatron_snip.model.precision.layers import precision_layer_spec
 from megatron_snip.precision.flops import LlamaLinearDims
@@ -37,6 +40,17 @@ def fused_softmax_available() -> bool:
     """Whether megatron-core's fused softmax can run: with the fusion on and these kernels absent,
     the first bf16 attention forward fails with ModuleNotFoundError instead of using torch's softmax."""
     return all(importlib.util.find_spec(name) is not None for name in FUSED_SOFTMAX_MODULES)
+
+
+def wgrad_accumulation_fusion(model: ModelConfig) -> bool:
+    """Whether the bf16 linears accumulate their weight gradients inside the GEMM (--no-gradient-accumulation-fusion
+    turns it off; it needs CUDA and apex's kernel or this torch's fp32-output GEMM: model/fusions.py)."""
+    if not (model.gradient_accumulation_fusion and has_cuda()):
+        return False
+    why_not = enable_wgrad_accumulation_fusion()
+    if why_not is not None:
+        logging.getLogger(__name__).warning("gradient accumulation fusion is off: %s", why_not)
+    return why_not is None
 
 
 def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> TransformerConfig:
@@ -84,9 +98,10 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Transfor
         attention_softmax_in_fp32=model.attention_softmax_in_fp32,
         cross_entropy_loss_fusion=model.cross_entropy_loss_fusion,
         cross_entropy_fusion_impl="native",  # Megatron-LM's default; megatron-core's TE one is off for instability
-        gradient_accumulation_fusion=False,
+        bias_activation_fusion=model.bias_swiglu_fusion and cuda,
+        gradient_accumulation_fusion=wgrad_accumulation_fusion(model),
         persist_layer_norm=False,
-        apply_rope_fusion=False,
+        apply_rope_fusion=model.apply_rope_fusion and cuda and enable_rope_fusion() is None,
         recompute_granularity=model.recompute_granularity,
         recompute_method=model.recompute_method,
         recompute_num_layers=model.recompute_num_layers,
@@ -162,6 +177,8 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, config: Transforme
         # torch norms (TorchNorm) start on the CPU, and the optimizer wants every parameter on the GPU.
         for chunk in chunks:
             chunk.cuda(torch.cuda.current_device())
+    if model.torch_compile:
+        compile_layers(chunks, model.torch_compile_backend)
     return chunks
 
 

@@ -18,14 +18,12 @@ LOSS_KEY = "lm loss"  # the key of the reported loss in what the schedule return
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Mean token loss of one micro-batch; the reported value is averaged over DP ranks."""
+    """Mean token loss of one micro-batch; the reported value is this DP rank's (as Megatron-LM's, whoever
+    reads the losses averages them over DP ranks once per step: :func:`reduced_losses`)."""
     losses = output_tensor.float().view(-1)
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask) / mask.sum().clamp(min=1.0)
-    reported = loss.detach().clone()
-    dist.all_reduce(reported, group=parallel_state.get_data_parallel_group())
-    reported /= parallel_state.get_data_parallel_world_size()
-    return loss, {LOSS_KEY: reported}
+    return loss, {LOSS_KEY: loss.detach().clone()}
 
 
 def forward_step(data_iterator, model):
@@ -38,8 +36,17 @@ def forward_step(data_iterator, model):
     return output, partial(loss_func, batch["loss_mask"])
 
 
-def mean_loss(losses: list[dict]) -> float | None:
-    """Mean of the micro-batch losses the schedule returned on the last stage (None elsewhere)."""
+def reduced_losses(losses: list[dict], key: str = LOSS_KEY) -> torch.Tensor | None:
+    """The micro-batch losses (``key`` of each dict) the schedule returned on the last stage (None elsewhere),
+    each averaged over the DP ranks: fp32 [micro-batches] on the device, in one all-reduce and no host sync."""
     if not losses:
         return None
-    return torch.stack([d[LOSS_KEY] for d in losses]).mean().item()
+    values = torch.stack([d[key] for d in losses])
+    dist.all_reduce(values, group=parallel_state.get_data_parallel_group())
+    return values / parallel_state.get_data_parallel_world_size()
+
+
+def mean_loss(losses: list[dict]) -> torch.Tensor | None:
+    """Mean of :func:`reduced_losses`: a device scalar (read it where it is logged), None off the last stage."""
+    values = reduced_losses(losses)
+    return None if values is None else values.mean()

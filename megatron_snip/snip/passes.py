@@ -18,7 +18,7 @@ from megatron.core.utils import get_model_config
 
 from megatron_snip.compat.device import has_cuda
 from megatron_snip.model.precision.layers import PlanLinear
-from megatron_snip.model.step import LOSS_KEY, forward_step
+from megatron_snip.model.step import LOSS_KEY, forward_step, reduced_losses
 
 ForwardStep = Callable  # (data_iterator, model) -> (output, loss_func), as megatron's schedules call it
 
@@ -173,4 +173,4 @@ class PassRunner:
                                  forward_only=forward_only)
         if not out:
             return None
-        return sum(float(d[self.loss_key]) for d in out) / len(out)
+        return sum(reduced_losses(out, self.loss_key).tolist()) / len(out)

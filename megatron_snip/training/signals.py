@@ -41,17 +41,32 @@ class ExitSignalHandler:
         the same on all) or ``"exit-duration"``; None to go on."""
         decided = None
         if self._pending is not None:
-            flags, work = self._pending
-            work.wait()
+            flags, wait = self._pending
+            wait()
             signum, late = (int(x) for x in flags.tolist())
             decided = signal.Signals(signum).name if signum else EXIT_DURATION if late else None
         late = self.deadline is not None and time.time() > self.deadline
-        flags = torch.tensor([self.received or 0, int(late)], dtype=torch.int32, device=current_device())
-        self._pending = (flags, dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True))
+        # Filled on the device: a tensor built from a Python list would be a host-to-device copy, which
+        # on a GPU waits for the whole step enqueued so far.
+        flags = torch.zeros(2, dtype=torch.int32, device=current_device())
+        if self.received or late:
+            flags[0], flags[1] = self.received or 0, int(late)
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)
+        if flags.is_cuda:
+            # The stream waits for the all-reduce and copies its result to pinned host memory; the next call
+            # waits for that copy only (long done by then), not for the step enqueued after it.
+            work.wait()
+            host = torch.empty(2, dtype=torch.int32, pin_memory=True)
+            host.copy_(flags, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+            self._pending = (host, copied.synchronize)
+        else:
+            self._pending = (flags, work.wait)
         return decided
 
     def close(self) -> None:
         """Complete the outstanding all-reduce (every rank must call this, or none)."""
         if self._pending is not None:
-            self._pending[1].wait()
+            self._pending[1]()
             self._pending = None

@@ -15,7 +15,8 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -49,7 +50,13 @@ from megatron_snip.training.logger import MetricsLogger, hms, peak_tflops, progr
 from megatron_snip.training.precision import describe_speed_model, speed_model
 from megatron_snip.training.quant_health import HealthTable, gather_health, promote
 from megatron_snip.training.safety import NumericalGuard, Verdict
-from megatron_snip.training.setup import build_optimizer, build_scheduler, initialize_distributed, wrap_ddp
+from megatron_snip.training.setup import (
+    build_optimizer,
+    build_scheduler,
+    initialize_distributed,
+    use_fused_adam,
+    wrap_ddp,
+)
 from megatron_snip.training.signals import ExitSignalHandler
 from megatron_snip.training.timers import Timers
 
@@ -66,35 +73,58 @@ class TrainState:
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one optimizer step reports to the logs."""
+    """What one optimizer step reports to the logs. The loss stays on the device until a log reads it
+    (:attr:`loss`): the step itself waits for the device only where Megatron-LM's does."""
 
-    loss: float | None        # mean over micro-batches and DP ranks; None off the last pipeline stage
+    loss_tensor: torch.Tensor | None  # mean over micro-batches and DP ranks (fp32 scalar); None off the last stage
     grad_norm: float | None   # before clipping; None when the update was skipped
     num_zeros: int | None     # zero gradient entries (--log-num-zeros-in-grad), None without
     applied: bool             # False: the update was skipped (non-finite step)
     seconds: float            # wall time of the step
 
+    @cached_property
+    def loss(self) -> float | None:
+        """The loss as a number (a host sync on a GPU: read where it is logged)."""
+        return None if self.loss_tensor is None else self.loss_tensor.item()
+
 
 @dataclass
 class LogWindow:
-    """The iterations since the last progress line, which it averages over (as Megatron-LM's)."""
+    """The iterations since the last progress line, which it averages over (as Megatron-LM's). Their losses
+    are kept on the device and read once, by the progress line (:attr:`loss_sum`, :attr:`nan`)."""
 
     iterations: int = 0
     seconds: float = 0.0
-    loss_sum: float = 0.0
     advanced: int = 0  # iterations whose update was applied: their losses are averaged
     skipped: int = 0
-    nan: int = 0       # iterations with a non-finite loss
+    losses: list[tuple[torch.Tensor, bool]] = field(default_factory=list)  # (loss, applied) on the last stage
 
     def add(self, step: StepResult) -> None:
         self.iterations += 1
         self.seconds += step.seconds
         if step.applied:
             self.advanced += 1
-            self.loss_sum += step.loss or 0.0
         else:
             self.skipped += 1
-        self.nan += step.loss is not None and not math.isfinite(step.loss)
+        if step.loss_tensor is not None:
+            self.losses.append((step.loss_tensor, step.applied))
+
+    @cached_property
+    def _values(self) -> list[tuple[float, bool]]:
+        """The window's losses as numbers (one host sync), once all iterations are in."""
+        if not self.losses:
+            return []
+        return list(zip(torch.stack([t for t, _ in self.losses]).tolist(), (a for _, a in self.losses)))
+
+    @property
+    def loss_sum(self) -> float:
+        """Sum of the applied iterations' losses (0 off the last stage)."""
+        return sum(v for v, applied in self._values if applied)
+
+    @property
+    def nan(self) -> int:
+        """Iterations with a non-finite loss."""
+        return sum(not math.isfinite(v) for v, _ in self._values)
 
 
 class Trainer:
@@ -193,6 +223,7 @@ class Trainer:
                 self.guard.load_state_dict(record.numerical_safety)
             self.apply_precision()  # the plan itself was chosen at start-up (initial_plan)
         self.precision.load_quant_states(loaded.quantization)
+        use_fused_adam(self.optimizer)  # the loaded parameter groups carry the saving run's choice
         self.logger.text(f"resumed from {ckpt.load} at iteration {record.iteration} "
                          f"(consumed samples {record.consumed_samples}); continuing at {self.state.iteration}")
 
@@ -314,7 +345,7 @@ class Trainer:
         for chunk in self.model:
             chunk.train()
         per_batch = [mean_loss(x) for x in losses]
-        return None if per_batch[0] is None else sum(per_batch) / len(per_batch)
+        return None if per_batch[0] is None else sum(torch.stack(per_batch).tolist()) / len(per_batch)
 
     # -- the loop ----------------------------------------------------------
     def train(self, until: int | None = None) -> None:
