@@ -63,7 +63,8 @@ def test_attention_softmax_runs_without_the_fused_kernels(tiny_data, monkeypatch
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.utils import attention_mask_func
 
-    run = parse_config(train_args(tiny_data, "--bf16"), world_size=1, cuda=True)
+    # Without gradient accumulation fusion: its start-up check runs a GEMM on the (here pretended) GPU.
+    run = parse_config(train_args(tiny_data, "--bf16", "--no-gradient-accumulation-fusion"), world_size=1, cuda=True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     config = llama.transformer_config(run.model, run.parallel)
     assert config.masked_softmax_fusion == llama.fused_softmax_available()
