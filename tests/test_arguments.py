@@ -350,3 +350,14 @@ def test_a_megatron_nvfp4_script_trains_saves_lean_checkpoints_and_resumes(tiny_
                                              "--exit-on-missing-checkpoint"))
     assert "resumed from" in second.stdout and "continuing at 2" in second.stdout
     assert read_record(ckpt).iteration == 4
+
+
+def test_data_beyond_the_vocabulary_names_the_flags_that_gave_it(tiny_data):
+    """The tokenizer-size error names what was given: --tokenizer-model, or NullTokenizer's --vocab-size (no
+    --tokenizer-model then)."""
+    with pytest.raises(ArgumentError) as e:
+        parse_config(train_args(tiny_data, "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"),
+                     world_size=1, cuda=False)
+    assert re.search(r"holds token id \d+, but --tokenizer-type NullTokenizer --vocab-size 100 has only 100 ids: "
+                     r"the data was preprocessed with a different tokenizer; give --vocab-size", str(e.value))
+    assert "--tokenizer-model" not in str(e.value)

@@ -471,7 +471,13 @@ def _validate_data_files(args: argparse.Namespace) -> int:
     if prefixes:  # mock data ignores --split
         check_splits_have_documents(prefixes, args.split)
     tokens = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size).vocab_size
-    check_vocab_covers_data(prefixes, tokens)
+    if args.tokenizer_type == NULL_TOKENIZER:
+        check_vocab_covers_data(prefixes, tokens, f"--tokenizer-type {NULL_TOKENIZER} --vocab-size {tokens}",
+                                "give --vocab-size the size of the tokenizer the data was preprocessed with (ids "
+                                "0..N-1, the last the end-of-document token)")
+    else:
+        check_vocab_covers_data(prefixes, tokens, f"--tokenizer-model {args.tokenizer_model}",
+                                "rerun tools/preprocess_data.py with this --tokenizer-model")
     return tokens
 
 
