@@ -182,9 +182,9 @@ class SafetyConfig:
         negatable=True, ours=True)
     promote_on_fault: bool | None = flag(
         None, "On a non-finite step or a loss spike, raise the precision of the quantized module the health numbers "
-        "name (a non-finite step: only a module whose own GEMM made the values) (FP4 -> FP8 -> BF16) until the next SNIP cycle (for the rest of the run without --snip); a non-finite "
-        "step is then skipped instead of failing. Default: on with --snip. Needs --quant-health.", negatable=True,
-        ours=True)
+        "name (a non-finite step: only a module whose own GEMM made the values) (FP4 -> FP8 -> BF16) until the "
+        "next SNIP cycle (for the rest of the run without --snip); a non-finite step is then skipped instead of "
+        "failing. Default: on with --snip. Needs --quant-health.", negatable=True, ours=True)
 
 
 @dataclass(frozen=True)
