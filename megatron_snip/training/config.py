@@ -153,6 +153,16 @@ class LoggingConfig:
     wandb_entity: str | None = flag(None, "The W&B entity (team or user) the project belongs to.")
     peak_tflops: float | None = flag(None, "Peak dense TFLOP/s per GPU for MFU (default: looked up from the GPU "
                                      "name).", ours=True)
+    profile: bool = flag(
+        False, "Profile iterations --profile-step-start to --profile-step-end on --profile-ranks: with "
+        "--use-pytorch-profiler a torch.profiler trace into --tensorboard-dir, else (CUDA) an nsys capture range "
+        "(cudaProfilerStart/Stop; run under nsys profile --capture-range=cudaProfilerApi).")
+    profile_step_start: int = flag(10, "With --profile: the iteration profiling starts at.")
+    profile_step_end: int = flag(12, "With --profile: the iteration profiling stops after.")
+    use_pytorch_profiler: bool = flag(False, "With --profile: torch.profiler (a trace TensorBoard's profiler plugin "
+                                      "and chrome://tracing read) instead of an nsys range.")
+    profile_ranks: tuple[int, ...] = flag((0,), "With --profile: the global ranks profiled.")
+    notices: tuple[str, ...] = derived(())  # flags accepted that change nothing here: one start-up line each
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ from megatron_snip.training.cycle_log import log_cycle
 from megatron_snip.training.data import build_datasets
 from megatron_snip.training.logger import MetricsLogger, hms, peak_tflops, progress_line, setup_console
 from megatron_snip.training.precision import speed_model
+from megatron_snip.training.profiling import StepProfiler
 from megatron_snip.training.quant_health import HealthTable, gather_health, promote
 from megatron_snip.training.safety import NumericalGuard, Verdict
 from megatron_snip.training.setup import build_optimizer, build_scheduler, initialize_distributed, wrap_ddp
@@ -339,13 +340,16 @@ class Trainer:
         if c.training.manual_gc:  # Megatron-LM's --manual-gc: every rank collects at the same iterations
             gc.disable()
             gc.collect()
+        profiler = StepProfiler(c.logging, dist.get_rank())  # --profile
         while self.state.iteration < last:
             if self.state.iteration + 1 in self.schedule.starts():
                 self.apply_precision()
                 self.logger.text(f"precision schedule: from step {self.state.iteration + 1} on "
                                  f"{', '.join(map(str, self.schedule.active(self.state.iteration + 1)))}: "
                                  f"{self.flop_fractions.fp4:.1%} of linear FLOPs in FP4")
+            profiler.before_step(self.state.iteration)
             step = self.train_step(data)
+            profiler.after_step(self.state.iteration)
             window.add(step)
             self.step_seconds.append(step.seconds)
             it = self.state.iteration
@@ -380,6 +384,7 @@ class Trainer:
                 reason = requeue.EXIT_INTERVAL
                 break
         exit_signal.close()
+        profiler.close()
         if c.training.manual_gc:
             gc.enable()  # for whatever runs in this process after training (tools, tests)
         if self.state.iteration >= c.training.train_iters:  # whatever else asked to stop at the last one
@@ -611,6 +616,8 @@ def pretrain(config: RunConfig, on_build: Callable[[Trainer], None] | None = Non
              + "".join(f"; {note}" for note in prec.precision_notes))
     if trainer.pins_text:
         log.text(f"{trainer.pins_text}: never re-planned, counted in the budgets")
+    for notice in c.logging.notices:  # flags accepted that change nothing here
+        log.text(f"notice: {notice}")
     if trainer.schedule:
         log.text(f"precision schedule ({trainer.schedule_source}): {' '.join(trainer.schedule.to_list())}")
     log.text(f"GEMM speed model {trainer.speed_model.describe()}"
