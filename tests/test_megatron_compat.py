@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import ROOT, TINY_MEGATRON, free_port, torchrun, torchrun_env, train_args
+from conftest import ROOT, TINY_MEGATRON, free_port, scalars, torchrun, torchrun_env, train_args
 
 from megatron_snip.arguments import ArgumentError, parse_config
 
@@ -256,6 +256,61 @@ def test_the_8b_scripts_fp8_flags_train_the_recipe_they_report(tiny_data, extra,
     (line,) = re.findall(r"^FP8-SCALING (.*)$", proc.stdout, re.M)
     kept = json.loads(line)
     assert len(kept) == 16 and all(state == scaling for state in kept.values()), kept
+
+
+# -- Megatron-LM flags megatron-core implements without Transformer Engine ------------------------
+
+@pytest.mark.integration
+def test_per_token_loss_zero_centred_norms_and_the_profiler_keep_training_as_megatron_does(tiny_data, tmp_path):
+    """At DP2 with 2 micro-batches per rank and no --eod-mask-loss, every micro-batch has as many loss tokens, so
+    --calculate-per-token-loss (sum over the global batch's tokens / their count) trains as the mean of micro-batch
+    means; --apply-layernorm-1p (scale stored as scale - 1) as the plain norms, up to fp32 rounding. --profile
+    --use-pytorch-profiler writes rank 0's torch.profiler trace of iterations 2..3 into --tensorboard-dir."""
+    from megatron_snip.training import tags
+
+    def run(name, *extra):
+        tb = tmp_path / name
+        torchrun(2, train_args(tiny_data, "--tensorboard-dir", str(tb), *extra, iters=5))
+        return tb, scalars(tb, tags.LM_LOSS)
+
+    _, plain = run("plain")
+    tb, megatron = run("megatron", "--calculate-per-token-loss", "--apply-layernorm-1p", "--profile",
+                       "--use-pytorch-profiler", "--profile-step-start", "2", "--profile-step-end", "4")
+    assert sorted(plain) == sorted(megatron) == [1, 2, 3, 4, 5]
+    assert plain[5] < plain[1]
+    assert all(megatron[i] == pytest.approx(plain[i], rel=1e-5) for i in plain), (plain, megatron)
+    (trace,) = tb.glob("*.pt.trace.json")  # one rank (--profile-ranks 0), one window
+    steps = set(re.findall(r'"ProfilerStep#(\d+)"', trace.read_text()))
+    assert steps == {"2", "3"}
+
+
+def test_a_global_batch_loss_per_token_weighs_every_token_alike():
+    import torch
+
+    from megatron_snip.model.step import LOSS_KEY, mean_loss
+
+    per_micro_batch = [{LOSS_KEY: torch.tensor([6.0, 2.0])}, {LOSS_KEY: torch.tensor([3.0, 6.0])}]  # (sum, count)
+    assert mean_loss(per_micro_batch) == pytest.approx(9.0 / 8.0)  # not (3.0 + 0.5) / 2
+    assert mean_loss([{LOSS_KEY: torch.tensor(3.0)}, {LOSS_KEY: torch.tensor(0.5)}]) == pytest.approx(1.75)
+
+
+def test_zero_centred_norms_store_scale_minus_one_and_megatron_core_gets_both_switches():
+    import torch
+    from conftest import run_config
+
+    from megatron_snip.model.llama import transformer_config
+    from megatron_snip.model.norms import TorchNorm
+
+    run = run_config("--apply-layernorm-1p", "--calculate-per-token-loss")
+    config = transformer_config(run.model, run.parallel)
+    assert config.layernorm_zero_centered_gamma and config.calculate_per_token_loss  # megatron-core's switches
+    norm, plain = TorchNorm(config, 8, eps=1e-5), torch.nn.RMSNorm(8, eps=1e-5)
+    assert torch.equal(norm.weight, torch.zeros(8))
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(-0.5, 0.5, 8))
+        plain.weight.copy_(norm.weight + 1)
+    assert torch.allclose(norm(x), plain(x), rtol=1e-6, atol=1e-7)
 
 
 # -- every problem at once -------------------------------------------------------------------
