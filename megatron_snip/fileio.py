@@ -1,8 +1,12 @@
-"""Writing files so that a crash never leaves a partial one behind."""
+"""Writing files so that a crash never leaves a partial one behind, with the modes the umask gives, in
+folders checked writable before a run starts."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import socket
 import tempfile
 from pathlib import Path
 
@@ -40,3 +44,26 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def check_writable(directory: str | os.PathLike) -> str | None:
+    """Create ``directory`` (and its parents) if needed, then create, write, rename and delete a probe
+    file in it: what a run does to its output folders. None if all worked, else what failed, e.g.
+    ``"cannot create a file there: [Errno 30] Read-only file system (EROFS)"``. The probe's name is
+    unique to this host and process, so every rank of a job may probe the same folder at once."""
+    probe = Path(directory) / f".write_probe.{socket.gethostname()}.{os.getpid()}"
+    steps = (("create the folder", lambda: os.makedirs(directory, exist_ok=True)),
+             ("create a file there", lambda: probe.open("x").close()),
+             ("write a file there", lambda: probe.write_text("probe")),
+             ("rename a file there", lambda: os.replace(probe, probe.with_suffix(".renamed"))),
+             ("delete a file there", lambda: os.remove(probe.with_suffix(".renamed"))))
+    for what, step in steps:
+        try:
+            step()
+        except OSError as e:
+            for leftover in (probe, probe.with_suffix(".renamed")):
+                with contextlib.suppress(OSError):
+                    os.remove(leftover)
+            name = errno.errorcode.get(e.errno, "?") if e.errno is not None else "?"
+            return f"cannot {what}: [Errno {e.errno}] {e.strerror} ({name})"
+    return None

@@ -20,6 +20,7 @@ import os
 from typing import TYPE_CHECKING
 
 from megatron_snip.data.config import NULL_TOKENIZER, REFUSED_TOKENIZER_TYPES
+from megatron_snip.fileio import check_writable
 from megatron_snip.model import checkpoint_shape
 from megatron_snip.model.presets import PRESETS
 from megatron_snip.numerics.registry import FP4_NAMES, PRECISION_NAMES
@@ -168,6 +169,8 @@ def resolve(parsed: argparse.Namespace, world_size: int | None = None, cuda: boo
         if not data_source:  # the files are read with the tokenizer type and data source checked above
             with problems.step():
                 _validate_files(args, checkpoint is not None)
+        with problems.step():
+            _validate_output_folders(args)
     with problems.step():
         if args.distributed_backend is None:
             args.distributed_backend = "nccl" if cuda else "gloo"
@@ -549,6 +552,18 @@ def _validate_files(args: argparse.Namespace, from_checkpoint: bool) -> None:
         require(os.path.abspath(args.load) == os.path.abspath(args.save or ""),
                 f"--load {args.load!r} holds no checkpoint (no latest_checkpointed_iteration.txt); "
                 f"fix the path, or pass the same directory to --save and --load to resume-or-start")
+
+
+def _validate_output_folders(args: argparse.Namespace) -> None:
+    """Every rank can create, write, rename and delete files where the run writes (a read-only or foreign
+    folder found here, not at the first save or log line)."""
+    folders = {"--save": args.save, "--tensorboard-dir": args.tensorboard_dir}
+    if args.wandb_project:
+        folders["--wandb-save-dir"] = args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else None)
+    for flag, folder in folders.items():
+        if folder is not None:
+            failure = check_writable(folder)
+            require(failure is None, f"{flag} {folder}: {failure}; give a folder this job can write")
 
 
 def _validate_data_files(args: argparse.Namespace) -> int:

@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None, on_build: Callable[[Trainer], None] | No
     from megatron_snip.compat.device import setup_device
     from megatron_snip.snip.config import SnipConfigError
     from megatron_snip.training import checkpointing
+    from megatron_snip.training.logger import RunFilesError
     from megatron_snip.training.safety import NonFiniteError
     from megatron_snip.training.trainer import pretrain
 
@@ -102,6 +103,10 @@ def main(argv: list[str] | None = None, on_build: Callable[[Trainer], None] | No
     except NonFiniteError as e:
         _error(e)
         dist.barrier()  # every rank raised at this iteration: let each print before the first exit ends the job
+        return 1
+    except RunFilesError as e:  # every rank stopped together; the rank that could not write says what
+        if e.own:
+            _error(e)
         return 1
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()

@@ -318,11 +318,24 @@ def _write(root: str, record: CheckpointRecord, state: dict, files: Mapping[str,
     iteration = record.iteration
     final = iteration_dir(root, iteration)
     tmp = final + ".tmp"
-    if dist.get_rank() == 0:
+
+    def prepare() -> None:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
         os.makedirs(tmp)
-    dist.barrier()
+
+    def publish() -> None:
+        for name, text in (files or {}).items():
+            with open(os.path.join(tmp, name), "w") as f:
+                f.write(text)
+        replaced = _tracked_iteration(root)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        write_text_atomic(os.path.join(root, TRACKER), str(iteration))
+        if retain_interval is not None:
+            retire(root, replaced, iteration, retain_interval)
+
+    _on_rank_0(prepare, root, final)
     state.update(replace(record, layout=_layout()).to_common())
     save_helper.install()  # before the writer spawns its own helper, which a SIGTERM would kill
     try:
@@ -334,18 +347,28 @@ def _write(root: str, record: CheckpointRecord, state: dict, files: Mapping[str,
                               f"newest complete checkpoint is still the one {os.path.join(root, TRACKER)} "
                               f"names; free space under {root} or point --save elsewhere") from e
     dist.barrier()
-    if dist.get_rank() == 0:
-        for name, text in (files or {}).items():
-            with open(os.path.join(tmp, name), "w") as f:
-                f.write(text)
-        replaced = _tracked_iteration(root)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        write_text_atomic(os.path.join(root, TRACKER), str(iteration))
-        if retain_interval is not None:
-            retire(root, replaced, iteration, retain_interval)
-    dist.barrier()
+    _on_rank_0(publish, root, final)
     return final
+
+
+def _on_rank_0(action, root: str, final: str) -> None:
+    """Run ``action`` (file operations of the save of ``final``) on rank 0; collective: if it fails (a full
+    disk, a revoked mount) every rank raises the same CheckpointError, where otherwise the others would wait
+    in the next collective for a rank that is gone."""
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            action()
+        except OSError as e:
+            error = (f"cannot save checkpoint {final} ({type(e).__name__}: {e}); the newest complete checkpoint is "
+                     f"still the one {os.path.join(root, TRACKER)} names; make {root} writable (or free space) "
+                     f"and resume, or point --save elsewhere")
+    flag = torch.tensor([float(error is not None)], device=current_device())  # NCCL reduces GPU tensors only
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item():
+        message = [error]
+        dist.broadcast_object_list(message, src=0)
+        raise CheckpointError(message[0])
 
 
 def _tracked_iteration(root: str) -> int | None:

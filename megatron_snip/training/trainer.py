@@ -45,13 +45,20 @@ from megatron_snip.training.checkpoint_record import CheckpointRecord
 from megatron_snip.training.config import RunConfig
 from megatron_snip.training.cycle_log import log_cycle
 from megatron_snip.training.data import build_datasets
-from megatron_snip.training.logger import MetricsLogger, hms, peak_tflops, progress_line, setup_console
+from megatron_snip.training.logger import (
+    MetricsLogger,
+    RunFilesError,
+    hms,
+    peak_tflops,
+    progress_line,
+    setup_console,
+)
 from megatron_snip.training.precision import speed_model
 from megatron_snip.training.profiling import StepProfiler
 from megatron_snip.training.quant_health import HealthTable, gather_health, promote
 from megatron_snip.training.safety import NumericalGuard, Verdict
 from megatron_snip.training.setup import build_optimizer, build_scheduler, initialize_distributed, wrap_ddp
-from megatron_snip.training.signals import ExitSignalHandler
+from megatron_snip.training.signals import RUN_FILES_FAILED, ExitSignalHandler
 from megatron_snip.training.timers import Timers
 
 RUN_CONFIG_FILE = "run_config.yaml"  # in every checkpoint's directory
@@ -371,7 +378,12 @@ class Trainer:
             if c.checkpoint.save and c.checkpoint.save_interval and it % c.checkpoint.save_interval == 0:
                 self.save()
                 saved_at = it
+            exit_signal.failed = self.logger.failure is not None
             reason = exit_signal.should_exit()
+            if reason == RUN_FILES_FAILED:  # a full disk or a revoked mount on some rank: stop, all together
+                exit_signal.close()
+                raise RunFilesError(self.logger.failure or "another rank could not write a run file",
+                                    own=self.logger.failure is not None)
             if reason == requeue.EXIT_DURATION:
                 self.logger.text(f"--exit-duration-in-mins {duration:g}: {(time.time() - self.start_time) / 60:.2f} "
                                  f"minutes since start-up; saving at iteration {it} and exiting")
@@ -392,8 +404,11 @@ class Trainer:
         if c.checkpoint.save and saved_at != self.state.iteration:
             self.save()
         if c.checkpoint.save and reason is not None and dist.get_rank() == 0:  # the save above is complete
-            requeue.write_record(c.checkpoint.save, requeue.ExitRecord(
-                self.state.iteration, reason, c.training.train_iters, time.time()))
+            try:
+                requeue.write_record(c.checkpoint.save, requeue.ExitRecord(
+                    self.state.iteration, reason, c.training.train_iters, time.time()))
+            except OSError as e:  # reported after the last collective (pretrain)
+                self.logger.run_file_failed(requeue.record_path(c.checkpoint.save), e)
 
     def _log_precision(self, iteration: int) -> None:
         """TensorBoard: the last step's quantization health (collective) and the plan image when it changed."""
@@ -428,7 +443,12 @@ class Trainer:
             n: f"{old} -> {new}" for n, (old, new) in before.diff(self.plan, self.linear_dims.num_layers).items()}})
         log_cycle(self.logger, report, self.linear_dims.num_layers)
         if self.config.checkpoint.save:
-            path = self.snip.write_statistics(os.path.join(self.config.checkpoint.save, "snip"), iteration)
+            directory = os.path.join(self.config.checkpoint.save, "snip")
+            try:
+                path = self.snip.write_statistics(directory, iteration)
+            except OSError as e:  # every rank stops at the next iteration
+                self.logger.run_file_failed(directory, e)
+                return
             if path:
                 logging.getLogger(__name__).info("SNIP statistics written to %s", path)
 
@@ -630,5 +650,7 @@ def pretrain(config: RunConfig, on_build: Callable[[Trainer], None] | None = Non
         trainer.train()
     log.close()
     dist.barrier()
+    if log.failure is not None:  # after the last collective: the exit record (the others finished)
+        raise RunFilesError(log.failure, own=True)
     return trainer.state
 
