@@ -57,10 +57,15 @@ def _read_checkpoint(args: argparse.Namespace) -> CheckpointRecord | None:
     a ``--model-preset`` that disagree are refused."""
     if args.load is None:
         return None
-    from megatron_snip.training.checkpointing import CheckpointError, read_record
+    from megatron_snip.training.checkpointing import CheckpointError, choose_checkpoint, read_record
 
     try:
-        record = read_record(args.load)
+        args.load_iteration, notice = choose_checkpoint(args.load, args.ckpt_fallback)
+        if notice:
+            same = os.path.abspath(args.load) == os.path.abspath(args.save or "")
+            args.notices.append(notice + ("; the damaged one is set aside as iter_N.damaged and the tracker names "
+                                          "the one loaded" if same else ""))
+        record = read_record(args.load, args.load_iteration) if args.load_iteration is not None else None
         if record is not None:
             _fill_from_checkpoint(args, record.args, args.load)
         else:
@@ -133,10 +138,10 @@ def resolve(parsed: argparse.Namespace, world_size: int | None = None, cuda: boo
 
         cuda = has_cuda()
     args = argparse.Namespace(**{**dict.fromkeys(checkpoint_shape.CARRIED), **vars(parsed)})  # the working copy
-    args.notices = []
+    args.notices, args.load_iteration = [], None
     problems = Problems()  # every step runs; all their problems are reported together
     checkpoint = None
-    with problems.step():
+    with problems.step() as unreadable:
         checkpoint = _read_checkpoint(args) if check_files else None
     if args.load is not None and args.model_preset is None and not check_files:
         args.model_preset = "tiny"  # a stand-in for the shape of the checkpoint, which is not read here
@@ -168,7 +173,7 @@ def resolve(parsed: argparse.Namespace, world_size: int | None = None, cuda: boo
             _validate_solver(args)
         if not data_source:  # the files are read with the tokenizer type and data source checked above
             with problems.step():
-                _validate_files(args, checkpoint is not None)
+                _validate_files(args, checkpoint is not None, read=not unreadable)
         with problems.step():
             _validate_output_folders(args)
     with problems.step():
@@ -522,20 +527,19 @@ def _validate_solver(args: argparse.Namespace) -> None:
             f"else HiGHS)")
 
 
-def _validate_files(args: argparse.Namespace, from_checkpoint: bool) -> None:
+def _validate_files(args: argparse.Namespace, from_checkpoint: bool, read: bool) -> None:
+    """The data, the tokenizer and --load's checkpoint (``read``: its record was read, or there is none)."""
     require(args.data_path is not None or args.mock_data,
             "--data-path is required: the prefix of a preprocessed dataset (tools/preprocess_data.py), or "
             "--mock-data for megatron-core's synthetic data")
     require(args.tokenizer_model is not None or args.tokenizer_type == NULL_TOKENIZER,
             "--tokenizer-model is required: a sentencepiece .model file (tools/train_tokenizer.py) or, with "
             "--tokenizer-type HuggingFaceTokenizer, a tokenizer.json or the model directory holding it")
-    from megatron_snip.training.checkpointing import CheckpointError, verify_latest
-
     try:
         tokens = _validate_data_files(args)
-        latest = verify_latest(args.load) if args.load is not None else None
-    except (FileNotFoundError, ValueError, CheckpointError) as e:
+    except (FileNotFoundError, ValueError) as e:
         raise ArgumentError(str(e)) from e
+    latest = args.load_iteration  # read with the checkpoint (_read_checkpoint)
     if from_checkpoint:
         require(args.vocab_size is None or tokens <= args.vocab_size,
                 f"--tokenizer-model {args.tokenizer_model} has {tokens} ids but the model in --load {args.load} "
@@ -545,7 +549,7 @@ def _validate_files(args: argparse.Namespace, from_checkpoint: bool) -> None:
                 f"--vocab-size {args.vocab_size} differs from the {tokens} ids of --tokenizer-model "
                 f"{args.tokenizer_model}, which define the vocabulary here (Megatron-LM ignores --vocab-size for "
                 f"this tokenizer type); drop --vocab-size or pass {tokens}")
-    if args.load is not None and latest is None:
+    if args.load is not None and latest is None and read:
         require(not args.exit_on_missing_checkpoint,
                 f"--load {args.load!r} holds no checkpoint (no latest_checkpointed_iteration.txt) and "
                 f"--exit-on-missing-checkpoint is given; fix the path, or drop the flag to start fresh")

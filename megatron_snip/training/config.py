@@ -106,6 +106,12 @@ class CheckpointConfig:
                                "afresh, as with --no-load-optim).")
     no_save_rng: bool = flag(False, "Save no RNG or quantization state (a run resuming from it keeps its own).")
     finetune: bool = flag(False, "Load model weights only and start at iteration 0.")
+    ckpt_fallback: bool = flag(
+        False, "If the checkpoint the tracker in --load names is damaged (a file missing, or shorter than its index "
+        "says, or common.pt unreadable), load the newest intact earlier one instead, saying so at start-up; with "
+        "--load = --save the damaged one is kept as iter_N.damaged and the tracker names the one loaded. Without it "
+        "such a checkpoint is refused, naming the damaged file.", ours=True)
+    load_iteration: int | None = derived(None)  # the checkpoint validation chose in --load (None: none there)
 
     @property
     def resumes(self) -> bool:

@@ -189,7 +189,7 @@ class Trainer:
         loaded = checkpointing.load_checkpoint(
             ckpt.load, [chunk.module for chunk in self.model], self.optimizer, self.scheduler,
             load_optim=not (ckpt.no_load_optim or ckpt.finetune), load_rng=not (ckpt.no_load_rng or ckpt.finetune),
-            fully_parallel=ckpt.ckpt_fully_parallel_load)
+            fully_parallel=ckpt.ckpt_fully_parallel_load, iteration=ckpt.load_iteration)
         if loaded is None:
             self.logger.text(f"no checkpoint in {ckpt.load}: starting from scratch")
             return
@@ -619,6 +619,10 @@ def pretrain(config: RunConfig, on_build: Callable[[Trainer], None] | None = Non
              f"device {'cuda' if has_cuda() else 'cpu (megatron_snip.compat.cpu)'}")
     log.text(f"unigram entropy of the training data: {trainer.datasets.unigram_entropy:.4f} nats/token "
              f"(a model without context cannot beat this)")
+    if dist.get_rank() == 0:  # partial saves, a damaged checkpoint --ckpt-fallback passes over
+        for line in checkpointing.tidy(c.checkpoint.save, c.checkpoint.load, c.checkpoint.load_iteration):
+            print(line, flush=True)
+    dist.barrier()
     if c.checkpoint.load:
         trainer.resume()
     preformatted = "    " + trainer.config_yaml.replace("\n", "\n    ")
