@@ -133,17 +133,19 @@ def test_corrupt_tracker(tiny_data, tmp_path):
 def test_incomplete_checkpoint(tiny_data, tmp_path):
     (tmp_path / "iter_0000005").mkdir()
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("5")
-    with pytest.raises(ArgumentError, match=r"iter_0000005 is incomplete \(missing metadata.json"):
+    with pytest.raises(ArgumentError, match=r"iter_0000005, the one .* names, is damaged: .*iter_0000005/metadata.json "
+                                            r"is missing; no earlier checkpoint here is intact, or restore the file"):
         parse(tiny_data, "--load", str(tmp_path))
 
 
 @pytest.mark.integration
 def test_cli_reports_error_and_exit_code(tiny_data):
-    """The user sees one line on stderr and exit status 2, before any process group starts."""
+    """The user sees one line on stderr and exit status 78 (a configuration error), before any process group
+    starts."""
     proc = subprocess.run([sys.executable, str(ROOT / "pretrain_llama.py"),
                            *train_args(tiny_data, "--num-layers", "3", "--pipeline-model-parallel-size", "2")],
                           capture_output=True, text=True, env={"WORLD_SIZE": "2", "PATH": ""}, cwd=ROOT)
-    assert proc.returncode == 2
+    assert proc.returncode == 78
     assert "error: --num-layers 3 is not divisible by --pipeline-model-parallel-size 2" in proc.stderr
 
 
