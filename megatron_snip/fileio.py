@@ -47,21 +47,29 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
 
 
 def check_writable(directory: str | os.PathLike) -> str | None:
-    """Create ``directory`` (and its parents) if needed, then create, write, rename and delete a probe
-    file in it: what a run does to its output folders. None if all worked, else what failed, e.g.
+    """Whether a run can write in ``directory``: create, write, rename and delete a probe file there (or,
+    where the folder does not exist yet, in its nearest existing parent, which must take the new folder;
+    nothing is left behind and no folder is created). None if all worked, else what failed, e.g.
     ``"cannot create a file there: [Errno 30] Read-only file system (EROFS)"``. The probe's name is
     unique to this host and process, so every rank of a job may probe the same folder at once."""
-    probe = Path(directory) / f".write_probe.{socket.gethostname()}.{os.getpid()}"
-    steps = (("create the folder", lambda: os.makedirs(directory, exist_ok=True)),
-             ("create a file there", lambda: probe.open("x").close()),
-             ("write a file there", lambda: probe.write_text("probe")),
-             ("rename a file there", lambda: os.replace(probe, probe.with_suffix(".renamed"))),
-             ("delete a file there", lambda: os.remove(probe.with_suffix(".renamed"))))
+    folder = Path(os.path.abspath(directory))
+    where = "there"
+    while not folder.exists():
+        folder, where = folder.parent, "in its parent " + str(folder.parent)
+    if not folder.is_dir():
+        return f"cannot create the folder: [Errno {errno.ENOTDIR}] {os.strerror(errno.ENOTDIR)} (ENOTDIR: {folder} " \
+               f"is a file)"
+    probe = folder / f".write_probe.{socket.gethostname()}.{os.getpid()}"
+    renamed = probe.with_suffix(".renamed")
+    steps = ((f"create a file {where}", lambda: probe.open("x").close()),
+             (f"write a file {where}", lambda: probe.write_text("probe")),
+             (f"rename a file {where}", lambda: os.replace(probe, renamed)),
+             (f"delete a file {where}", lambda: os.remove(renamed)))
     for what, step in steps:
         try:
             step()
         except OSError as e:
-            for leftover in (probe, probe.with_suffix(".renamed")):
+            for leftover in (probe, renamed):
                 with contextlib.suppress(OSError):
                     os.remove(leftover)
             name = errno.errorcode.get(e.errno, "?") if e.errno is not None else "?"

@@ -289,8 +289,9 @@ def test_nan_in_one_module_output_is_caught_and_named(tiny_data, tmp_path, polic
 # -- the run's folders -----------------------------------------------------------------------
 
 def test_an_unusable_output_folder_is_refused_at_start_up_naming_the_flag_and_errno(tiny_data, tmp_path):
-    """Checked on every rank before any model is built: --save, --tensorboard-dir and --wandb-save-dir can take a
-    new file that is then written, renamed and deleted (a path under a file fails for root too)."""
+    """Checked on every rank before any model is built: --save, --tensorboard-dir and --wandb-save-dir (or the
+    parent that would hold them) can take a new file that is then written, renamed and deleted (a path under a
+    file fails for root too)."""
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     with pytest.raises(ArgumentError) as e:
@@ -298,12 +299,12 @@ def test_an_unusable_output_folder_is_refused_at_start_up_naming_the_flag_and_er
                                 str(blocker / "tb"), "--wandb-project", "p", "--wandb-save-dir", str(blocker / "wb")),
                      world_size=1, cuda=False)
     assert e.value.problems == [f"{flag} {blocker / sub}: cannot create the folder: [Errno 20] Not a directory "
-                                f"(ENOTDIR); give a folder this job can write"
+                                f"(ENOTDIR: {blocker} is a file); give a folder this job can write"
                                 for flag, sub in (("--save", "ckpt"), ("--tensorboard-dir", "tb"),
                                                   ("--wandb-save-dir", "wb"))]
-    ok = tmp_path / "ok"
+    ok = tmp_path / "ok" / "ckpt"
     parse_config(train_args(tiny_data, "--save", str(ok)), world_size=1, cuda=False)
-    assert ok.is_dir() and list(ok.iterdir()) == []  # created, and the probe removed
+    assert sorted(tmp_path.iterdir()) == [blocker]  # probed in the parent: nothing created, nothing left
 
 
 @pytest.mark.integration

@@ -559,8 +559,9 @@ def _validate_files(args: argparse.Namespace, from_checkpoint: bool, read: bool)
 
 
 def _validate_output_folders(args: argparse.Namespace) -> None:
-    """Every rank can create, write, rename and delete files where the run writes (a read-only or foreign
-    folder found here, not at the first save or log line)."""
+    """Every rank can create, write, rename and delete files where the run writes, or in the parent that
+    would hold a folder not made yet (a read-only or foreign folder found here, not at the first save or
+    log line)."""
     folders = {"--save": args.save, "--tensorboard-dir": args.tensorboard_dir}
     if args.wandb_project:
         folders["--wandb-save-dir"] = args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else None)
