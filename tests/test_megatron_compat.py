@@ -313,6 +313,24 @@ def test_zero_centred_norms_store_scale_minus_one_and_megatron_core_gets_both_sw
     assert torch.allclose(norm(x), plain(x), rtol=1e-6, atol=1e-7)
 
 
+def test_a_checkpoint_decides_whether_its_norms_are_zero_centred():
+    """Norm weights mean the scale, or the scale - 1 with --apply-layernorm-1p: a checkpoint keeps its meaning, and
+    one that does not say (older, or imported from Hugging Face) stores the scale."""
+    from megatron_snip.arguments import parse_args
+    from megatron_snip.arguments.validation import _fill_from_checkpoint
+
+    def filled(argv, saved):
+        args = parse_args(["--train-iters", "1", *argv])
+        _fill_from_checkpoint(args, saved, "CKPT")
+        return args.apply_layernorm_1p
+
+    assert filled([], {"apply_layernorm_1p": True}) is True
+    assert filled([], {}) is False
+    with pytest.raises(ValueError, match=r"^--apply-layernorm-1p True disagrees with the checkpoint in CKPT, which "
+                                         r"has False; drop --apply-layernorm-1p"):
+        filled(["--apply-layernorm-1p"], {})
+
+
 # -- every problem at once -------------------------------------------------------------------
 
 FIVE_PROBLEMS = ("--fp16", "--use-torch-fsdp2", "--context-parallel-size", "2", "--lr", "1e-4", "--min-lr", "1e-3",

@@ -79,6 +79,7 @@ def _fill_from_checkpoint(args: argparse.Namespace, saved: dict, where: str) -> 
     """Fill the shape flags from ``saved`` (a checkpoint's arguments, :mod:`checkpoint_shape`);
     ValueError on a disagreement, naming both values."""
     preset = PRESETS[args.model_preset].as_args() if args.model_preset else {}
+    saved = {**checkpoint_shape.ABSENT, **{k: v for k, v in saved.items() if v is not None}}
     for key in checkpoint_shape.FIXED:
         if saved.get(key) is None:
             continue
