@@ -29,7 +29,7 @@ def main() -> None:
     from step_time import add_layout_args, build_data, shape_args
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from megatron_snip.snip.estimators import CURVATURES
+    from megatron_snip.snip.config import CURVATURES
     from megatron_snip.training import tags
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -60,3 +60,24 @@ def test_example_flags_are_accepted(script, tmp_path):
         entry = argv.index("pretrain_llama.py")
         resolve(parse_args(argv[entry + 1:]), world_size=world_size(argv[:entry]), cuda=True,
                 check_files=False)
+
+
+@pytest.mark.parametrize("decision, status, said", [
+    (78, 78, "configuration error (the problems are listed above): fix the flags; not requeueing"),
+    (75, 0, "requeueing job 42"),
+    (1, 1, "training stopped without a clean exit save"),
+])
+def test_the_slurm_script_never_requeues_a_configuration_error(tmp_path, decision, status, said):
+    """The requeue decision's exit status (python -m megatron_snip.training.requeue, stood in for here) decides:
+    78 (refused flags) ends the job with 78, 75 requeues, a crash ends it."""
+    script = ROOT / "examples" / "slurm" / "pretrain_llama.sbatch"
+    decide = tmp_path / "decide.sh"
+    decide.write_text(f"#!/bin/bash\nexit {decision}\n")
+    decide.chmod(0o755)
+    stand_ins = "".join(f"{name}() {{ {body}; }}; export -f {name}; " for name, body in FAKES.items())
+    env = {**os.environ, "RECORD_DIR": str(tmp_path), "CKPT_DIR": str(tmp_path / "ckpt"), "PYTHON": str(decide),
+           "DATA_PATH": "/data/corpus_text_document", "TOKENIZER_MODEL": "/data/tok.model",
+           "SLURM_JOB_NODELIST": "node001", "SLURM_NNODES": "1", "SLURM_JOB_ID": "42"}
+    proc = subprocess.run(["bash", "-c", f'{stand_ins} bash "$0"', str(script)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == status and said in proc.stdout + proc.stderr, proc.stdout + proc.stderr

@@ -284,3 +284,53 @@ def test_nan_in_one_module_output_is_caught_and_named(tiny_data, tmp_path, polic
         assert scalars(tmp_path / "tb", tags.SKIPPED_ITERATIONS) == {1: 0, 2: 1, 3: 1}
         loss = scalars(tmp_path / "tb", tags.LM_LOSS)
         assert loss[3] == loss[3]  # finite again after the skipped step
+
+
+# -- the run's folders -----------------------------------------------------------------------
+
+def test_an_unusable_output_folder_is_refused_at_start_up_naming_the_flag_and_errno(tiny_data, tmp_path):
+    """Checked on every rank before any model is built: --save, --tensorboard-dir and --wandb-save-dir (or the
+    parent that would hold them) can take a new file that is then written, renamed and deleted (a path under a
+    file fails for root too)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ArgumentError) as e:
+        parse_config(train_args(tiny_data, "--save", str(blocker / "ckpt"), "--tensorboard-dir",
+                                str(blocker / "tb"), "--wandb-project", "p", "--wandb-save-dir", str(blocker / "wb")),
+                     world_size=1, cuda=False)
+    assert e.value.problems == [f"{flag} {blocker / sub}: cannot create the folder: [Errno 20] Not a directory "
+                                f"(ENOTDIR: {blocker} is a file); give a folder this job can write"
+                                for flag, sub in (("--save", "ckpt"), ("--tensorboard-dir", "tb"),
+                                                  ("--wandb-save-dir", "wb"))]
+    ok = tmp_path / "ok" / "ckpt"
+    parse_config(train_args(tiny_data, "--save", str(ok)), world_size=1, cuda=False)
+    assert sorted(tmp_path.iterdir()) == [blocker]  # probed in the parent: nothing created, nothing left
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("fault, rank, save_interval, failure", [
+    ("disk_full", "1", "5", r"cannot write {save}/metrics\.jsonl \(\[Errno 27\] File too large \(EFBIG\)\); every rank "
+                       r"stopped; .*"),
+    ("unwritable_save", "0", "4", r"cannot save checkpoint {save}/iter_0000004 \((PermissionError|FileExistsError|"
+                             r"NotADirectoryError): \[Errno \d+\] .*\); the newest complete checkpoint is still .*"),
+])
+def test_a_save_folder_that_fails_mid_run_stops_every_rank_in_one_line(tiny_data, tmp_path, fault, rank,
+                                                                       save_interval, failure):
+    """After iteration 3 one rank can no longer write under --save: the logging rank's files cannot grow (a
+    full disk), or the folder takes no new file from rank 0 (read-only, or for root a file in its place). Both
+    ranks stop together at iteration 4 (the next agreement, or the save there) with one line (the same on every
+    rank that prints), no traceback, no hang."""
+    save = tmp_path / "ckpt"
+    start = time.time()
+    proc = torchrun(2, train_args(tiny_data, "--pipeline-model-parallel-size", "2", "--save", str(save),
+                                  "--save-interval", save_interval, iters=8),
+                    check=False, script=DRIVER, env={"FAULT": fault, "FAULT_AT": "3", "FAULT_RANK": rank,
+                                                     "SAVE_DIR": str(save)})
+    if save.is_dir():
+        save.chmod(0o755)
+    errors = re.findall(r"pretrain_llama\.py: error: .*", proc.stderr)
+    assert proc.returncode == 1 and not WORKER_TRACEBACK.search(proc.stderr), proc.stderr[-4000:]
+    assert len(set(errors)) == 1 and re.fullmatch("pretrain_llama.py: error: " + failure.format(save=re.escape(
+        str(save))), errors[0]), errors
+    assert "iteration        5/" not in proc.stdout  # stopped at 4
+    assert time.time() - start < 120

@@ -344,6 +344,13 @@ def test_qkv_and_fc1_layouts_are_megatrons():
     assert names["model.layers.0.self_attn.k_proj.weight"] == ("decoder.layers.0.self_attention.linear_qkv.weight", "k")
     assert "lm_head.weight" in names and "lm_head.weight" not in hf_names(
         LlamaLayout(**{**lay.__dict__, "tied": True}))
+    # A zero-centred norm (--apply-layernorm-1p) stores scale - 1; Hugging Face stores the scale.
+    centred, gamma = LlamaLayout(**{**lay.__dict__, "zero_centered_norms": True}), torch.randn(8)
+    assert names["model.layers.0.input_layernorm.weight"] == ("decoder.layers.0.input_layernorm.weight", "norm")
+    norm = torch.zeros(8)
+    import_part(norm, "norm", gamma, centred, "norm")
+    assert torch.equal(norm, gamma - 1) and torch.equal(export_part(norm, "norm", centred), (gamma - 1) + 1)
+    assert torch.equal(export_part(gamma, "norm", lay), gamma)
     for wrong in ((6, 8), (8, 4)):  # too many rows; the right size transposed
         with pytest.raises(ValueError, match=rf"k_proj has shape \({wrong[0]}, {wrong[1]}\) but config.json implies "
                                              r"\(4, 8\)"):

@@ -5,14 +5,16 @@ script examples/megatron_compat/train_llama3_tiny.sh trained through torchrun.""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
-from conftest import ROOT, TINY_MEGATRON, free_port, torchrun_env, train_args
+from conftest import ROOT, TINY_MEGATRON, free_port, scalars, torchrun, torchrun_env, train_args
 
 from megatron_snip.arguments import ArgumentError, parse_config
 
@@ -69,7 +71,7 @@ def test_a_tied_checkpoint_refuses_untying():
 
     args = Namespace(model_preset="checkpoint", load="CKPT", share_embeddings_and_output_weights=True,
                      untie_embeddings_and_output_weights=True, use_rotary_position_embeddings=False,
-                     num_attention_heads=4, num_query_groups=2)
+                     num_attention_heads=4, num_query_groups=2, apply_layernorm_1p=None)
     with pytest.raises(ArgumentError, match=r"^--untie-embeddings-and-output-weights: the checkpoint in --load CKPT "
                                             r"ties the output layer to the embedding"):
         resolve_architecture(args)
@@ -130,11 +132,14 @@ def test_accepted_flags_take_megatrons_meaning(tiny_data):
 
 @pytest.mark.parametrize("extra,message", [
     (("--fp16",), "--fp16: fp16 training needs loss scaling"),
-    (("--apply-layernorm-1p",), "--apply-layernorm-1p: the norms here store their scale"),
-    (("--calculate-per-token-loss",), "--calculate-per-token-loss: each micro-batch's loss is the mean"),
+    (("--calculate-per-token-loss", "--snip", "--snip-interval", "2"),
+     "--calculate-per-token-loss with --snip: SNIP's probe passes measure each micro-batch's mean loss"),
     (("--use-torch-fsdp2",), "--use-torch-fsdp2: FSDP is not supported"),
     (("--use-megatron-fsdp",), "--use-megatron-fsdp: FSDP is not supported"),
-    (("--profile", "--profile-step-start", "4"), "--profile: no nsys capture range"),
+    (("--profile", "--use-pytorch-profiler"), "--profile --use-pytorch-profiler writes its trace into "
+                                              "--tensorboard-dir"),
+    (("--profile", "--profile-step-start", "4", "--profile-step-end", "4"),
+     "--profile-step-start 4 and --profile-step-end 4: profiling needs 0 <= start < end"),
     (("--dataloader-type", "cyclic"), "--dataloader-type cyclic: samples are read once per pass"),
     (("--no-create-attention-mask-in-dataloader", "--reset-attention-mask"),
      "--no-create-attention-mask-in-dataloader drops the mask --reset-attention-mask needs"),
@@ -210,6 +215,159 @@ def test_retention_deletes_only_the_replaced_checkpoint_off_the_interval(tmp_pat
                                       "iter_0000007", "iter_0000009"]
 
 
+# -- Megatron-LM's FP8 flags --------------------------------------------------------------------
+
+# The precision flags of Megatron-LM's examples/llama/train_llama3_8b_h100_fp8.sh.
+LLAMA3_8B_FP8 = ("--fp8-format", "hybrid", "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max")
+FP8_NOTICE = ("--fp8-amax-history-len 1024 --fp8-amax-compute-algo max: delayed-scaling settings that do nothing here; "
+              "FP8 runs --fp8-recipe tensorwise (this program's default): each tensor scaled by its own current amax, "
+              "no history; add --fp8-recipe delayed for Megatron-LM's delayed scaling with them (its default recipe)")
+GATHER_NOTICE = ("--fp8-param-gather: parameters stay in their own dtype here and each FP8 GEMM quantizes its weight, "
+                 "the values an FP8 parameter would hold; the memory and all-gather savings need Transformer Engine's "
+                 "FP8 parameters, which this program does not use")
+PROFILE_NOTICE = ("--profile without --use-pytorch-profiler marks an nsys capture range (cudaProfilerStart/Stop), "
+                  "which needs CUDA: nothing is profiled here; add --use-pytorch-profiler for a torch.profiler trace")
+
+
+def test_the_8b_scripts_fp8_flags_say_which_recipe_runs(tiny_data):
+    """Megatron-LM's 8B FP8 flags mean delayed scaling there (its --fp8-recipe defaults to delayed); here FP8
+    runs this program's default, tensorwise, and one start-up line says so and how to get Megatron-LM's."""
+    config = parse(tiny_data, *LLAMA3_8B_FP8, "--fp8-param-gather")
+    p = config.precision
+    assert (p.precision, p.fp8_recipe, p.fp8_format) == ("fp8", "tensorwise", "hybrid")
+    assert config.logging.notices == (GATHER_NOTICE, FP8_NOTICE)
+    delayed = parse(tiny_data, *LLAMA3_8B_FP8, "--fp8-recipe", "delayed").precision.recipe()
+    assert (delayed.fp8_recipe, delayed.fp8_amax_history_len, delayed.fp8_amax_compute_algo) == ("delayed", 1024, "max")
+    assert parse(tiny_data, *LLAMA3_8B_FP8, "--fp8-recipe", "delayed").logging.notices == ()
+    assert parse(tiny_data, "--fp8-format", "e4m3").logging.notices[0].startswith(
+        "--fp8-format e4m3 without --fp8-recipe: FP8 runs --fp8-recipe tensorwise (this program's default)")
+    assert parse(tiny_data, "--fp8-format", "e4m3", "--fp8-recipe", "tensorwise").logging.notices == ()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("extra, scaling", [
+    ((), {}),  # tensorwise: no module keeps an amax history
+    (("--fp8-recipe", "delayed"), {"x": [1024, "max"], "w": [1024, "max"], "dy": [1024, "max"]}),
+])
+def test_the_8b_scripts_fp8_flags_train_the_recipe_they_report(tiny_data, extra, scaling):
+    """What the GEMMs of every module kept after two FP8 iterations of the 8B script's precision flags."""
+    proc = torchrun(1, train_args(tiny_data, *LLAMA3_8B_FP8, *extra, iters=2, model=TINY_MEGATRON),
+                    script="tests/drivers/fp8_scaling.py")
+    (line,) = re.findall(r"^FP8-SCALING (.*)$", proc.stdout, re.M)
+    kept = json.loads(line)
+    assert len(kept) == 16 and all(state == scaling for state in kept.values()), kept
+
+
+# -- Megatron-LM flags megatron-core implements without Transformer Engine ------------------------
+
+@pytest.mark.integration
+def test_per_token_loss_zero_centred_norms_and_the_profiler_keep_training_as_megatron_does(tiny_data, tmp_path):
+    """At DP2 with 2 micro-batches per rank and no --eod-mask-loss, every micro-batch has as many loss tokens, so
+    --calculate-per-token-loss (sum over the global batch's tokens / their count) trains as the mean of micro-batch
+    means; --apply-layernorm-1p (scale stored as scale - 1) as the plain norms, up to fp32 rounding. --profile
+    --use-pytorch-profiler writes rank 0's torch.profiler trace of iterations 2..3 into --tensorboard-dir."""
+    from megatron_snip.training import tags
+
+    def run(name, *extra):
+        tb = tmp_path / name
+        torchrun(2, train_args(tiny_data, "--tensorboard-dir", str(tb), *extra, iters=5))
+        return tb, scalars(tb, tags.LM_LOSS)
+
+    _, plain = run("plain")
+    tb, megatron = run("megatron", "--calculate-per-token-loss", "--apply-layernorm-1p", "--profile",
+                       "--use-pytorch-profiler", "--profile-step-start", "2", "--profile-step-end", "4")
+    assert sorted(plain) == sorted(megatron) == [1, 2, 3, 4, 5]
+    assert plain[5] < plain[1]
+    assert all(megatron[i] == pytest.approx(plain[i], rel=1e-5) for i in plain), (plain, megatron)
+    (trace,) = tb.glob("*.pt.trace.json")  # one rank (--profile-ranks 0), one window
+    steps = set(re.findall(r'"ProfilerStep#(\d+)"', trace.read_text()))
+    assert steps == {"2", "3"}
+
+
+def test_a_global_batch_loss_per_token_weighs_every_token_alike():
+    import torch
+
+    from megatron_snip.model.step import step_loss
+
+    per_micro_batch = torch.tensor([[6.0, 2.0], [3.0, 6.0]])  # (sum, count) of two micro-batches
+    assert step_loss(per_micro_batch).item() == pytest.approx(9.0 / 8.0)  # not (3.0 + 0.5) / 2
+    assert step_loss(torch.tensor([3.0, 0.5])).item() == pytest.approx(1.75)
+
+
+def test_zero_centred_norms_store_scale_minus_one_and_megatron_core_gets_both_switches():
+    import torch
+    from conftest import run_config
+
+    from megatron_snip.model.llama import transformer_config
+    from megatron_snip.model.norms import TorchNorm
+
+    run = run_config("--apply-layernorm-1p", "--calculate-per-token-loss")
+    config = transformer_config(run.model, run.parallel)
+    assert config.layernorm_zero_centered_gamma and config.calculate_per_token_loss  # megatron-core's switches
+    norm, plain = TorchNorm(config, 8, eps=1e-5), torch.nn.RMSNorm(8, eps=1e-5)
+    assert torch.equal(norm.weight, torch.zeros(8))
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(-0.5, 0.5, 8))
+        plain.weight.copy_(norm.weight + 1)
+    assert torch.allclose(norm(x), plain(x), rtol=1e-6, atol=1e-7)
+
+
+def test_a_checkpoint_decides_whether_its_norms_are_zero_centred():
+    """Norm weights mean the scale, or the scale - 1 with --apply-layernorm-1p: a checkpoint keeps its meaning, and
+    one that does not say (older, or imported from Hugging Face) stores the scale."""
+    from megatron_snip.arguments import parse_args
+    from megatron_snip.arguments.validation import _fill_from_checkpoint
+
+    def filled(argv, saved):
+        args = parse_args(["--train-iters", "1", *argv])
+        _fill_from_checkpoint(args, saved, "CKPT")
+        return args.apply_layernorm_1p
+
+    assert filled([], {"apply_layernorm_1p": True}) is True
+    assert filled([], {}) is False
+    with pytest.raises(ValueError, match=r"^--apply-layernorm-1p True disagrees with the checkpoint in CKPT, which "
+                                         r"has False; drop --apply-layernorm-1p"):
+        filled(["--apply-layernorm-1p"], {})
+
+
+# -- every problem at once -------------------------------------------------------------------
+
+FIVE_PROBLEMS = ("--fp16", "--use-torch-fsdp2", "--context-parallel-size", "2", "--lr", "1e-4", "--min-lr", "1e-3",
+                 "--tokenizer-type", "TikTokenizer")
+FIVE_MESSAGES = ("--fp16: fp16 training needs loss scaling", "--use-torch-fsdp2: FSDP is not supported",
+                 "--context-parallel-size 2: context parallelism is not supported",
+                 "--min-lr 0.001 exceeds --lr 0.0001", "--tokenizer-type TikTokenizer is not supported")
+
+
+def test_every_problem_of_the_flags_is_reported_at_once(tiny_data):
+    with pytest.raises(ArgumentError) as e:
+        parse(tiny_data, *FIVE_PROBLEMS)
+    assert len(e.value.problems) == 5 and str(e.value) == "\n".join(e.value.problems)
+    assert [p for p, m in zip(e.value.problems, FIVE_MESSAGES) if not p.startswith(m)] == []
+
+
+@pytest.mark.integration
+def test_a_launch_with_five_problems_prints_them_once_and_asks_for_no_requeue(tiny_data, tmp_path):
+    """Two ranks under torchrun: rank 0 prints the five problems in one message; pretrain_llama.py exits 78 and
+    leaves an exit record that the requeue decision reads as a configuration error."""
+    from megatron_snip.training import requeue
+
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    launched = time.time()
+    proc = torchrun(2, train_args(tiny_data, *FIVE_PROBLEMS, "--save", str(save), model=TINY_MEGATRON), check=False)
+    assert proc.returncode != 0
+    assert proc.stderr.count("pretrain_llama.py: error: 5 problems with the flags, files or launch:") == 1
+    for message in FIVE_MESSAGES:
+        assert proc.stderr.count(f"\n  - {message}") == 1, proc.stderr[-3000:]
+    assert "exitcode: 78" in proc.stderr
+    assert requeue.decide(requeue.read_record(str(save)), since=launched - 1)[0] == "config"
+    direct = subprocess.run([sys.executable, str(ROOT / "pretrain_llama.py"), *train_args(tiny_data, "--fp16")],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert direct.returncode == requeue.CONFIG_ERROR_STATUS and direct.stderr.count("error:") == 1
+
+
 # -- the example script ------------------------------------------------------------------------
 
 SCRIPT = ROOT / "examples" / "megatron_compat" / "train_llama3_tiny.sh"
@@ -234,6 +392,10 @@ def test_the_megatron_lm_example_script_trains_on_mock_data(tmp_path):
     losses = [float(x) for x in re.findall(r"\[train\] iteration +\d+/ +\d+ \| .*?lm loss: ([\d.E+-]+)", proc.stdout)]
     assert len(losses) == 4 and all(np.isfinite(losses))
     assert "megatron-flags shape" in proc.stdout and "DP=2" in proc.stdout and "100.0% in FP8" in proc.stdout
+    # The recipe that trains is said once, with what Megatron-LM would have run and how to get it.
+    assert "fp8 recipe tensorwise/hybrid" in proc.stdout
+    notices = re.findall(r"^notice: (.*)$", proc.stdout, re.M)
+    assert notices == [GATHER_NOTICE, PROFILE_NOTICE, FP8_NOTICE], notices
     assert _checkpoints(ckpt) == ["iter_0000002", "iter_0000004"]
     saved = read_record(str(ckpt)).args
     assert (saved["mock_data"], saved["tokenizer_type"], saved["vocab_size"]) == (True, "NullTokenizer", 4096)

@@ -122,16 +122,18 @@ def test_bad_safety_flags_are_named(tiny_data, flags, message):
 
 @pytest.mark.integration
 def test_promote_on_fault_names_the_module_skips_and_recovers(tiny_data, tmp_path):
-    """A NaN in one NVFP4 module's input: the health numbers name it, it is promoted to FP8 and the run goes on."""
+    """A NaN made by one NVFP4 module's forward GEMM: the health numbers name it, it is promoted to FP8 and the
+    run goes on."""
     module = "decoder.layers.1.mlp.linear_fc2"
     ckpt, tb = tmp_path / "ckpt", tmp_path / "tb"
     # Logged (and so fully measured) every second step: step 3 is not measured in full, flags only.
     proc = torchrun(2, train_args(tiny_data, "--pipeline-model-parallel-size", "2", "--precision", "nvfp4",
                                   "--promote-on-fault", "--save", str(ckpt), "--tensorboard-dir", str(tb),
                                   "--log-interval", "2", "--tensorboard-log-interval", "2", iters=6),
-                    env={"INJECT_AT": "3", "INJECT_INPUT": module}, script=DRIVER)
-    assert f"quantized modules with non-finite values: {module} (fprop.x, " in proc.stdout  # listed first
-    assert (f"first: {module} fprop.x, entered its input from outside the quantized GEMMs; "
+                    env={"INJECT_AT": "3", "INJECT_GEMM": module}, script=DRIVER)
+    assert re.search(rf"quantized modules with non-finite values: {module} \([a-z.]*, ?[a-z., ]*fprop\.y",
+                     proc.stdout)  # listed first
+    assert (f"first: {module} fprop.y, made by its quantized forward GEMM (its inputs were finite); "
             "--promote-on-fault: update skipped") in proc.stdout
     assert f"promoted {module} nvfp4 -> fp8 until the end of the run" in proc.stdout
     assert scalars(tb, SKIPPED) == {2: 0, 4: 1, 6: 1}
@@ -184,13 +186,19 @@ def test_health_table_blames_where_nonfinite_values_entered():
     forward_after = [(m, p) for m in range(5, 8) for p in ("fprop.x", "fprop.y")]
     backward_all = [(m, p) for m in range(8) for p in ("dgrad.dy", "dgrad.dx")]
     # A NaN entering layer 1's linear_proj input reaches every later forward and every backward.
+    # It is named, but not blamed: promoting it would not keep the NaN out (--promote-on-fault leaves it).
     blamed, detail = _table(names, forward_after + backward_all).fault_modules(nonfinite=True)
-    assert blamed == [names[5]] and detail.startswith(f"quantized modules with non-finite values: {names[5]} (")
-    assert detail.endswith(f"first: {names[5]} fprop.x, entered its input from outside the quantized GEMMs")
-    # The same, but made by layer 0's linear_fc2 GEMM from finite inputs: that module is named, not its consumer.
+    assert blamed == [] and detail.startswith(f"quantized modules with non-finite values: {names[5]} (")
+    assert detail.endswith(f"first: {names[5]} fprop.x, entered its input from outside the quantized GEMMs (no "
+                           f"quantized GEMM made them: nothing to promote)")
+    # The same, but made by layer 0's linear_fc2 GEMM from finite inputs: that module is blamed, not its consumer.
     table = _table(names, [(3, "fprop.y"), (4, "fprop.x"), (4, "fprop.y")] + backward_all)
     assert table.origin() == (names[3], "fprop.y")
-    assert table.fault_modules(True)[1].endswith("made by its quantized forward GEMM (its inputs were finite)")
+    blamed, detail = table.fault_modules(True)
+    assert blamed == [names[3]] and detail.endswith("made by its quantized forward GEMM (its inputs were finite)")
+    assert _table(names, [(6, "dgrad.dx")]).fault_modules(True)[0] == [names[6]]
+    assert _table(names, [(6, "wgrad.dy")]).fault_modules(True)[0] == []
+    assert _table(names, [(6, "fprop.w")]).fault_modules(True)[0] == []
     # Backward-only: the backward runs in reverse, so the last module in forward order came first.
     assert _table(names, [(0, "wgrad.dy"), (3, "wgrad.dy")]).origin() == (names[3], "wgrad.dy")
     # ... and a dgrad GEMM that made the NaN is told from the modules its dX flowed into.

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
 
 import pytest
 from conftest import scalars, torchrun, train_args
@@ -21,11 +23,27 @@ SNIP = ("--snip", "--snip-fp4-target", str(TARGET), "--save-interval", "3", "--s
 
 @pytest.fixture(scope="module")
 def snip_run(tiny_data, tmp_path_factory):
-    """6 iterations, re-planning (and saving) at 3 and 6."""
+    """6 iterations, re-planning (and saving) at 3 and 6, under umask 022."""
     d = tmp_path_factory.mktemp("snip")
-    torchrun(4, train_args(tiny_data, *LAYOUT, *SNIP, "--save", str(d / "ckpt"), "--tensorboard-dir", str(d / "tb"),
-                           iters=6))
+    old = os.umask(0o022)
+    try:
+        torchrun(4, train_args(tiny_data, *LAYOUT, *SNIP, "--save", str(d / "ckpt"), "--tensorboard-dir",
+                               str(d / "tb"), iters=6))
+    finally:
+        os.umask(old)
     return d
+
+
+def test_run_files_are_readable_by_the_team(snip_run):
+    """Under umask 022 every file the run leaves in --save is 0644: the tracker, the exit record, SNIP's plans,
+    decisions and statistics, the metrics record, the run config and the shards."""
+    ckpt = snip_run / "ckpt"
+    files = {p.relative_to(ckpt).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in ckpt.rglob("*") if p.is_file()}
+    for name in ("latest_checkpointed_iteration.txt", "exit_record.json", "metrics.jsonl",
+                 "iter_0000006/run_config.yaml", "snip/snip_iter_0000006.json", "snip/snip_iter_0000006.yaml",
+                 "snip/snip_iter_0000006.decisions.txt"):
+        assert name in files, sorted(files)
+    assert {name: mode for name, mode in files.items() if mode != 0o644} == {}
 
 
 def test_replans_at_two_intervals_and_meets_the_target(snip_run):

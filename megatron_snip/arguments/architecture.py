@@ -38,6 +38,7 @@ def resolve_architecture(args: argparse.Namespace) -> None:
     else:
         _from_preset(args)
     _refuse_what_cannot_be_built(args)
+    args.apply_layernorm_1p = bool(args.apply_layernorm_1p)
     args.group_query_attention = args.num_query_groups != args.num_attention_heads
     args.untie_embeddings_and_output_weights = not args.share_embeddings_and_output_weights
 

@@ -1,5 +1,6 @@
 """Flags of Megatron-LM's Llama scripts that configure nothing here by themselves: lengths in samples
-(converted to iterations), architecture switches Llama fixes, and features refused with the reason.
+(converted to iterations), architecture switches Llama fixes, features that change only speed or memory
+elsewhere (accepted with a start-up notice), and features refused with the reason.
 
 They are parsed like every other flag (``flags.flag`` fields) so that a Megatron-LM script runs
 unchanged, checked by :func:`validate_megatron_lm`, and not kept in the run's configuration.
@@ -63,41 +64,38 @@ class MegatronLMFlags:
                                        choices=("single", "cyclic", "external"))
     tiktoken_pattern: str | None = flag(None, "Accepted, unused: only --tokenizer-type TikTokenizer (refused) reads "
                                         "it.", choices=("v1", "v2"))
-    profile_step_start: int = flag(10, "With --profile (refused).")
-    profile_step_end: int = flag(12, "With --profile (refused).")
-    async_save: bool = flag(False, "Refused: checkpoints are saved synchronously.")
+    async_save: bool = flag(False, "Accepted with a start-up notice: checkpoints are saved synchronously here (the "
+                            "same files; only the time training waits differs).")
     no_fp8_wgrad: bool = flag(False, "Refused: wgrad runs in the backward's precision.")
-    fp8_param_gather: bool = flag(False, "Refused: parameters are never stored in fp8.")
+    fp8_param_gather: bool = flag(
+        False, "Accepted with a start-up notice: parameters stay in their own dtype and each GEMM quantizes its weight "
+        "(the values an FP8 parameter would hold); the memory and all-gather savings need Transformer Engine's FP8 "
+        "parameters.")
     fp16: bool = flag(False, "Refused: fp16 needs loss scaling; use --bf16.")
-    apply_layernorm_1p: bool = flag(False, "Refused: the norms store their scale, not scale - 1.")
-    calculate_per_token_loss: bool = flag(False, "Refused: each micro-batch's loss is the mean over its tokens.")
     use_torch_fsdp2: bool = flag(False, "Refused: megatron-core DDP only.")
     use_megatron_fsdp: bool = flag(False, "Refused: megatron-core DDP only.")
-    profile: bool = flag(False, "Refused: no nsys capture range is marked.")
+
+
+# Megatron-LM flags that change only speed or memory on a backend this program does not run: accepted,
+# with a start-up notice saying what they do here (dest -> notice).
+_NOTICED = {
+    "async_save": "--async-save: checkpoints are saved synchronously here (written to iter_N.tmp and renamed once "
+                  "every rank has finished): the same checkpoints, training waits for each save",
+    "fp8_param_gather": "--fp8-param-gather: parameters stay in their own dtype here and each FP8 GEMM quantizes its "
+                        "weight, the values an FP8 parameter would hold; the memory and all-gather savings need "
+                        "Transformer Engine's FP8 parameters, which this program does not use",
+}
 
 
 # Megatron-LM flags refused with the reason and what to do instead (dest -> message).
 _REFUSED = {
-    "async_save": "--async-save: checkpoints are saved synchronously (written to iter_N.tmp and renamed once every "
-                  "rank has finished, so a crash never leaves a partial one); drop the flag",
     "no_fp8_wgrad": "--no-fp8-wgrad: a plan gives each module one precision for both backward GEMMs (dgrad and "
                     "wgrad); keep the backward out of fp8 with --precision-schedule bwd=bf16@1, or drop the flag",
-    "fp8_param_gather": "--fp8-param-gather: parameters stay in bf16/fp32 and are quantized at each GEMM, so there "
-                        "are no fp8 parameters to all-gather; drop the flag",
     "fp16": "--fp16: fp16 training needs loss scaling, which this program does not set up; use --bf16",
-    "apply_layernorm_1p": "--apply-layernorm-1p: the norms here store their scale, not scale - 1 (zero-centred); drop "
-                          "the flag (norm weights get no weight decay, as in megatron-core, so training differs only "
-                          "in rounding)",
-    "calculate_per_token_loss": "--calculate-per-token-loss: each micro-batch's loss is the mean over its tokens "
-                                "(Megatron-LM's default), not normalised over the global batch's tokens; drop the flag "
-                                "(the two agree when every micro-batch has as many loss tokens, as without "
-                                "--eod-mask-loss)",
     "use_torch_fsdp2": "--use-torch-fsdp2: FSDP is not supported (megatron-core DDP only); shard the optimizer state "
                        "with --use-distributed-optimizer instead",
     "use_megatron_fsdp": "--use-megatron-fsdp: FSDP is not supported (megatron-core DDP only); shard the optimizer "
                          "state with --use-distributed-optimizer instead",
-    "profile": "--profile: no nsys capture range (cudaProfilerStart/Stop) is marked here; profile the whole run with "
-               "nsys profile without --capture-range, or drop the flag",
 }
 
 
@@ -109,11 +107,12 @@ def _samples_to_iters(option: str, samples: int, global_batch_size: int) -> int:
     return samples // global_batch_size
 
 
-def validate_megatron_lm(args: argparse.Namespace) -> None:
-    """Megatron-LM's flags: sample counts become iterations, the rest is accepted or refused with the reason
-    (``args``: the working namespace, shape and batch sizes already filled)."""
+def refuse_megatron_lm(args: argparse.Namespace) -> None:
+    """Megatron-LM's flags that need nothing else resolved: each refusal a problem of its own, and a notice
+    (``args.notices``) for each flag accepted that changes nothing here."""
     for key, message in _REFUSED.items():
         require(not getattr(args, key), message)
+    args.notices += [notice for key, notice in _NOTICED.items() if getattr(args, key)]
     require(args.ckpt_format == "torch_dist", f"--ckpt-format {args.ckpt_format}: checkpoints are megatron-core "
             "dist_checkpointing (torch_dist) only; use --ckpt-format torch_dist (Megatron-LM's default)")
     require(args.dataloader_type in (None, "single"), f"--dataloader-type {args.dataloader_type}: samples are read "
@@ -123,16 +122,21 @@ def validate_megatron_lm(args: argparse.Namespace) -> None:
             "document boundaries); drop one of the two")
     require(not (args.accumulate_allreduce_grads_in_fp32 and args.grad_reduce_in_bf16),
             "--accumulate-allreduce-grads-in-fp32 and --grad-reduce-in-bf16 contradict each other; drop one")
+    require(args.rotary_percent == 1.0, f"--rotary-percent {args.rotary_percent}: Llama rotates every head "
+            "dimension; only --rotary-percent 1.0 is supported")
+    require(args.manual_gc_interval >= 0, "--manual-gc-interval must be >= 0")
+
+
+def validate_megatron_lm(args: argparse.Namespace) -> None:
+    """Megatron-LM's flags that need the shape and batch sizes (``args``: the working namespace, those
+    filled): sample counts become iterations, --kv-channels is checked."""
     head_dim = args.hidden_size // args.num_attention_heads
     require(args.kv_channels in (None, head_dim),
             f"--kv-channels {args.kv_channels} differs from --hidden-size {args.hidden_size} / "
             f"--num-attention-heads {args.num_attention_heads} = {head_dim}, the only head dimension the Llama "
             f"model here has; drop --kv-channels or pass {head_dim}")
-    require(args.rotary_percent == 1.0, f"--rotary-percent {args.rotary_percent}: Llama rotates every head "
-            "dimension; only --rotary-percent 1.0 is supported")
     if args.recompute_activations:
         args.recompute_granularity = "selective"  # Megatron-LM's meaning, whatever --recompute-granularity says
-    require(args.manual_gc_interval >= 0, "--manual-gc-interval must be >= 0")
     if args.train_samples is None:
         require(args.train_iters is not None, "--train-iters N (or Megatron-LM's --train-samples N) is required")
         require(args.lr_decay_samples is None and args.lr_warmup_samples == 0,

@@ -20,6 +20,7 @@ import os
 from typing import TYPE_CHECKING
 
 from megatron_snip.data.config import NULL_TOKENIZER, REFUSED_TOKENIZER_TYPES
+from megatron_snip.fileio import check_writable
 from megatron_snip.model import checkpoint_shape
 from megatron_snip.model.presets import PRESETS
 from megatron_snip.numerics.registry import FP4_NAMES, PRECISION_NAMES
@@ -27,8 +28,8 @@ from megatron_snip.precision.config import RECIPE_DEFAULTS
 from megatron_snip.snip.config import DEFAULT_FP4_TARGET
 
 from .architecture import resolve_architecture
-from .errors import ArgumentError, require
-from .megatron_lm import validate_megatron_lm
+from .errors import ArgumentError, Problems, require
+from .megatron_lm import refuse_megatron_lm, validate_megatron_lm
 from .parser import parse_args
 
 if TYPE_CHECKING:  # imported where used: --help and flag errors need no megatron-core (seconds of imports)
@@ -67,10 +68,15 @@ def _read_checkpoint(args: argparse.Namespace) -> CheckpointRecord | None:
     a ``--model-preset`` that disagree are refused."""
     if args.load is None:
         return None
-    from megatron_snip.training.checkpointing import CheckpointError, read_record
+    from megatron_snip.training.checkpointing import CheckpointError, choose_checkpoint, read_record
 
     try:
-        record = read_record(args.load)
+        args.load_iteration, notice = choose_checkpoint(args.load, args.ckpt_fallback)
+        if notice:
+            same = os.path.abspath(args.load) == os.path.abspath(args.save or "")
+            args.notices.append(notice + ("; the damaged one is set aside as iter_N.damaged and the tracker names "
+                                          "the one loaded" if same else ""))
+        record = read_record(args.load, args.load_iteration) if args.load_iteration is not None else None
         if record is not None:
             _fill_from_checkpoint(args, record.args, args.load)
         else:
@@ -84,6 +90,7 @@ def _fill_from_checkpoint(args: argparse.Namespace, saved: dict, where: str) -> 
     """Fill the shape flags from ``saved`` (a checkpoint's arguments, :mod:`checkpoint_shape`);
     ValueError on a disagreement, naming both values."""
     preset = PRESETS[args.model_preset].as_args() if args.model_preset else {}
+    saved = {**checkpoint_shape.ABSENT, **{k: v for k, v in saved.items() if v is not None}}
     for key in checkpoint_shape.FIXED:
         if saved.get(key) is None:
             continue
@@ -131,6 +138,9 @@ def resolve(parsed: argparse.Namespace, world_size: int | None = None, cuda: boo
     micro-batches, ``train_iters`` / ``lr_decay_iters`` / ``lr_warmup_iters`` (also from Megatron-LM's
     sample counts), the virtual pipeline size, ``eval_iters`` 0 for a ``--split`` without validation,
     the recipe values a resumed checkpoint keeps, SNIP's defaults and the distributed backend.
+
+    Every problem is found before any is reported: :class:`ArgumentError` holds them all (``problems``).
+    ``notices``: flags accepted that change nothing here, one line each for the start-up log.
     """
 
     if world_size is None:
@@ -140,10 +150,60 @@ def resolve(parsed: argparse.Namespace, world_size: int | None = None, cuda: boo
 
         cuda = has_cuda()
     args = argparse.Namespace(**{**dict.fromkeys(checkpoint_shape.CARRIED), **vars(parsed)})  # the working copy
-    checkpoint = _read_checkpoint(args) if check_files else None
+    args.notices, args.load_iteration = [], None
+    problems = Problems()  # every step runs; all their problems are reported together
+    checkpoint = None
+    with problems.step() as unreadable:
+        checkpoint = _read_checkpoint(args) if check_files else None
     if args.load is not None and args.model_preset is None and not check_files:
         args.model_preset = "tiny"  # a stand-in for the shape of the checkpoint, which is not read here
-    resolve_architecture(args)
+    with problems.step():
+        refuse_megatron_lm(args)
+    with problems.step():
+        resolve_architecture(args)
+    with problems.step():
+        _validate_layout(args, world_size)
+        _validate_virtual_pipeline(args)
+    with problems.step():
+        validate_megatron_lm(args)
+    with problems.step():
+        _validate_training(args, cuda)
+    with problems.step():
+        _validate_logging(args, cuda)
+    with problems.step():
+        _validate_checkpointing(args)
+    resumed = None if args.finetune else checkpoint  # --finetune takes the weights only
+    with problems.step():
+        _validate_precision(args, cuda, resumed)
+    for validate in (_validate_snip, _validate_safety, _validate_split):
+        with problems.step():
+            validate(args)
+    with problems.step() as data_source:
+        _validate_data_source(args)
+    if check_files:
+        with problems.step():
+            _validate_solver(args)
+        if not data_source:  # the files are read with the tokenizer type and data source checked above
+            with problems.step():
+                _validate_files(args, checkpoint is not None, read=not unreadable)
+        with problems.step():
+            _validate_output_folders(args)
+    with problems.step():
+        if args.distributed_backend is None:
+            args.distributed_backend = "nccl" if cuda else "gloo"
+        require(args.distributed_backend == "gloo" or cuda,
+                "--distributed-backend nccl needs CUDA; use --distributed-backend gloo on CPU")
+    problems.raise_if_any()
+    args.precision_notes = tuple(args.precision_notes)
+    args.notices = tuple(args.notices)
+    from megatron_snip.training.config import RunConfig
+
+    config = RunConfig.from_flags(vars(args))
+    return dataclasses.replace(config, start=_start_point(config, resumed, check_files))
+
+
+def _validate_layout(args: argparse.Namespace, world_size: int) -> None:
+    """The parallel layout against the launch and the model's shape, and the batch arithmetic."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     require(tp >= 1 and pp >= 1, "--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
     require(world_size % (tp * pp) == 0,
@@ -179,8 +239,6 @@ def resolve(parsed: argparse.Namespace, world_size: int | None = None, cuda: boo
             f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
             f"{args.micro_batch_size} x data-parallel size {dp} = {per_step}; use a multiple of {per_step}")
     args.num_microbatches = args.global_batch_size // per_step
-    _validate_virtual_pipeline(args)
-    validate_megatron_lm(args)
     require(not args.overlap_param_gather or args.use_distributed_optimizer,
             "--overlap-param-gather needs --use-distributed-optimizer (it overlaps the all-gather of the "
             "optimizer's parameter shards); add it, or drop --overlap-param-gather")
@@ -188,9 +246,13 @@ def resolve(parsed: argparse.Namespace, world_size: int | None = None, cuda: boo
             f"--context-parallel-size {args.context_parallel_size}: context parallelism is not supported (the local "
             "layers' attention has no ring attention, and SNIP's probes measure whole sequences per rank); "
             "use --sequence-parallel to split activations over TP, or --context-parallel-size 1")
-    require(args.train_iters >= 0, "--train-iters must be >= 0")
     if tp == 1:
         args.sequence_parallel = False  # Megatron-LM's rule: nothing to shard over, so no change in numerics
+
+
+def _validate_training(args: argparse.Namespace, cuda: bool) -> None:
+    """The backend, recompute, the LR and weight-decay schedules (``--train-iters`` already derived)."""
+    require(args.train_iters >= 0, "--train-iters must be >= 0")
     require(args.transformer_impl == "local" or cuda,
             "--transformer-impl transformer_engine needs a GPU with Transformer Engine; use --transformer-impl local")
     _validate_compile(args)
@@ -208,45 +270,53 @@ def resolve(parsed: argparse.Namespace, world_size: int | None = None, cuda: boo
             f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --lr-decay-iters "
             f"{args.lr_decay_iters} (default: --train-iters)")
     require(args.min_lr <= args.lr, f"--min-lr {args.min_lr} exceeds --lr {args.lr}")
-    for flag in ("log_interval", "eval_interval", "tensorboard_log_interval", "tensorboard_queue_size"):
-        require(getattr(args, flag) >= 1, f"--{flag.replace('_', '-')} must be >= 1")
-    require(not args.wandb_project or args.wandb_save_dir or args.save,
-            "--wandb-project needs a directory for the W&B run's files: --wandb-save-dir DIR (or --save, whose "
-            "wandb/ subdirectory is the default)")
-    require(args.eval_iters >= 0, "--eval-iters must be >= 0")
-    if args.num_workers is None:
-        args.num_workers = 2 if cuda else 0
-    require(args.num_workers >= 0, "--num-workers must be >= 0")
-    require(args.exit_duration_in_mins is None or args.exit_duration_in_mins > 0,
-            f"--exit-duration-in-mins {args.exit_duration_in_mins} must be > 0 (minutes of wall time)")
-    if args.save_interval is not None:
-        require(args.save_interval >= 1, "--save-interval must be >= 1")
-        require(args.save is not None, "--save-interval needs --save DIR")
-    _validate_retention(args)
     require(args.decoupled_min_lr is None or args.decoupled_lr is not None,
             "--decoupled-min-lr goes with --decoupled-lr (the embedding and output layer's own schedule)")
     if args.start_weight_decay is None:
         args.start_weight_decay = args.weight_decay
     if args.end_weight_decay is None:
         args.end_weight_decay = args.weight_decay
-    resumed = None if args.finetune else checkpoint  # --finetune takes the weights only
-    _validate_precision(args, cuda, resumed)
-    _validate_snip(args)
-    _validate_safety(args)
-    _validate_data_source(args)
-    _validate_split(args)
-    if check_files:
-        _validate_solver(args)
-        _validate_files(args, checkpoint is not None)
-    if args.distributed_backend is None:
-        args.distributed_backend = "nccl" if cuda else "gloo"
-    require(args.distributed_backend == "gloo" or cuda,
-            "--distributed-backend nccl needs CUDA; use --distributed-backend gloo on CPU")
-    args.precision_notes = tuple(args.precision_notes)
-    from megatron_snip.training.config import RunConfig
+    if args.num_workers is None:
+        args.num_workers = 2 if cuda else 0
+    require(args.num_workers >= 0, "--num-workers must be >= 0")
+    require(args.exit_duration_in_mins is None or args.exit_duration_in_mins > 0,
+            f"--exit-duration-in-mins {args.exit_duration_in_mins} must be > 0 (minutes of wall time)")
 
-    config = RunConfig.from_flags(vars(args))
-    return dataclasses.replace(config, start=_start_point(config, resumed, check_files))
+
+def _validate_logging(args: argparse.Namespace, cuda: bool) -> None:
+    _validate_profile(args, cuda)
+    for flag in ("log_interval", "eval_interval", "tensorboard_log_interval", "tensorboard_queue_size"):
+        require(getattr(args, flag) >= 1, f"--{flag.replace('_', '-')} must be >= 1")
+    require(not args.wandb_project or args.wandb_save_dir or args.save,
+            "--wandb-project needs a directory for the W&B run's files: --wandb-save-dir DIR (or --save, whose "
+            "wandb/ subdirectory is the default)")
+    require(args.eval_iters >= 0, "--eval-iters must be >= 0")
+
+
+def _validate_profile(args: argparse.Namespace, cuda: bool) -> None:
+    """Megatron-LM's --profile flags (training/profiling.py)."""
+    if not args.profile:
+        if args.use_pytorch_profiler:
+            args.notices.append("--use-pytorch-profiler without --profile: nothing is profiled (as in Megatron-LM); "
+                                "add --profile")
+        return
+    start, end = args.profile_step_start, args.profile_step_end
+    require(0 <= start < end, f"--profile-step-start {start} and --profile-step-end {end}: profiling needs "
+            f"0 <= start < end (the iterations from start on, up to end)")
+    require(not args.use_pytorch_profiler or args.tensorboard_dir,
+            "--profile --use-pytorch-profiler writes its trace into --tensorboard-dir, as in Megatron-LM: add "
+            "--tensorboard-dir DIR")
+    if not args.use_pytorch_profiler and not cuda:
+        args.notices.append("--profile without --use-pytorch-profiler marks an nsys capture range "
+                            "(cudaProfilerStart/Stop), which needs CUDA: nothing is profiled here; add "
+                            "--use-pytorch-profiler for a torch.profiler trace")
+
+
+def _validate_checkpointing(args: argparse.Namespace) -> None:
+    if args.save_interval is not None:
+        require(args.save_interval >= 1, "--save-interval must be >= 1")
+        require(args.save is not None, "--save-interval needs --save DIR")
+    _validate_retention(args)
 
 
 def _validate_retention(args: argparse.Namespace) -> None:
@@ -321,12 +391,16 @@ def _validate_precision(args: argparse.Namespace, cuda: bool, resumed: Checkpoin
         args.precision = args.precision or "fp4"
     saved = resumed.args if resumed is not None else {}
     args.precision_notes = []
+    given = {key: getattr(args, key) for key in RECIPE_DEFAULTS}
     for key, default in RECIPE_DEFAULTS.items():
-        given, kept = getattr(args, key), saved.get(key)
-        if given is None:
+        kept = saved.get(key)
+        if given[key] is None:
             setattr(args, key, kept if kept is not None else default)
-        elif kept is not None and kept != given:
-            args.precision_notes.append(f"--{key.replace('_', '-')} {given} replaces the checkpoint's {kept}")
+        elif kept is not None and kept != given[key]:
+            args.precision_notes.append(f"--{key.replace('_', '-')} {given[key]} replaces the checkpoint's {kept}")
+    notice = _fp8_recipe_notice(args, given, saved.get("fp8_recipe"))
+    if notice:
+        args.notices.append(notice)
     for flag in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
         require(0 <= getattr(args, flag) <= args.num_layers,
                 f"--{flag.replace('_', '-')} must lie in [0, --num-layers {args.num_layers}]")
@@ -337,6 +411,33 @@ def _validate_precision(args: argparse.Namespace, cuda: bool, resumed: Checkpoin
         require(cuda or os.environ.get("TRITON_INTERPRET") == "1",
                 "--quant-kernels triton needs CUDA (or TRITON_INTERPRET=1 to run the kernels in Triton's "
                 "slow CPU interpreter); use --quant-kernels torch or auto")
+
+
+# What each FP8 recipe scales by (for the notice below).
+_FP8_SCALING = {"tensorwise": "each tensor scaled by its own current amax, no history",
+                "blockwise": "scaled per 1x128 / 128x128 block", "mxfp8": "scaled per 32-element block"}
+_DELAYED_ONLY = ("fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_margin")
+
+
+def _fp8_recipe_notice(args: argparse.Namespace, given: dict, kept_recipe: str | None) -> str | None:
+    """One line where Megatron-LM's FP8 flags would mean delayed scaling there but do not here: delayed-scaling
+    settings given for another recipe, or --fp8-format (Megatron-LM's FP8 switch) without --fp8-recipe, whose
+    default differs (delayed there, tensorwise here). None where nothing differs."""
+    if args.fp8_recipe == "delayed":
+        return None
+    unused = [f"--{key.replace('_', '-')} {given[key]}" for key in _DELAYED_ONLY
+              if given[key] is not None and given[key] != RECIPE_DEFAULTS[key]]
+    defaulted = given["fp8_recipe"] is None and kept_recipe is None
+    default = " (this program's default)" if defaulted else ""
+    runs = f"FP8 runs --fp8-recipe {args.fp8_recipe}{default}: {_FP8_SCALING[args.fp8_recipe]}"
+    if unused:
+        return (f"{' '.join(unused)}: delayed-scaling settings that do nothing here; {runs}; add --fp8-recipe delayed "
+                f"for Megatron-LM's delayed scaling with them (its default recipe)")
+    if defaulted and given["fp8_format"] is not None:  # wherever FP8 runs: --precision fp8, a plan, SNIP
+        return (f"--fp8-format {given['fp8_format']} without --fp8-recipe: {runs} (stateless, so a module a plan "
+                f"switches to FP8 is scaled right from its first step); Megatron-LM's default is delayed scaling: "
+                f"add --fp8-recipe delayed for it")
+    return None
 
 
 def _validate_snip(args: argparse.Namespace) -> None:
@@ -359,6 +460,9 @@ def _validate_snip(args: argparse.Namespace) -> None:
     require(any(f in FP4_NAMES for f in args.snip_formats) or args.snip_fp4_target == 0,
             "--snip-formats has no FP4 format (nvfp4 or mxfp4) but --snip-fp4-target is above 0")
     require(args.snip_probe_passes >= 1, "--snip-probe-passes must be >= 1")
+    require(not args.calculate_per_token_loss,
+            "--calculate-per-token-loss with --snip: SNIP's probe passes measure each micro-batch's mean loss; "
+            "drop one of the two")
     for flag in ("snip_loss_weight", "snip_update_weight", "snip_switch_penalty"):
         value = getattr(args, flag)
         require(math.isfinite(value) and value >= 0,
@@ -436,20 +540,19 @@ def _validate_solver(args: argparse.Namespace) -> None:
             f"else HiGHS)")
 
 
-def _validate_files(args: argparse.Namespace, from_checkpoint: bool) -> None:
+def _validate_files(args: argparse.Namespace, from_checkpoint: bool, read: bool) -> None:
+    """The data, the tokenizer and --load's checkpoint (``read``: its record was read, or there is none)."""
     require(args.data_path is not None or args.mock_data,
             "--data-path is required: the prefix of a preprocessed dataset (tools/preprocess_data.py), or "
             "--mock-data for megatron-core's synthetic data")
     require(args.tokenizer_model is not None or args.tokenizer_type == NULL_TOKENIZER,
             "--tokenizer-model is required: a sentencepiece .model file (tools/train_tokenizer.py) or, with "
             "--tokenizer-type HuggingFaceTokenizer, a tokenizer.json or the model directory holding it")
-    from megatron_snip.training.checkpointing import CheckpointError, verify_latest
-
     try:
         tokens = _validate_data_files(args)
-        latest = verify_latest(args.load) if args.load is not None else None
-    except (FileNotFoundError, ValueError, CheckpointError) as e:
+    except (FileNotFoundError, ValueError) as e:
         raise ArgumentError(str(e)) from e
+    latest = args.load_iteration  # read with the checkpoint (_read_checkpoint)
     if from_checkpoint:
         require(args.vocab_size is None or tokens <= args.vocab_size,
                 f"--tokenizer-model {args.tokenizer_model} has {tokens} ids but the model in --load {args.load} "
@@ -459,13 +562,26 @@ def _validate_files(args: argparse.Namespace, from_checkpoint: bool) -> None:
                 f"--vocab-size {args.vocab_size} differs from the {tokens} ids of --tokenizer-model "
                 f"{args.tokenizer_model}, which define the vocabulary here (Megatron-LM ignores --vocab-size for "
                 f"this tokenizer type); drop --vocab-size or pass {tokens}")
-    if args.load is not None and latest is None:
+    if args.load is not None and latest is None and read:
         require(not args.exit_on_missing_checkpoint,
                 f"--load {args.load!r} holds no checkpoint (no latest_checkpointed_iteration.txt) and "
                 f"--exit-on-missing-checkpoint is given; fix the path, or drop the flag to start fresh")
         require(os.path.abspath(args.load) == os.path.abspath(args.save or ""),
                 f"--load {args.load!r} holds no checkpoint (no latest_checkpointed_iteration.txt); "
                 f"fix the path, or pass the same directory to --save and --load to resume-or-start")
+
+
+def _validate_output_folders(args: argparse.Namespace) -> None:
+    """Every rank can create, write, rename and delete files where the run writes, or in the parent that
+    would hold a folder not made yet (a read-only or foreign folder found here, not at the first save or
+    log line)."""
+    folders = {"--save": args.save, "--tensorboard-dir": args.tensorboard_dir}
+    if args.wandb_project:
+        folders["--wandb-save-dir"] = args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else None)
+    for flag, folder in folders.items():
+        if folder is not None:
+            failure = check_writable(folder)
+            require(failure is None, f"{flag} {folder}: {failure}; give a folder this job can write")
 
 
 def _validate_data_files(args: argparse.Namespace) -> int:
@@ -483,7 +599,13 @@ def _validate_data_files(args: argparse.Namespace) -> int:
     if prefixes:  # mock data ignores --split
         check_splits_have_documents(prefixes, args.split)
     tokens = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size).vocab_size
-    check_vocab_covers_data(prefixes, tokens)
+    if args.tokenizer_type == NULL_TOKENIZER:
+        check_vocab_covers_data(prefixes, tokens, f"--tokenizer-type {NULL_TOKENIZER} --vocab-size {tokens}",
+                                "give --vocab-size the size of the tokenizer the data was preprocessed with (ids "
+                                "0..N-1, the last the end-of-document token)")
+    else:
+        check_vocab_covers_data(prefixes, tokens, f"--tokenizer-model {args.tokenizer_model}",
+                                "rerun tools/preprocess_data.py with this --tokenizer-model")
     return tokens
 
 

@@ -1,17 +1,22 @@
 """``pretrain_llama.py``'s main: parse the command line, set up the device, train; errors as one line.
 
 ``--help`` and flag syntax errors are answered by argparse before megatron-core is imported (its
-imports take seconds); everything heavy is imported after the flags parse.
+imports take seconds); everything heavy is imported after the flags parse. Every problem of the flags,
+files and launch is printed at once, by rank 0 alone (each rank finds the same), and every rank exits
+with :data:`~megatron_snip.training.requeue.CONFIG_ERROR_STATUS`.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from megatron_snip.arguments import ArgumentError, parse_args, resolve
 from megatron_snip.compat.launch import default_to_one_process
+from megatron_snip.training import requeue
 
 if TYPE_CHECKING:
     from megatron_snip.training.config import RunConfig
@@ -25,13 +30,35 @@ def _error(e: Exception) -> None:
     sys.stderr.flush()
 
 
+def _refused(e: ArgumentError, save: str | None) -> int:
+    """Every problem at once, from rank 0 only (every rank found the same), and the exit record asking
+    not to requeue where --save already exists (best effort: an unwritable --save may be the problem)."""
+    if os.environ.get("RANK", "0") != "0":
+        return requeue.CONFIG_ERROR_STATUS
+    problems = e.problems or [str(e)]
+    if len(problems) == 1:
+        _error(e)
+    else:
+        _error(f"{len(problems)} problems with the flags, files or launch:" + "".join(f"\n  - {p}" for p in problems))
+    if save is not None and os.path.isdir(save):
+        try:
+            requeue.write_record(save, requeue.ExitRecord(None, requeue.CONFIG_ERROR, None, time.time()))
+        except OSError:
+            pass
+    return requeue.CONFIG_ERROR_STATUS
+
+
 def _config(argv: list[str] | None) -> RunConfig:
     """Parse (argparse exits on --help or a syntax error), then validate; raises ArgumentError."""
     parsed = parse_args(argv)
     from megatron_snip.compat.cpu import silence_cpu_warnings
 
     silence_cpu_warnings()  # before megatron-core's imports (checkpoint and data checks) print them
-    return resolve(parsed)
+    try:
+        return resolve(parsed)
+    except ArgumentError as e:
+        e.save = parsed.save  # where the exit record goes
+        raise
 
 
 def trainer_from_command_line(argv: list[str] | None = None) -> Trainer:
@@ -47,19 +74,20 @@ def trainer_from_command_line(argv: list[str] | None = None) -> Trainer:
 
 
 def main(argv: list[str] | None = None, on_build: Callable[[Trainer], None] | None = None) -> int:
-    """Exit status: 0 done, 2 bad flags, 1 a checkpoint or numerical failure (every rank says which)."""
+    """Exit status: 0 done, 78 refused flags, files or launch (argparse's own syntax errors: 2), 1 a
+    checkpoint or numerical failure (every rank says which)."""
     default_to_one_process()  # started by hand, without torchrun/srun: a world of one
     try:
         config = _config(argv)
     except ArgumentError as e:
-        _error(e)
-        return 2
+        return _refused(e, getattr(e, "save", None))
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     from megatron_snip.compat.device import setup_device
     from megatron_snip.snip.config import SnipConfigError
     from megatron_snip.training import checkpointing
+    from megatron_snip.training.logger import RunFilesError
     from megatron_snip.training.safety import NonFiniteError
     from megatron_snip.training.trainer import pretrain
 
@@ -68,13 +96,17 @@ def main(argv: list[str] | None = None, on_build: Callable[[Trainer], None] | No
         pretrain(config, on_build)
     except SnipConfigError as e:  # found once the model is built (--snip-gain-exclude)
         _error(e)
-        return 2
+        return requeue.CONFIG_ERROR_STATUS
     except checkpointing.CheckpointError as e:
         _error(e)
         return 1
     except NonFiniteError as e:
         _error(e)
         dist.barrier()  # every rank raised at this iteration: let each print before the first exit ends the job
+        return 1
+    except RunFilesError as e:  # every rank stopped together; the rank that could not write says what
+        if e.own:
+            _error(e)
         return 1
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()

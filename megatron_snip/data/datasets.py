@@ -335,20 +335,18 @@ def sample_tokens(prefix: str, max_tokens: int = SAMPLE_TOKENS) -> np.ndarray:
     return np.concatenate([tokens[s:s + chunk] for s in starts])
 
 
-def check_vocab_covers_data(prefixes: Sequence[str], vocab_size: int) -> None:
-    """Raise ValueError naming ``--tokenizer-model``/``--data-path`` if a dataset holds a token
-    id >= ``vocab_size`` (data tokenized with another tokenizer). Reads each ``.bin`` whole up
-    to ``SAMPLE_TOKENS`` tokens, else a sample of that size (a foreign tokenizer's ids show up
-    everywhere, so a sample finds them)."""
+def check_vocab_covers_data(prefixes: Sequence[str], vocab_size: int, tokenizer: str = "the tokenizer",
+                            fix: str = "rerun tools/preprocess_data.py with this tokenizer") -> None:
+    """Raise ValueError naming ``--data-path`` and ``tokenizer`` (how the flags gave the vocabulary) if a
+    dataset holds a token id >= ``vocab_size`` (data tokenized with another tokenizer), ending in ``fix``.
+    Reads each ``.bin`` whole up to ``SAMPLE_TOKENS`` tokens, else a sample of that size (a foreign
+    tokenizer's ids show up everywhere, so a sample finds them)."""
     for prefix in prefixes:
         tokens = sample_tokens(prefix)
         max_id = int(tokens.max()) if tokens.size else -1
         if max_id >= vocab_size:
-            raise ValueError(
-                f"--data-path {prefix} holds token id {max_id}, but the tokenizer "
-                f"(--tokenizer-model) has only {vocab_size} ids: the data was preprocessed with a "
-                "different tokenizer; rerun tools/preprocess_data.py with this --tokenizer-model"
-            )
+            raise ValueError(f"--data-path {prefix} holds token id {max_id}, but {tokenizer} has only {vocab_size} "
+                             f"ids: the data was preprocessed with a different tokenizer; {fix}")
 
 
 def check_splits_have_documents(prefixes: Sequence[str], split: str) -> None:

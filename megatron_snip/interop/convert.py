@@ -9,7 +9,8 @@ Pure functions on tensors. Each Hugging Face tensor is one *part* of one megatro
 - ``embed_tokens`` / ``lm_head`` -> the first ``vocab_size`` rows of the padded embedding /
   output layer; the padding rows (``--make-vocab-size-divisible-by``) are zero on import and
   dropped on export;
-- norms, ``o_proj``, ``down_proj``: one to one.
+- norms, ``o_proj``, ``down_proj``: one to one; a norm of a model with zero-centred scales
+  (``--apply-layernorm-1p``) stores its scale minus 1, and Hugging Face the scale.
 
 Rotary embeddings need no permutation: Hugging Face's Llama and megatron-core both rotate
 halves (``rotate_half``), not interleaved pairs.
@@ -34,6 +35,7 @@ class LlamaLayout:
     num_query_groups: int
     vocab_size: int          # real rows (the rest of megatron's padded embedding is padding)
     tied: bool               # output layer shares the embedding
+    zero_centered_norms: bool = False  # the norms store scale - 1 (--apply-layernorm-1p)
 
     @property
     def head_dim(self) -> int:
@@ -45,8 +47,8 @@ class LlamaLayout:
 
 
 _LAYER = {
-    "input_layernorm.weight": ("input_layernorm.weight", "all"),
-    "post_attention_layernorm.weight": ("pre_mlp_layernorm.weight", "all"),
+    "input_layernorm.weight": ("input_layernorm.weight", "norm"),
+    "post_attention_layernorm.weight": ("pre_mlp_layernorm.weight", "norm"),
     "self_attn.q_proj.weight": ("self_attention.linear_qkv.weight", "q"),
     "self_attn.k_proj.weight": ("self_attention.linear_qkv.weight", "k"),
     "self_attn.v_proj.weight": ("self_attention.linear_qkv.weight", "v"),
@@ -57,7 +59,7 @@ _LAYER = {
 }
 _GLOBAL = {
     "model.embed_tokens.weight": ("embedding.word_embeddings.weight", "vocab"),
-    "model.norm.weight": ("decoder.final_layernorm.weight", "all"),
+    "model.norm.weight": ("decoder.final_layernorm.weight", "norm"),
     "lm_head.weight": ("output_layer.weight", "vocab"),
 }
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -92,7 +94,7 @@ def part_view(param: torch.Tensor, part: str, layout: LlamaLayout) -> torch.Tens
     """The view of megatron parameter ``param`` (full, unsharded) that holds ``part``, shaped as
     the Hugging Face tensor (copying into the view writes the parameter)."""
     h, d, g, per = layout.hidden_size, layout.head_dim, layout.num_query_groups, layout.heads_per_group
-    if part == "all":
+    if part in ("all", "norm"):
         return param
     if part == "vocab":
         return param[: layout.vocab_size]
@@ -112,7 +114,7 @@ def import_part(param: torch.Tensor, part: str, hf_tensor: torch.Tensor, layout:
     if tuple(hf_tensor.shape) != expected:
         raise ValueError(f"{hf_name} has shape {tuple(hf_tensor.shape)} but config.json implies {expected}")
     with torch.no_grad():
-        view.copy_(hf_tensor.reshape(view.shape))
+        view.copy_(hf_tensor.reshape(view.shape) - _norm_offset(part, layout))
 
 
 def _expected_shape(part: str, view: torch.Tensor, layout: LlamaLayout) -> tuple[int, ...]:
@@ -126,7 +128,12 @@ def export_part(param: torch.Tensor, part: str, layout: LlamaLayout) -> torch.Te
     view = part_view(param, part, layout)
     if part in ("q", "k", "v"):
         return view.reshape(-1, layout.hidden_size).clone()
-    return view.clone()
+    return view.clone() + _norm_offset(part, layout)
+
+
+def _norm_offset(part: str, layout: LlamaLayout) -> float:
+    """What Hugging Face's value of ``part`` adds to megatron's: 1 for a zero-centred norm, else 0."""
+    return 1.0 if part == "norm" and layout.zero_centered_norms else 0.0
 
 
 def zero_padding_rows(param: torch.Tensor, layout: LlamaLayout) -> None:

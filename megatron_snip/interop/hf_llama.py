@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from megatron_snip.compat.launch import default_to_one_process, free_port
-from megatron_snip.fileio import write_text_atomic
+from megatron_snip.fileio import umask, write_text_atomic
 from megatron_snip.interop import hf_files
 from megatron_snip.interop.convert import (
     LlamaLayout,
@@ -118,7 +118,7 @@ def _layout(model: ModelConfig) -> LlamaLayout:
         num_layers=model.num_layers, hidden_size=model.hidden_size, ffn_hidden_size=model.ffn_hidden_size,
         num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
         vocab_size=model.vocab_size,
-        tied=bool(model.share_embeddings_and_output_weights))
+        tied=bool(model.share_embeddings_and_output_weights), zero_centered_norms=bool(model.apply_layernorm_1p))
 
 
 @dataclass(frozen=True)
@@ -347,11 +347,9 @@ def export_hf(load_dir: str, save_dir: str, dtype: str = "auto", max_shard_bytes
     write_text_atomic(os.path.join(tmp, SNIP_SIDE_FILE), json.dumps(_snip_side_file(load_dir, record, saved,
                                                                                     masters, out_dtype),
                                                                     indent=2) + "\n")
-    # Temporary files are created owner-only; the published directory gets the usual modes.
-    umask = os.umask(0)
-    os.umask(umask)
+    # Shards are created owner-only; the published directory gets the usual modes.
     for name in os.listdir(tmp):
-        os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
+        os.chmod(os.path.join(tmp, name), 0o666 & ~umask())
     if os.path.isdir(save_dir):
         os.rmdir(save_dir)  # empty (checked above)
     os.replace(tmp, save_dir)

@@ -11,7 +11,11 @@ from __future__ import annotations
 
 # Fields the weights fix: a different value cannot load or changes the model's function.
 FIXED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-         "rotary_base", "norm_epsilon", "use_rope_scaling", "rope_scaling_factor", "vocab_size")
+         "rotary_base", "norm_epsilon", "use_rope_scaling", "rope_scaling_factor", "vocab_size",
+         "apply_layernorm_1p")
+# What a FIXED field absent from a checkpoint's arguments means (checkpoints written before it was saved,
+# and imported Hugging Face models, store each norm's scale itself).
+ABSENT = {"apply_layernorm_1p": False}
 # Fields taken from the checkpoint when not given, and free to change.
 DEFAULTS = ("seq_length", "max_position_embeddings")
 # Fields without flags, always the checkpoint's (arguments.py gives them a None default).

@@ -51,6 +51,10 @@ class ModelConfig:
         "without it, which Llama has none of.")
     normalization: str | None = flag(None, "RMSNorm; Megatron-LM's default LayerNorm is refused (Llama).",
                                      choices=("LayerNorm", "RMSNorm"))
+    apply_layernorm_1p: bool | None = flag(
+        None, "Zero-centred RMSNorm scales (megatron-core's layernorm_zero_centered_gamma): each norm stores its scale "
+        "minus 1 (zeros at start) and multiplies by 1 + weight, which bf16 holds more finely near 1. Given by a "
+        "checkpoint: its norm weights mean one or the other.")
     position_embedding_type: str | None = flag(
         None, "rope; Megatron-LM's default learned_absolute and its other types are refused (Llama).",
         choices=("learned_absolute", "rope", "yarn", "mrope", "relative", "none"))
@@ -62,6 +66,10 @@ class ModelConfig:
         None, "Vocabulary size before padding. Required with --tokenizer-type NullTokenizer (N ids, the last the "
         "end-of-document token, as in Megatron-LM); with a tokenizer file it must equal the tokenizer's size "
         "(Megatron-LM ignores it there); with --load, the checkpoint's.")
+    calculate_per_token_loss: bool = flag(
+        False, "Normalise the loss by the number of loss tokens of the whole global batch (over every micro-batch "
+        "and data-parallel rank) instead of averaging each micro-batch's per-token mean (megatron-core's "
+        "calculate_per_token_loss): with --eod-mask-loss every token weighs the same.")
     init_method_std: float = flag(0.02, "Standard deviation of the weight initialisation.")
     attention_dropout: float = flag(0.0, "Dropout on the attention probabilities.")
     hidden_dropout: float = flag(0.0, "Dropout on the residual branches.")

@@ -65,6 +65,8 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Transfor
         kv_channels=model.kv_channels,
         normalization="RMSNorm",
         layernorm_epsilon=model.norm_epsilon,
+        layernorm_zero_centered_gamma=bool(model.apply_layernorm_1p),
+        calculate_per_token_loss=model.calculate_per_token_loss,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,

@@ -20,23 +20,40 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+
+class ZeroCenteredRMSNorm(torch.nn.RMSNorm):
+    """RMSNorm whose stored weight is its scale minus 1 (megatron-core's ``layernorm_zero_centered_gamma``,
+    Megatron-LM's --apply-layernorm-1p, as Transformer Engine's norms compute it): zeros at start, the
+    output ``x / rms(x) * (1 + weight)``."""
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            torch.nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
+
+
 _NORMS = {"RMSNorm": torch.nn.RMSNorm, "LayerNorm": torch.nn.LayerNorm}
 
 
 class TorchNorm:
-    """Builds ``config.normalization`` (RMSNorm or LayerNorm) as a torch module whose parameters
+    """Builds ``config.normalization`` (RMSNorm, zero-centred with ``config.layernorm_zero_centered_gamma``,
+    or LayerNorm) as a torch module whose parameters
     carry ``sequence_parallel`` (megatron's norm constructor signature; ``__new__`` returns the
     torch module itself, as ``WrappedTorchNorm`` does)."""
 
     def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused):
         if config.normalization not in _NORMS:
             raise ValueError(f"TorchNorm: normalization {config.normalization!r} is not one of {sorted(_NORMS)}")
-        if config.layernorm_zero_centered_gamma or config.memory_efficient_layer_norm:
-            raise ValueError("TorchNorm: zero-centered gamma and the memory-efficient layer norm need "
-                             "Transformer Engine or apex norms")
+        if config.memory_efficient_layer_norm:
+            raise ValueError("TorchNorm: the memory-efficient layer norm needs Transformer Engine or apex norms")
+        if config.layernorm_zero_centered_gamma and config.normalization != "RMSNorm":
+            raise ValueError("TorchNorm: zero-centered gamma is implemented for RMSNorm only")
+        kind = ZeroCenteredRMSNorm if config.layernorm_zero_centered_gamma else _NORMS[config.normalization]
         # In the parameters' dtype (bf16 with --bf16), as megatron's Float16Module casts every
         # parameter: the mixed-precision optimizer maps only bf16 parameters to its fp32 masters.
-        norm = _NORMS[config.normalization](hidden_size, eps=eps, dtype=config.params_dtype)
+        norm = kind(hidden_size, eps=eps, dtype=config.params_dtype)
         for param in norm.parameters():
             param.sequence_parallel = config.sequence_parallel
         return norm

@@ -11,17 +11,25 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.utils import get_model_config
 
 from megatron_snip.compat.device import current_device
 
 LOSS_KEY = "lm loss"  # the key of the reported loss in what the schedule returns per micro-batch
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, per_token: bool = False):
     """Mean token loss of one micro-batch; the reported value is this DP rank's (as Megatron-LM's, whoever
-    reads the losses averages them over DP ranks once per step: :func:`reduced_losses`)."""
+    reads the losses reduces them over DP ranks once per step: :func:`reduced_losses`).
+
+    ``per_token`` (--calculate-per-token-loss): the loss summed over the micro-batch's tokens and their
+    count, which megatron-core's schedule and ``finalize_model_grads`` normalise by the global batch's
+    loss tokens; reported as (sum, count) (:func:`mean_loss` divides the DP-summed pairs)."""
     losses = output_tensor.float().view(-1)
     mask = loss_mask.view(-1).float()
+    if per_token:
+        total, count = torch.sum(losses * mask), mask.sum()
+        return total, count.int(), {LOSS_KEY: torch.stack([total.detach(), count])}
     loss = torch.sum(losses * mask) / mask.sum().clamp(min=1.0)
     return loss, {LOSS_KEY: loss.detach().clone()}
 
@@ -33,20 +41,31 @@ def forward_step(data_iterator, model):
     device = current_device()
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
     output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
-    return output, partial(loss_func, batch["loss_mask"])
+    return output, partial(loss_func, batch["loss_mask"], per_token=get_model_config(model).calculate_per_token_loss)
 
 
 def reduced_losses(losses: list[dict], key: str = LOSS_KEY) -> torch.Tensor | None:
     """The micro-batch losses (``key`` of each dict) the schedule returned on the last stage (None elsewhere),
-    each averaged over the DP ranks: fp32 [micro-batches] on the device, in one all-reduce and no host sync."""
+    reduced over the DP ranks in one all-reduce and no host sync: fp32 [micro-batches] on the device, each
+    averaged over DP ranks; with --calculate-per-token-loss fp32 [micro-batches, 2], (sum, count) summed."""
     if not losses:
         return None
     values = torch.stack([d[key] for d in losses])
     dist.all_reduce(values, group=parallel_state.get_data_parallel_group())
+    if values.dim() == 2:  # (sum, count) per micro-batch
+        return values
     return values / parallel_state.get_data_parallel_world_size()
 
 
+def step_loss(values: torch.Tensor) -> torch.Tensor:
+    """The step's loss from :func:`reduced_losses`'s values: their mean, or with --calculate-per-token-loss
+    ([micro-batches, 2] of (sum, count)) the loss per token over the global batch."""
+    if values.dim() == 2:
+        return values[:, 0].sum() / values[:, 1].sum().clamp(min=1.0)
+    return values.mean()
+
+
 def mean_loss(losses: list[dict]) -> torch.Tensor | None:
-    """Mean of :func:`reduced_losses`: a device scalar (read it where it is logged), None off the last stage."""
+    """The step's loss as a device scalar (read it where it is logged), None off the last stage."""
     values = reduced_losses(losses)
-    return None if values is None else values.mean()
+    return None if values is None else step_loss(values)

@@ -34,19 +34,20 @@ class PrecisionConfig:
         "given, it replaces the checkpoint's plan; fp4 means --fp4-recipe). Embedding, output layer, norms and "
         "attention stay high precision.", choices=(*PRECISION_NAMES, "fp4"), ours=True)
     fp8_recipe: str | None = flag(
-        None, "How fp8 is scaled (default tensorwise: stateless, so a module that switches to fp8 mid-run is scaled "
-        "right from its first step). rowwise (ours, torchao's float8 rowwise: a power-of-two scale per row of each "
+        None, "How fp8 is scaled (default tensorwise, not Megatron-LM's delayed: stateless, so a module that switches "
+        "to fp8 mid-run is scaled right from its first step; a start-up notice says so where Megatron-LM's flags "
+        "would mean delayed scaling). rowwise (ours, torchao's float8 rowwise: a power-of-two scale per row of each "
         "GEMM's reduction dim, E4M3 throughout) runs on torch._scaled_mm like tensorwise; Transformer Engine has no "
         "rowwise recipe.", choices=tuple(FP8_RECIPE_SCHEMES))
     fp8_format: str | None = flag(
         None, "E4M3 forward / E5M2 gradients (hybrid, default) or E4M3 everywhere. As in Megatron, giving it without "
         "--precision selects --precision fp8.", choices=("hybrid", "e4m3"))
     fp8_amax_history_len: int | None = flag(
-        None, "Delayed scaling: amaxes kept per operand (default 1, as in Megatron-LM).")
+        None, "Delayed scaling (--fp8-recipe delayed): amaxes kept per operand (default 1, as in Megatron-LM).")
     fp8_amax_compute_algo: str | None = flag(
-        None, "Delayed scaling: the scale follows the history's max or its most recent amax (default most_recent, as "
-        "in Megatron-LM).", choices=("max", "most_recent"))
-    fp8_margin: int | None = flag(None, "Delayed scaling headroom in binades (default 0).")
+        None, "Delayed scaling (--fp8-recipe delayed): the scale follows the history's max or its most recent amax "
+        "(default most_recent, as in Megatron-LM).", choices=("max", "most_recent"))
+    fp8_margin: int | None = flag(None, "Delayed scaling (--fp8-recipe delayed): headroom in binades (default 0).")
     fp4_recipe: str | None = flag(
         None, "The 4-bit format that --precision fp4, --fp4-format and SNIP use (default nvfp4). Given on resume, the "
         "checkpoint plan's FP4 modules run in it.", choices=FP4_NAMES)

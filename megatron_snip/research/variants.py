@@ -24,8 +24,8 @@ from pathlib import Path
 
 from megatron_snip.numerics.registry import is_fp4
 from megatron_snip.precision.plan import PrecisionPlan, parse_module_name
+from megatron_snip.snip.config import CURVATURES
 from megatron_snip.snip.estimators import (
-    CURVATURES,
     cost_tables,
     divergences,
     draws_z,

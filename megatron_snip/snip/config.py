@@ -5,8 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_snip.flags import flag
-from megatron_snip.snip.estimators import CURVATURES
 
+# Where the loss term's curvature tr H comes from (--snip-curvature): the Hutchinson probe passes,
+# or the empirical Fisher of the clean pass (estimators.fisher_trace, no probe passes). Defined here,
+# not beside the estimators: --help must not import torch.
+CURVATURES = ("hutchinson", "fisher")
 DEFAULT_FP4_TARGET = 0.75  # the paper's headline budget: 75% of the linear-layer FLOPs in FP4
 
 

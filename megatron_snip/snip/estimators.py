@@ -44,9 +44,6 @@ from .statistics import ModuleStatistics, ProbeStatistics
 # The reference precision: a module in bf16 runs megatron-core's own layer, so it
 # diverges from the clean model by definition not at all.
 REFERENCE_FORMAT = "bf16"
-# Where the loss term's curvature tr H comes from (--snip-curvature): the Hutchinson probe passes,
-# or the empirical Fisher of the clean pass (:func:`fisher_trace`, no probe passes).
-CURVATURES = ("hutchinson", "fisher")
 
 
 # -- Adam ------------------------------------------------------------------------------------------

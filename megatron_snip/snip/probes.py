@@ -69,8 +69,8 @@ from megatron_snip.numerics.registry import precision_format
 from megatron_snip.precision.plan import parse_module_name
 
 from .adam_view import AdamSlice, AdamView
-from .config import SnipConfig
-from .estimators import CURVATURES, REFERENCE_FORMAT, fisher_trace, hutchinson_trace, perturbation_gain
+from .config import CURVATURES, SnipConfig
+from .estimators import REFERENCE_FORMAT, fisher_trace, hutchinson_trace, perturbation_gain
 from .noise import layout_rademacher, noise_key, param_noise
 from .passes import ForwardStep, PassRunner, RngStates, preserved_training_state
 from .statistics import FormatErrors, ModuleStatistics, ProbeStatistics

@@ -29,6 +29,7 @@ import glob
 import logging
 import os
 import random
+import re
 import shutil
 import warnings
 from collections.abc import Mapping
@@ -104,25 +105,132 @@ def find_latest(root: str) -> int | None:
 
 # Files every complete dist_checkpointing checkpoint holds.
 _REQUIRED_FILES = ("metadata.json", ".metadata", "common.pt")
+_ITERATION_DIR = re.compile(r"iter_(\d{7})")
+DAMAGED_SUFFIX = ".damaged"  # a damaged checkpoint set aside by --ckpt-fallback (no longer an iter_* checkpoint)
+
+
+def damage(path: str) -> str | None:
+    """What is wrong with the files of checkpoint ``path``, naming the file; None if they are all there,
+    as long as its index (``.metadata``) says, and ``common.pt`` loads. (A shard of the right size with
+    wrong bytes is found only when it is loaded.)"""
+    if not os.path.isdir(path):
+        return f"{path} is missing"
+    for name in _REQUIRED_FILES:
+        if not os.path.isfile(os.path.join(path, name)):
+            return f"{os.path.join(path, name)} is missing"
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as e:  # unpickling a damaged index raises anything
+        return f"{os.path.join(path, '.metadata')} cannot be read ({type(e).__name__}: {str(e)[:200]})"
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return f"{file} is missing"
+        if os.path.getsize(file) < size:
+            return f"{file} has {os.path.getsize(file)} bytes but the index needs {size} (truncated)"
+    try:
+        dist_checkpointing.load_common_state_dict(path)
+    except _READ_ERRORS as e:
+        return f"{os.path.join(path, 'common.pt')} cannot be read ({_first_error(e)})"
+    return None
 
 
 def verify_latest(root: str) -> int | None:
-    """Like :func:`find_latest`, and check the checkpoint is structurally complete."""
-    iteration = find_latest(root)
-    if iteration is not None:
-        path = iteration_dir(root, iteration)
-        missing = [f for f in _REQUIRED_FILES if not os.path.isfile(os.path.join(path, f))]
-        if missing:
-            raise CheckpointError(f"checkpoint {path} is incomplete (missing {', '.join(missing)}); delete it and "
-                                  f"point {os.path.join(root, TRACKER)} at an earlier iteration")
-    return iteration
+    """Like :func:`find_latest`, and check the checkpoint's files (:func:`damage`)."""
+    return choose_checkpoint(root, fallback=False)[0]
 
 
-def read_record(root: str) -> CheckpointRecord | None:
-    """The record of the newest checkpoint under ``root`` (iteration, arguments, precision plan and
-    schedule, ...) without loading any tensor; None if ``root`` holds no checkpoint. Needs no process
-    group (argument validation reads it before start-up)."""
-    iteration = verify_latest(root)
+def choose_checkpoint(root: str, fallback: bool) -> tuple[int | None, str | None]:
+    """The iteration to load from ``root`` (None: no checkpoint) and, when it is not the tracker's, the
+    start-up notice saying why: the tracker's checkpoint if its files are intact; if not, with ``fallback``
+    (--ckpt-fallback) the newest intact earlier one, else CheckpointError naming the damaged file."""
+    tracker = os.path.join(root, TRACKER)
+    if not os.path.isfile(tracker):
+        return None, None
+    text = open(tracker).read().strip()
+    try:
+        newest = int(text)
+    except ValueError:
+        raise CheckpointError(f"{tracker} is corrupt: expected an iteration number, found {text[:40]!r}") from None
+    path = iteration_dir(root, newest)
+    broken = damage(path)
+    if broken is None:
+        return newest, None
+    intact = next((it for it in _iterations(root) if it < newest and damage(iteration_dir(root, it)) is None), None)
+    if not fallback:
+        instead = (f"pass --ckpt-fallback to load the newest intact one, {iteration_dir(root, intact)}, instead"
+                   if intact is not None else "no earlier checkpoint here is intact")
+        raise CheckpointError(f"checkpoint {path}, the one {tracker} names, is damaged: {broken}; {instead}, or "
+                              f"restore the file")
+    if intact is None:
+        raise CheckpointError(f"--ckpt-fallback: checkpoint {path} is damaged ({broken}) and no earlier checkpoint "
+                              f"in {root} is intact")
+    return intact, (f"--ckpt-fallback: checkpoint {path} is damaged ({broken}); loading "
+                    f"{iteration_dir(root, intact)}, the newest intact one")
+
+
+def _iterations(root: str) -> list[int]:
+    """The iterations of the ``iter_N`` directories under ``root``, newest first."""
+    found = (_ITERATION_DIR.fullmatch(name) for name in os.listdir(root))
+    return sorted((int(m.group(1)) for m in found if m), reverse=True)
+
+
+def set_aside(root: str, iteration: int) -> str | None:
+    """On one rank, before training: make ``iteration`` (the one --ckpt-fallback loads) the newest checkpoint
+    under ``root`` again: the damaged newer one the tracker names is renamed ``iter_N.damaged`` (kept, never
+    overwritten by this run's save of that iteration) and the tracker names ``iteration``. Returns what was
+    done, or None if the tracker already names ``iteration``."""
+    newest = int(open(os.path.join(root, TRACKER)).read().strip())
+    if newest == iteration:
+        return None
+    damaged = iteration_dir(root, newest)
+    aside, n = damaged + DAMAGED_SUFFIX, 1
+    while os.path.exists(aside):
+        n += 1
+        aside = f"{damaged}{DAMAGED_SUFFIX}.{n}"
+    if os.path.isdir(damaged):
+        os.replace(damaged, aside)
+    write_text_atomic(os.path.join(root, TRACKER), str(iteration))
+    return f"set the damaged {damaged} aside as {aside}; {os.path.join(root, TRACKER)} names {iteration} again"
+
+
+def remove_partial_saves(root: str) -> list[str]:
+    """On one rank, before training: delete the ``iter_N.tmp`` folders interrupted saves left under ``root``
+    (a save writes there and renames it when complete; the tracker never named one). Returns them."""
+    if not os.path.isdir(root):
+        return []
+    partial = sorted(os.path.join(root, name) for name in os.listdir(root)
+                     if name.endswith(".tmp") and _ITERATION_DIR.fullmatch(name.removesuffix(".tmp")))
+    for path in partial:
+        shutil.rmtree(path, ignore_errors=True)
+    return partial
+
+
+def tidy(save: str | None, load: str | None, load_iteration: int | None) -> list[str]:
+    """On rank 0 before any rank reads or writes a checkpoint: remove the partial saves under ``save`` and,
+    where --ckpt-fallback loads an earlier checkpoint of the folder it saves to, set the damaged one aside
+    (:func:`set_aside`). Returns one line per action, for the start-up log."""
+    lines = [f"removed {path}: a partial checkpoint an interrupted save left (the tracker never named it)"
+             for path in (remove_partial_saves(save) if save else [])]
+    if load is not None and load_iteration is not None and os.path.abspath(load) == os.path.abspath(save or ""):
+        done = set_aside(load, load_iteration)
+        if done:
+            lines.append(f"--ckpt-fallback: {done}")
+    return lines
+
+
+def read_record(root: str, iteration: int | None = None) -> CheckpointRecord | None:
+    """The record of checkpoint ``iteration`` under ``root`` (default: the newest, checked with
+    :func:`verify_latest`): iteration, arguments, precision plan and schedule, ... without loading any
+    tensor; None if ``root`` holds no checkpoint. Needs no process group (argument validation reads it
+    before start-up)."""
+    if iteration is None:
+        iteration = verify_latest(root)
     if iteration is None:
         return None
     return _read_record(root, iteration_dir(root, iteration))
@@ -132,7 +240,7 @@ def _read_record(root: str, path: str) -> CheckpointRecord:
     try:
         common = dist_checkpointing.load_common_state_dict(path)
     except _READ_ERRORS as e:
-        raise _damaged(root, path, e) from e
+        raise _damaged(root, os.path.join(path, "common.pt"), e) from e
     try:
         return CheckpointRecord.from_common(common, path)
     except ValueError as e:
@@ -318,11 +426,24 @@ def _write(root: str, record: CheckpointRecord, state: dict, files: Mapping[str,
     iteration = record.iteration
     final = iteration_dir(root, iteration)
     tmp = final + ".tmp"
-    if dist.get_rank() == 0:
+
+    def prepare() -> None:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
         os.makedirs(tmp)
-    dist.barrier()
+
+    def publish() -> None:
+        for name, text in (files or {}).items():
+            with open(os.path.join(tmp, name), "w") as f:
+                f.write(text)
+        replaced = _tracked_iteration(root)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        write_text_atomic(os.path.join(root, TRACKER), str(iteration))
+        if retain_interval is not None:
+            retire(root, replaced, iteration, retain_interval)
+
+    _on_rank_0(prepare, root, final)
     state.update(replace(record, layout=_layout()).to_common())
     save_helper.install()  # before the writer spawns its own helper, which a SIGTERM would kill
     try:
@@ -334,18 +455,28 @@ def _write(root: str, record: CheckpointRecord, state: dict, files: Mapping[str,
                               f"newest complete checkpoint is still the one {os.path.join(root, TRACKER)} "
                               f"names; free space under {root} or point --save elsewhere") from e
     dist.barrier()
-    if dist.get_rank() == 0:
-        for name, text in (files or {}).items():
-            with open(os.path.join(tmp, name), "w") as f:
-                f.write(text)
-        replaced = _tracked_iteration(root)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        write_text_atomic(os.path.join(root, TRACKER), str(iteration))
-        if retain_interval is not None:
-            retire(root, replaced, iteration, retain_interval)
-    dist.barrier()
+    _on_rank_0(publish, root, final)
     return final
+
+
+def _on_rank_0(action, root: str, final: str) -> None:
+    """Run ``action`` (file operations of the save of ``final``) on rank 0; collective: if it fails (a full
+    disk, a revoked mount) every rank raises the same CheckpointError, where otherwise the others would wait
+    in the next collective for a rank that is gone."""
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            action()
+        except OSError as e:
+            error = (f"cannot save checkpoint {final} ({type(e).__name__}: {e}); the newest complete checkpoint is "
+                     f"still the one {os.path.join(root, TRACKER)} names; make {root} writable (or free space) "
+                     f"and resume, or point --save elsewhere")
+    flag = torch.tensor([float(error is not None)], device=current_device())  # NCCL reduces GPU tensors only
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item():
+        message = [error]
+        dist.broadcast_object_list(message, src=0)
+        raise CheckpointError(message[0])
 
 
 def _tracked_iteration(root: str) -> int | None:
@@ -432,8 +563,9 @@ def _damaged(root: str, path: str, error: BaseException) -> CheckpointError:
 
 
 def load_checkpoint(root: str, model, optimizer, scheduler, *, load_optim: bool = True,
-                    load_rng: bool = True, fully_parallel: bool = False) -> Loaded | None:
-    """Load the newest checkpoint under ``root`` into model/optimizer/scheduler.
+                    load_rng: bool = True, fully_parallel: bool = False, iteration: int | None = None) -> Loaded | None:
+    """Load the newest checkpoint under ``root`` (or that of ``iteration``: --ckpt-fallback's choice) into
+    model/optimizer/scheduler.
 
     Returns the checkpoint's record and this rank's saved module quantization state ({} when not
     loaded), or None if ``root`` holds no checkpoint. Optimizer and RNG states are skipped when asked, and RNG and
@@ -441,7 +573,8 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, load_optim: bool 
     one (they are per rank). ``fully_parallel``: spread the reads over
     data-parallel ranks.
     """
-    iteration = find_latest(root)
+    if iteration is None:
+        iteration = find_latest(root)
     if iteration is None:
         return None
     path = iteration_dir(root, iteration)

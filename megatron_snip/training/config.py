@@ -106,6 +106,12 @@ class CheckpointConfig:
                                "afresh, as with --no-load-optim).")
     no_save_rng: bool = flag(False, "Save no RNG or quantization state (a run resuming from it keeps its own).")
     finetune: bool = flag(False, "Load model weights only and start at iteration 0.")
+    ckpt_fallback: bool = flag(
+        False, "If the checkpoint the tracker in --load names is damaged (a file missing, or shorter than its index "
+        "says, or common.pt unreadable), load the newest intact earlier one instead, saying so at start-up; with "
+        "--load = --save the damaged one is kept as iter_N.damaged and the tracker names the one loaded. Without it "
+        "such a checkpoint is refused, naming the damaged file.", ours=True)
+    load_iteration: int | None = derived(None)  # the checkpoint validation chose in --load (None: none there)
 
     @property
     def resumes(self) -> bool:
@@ -153,6 +159,16 @@ class LoggingConfig:
     wandb_entity: str | None = flag(None, "The W&B entity (team or user) the project belongs to.")
     peak_tflops: float | None = flag(None, "Peak dense TFLOP/s per GPU for MFU (default: looked up from the GPU "
                                      "name).", ours=True)
+    profile: bool = flag(
+        False, "Profile iterations --profile-step-start to --profile-step-end on --profile-ranks: with "
+        "--use-pytorch-profiler a torch.profiler trace into --tensorboard-dir, else (CUDA) an nsys capture range "
+        "(cudaProfilerStart/Stop; run under nsys profile --capture-range=cudaProfilerApi).")
+    profile_step_start: int = flag(10, "With --profile: the iteration profiling starts at.")
+    profile_step_end: int = flag(12, "With --profile: the iteration profiling stops after.")
+    use_pytorch_profiler: bool = flag(False, "With --profile: torch.profiler (a trace TensorBoard's profiler plugin "
+                                      "and chrome://tracing read) instead of an nsys range.")
+    profile_ranks: tuple[int, ...] = flag((0,), "With --profile: the global ranks profiled.")
+    notices: tuple[str, ...] = derived(())  # flags accepted that change nothing here: one start-up line each
 
 
 @dataclass(frozen=True)
@@ -182,9 +198,9 @@ class SafetyConfig:
         negatable=True, ours=True)
     promote_on_fault: bool | None = flag(
         None, "On a non-finite step or a loss spike, raise the precision of the quantized module the health numbers "
-        "name (FP4 -> FP8 -> BF16) until the next SNIP cycle (for the rest of the run without --snip); a non-finite "
-        "step is then skipped instead of failing. Default: on with --snip. Needs --quant-health.", negatable=True,
-        ours=True)
+        "name (a non-finite step: only a module whose own GEMM made the values) (FP4 -> FP8 -> BF16) until the "
+        "next SNIP cycle (for the rest of the run without --snip); a non-finite step is then skipped instead of "
+        "failing. Default: on with --snip. Needs --quant-health.", negatable=True, ours=True)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ DP-averaged loss, so each scalar is written exactly once.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sys
@@ -49,6 +50,21 @@ def setup_console() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+class RunFilesError(RuntimeError):
+    """A run file (the metrics record, SNIP's statistics, the exit record) could not be written: every rank
+    stops together (``own``: this rank's failure, whose message it prints; the others stop silently)."""
+
+    def __init__(self, message: str, own: bool):
+        super().__init__(message)
+        self.own = own
+
+
+def os_error(e: OSError) -> str:
+    """``[Errno 30] Read-only file system (EROFS)``: what an OSError says, with its errno's name."""
+    name = errno.errorcode.get(e.errno, "?") if e.errno is not None else "?"
+    return f"[Errno {e.errno}] {e.strerror} ({name})"
+
+
 class MetricsLogger:
     """The logging rank's sinks: the console, TensorBoard (``--tensorboard-dir``) and W&B
     (``--wandb-project``), as Megatron-LM writes them (tag names: ``training/tags.py``), and the run's
@@ -61,6 +77,7 @@ class MetricsLogger:
         self.writer = None
         self.wandb = None
         self.record = None
+        self.failure: str | None = None  # the first run file this rank could not write (run_file_failed)
         if not self.active:
             return
         if save_dir:
@@ -83,7 +100,18 @@ class MetricsLogger:
         if self.wandb is not None and values:
             self.wandb.log(dict(values), step=step)
         if self.record is not None and values:
-            self.record.write(step, values)
+            try:
+                self.record.write(step, values)
+            except OSError as e:  # a full disk or a revoked mount: every rank stops at the next iteration
+                record, self.record = self.record, None
+                record.abandon()
+                self.run_file_failed(record.path, e)
+
+    def run_file_failed(self, path: str, e: OSError) -> None:
+        """Note that ``path`` could not be written (the first failure is kept): the loop stops every rank."""
+        if self.failure is None:
+            self.failure = (f"cannot write {path} ({os_error(e)}); every rank stopped; the newest complete checkpoint "
+                            f"stays the one its tracker names: free space or make the folder writable, then resume")
 
     def wandb_scalars(self, values: dict[str, float], step: int) -> None:
         """W&B only (Megatron-LM's ``samples vs steps``)."""

@@ -38,6 +38,13 @@ class MetricsRecord:
     def close(self) -> None:
         self._file.close()
 
+    def abandon(self) -> None:
+        """Close after a failed write, dropping what could not be written."""
+        try:
+            self._file.close()
+        except OSError:
+            pass
+
 
 def read_metrics(path: str | Path) -> dict[str, dict[int, float]]:
     """tag -> iteration -> value of a ``metrics.jsonl`` (or of the one in directory ``path``).

@@ -32,6 +32,9 @@ _HOW = {"y": "made by its quantized forward GEMM (its inputs were finite)",
         "dx": "made by its quantized dgrad GEMM (its inputs were finite)",
         "w": "a non-finite weight", "x": "entered its input from outside the quantized GEMMs",
         "dy": "entered its output gradient from outside the quantized GEMMs"}
+# The points where a module's own quantized GEMM made the non-finite values: only these blame it (a weight
+# made non-finite by an earlier update, or an input from outside, would follow it to any precision).
+_MADE = ("y", "dx")
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,8 @@ class HealthTable:
         return None
 
     def fault_modules(self, nonfinite: bool) -> tuple[list[str], str]:
-        """The modules to blame for a non-finite step (its origin) or a spike (the worst relative MSE),
+        """The modules to blame for a non-finite step (its origin, when that module's quantized GEMM made the
+        values: not when they entered from outside the quantized GEMMs) or a spike (the worst relative MSE),
         and one sentence saying what the numbers show (empty when no GEMM was quantized)."""
         if not self.table.any():
             return [], ""
@@ -85,8 +89,11 @@ class HealthTable:
                 return [], "no quantized GEMM had non-finite operands or outputs (the fault lies outside them)"
             name, point = origin
             listed = [f"{n} ({', '.join(bad[n])})" for n in sorted(bad, key=lambda n: n != name)]
-            return [name], (f"quantized modules with non-finite values: {_truncated(listed, '; ')}; "
-                            f"first: {name} {point}, {_HOW[point.split('.')[1]]}")
+            made_here = point.split(".")[1] in _MADE
+            return [name] if made_here else [], (
+                f"quantized modules with non-finite values: {_truncated(listed, '; ')}; "
+                f"first: {name} {point}, {_HOW[point.split('.')[1]]}"
+                + ("" if made_here else " (no quantized GEMM made them: nothing to promote)"))
         worst = self.worst()
         if worst is None:
             return [], ""

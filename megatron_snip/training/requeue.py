@@ -7,7 +7,9 @@ record beside the checkpoint tracker once its last save is complete (rank 0, wri
     SAVE/exit_record.json   {"iteration": 1250, "reason": "SIGUSR1", "train_iters": 100000, "time": 1767225600.0}
 
 ``reason``: the signal's name (SIGTERM, SIGUSR1), ``exit-duration`` (``--exit-duration-in-mins``),
-``exit-interval`` (``--exit-interval``) or ``finished`` (``--train-iters`` reached). A run removes the
+``exit-interval`` (``--exit-interval``), ``finished`` (``--train-iters`` reached) or ``config-error``
+(the flags, files or launch were refused before anything was built; ``iteration`` is then null and the
+record is written only where ``--save`` already exists). A run removes the
 record when its training loop starts, and a crash writes none. Since a run can also crash before
 it gets that far, the reader passes the time it launched the run (``--since``): an older record is
 an earlier run's.
@@ -18,7 +20,9 @@ Decision (``python -m megatron_snip.training.requeue SAVE --since EPOCH_SECONDS`
   ``--exit-duration-in-mins``; the next job resumes from that checkpoint;
 - ``done`` (0): training finished, or stopped where ``--exit-interval`` asked;
 - ``crash`` (1): no record of this run (it crashed, or was killed before its save completed);
-  requeueing would repeat a deterministic failure.
+  requeueing would repeat a deterministic failure;
+- ``config`` (78, sysexits' EX_CONFIG, also pretrain_llama.py's own exit status for refused flags): the
+  run refused its configuration; fix the flags, requeueing would refuse them again.
 
 This module imports nothing heavy: the SLURM script runs it after every job step.
 """
@@ -35,16 +39,18 @@ from dataclasses import asdict, dataclass
 from megatron_snip.fileio import write_text_atomic
 
 RECORD = "exit_record.json"
-FINISHED, EXIT_DURATION, EXIT_INTERVAL = "finished", "exit-duration", "exit-interval"
+FINISHED, EXIT_DURATION, EXIT_INTERVAL, CONFIG_ERROR = "finished", "exit-duration", "exit-interval", "config-error"
+# Exit status of pretrain_llama.py for refused flags, files or launch (sysexits' EX_CONFIG).
+CONFIG_ERROR_STATUS = 78
 # Exit statuses of the command line, by decision.
-STATUS = {"done": 0, "crash": 1, "requeue": 75}
+STATUS = {"done": 0, "crash": 1, "requeue": 75, "config": CONFIG_ERROR_STATUS}
 
 
 @dataclass(frozen=True)
 class ExitRecord:
-    iteration: int    # the iteration of the checkpoint the run saved last (the tracker's)
+    iteration: int | None  # the iteration of the checkpoint the run saved last (the tracker's); None: config-error
     reason: str       # a signal's name, "exit-duration", "exit-interval" or "finished"
-    train_iters: int  # --train-iters of the run
+    train_iters: int | None  # --train-iters of the run (None: refused before it was known)
     time: float       # when the record was written, seconds since the epoch
 
 
@@ -79,14 +85,17 @@ def read_record(save: str) -> ExitRecord | None:
 
 
 def decide(record: ExitRecord | None, since: float) -> tuple[str, str]:
-    """(``"requeue"`` | ``"done"`` | ``"crash"``, why) for a run launched at ``since`` (seconds since
-    the epoch) that left ``record`` (None: none)."""
+    """(``"requeue"`` | ``"done"`` | ``"crash"`` | ``"config"``, why) for a run launched at ``since`` (seconds
+    since the epoch) that left ``record`` (None: none)."""
     if record is None:
         return "crash", "the run left no exit record: it failed, or was killed before its exit save completed"
     written = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.time))
     if record.time < since:
         return "crash", (f"the exit record (iteration {record.iteration}, written {written}) is older than this run, "
                          f"which left none: it failed, or was killed before its exit save completed")
+    if record.reason == CONFIG_ERROR:
+        return "config", (f"the run refused its flags, files or launch (record written {written}; the job's log "
+                          f"lists every problem): fix them; a requeue would be refused the same way")
     where = f"iteration {record.iteration} of {record.train_iters} (record written {written})"
     if record.reason == FINISHED:
         return "done", f"training finished at {where}"
@@ -100,9 +109,9 @@ def decide(record: ExitRecord | None, since: float) -> tuple[str, str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m megatron_snip.training.requeue",
-        description="After a run of pretrain_llama.py: print 'requeue', 'done' or 'crash' and why, and exit "
-                    f"{STATUS['requeue']}, {STATUS['done']} or {STATUS['crash']}. Only a clean exit save after a "
-                    "signal or --exit-duration-in-mins asks for a requeue.")
+        description="After a run of pretrain_llama.py: print 'requeue', 'done', 'crash' or 'config' and why, and "
+                    f"exit {STATUS['requeue']}, {STATUS['done']}, {STATUS['crash']} or {STATUS['config']}. Only a "
+                    "clean exit save after a signal or --exit-duration-in-mins asks for a requeue.")
     p.add_argument("save", help="the run's --save directory")
     p.add_argument("--since", type=float, required=True,
                    help="when the run was launched, in seconds since the epoch (date +%%s): an older record is "

@@ -46,8 +46,16 @@ from megatron_snip.training.checkpoint_record import CheckpointRecord
 from megatron_snip.training.config import RunConfig
 from megatron_snip.training.cycle_log import log_cycle
 from megatron_snip.training.data import build_datasets
-from megatron_snip.training.logger import MetricsLogger, hms, peak_tflops, progress_line, setup_console
+from megatron_snip.training.logger import (
+    MetricsLogger,
+    RunFilesError,
+    hms,
+    peak_tflops,
+    progress_line,
+    setup_console,
+)
 from megatron_snip.training.precision import describe_speed_model, speed_model
+from megatron_snip.training.profiling import StepProfiler
 from megatron_snip.training.quant_health import HealthTable, gather_health, promote
 from megatron_snip.training.safety import NumericalGuard, Verdict
 from megatron_snip.training.setup import (
@@ -57,7 +65,7 @@ from megatron_snip.training.setup import (
     use_fused_adam,
     wrap_ddp,
 )
-from megatron_snip.training.signals import ExitSignalHandler
+from megatron_snip.training.signals import RUN_FILES_FAILED, ExitSignalHandler
 from megatron_snip.training.timers import Timers
 
 RUN_CONFIG_FILE = "run_config.yaml"  # in every checkpoint's directory
@@ -212,7 +220,7 @@ class Trainer:
         loaded = checkpointing.load_checkpoint(
             ckpt.load, [chunk.module for chunk in self.model], self.optimizer, self.scheduler,
             load_optim=not (ckpt.no_load_optim or ckpt.finetune), load_rng=not (ckpt.no_load_rng or ckpt.finetune),
-            fully_parallel=ckpt.ckpt_fully_parallel_load)
+            fully_parallel=ckpt.ckpt_fully_parallel_load, iteration=ckpt.load_iteration)
         if loaded is None:
             self.logger.text(f"no checkpoint in {ckpt.load}: starting from scratch")
             return
@@ -371,13 +379,16 @@ class Trainer:
         if c.training.manual_gc:  # Megatron-LM's --manual-gc: every rank collects at the same iterations
             gc.disable()
             gc.collect()
+        profiler = StepProfiler(c.logging, dist.get_rank())  # --profile
         while self.state.iteration < last:
             if self.state.iteration + 1 in self.schedule.starts():
                 self.apply_precision()
                 self.logger.text(f"precision schedule: from step {self.state.iteration + 1} on "
                                  f"{', '.join(map(str, self.schedule.active(self.state.iteration + 1)))}: "
                                  f"{self.flop_fractions.fp4:.1%} of linear FLOPs in FP4")
+            profiler.before_step(self.state.iteration)
             step = self.train_step(data)
+            profiler.after_step(self.state.iteration)
             window.add(step)
             self.step_seconds.append(step.seconds)
             it = self.state.iteration
@@ -399,7 +410,12 @@ class Trainer:
             if c.checkpoint.save and c.checkpoint.save_interval and it % c.checkpoint.save_interval == 0:
                 self.save()
                 saved_at = it
+            exit_signal.failed = self.logger.failure is not None
             reason = exit_signal.should_exit()
+            if reason == RUN_FILES_FAILED:  # a full disk or a revoked mount on some rank: stop, all together
+                exit_signal.close()
+                raise RunFilesError(self.logger.failure or "another rank could not write a run file",
+                                    own=self.logger.failure is not None)
             if reason == requeue.EXIT_DURATION:
                 self.logger.text(f"--exit-duration-in-mins {duration:g}: {(time.time() - self.start_time) / 60:.2f} "
                                  f"minutes since start-up; saving at iteration {it} and exiting")
@@ -412,6 +428,7 @@ class Trainer:
                 reason = requeue.EXIT_INTERVAL
                 break
         exit_signal.close()
+        profiler.close()
         if c.training.manual_gc:
             gc.enable()  # for whatever runs in this process after training (tools, tests)
         if self.state.iteration >= c.training.train_iters:  # whatever else asked to stop at the last one
@@ -419,8 +436,11 @@ class Trainer:
         if c.checkpoint.save and saved_at != self.state.iteration:
             self.save()
         if c.checkpoint.save and reason is not None and dist.get_rank() == 0:  # the save above is complete
-            requeue.write_record(c.checkpoint.save, requeue.ExitRecord(
-                self.state.iteration, reason, c.training.train_iters, time.time()))
+            try:
+                requeue.write_record(c.checkpoint.save, requeue.ExitRecord(
+                    self.state.iteration, reason, c.training.train_iters, time.time()))
+            except OSError as e:  # reported after the last collective (pretrain)
+                self.logger.run_file_failed(requeue.record_path(c.checkpoint.save), e)
 
     def _log_precision(self, iteration: int) -> None:
         """TensorBoard: the last step's quantization health (collective) and the plan image when it changed."""
@@ -455,7 +475,12 @@ class Trainer:
             n: f"{old} -> {new}" for n, (old, new) in before.diff(self.plan, self.linear_dims.num_layers).items()}})
         log_cycle(self.logger, report, self.linear_dims.num_layers)
         if self.config.checkpoint.save:
-            path = self.snip.write_statistics(os.path.join(self.config.checkpoint.save, "snip"), iteration)
+            directory = os.path.join(self.config.checkpoint.save, "snip")
+            try:
+                path = self.snip.write_statistics(directory, iteration)
+            except OSError as e:  # every rank stops at the next iteration
+                self.logger.run_file_failed(directory, e)
+                return
             if path:
                 logging.getLogger(__name__).info("SNIP statistics written to %s", path)
 
@@ -626,6 +651,10 @@ def pretrain(config: RunConfig, on_build: Callable[[Trainer], None] | None = Non
              f"device {'cuda' if has_cuda() else 'cpu (megatron_snip.compat.cpu)'}")
     log.text(f"unigram entropy of the training data: {trainer.datasets.unigram_entropy:.4f} nats/token "
              f"(a model without context cannot beat this)")
+    if dist.get_rank() == 0:  # partial saves, a damaged checkpoint --ckpt-fallback passes over
+        for line in checkpointing.tidy(c.checkpoint.save, c.checkpoint.load, c.checkpoint.load_iteration):
+            print(line, flush=True)
+    dist.barrier()
     if c.checkpoint.load:
         trainer.resume()
     preformatted = "    " + trainer.config_yaml.replace("\n", "\n    ")
@@ -643,6 +672,8 @@ def pretrain(config: RunConfig, on_build: Callable[[Trainer], None] | None = Non
              + "".join(f"; {note}" for note in prec.precision_notes))
     if trainer.pins_text:
         log.text(f"{trainer.pins_text}: never re-planned, counted in the budgets")
+    for notice in c.logging.notices:  # flags accepted that change nothing here
+        log.text(f"notice: {notice}")
     if trainer.schedule:
         log.text(f"precision schedule ({trainer.schedule_source}): {' '.join(trainer.schedule.to_list())}")
     log.text(describe_speed_model(c, trainer.speed_model, trainer.time_ratio))
@@ -652,5 +683,7 @@ def pretrain(config: RunConfig, on_build: Callable[[Trainer], None] | None = Non
         trainer.train()
     log.close()
     dist.barrier()
+    if log.failure is not None:  # after the last collective: the exit record (the others finished)
+        raise RunFilesError(log.failure, own=True)
     return trainer.state
 

@@ -13,6 +13,12 @@ Environment:
                                  with ENOSPC (the disk is full) on this rank
                   slow_save      the save of iteration FAULT_AT sends SIGTERM to torchrun's agent (as a
                                  stop of the job does), then takes FAULT_SLEEP seconds more before writing
+                  disk_full      after iteration FAULT_AT's step, no file of this rank may grow (the file
+                                 size limit, RLIMIT_FSIZE, set to the metrics record's size: writes fail
+                                 with EFBIG, as on a full disk or quota)
+                  unwritable_save  after iteration FAULT_AT's step, --save (SAVE_DIR) can no longer take new
+                                 files: made read-only (chmod), or, for root, whom chmod does not stop,
+                                 moved aside to SAVE_DIR.moved with a file put in its place
     FAULT_AT      the iteration (as logged)
     FLUSH_TENSORBOARD  if set, TensorBoard events are flushed at each log, so a killed run keeps them
 """
@@ -142,6 +148,26 @@ def instrument(trainer) -> None:
 
         trainer.snip.cycle = watched_cycle
         trainer.model[0].register_forward_pre_hook(probe_forward)
+    elif fault in ("disk_full", "unwritable_save"):
+        import resource
+
+        step = trainer.train_step
+
+        def step_then_fault(data):
+            result = step(data)
+            if here and trainer.state.iteration == at:
+                save = os.environ["SAVE_DIR"]
+                if fault == "disk_full":
+                    size = os.path.getsize(os.path.join(save, "metrics.jsonl"))
+                    resource.setrlimit(resource.RLIMIT_FSIZE, (size, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+                elif os.geteuid() != 0:
+                    os.chmod(save, 0o555)
+                else:
+                    os.rename(save, save + ".moved")
+                    open(save, "w").close()
+            return result
+
+        trainer.train_step = step_then_fault
     elif fault:
         raise SystemExit(f"FAULT={fault!r}: unknown (see tests/drivers/faults.py)")
 

@@ -8,6 +8,9 @@ Environment:
     INJECT_INPUT     global linear module name, e.g. decoder.layers.1.mlp.linear_fc2: one element of its input
                      is corrupted in the forward pass; or
     INJECT_OUTPUT    global linear module name: one element of its output is corrupted in the forward pass
+                     (after the module: its consumer sees a non-finite input); or
+    INJECT_GEMM      global linear module name: one element of its quantized forward GEMM's result is corrupted
+                     (as an overflowing GEMM would make it from finite operands)
     INJECT_TP_RANK   only this tensor-parallel rank's shard is corrupted (default: every shard)
     INJECT_VALUE     nan (default) or inf, the value written
     PARAM_DIGESTS    optional directory: rank{R}.json maps each iteration to a SHA-256 of this rank's
@@ -46,6 +49,15 @@ def instrument(trainer) -> None:
         modules[os.environ["INJECT_INPUT"]].register_forward_pre_hook(lambda m, args: (corrupt(args[0]), *args[1:]))
     if os.environ.get("INJECT_OUTPUT") in modules and here:  # (output, bias)
         modules[os.environ["INJECT_OUTPUT"]].register_forward_hook(lambda m, args, out: (corrupt(out[0]), *out[1:]))
+
+    if os.environ.get("INJECT_GEMM") in modules and here:
+        from megatron_snip.numerics import linear
+
+        target, matmul, inside = modules[os.environ["INJECT_GEMM"]], linear._matmul, []
+        target.register_forward_pre_hook(lambda m, args: inside.append(True))
+        target.register_forward_hook(lambda m, args, out: inside.clear())
+        # Only the forward GEMM runs inside the module's forward; the backward GEMMs run later.
+        linear._matmul = lambda a, b: corrupt(matmul(a, b)) if inside else matmul(a, b)
 
     out = os.environ.get("PARAM_DIGESTS")
     if out:
