@@ -11,6 +11,7 @@ from conftest import in_world_of_one, run_config, scalars, torchrun, train_args
 from test_parallel import LOSS, assert_close
 
 from megatron_snip.arguments.errors import ArgumentError
+from megatron_snip.numerics.recipes import Precision
 
 SEQ = 32
 
@@ -58,12 +59,13 @@ def checks() -> dict:
     handle.remove()
     out["hook_calls"] = len(seen)
     # A re-plan: the precisions of some linears change between steps, as a SNIP cycle changes them.
-    linears[1].precision, linears[5].precision = "fp8", "nvfp4"
+    fp8, nvfp4 = Precision.parse("fp8"), Precision.parse("nvfp4")
+    linears[1].precision, linears[5].precision = fp8, nvfp4
     out["replanned"] = _loss_and_grads(model, tokens)
     out["graphs"] = (graphs, dict(counters["stats"])["unique_graphs"])
     eager = _build(False)
     eager_linears = [m for m in eager.modules() if isinstance(m, PlanLinear)]
-    eager_linears[1].precision, eager_linears[5].precision = "fp8", "nvfp4"
+    eager_linears[1].precision, eager_linears[5].precision = fp8, nvfp4
     out["replanned_eager"] = _loss_and_grads(eager, tokens)
     with torch.no_grad():
         model.eval()
