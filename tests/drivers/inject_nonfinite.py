@@ -57,7 +57,7 @@ def instrument(trainer) -> None:
         target.register_forward_pre_hook(lambda m, args: inside.append(True))
         target.register_forward_hook(lambda m, args, out: inside.clear())
         # Only the forward GEMM runs inside the module's forward; the backward GEMMs run later.
-        linear._matmul = lambda a, b: corrupt(matmul(a, b)) if inside else matmul(a, b)
+        linear._matmul = lambda *args: corrupt(matmul(*args)) if inside else matmul(*args)
 
     out = os.environ.get("PARAM_DIGESTS")
     if out:
