@@ -17,6 +17,8 @@ from typing import Iterable
 
 from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
 
+from megatron_snip.data.legacy_notice import without_legacy_notice
+
 HUGGINGFACE_TOKENIZER = "HuggingFaceTokenizer"
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -50,9 +52,7 @@ class HuggingFaceTokenizer(MegatronLegacyTokenizer):
     def __init__(self, path: str) -> None:
         from tokenizers import Tokenizer
 
-        from megatron_snip.data.tokenizer import _without_legacy_notice
-
-        with _without_legacy_notice():
+        with without_legacy_notice():
             super().__init__(path)
         files = tokenizer_files(path)
         self._tok = Tokenizer.from_file(files[TOKENIZER_JSON])

@@ -35,6 +35,7 @@ from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
 from megatron_snip.data.corpus import iter_documents
 
 from megatron_snip.data.config import HUGGINGFACE_TOKENIZER, NULL_TOKENIZER, SENTENCEPIECE_TYPES
+from megatron_snip.data.legacy_notice import without_legacy_notice
 
 # Megatron-LM's --tokenizer-type values of tokenizer files: this module's, and data/hf_tokenizer.py's.
 SENTENCEPIECE_TOKENIZER = SENTENCEPIECE_TYPES[0]
@@ -42,29 +43,6 @@ TOKENIZER_TYPES = (*SENTENCEPIECE_TYPES, HUGGINGFACE_TOKENIZER)
 
 # --------------------------------------------------------------------------------------------
 # Using a model
-
-_LEGACY_NOTICE_LOGGER = "megatron.core.datasets.megatron_tokenizer"
-
-
-@contextlib.contextmanager
-def _without_legacy_notice() -> Iterator[None]:
-    """Silence the deprecation notice megatron-core logs on every tokenizer construction.
-
-    In megatron-core 0.16.1 ``GPTDataset`` needs only ``eod``/``pad``/``vocab_size`` and the
-    ``unique_identifiers`` this base class provides, so the "please migrate" notice is noise
-    (printed once per preprocessing worker).
-    """
-    logger = logging.getLogger(_LEGACY_NOTICE_LOGGER)
-
-    def drop_notice(record: logging.LogRecord) -> bool:
-        return "legacy tokenizer system" not in record.getMessage()
-
-    logger.addFilter(drop_notice)
-    try:
-        yield
-    finally:
-        logger.removeFilter(drop_notice)
-
 
 class SentencePieceTokenizer(MegatronLegacyTokenizer):
     """A SentencePiece model as a megatron-core tokenizer (``MegatronLegacyTokenizer``, the
@@ -78,7 +56,7 @@ class SentencePieceTokenizer(MegatronLegacyTokenizer):
     """
 
     def __init__(self, model_file: str) -> None:
-        with _without_legacy_notice():
+        with without_legacy_notice():
             super().__init__(model_file)
         self._model_file = model_file
         self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)

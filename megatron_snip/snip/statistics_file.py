@@ -2,7 +2,7 @@
 
 A ``--snip`` run writes one file per cycle next to its checkpoints (docs/snip.md, "The statistics
 file"). ``tools/snip_report.py`` plots it, ``tools/snip_solve.py`` re-solves it at other budgets, and
-the comparisons in ``megatron_snip/research/`` build every policy's plan from it.
+the comparisons in ``snip_lab/`` build every policy's plan from it.
 """
 
 from __future__ import annotations

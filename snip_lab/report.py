@@ -21,7 +21,7 @@ from pathlib import Path
 from megatron_snip.fileio import write_text_atomic
 
 from .ablation import ESTIMATORS, NONE_ARM
-from .comparison import NOISE, REFERENCE, Branch, BranchResult, ComparisonConfig, branches
+from .branches import NOISE, REFERENCE, Branch, BranchResult, ComparisonConfig, branches
 from .oracle import ORACLE
 from .ranks import spearman
 

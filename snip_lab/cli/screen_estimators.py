@@ -1,20 +1,20 @@
 """Screen estimator variants offline against the oracle's measured costs.
 
-    python tools/screen_estimators.py runs/oracle_prose8                 # the run's budgets
-    python tools/screen_estimators.py runs/oracle_prose8 --targets 0.75 0.9 --json screen.json
-    python tools/screen_estimators.py runs/qs8 --by-type 'by_type_s{seed}.json'   # + the measured update drift
+    python tools/lab/screen_estimators.py runs/oracle_prose8                 # the run's budgets
+    python tools/lab/screen_estimators.py runs/oracle_prose8 --targets 0.75 0.9 --json screen.json
+    python tools/lab/screen_estimators.py runs/qs8 --by-type 'by_type_s{seed}.json'   # + the measured update drift
 
-Reads a finished comparison with the oracle arm (``tools/compare_precision.py --policies oracle
+Reads a finished comparison with the oracle arm (``tools/lab/compare_precision.py --policies oracle
 ... --ablations layers types``): each seed's branch-point SNIP statistics and ``oracle/costs.json``.
 For every budget and seed it plans with each estimator variant (SNIP's cost with other weights on
 its loss and update terms, or the loss term's curvature from the empirical Fisher instead of the
-Hutchinson probes; megatron_snip/research/variants.py) and with the oracle, and prints each plan's
+Hutchinson probes; snip_lab/variants.py) and with the oracle, and prints each plan's
 FP4 share, its gap predicted from the measured costs (additivity) and its predicted regret (that
 gap minus the oracle plan's), the mean over seeds. Below, each module type's summed terms beside
 what its ablation measured, and per seed how well the Hutchinson draws resolve the curvatures
 (docs/snip.md, "Unresolved curvatures").
 
-With ablations of two or more seeds, each budget also gets the cross-fit (research/crossfit.py): the
+With ablations of two or more seeds, each budget also gets the cross-fit (snip_lab/crossfit.py): the
 oracle planned without one ablation seed, every plan priced with the other seeds' costs and with the
 held-out seed's; the oracle's excess beyond the variants' is its optimism, how much its choice
 exploited noise in the costs (docs/quality.md, "Estimator variants against the oracle's costs").
@@ -23,7 +23,7 @@ exploited noise in the costs (docs/quality.md, "Estimator variants against the o
 branch-point statistics of the same trunks, measured with other probe settings (e.g. DIR run with
 ``-- ... --snip-gain-exclude embedding``): what those settings would plan, against the same oracle.
 
-``--by-type`` adds two rows from each seed's ``tools/snip_validate.py --validate-by-type --output``
+``--by-type`` adds two rows from each seed's ``tools/lab/snip_validate.py --validate-by-type --output``
 on the same trunk: SNIP's update term rescaled per module type to the exact drift measured, and
 that weighted by how much of it Adam's momentum keeps (its persistence between batches,
 ``variants.momentum_gain``), re-normalised to SNIP's total (docs/quality.md, "Why SNIP ranks qkv
@@ -40,11 +40,14 @@ import sys
 from pathlib import Path
 
 from megatron_snip.numerics.registry import is_fp4
-from megatron_snip.research.ablation import NONE_ARM
-from megatron_snip.research.comparison import REFERENCE, Branch, branch_results, final_losses
-from megatron_snip.research.crossfit import Fold, cross_fit
-from megatron_snip.research.oracle import ORACLE, oracle_groups
-from megatron_snip.research.variants import (
+from megatron_snip.snip.estimators import UNRESOLVED_Z
+from megatron_snip.snip.ilp import InfeasibleBudgetError
+from megatron_snip.snip.statistics_file import Budget
+from snip_lab.ablation import NONE_ARM
+from snip_lab.branches import REFERENCE, Branch, branch_results, final_losses
+from snip_lab.crossfit import Fold, cross_fit
+from snip_lab.oracle import ORACLE, oracle_groups
+from snip_lab.variants import (
     VARIANTS,
     branch_points,
     curvature_resolution,
@@ -55,20 +58,18 @@ from megatron_snip.research.variants import (
     type_costs,
     type_terms,
 )
-from megatron_snip.snip.estimators import UNRESOLVED_Z
-from megatron_snip.snip.ilp import InfeasibleBudgetError
-from megatron_snip.snip.statistics_file import Budget
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run", help="the --out directory of a tools/compare_precision.py run with the oracle arm")
+    p.add_argument("run", help="the --out directory of a tools/lab/compare_precision.py run with the oracle arm")
     p.add_argument("--targets", type=float, nargs="+", default=None,
                    help="FP4 targets (default: the run's FP4 targets)")
     p.add_argument("--solver", choices=["auto", "gurobi", "highs"], default="auto")
     p.add_argument("--json", metavar="FILE", help="also write every seed's rows here")
     p.add_argument("--by-type", metavar="PATTERN",
-                   help="each seed's tools/snip_validate.py --validate-by-type --output of its trunk's branch point, "
+                   help="each seed's tools/lab/snip_validate.py --validate-by-type --output of its trunk's branch "
+                        "point, "
                         "'{seed}' standing for the seed (e.g. 'by_type_s{seed}.json'): adds the update term "
                         "rescaled to the measured drift, and weighted by what Adam's momentum keeps")
     p.add_argument("--other", metavar="NAME=DIR", action="append", default=[],
@@ -170,7 +171,7 @@ def main(argv=None) -> int:
 
 
 def print_cross_fit(run: Path, settings: dict, stats: dict, screens: list, target: float, solver: str) -> list[Fold]:
-    """Print the cross-fit at ``target`` (research/crossfit.py) and return its folds; nothing where the run's
+    """Print the cross-fit at ``target`` (snip_lab/crossfit.py) and return its folds; nothing where the run's
     oracle costs did not come from its own ablations of two or more seeds."""
     problem = stats[min(stats)].problem(Budget(target), formats=settings["formats"], solver=solver)
     groups = oracle_groups(problem, tuple(settings.get("ablations", ())))
@@ -187,7 +188,7 @@ def print_cross_fit(run: Path, settings: dict, stats: dict, screens: list, targe
         return []
     if not folds:
         return []
-    print(f"\nCross-fit at FP4 target {target:.2f} (research/crossfit.py): the oracle planned on the ablation costs "
+    print(f"\nCross-fit at FP4 target {target:.2f} (snip_lab/crossfit.py): the oracle planned on the ablation costs "
           "of all seeds but one; each plan's gap predicted with those costs (in-sample) and with the held-out "
           f"seed's alone, mean over the held-out seeds {[f.held_out for f in folds]}\n")
     print("| plan | in-sample | held out | excess |\n|---|---:|---:|---:|")
@@ -252,7 +253,8 @@ def by_type_rows(pattern: str, stats: dict, beta1: float) -> dict[int, dict]:
     for seed, sf in stats.items():
         path = Path(pattern.format(seed=seed))
         if not path.exists():
-            raise ValueError(f"{path} does not exist: run tools/snip_validate.py --validate-by-type --output {path} "
+            raise ValueError(f"{path} does not exist: run tools/lab/snip_validate.py --validate-by-type "
+                             f"--output {path} "
                              f"on seed {seed}'s trunk (docs/snip.md, \"By module type\")")
         record = json.loads(path.read_text())
         if record.get("iteration") != sf.stats.iteration or "by_type" not in record:

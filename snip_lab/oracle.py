@@ -39,7 +39,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_snip.research.policies import min_fp4_cost
+from megatron_snip.snip.baselines import min_fp4_cost
 from megatron_snip.snip.ilp import Plan, SnipProblem
 
 from .ablation import NONE_ARM, ablation_groups

@@ -1,9 +1,10 @@
 """The arbiter of SNIP's estimators: estimates vs measured ground truth, as Spearman correlations.
 
     # a checkpoint of the quickstart (any layout; run with the flags it was trained with)
-    torchrun --nproc-per-node 1 tools/snip_validate.py $(cat runs/quickstart/flags) --load runs/quickstart/checkpoints
+    torchrun --nproc-per-node 1 tools/lab/snip_validate.py $(cat runs/quickstart/flags) \\
+        --load runs/quickstart/checkpoints
     # or a fresh model trained --train-iters steps first
-    torchrun --nproc-per-node 1 tools/snip_validate.py --data-path D --tokenizer-model T --train-iters 60 ...
+    torchrun --nproc-per-node 1 tools/lab/snip_validate.py --data-path D --tokenizer-model T --train-iters 60 ...
 
 Takes pretrain_llama.py's flags plus ``--validate-batches``, ``--validate-seeds`` and
 ``--output``. It runs one SNIP probe cycle on the next global batch (the estimates), then for
@@ -18,7 +19,7 @@ exact update drift of its backward GEMMs in each format, split into its own weig
 next to SNIP's local and propagated parts, the drift its forward GEMMs cause (which SNIP's update
 term leaves out), how much of each repeats between batches (whole, own weights, the rest),
 which Adam's momentum keeps, and the drift and persistence of the input-gradient error that the
-quantized weight alone causes in dgrad (``research.ground_truth.group_drift``; docs/quality.md, "Why SNIP ranks
+quantized weight alone causes in dgrad (``snip_lab.ground_truth.group_drift``; docs/quality.md, "Why SNIP ranks
 qkv and fc1 above fc2").
 It costs three forward + backward passes per (type, format, batch), where the per-module truth costs
 one per (module, format, seed, batch): at 16 layers 64 modules against 4 types.
@@ -50,8 +51,8 @@ def type_table(rows: dict[str, dict[str, float]]) -> str:
 def by_type(trainer, stats, est, batches, formats, seed: int) -> dict[str, dict[str, dict[str, float]]]:
     """format -> module type -> SNIP's update terms and the measured drifts (``--validate-by-type``)."""
     from megatron_snip.numerics.recipes import Precision
-    from megatron_snip.research.ground_truth import group_drift
-    from megatron_snip.research.variants import module_type
+    from snip_lab.ground_truth import group_drift
+    from snip_lab.variants import module_type
 
     groups: dict[str, list[str]] = {}
     for name in est:
@@ -91,10 +92,10 @@ def main() -> int:
     from megatron_snip.arguments import ArgumentError
     from megatron_snip.cli.pretrain import trainer_from_command_line
     from megatron_snip.numerics.registry import precision_format
-    from megatron_snip.research.ground_truth import backward_ground_truth, forward_ground_truth
-    from megatron_snip.research.ranks import rank_correlations
     from megatron_snip.snip.estimators import divergences, local_error_baselines
     from megatron_snip.snip.probes import ProbeConfig, gather_across_pipeline, run_probe_cycle
+    from snip_lab.ground_truth import backward_ground_truth, forward_ground_truth
+    from snip_lab.ranks import rank_correlations
 
     own = argparse.ArgumentParser(add_help=False)
     own.add_argument("--validate-batches", type=int, default=2, help="global batches of the ground truth")

@@ -10,7 +10,7 @@ in every stage) and returns a plan ``unit key -> format`` that
 :func:`evaluate_plan` (re-exported here) scores under the problem's costs, so
 plans can be compared side by side (:func:`format_comparison`).
 :func:`min_fp4_cost` is the ILP on any per-unit FP4 cost, e.g. one measured
-by training (the comparison's oracle, ``megatron_snip/research/oracle.py``).
+by training (the comparison's oracle, ``snip_lab/oracle.py``).
 
 A target that no plan can meet already fails when the problem is built
 (:class:`InfeasibleTargetError`); :func:`uniform` raises the same error when

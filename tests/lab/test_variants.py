@@ -1,4 +1,5 @@
-"""The offline screen of estimator variants (research/variants.py, tools/screen_estimators.py): the
+"""The offline screen of estimator variants (snip_lab/variants.py, tools/lab/screen_estimators.py; the
+variant's planning itself is the product's, megatron_snip/snip/policies.py): the
 Fisher curvature by hand, and the oracle never beaten on the costs it planned with."""
 
 from __future__ import annotations
@@ -12,24 +13,21 @@ import pytest
 import torch
 from conftest import ROOT
 
-from megatron_snip.cli.screen_estimators import main
 from megatron_snip.precision.plan import PrecisionPlan
-from megatron_snip.research.variants import (
+from megatron_snip.snip.estimators import cost_tables, divergences
+from megatron_snip.snip.planner import to_precision_plan
+from megatron_snip.snip.policies import Variant, fisher_curvature, variant_plan, with_curvature
+from megatron_snip.snip.statistics import ModuleStatistics
+from megatron_snip.snip.statistics_file import Budget, StatisticsFile
+from snip_lab.cli.screen_estimators import main
+from snip_lab.variants import (
     VARIANTS,
-    Variant,
     curvature_resolution,
-    fisher_curvature,
     measured_update_stats,
     module_type,
     momentum_gain,
     type_terms,
-    variant_plan,
-    with_curvature,
 )
-from megatron_snip.snip.estimators import cost_tables, divergences
-from megatron_snip.snip.planner import to_precision_plan
-from megatron_snip.snip.statistics import ModuleStatistics
-from megatron_snip.snip.statistics_file import Budget, StatisticsFile
 
 STATS = ROOT / "tests" / "data" / "snip_iter_schema1.json"  # the quickstart's first cycle: 4 layers, fp8 nvfp4
 
@@ -77,9 +75,9 @@ def test_the_fisher_loss_term_policy_plans_by_the_fisher_loss_divergence():
     (``snip-loss-term``) says the opposite."""
     from dataclasses import replace
 
-    from megatron_snip.research.offline import POLICIES
     from megatron_snip.snip.estimators import cost_tables
     from megatron_snip.snip.ilp import LinearModule, SnipProblem
+    from megatron_snip.snip.policies import POLICIES
 
     full = StatisticsFile.load(STATS).stats
     a, b = "decoder.layers.1.mlp.linear_fc1", "decoder.layers.2.mlp.linear_fc1"
@@ -221,7 +219,7 @@ def test_no_variant_beats_the_oracle_on_the_costs_it_planned_with(tmp_path, caps
 
 
 def test_the_by_type_rows_come_from_each_seeds_record(tmp_path, capsys):
-    from megatron_snip.cli.screen_estimators import MEASURED, MEASURED_MOMENTUM
+    from snip_lab.cli.screen_estimators import MEASURED, MEASURED_MOMENTUM
 
     out = _run_dir(tmp_path)
     stats = StatisticsFile.load(STATS).stats
@@ -247,7 +245,7 @@ def test_the_by_type_rows_come_from_each_seeds_record(tmp_path, capsys):
         main([str(out), "--by-type", str(tmp_path / "bt.json")])
     assert "the pattern must hold '{seed}'" in capsys.readouterr().err
     assert main([str(out), "--by-type", str(tmp_path / "none_s{seed}.json")]) == 2
-    assert "none_s1.json does not exist: run tools/snip_validate.py --validate-by-type" in capsys.readouterr().err
+    assert "none_s1.json does not exist: run tools/lab/snip_validate.py --validate-by-type" in capsys.readouterr().err
     other = json.loads(json.dumps(record))
     other["by_type"]["nvfp4"]["linear_fc2"]["SNIP propagated"] *= 2
     (tmp_path / "bt_s1.json").write_text(json.dumps(other))
@@ -309,10 +307,10 @@ def test_a_run_without_the_oracle_arm_is_refused(tmp_path, capsys):
 
 
 def test_the_cross_fit_holds_out_each_ablation_seed_and_the_oracle_wins_in_sample(tmp_path, capsys):
-    """A run with per-module ablations on two seeds: the screen adds the cross-fit (research/crossfit.py)
+    """A run with per-module ablations on two seeds: the screen adds the cross-fit (snip_lab/crossfit.py)
     at each budget, one fold per seed; in-sample, on the costs it was fitted on, the oracle's plan is
     never beaten by a variant's, held out it can be. One ablation seed: no cross-fit, said so."""
-    from megatron_snip.research.oracle import oracle_groups
+    from snip_lab.oracle import oracle_groups
 
     out = _run_dir(tmp_path)
     settings = json.loads((out / "comparison.json").read_text())

@@ -1,11 +1,11 @@
-"""Tests of the baseline precision plans (megatron_snip.research.policies)."""
+"""Tests of the baseline precision plans (megatron_snip.snip.baselines)."""
 
 from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from megatron_snip.research import policies
+from megatron_snip.snip import baselines
 from megatron_snip.snip.ilp import (
     BWD,
     FWD,
@@ -47,7 +47,7 @@ def random_problem(seed):
     pins = {mods[0].name: "bf16"} if rng.random() < 0.5 else {}
     base = SnipProblem(mods, formats, 0.0, **costs, per_stage=bool(rng.random() < 0.5), pins=pins)
     target = float(rng.uniform(0.05, 1.0)) * largest_feasible_target(base)
-    switch = dict(current=policies.random_plan(base, seed=seed), switch_penalty=0.05) if rng.random() < 0.3 else {}
+    switch = dict(current=baselines.random_plan(base, seed=seed), switch_penalty=0.05) if rng.random() < 0.3 else {}
     return rng, replace(base, target=target, **switch)
 
 
@@ -58,14 +58,14 @@ def all_baselines(problem, rng, seed):
         stat["bwd_error"] = random_table(rng, problem.modules, problem.formats)
         rel["bwd_rel_error"] = random_table(rng, problem.modules, problem.formats)
     return {
-        "uniform": policies.uniform(problem),
-        "random": policies.random_plan(problem, seed=seed),
-        "min_quant_error": policies.min_quant_error(problem, **stat, solver="highs"),
-        "min_relative_quant_error": policies.min_relative_quant_error(problem, **rel, solver="highs"),
-        "keep_ends_high": policies.keep_ends_high(problem, first=1, last=1),
-        "layer_type": policies.layer_type_heuristic(problem),
-        "keep_last_high": policies.keep_last_high(problem),
-        "error_threshold": policies.error_threshold(problem, rel["rel_error"]),
+        "uniform": baselines.uniform(problem),
+        "random": baselines.random_plan(problem, seed=seed),
+        "min_quant_error": baselines.min_quant_error(problem, **stat, solver="highs"),
+        "min_relative_quant_error": baselines.min_relative_quant_error(problem, **rel, solver="highs"),
+        "keep_ends_high": baselines.keep_ends_high(problem, first=1, last=1),
+        "layer_type": baselines.layer_type_heuristic(problem),
+        "keep_last_high": baselines.keep_last_high(problem),
+        "error_threshold": baselines.error_threshold(problem, rel["rel_error"]),
     }
 
 
@@ -81,7 +81,7 @@ def test_baselines_meet_budget_and_never_beat_the_ilp():
             ev = evaluate_plan(problem, plan)
             assert ev.meets_target, ctx
             assert sol.objective <= ev.objective + 1e-9, ctx
-        table = policies.format_comparison(problem, {"snip_ilp": sol.plan, **plans})
+        table = baselines.format_comparison(problem, {"snip_ilp": sol.plan, **plans})
         assert len(table.splitlines()) == len(plans) + 2 and "NO" not in table
 
 
@@ -91,7 +91,7 @@ def test_fill_stops_at_the_budget():
     mods = [LinearModule(f"decoder.layers.{i}.mlp.linear_fc1", i, 1.0, 1.0, 1.0) for i in range(10)]
     cost = {m.name: {"fp8": 0.0, "nvfp4": 1.0} for m in mods}
     p = SnipProblem(mods, ("fp8", "nvfp4"), 0.35, cost=cost)
-    for plan in (policies.random_plan(p, seed=3), policies.layer_type_heuristic(p)):
+    for plan in (baselines.random_plan(p, seed=3), baselines.layer_type_heuristic(p)):
         assert evaluate_plan(p, plan).fp4_fraction == pytest.approx(0.4)
 
 
@@ -99,26 +99,26 @@ def test_per_stage_fill_meets_every_stage():
     mods = llama_modules(4, n_stages=2)
     cost = {m.name: {"fp8": 0.0, "nvfp4": 1.0} for m in mods}
     p = SnipProblem(mods, ("fp8", "nvfp4"), 0.6, cost=cost, per_stage=True)
-    for plan in (policies.random_plan(p, 1), policies.layer_type_heuristic(p), policies.keep_ends_high(p, 2, 0)):
+    for plan in (baselines.random_plan(p, 1), baselines.layer_type_heuristic(p), baselines.keep_ends_high(p, 2, 0)):
         assert all(v >= 0.6 for v in evaluate_plan(p, plan).stage_fp4_fraction.values())
 
 
 def test_random_plan_is_seeded():
     _, p = random_problem(5)
-    assert policies.random_plan(p, seed=11) == policies.random_plan(p, seed=11)
-    assert len({tuple(policies.random_plan(p, seed=s).values()) for s in range(8)}) > 1
+    assert baselines.random_plan(p, seed=11) == baselines.random_plan(p, seed=11)
+    assert len({tuple(baselines.random_plan(p, seed=s).values()) for s in range(8)}) > 1
 
 
 def test_uniform():
     mods = llama_modules(2)
     cost = {m.name: {"bf16": 0.0, "fp8": 0.0, "nvfp4": 1.0} for m in mods}
     p = SnipProblem(mods, ("bf16", "fp8", "nvfp4"), 0.5, cost=cost, pins={mods[0].name: "bf16"})
-    plan = policies.uniform(p)
+    plan = baselines.uniform(p)
     assert plan[mods[0].name] == "bf16" and set(list(plan.values())[1:]) == {"nvfp4"}
     with pytest.raises(InfeasibleTargetError, match="not met by a uniform fp8 plan") as exc:
-        policies.uniform(p, "fp8")
+        baselines.uniform(p, "fp8")
     assert exc.value.largest_feasible == 0.0
-    assert set(policies.uniform(replace(p, target=0.0), "fp8").values()) == {"bf16", "fp8"}
+    assert set(baselines.uniform(replace(p, target=0.0), "fp8").values()) == {"bf16", "fp8"}
 
 
 def test_keep_ends_high():
@@ -126,7 +126,7 @@ def test_keep_ends_high():
     cost = {m.name: {"fp8": 0.0, "nvfp4": 1.0} for m in mods}
 
     def fp4_layers(target, first, last):
-        plan = policies.keep_ends_high(SnipProblem(mods, ("fp8", "nvfp4"), target, cost=cost), first, last)
+        plan = baselines.keep_ends_high(SnipProblem(mods, ("fp8", "nvfp4"), target, cost=cost), first, last)
         return [i for i, m in enumerate(mods) if plan[m.name] == "nvfp4"]
 
     # Unprotected layers all go FP4, even past the target.
@@ -143,11 +143,11 @@ def test_layer_type_heuristic_order():
     fc1 = [m for m in mods if m.name.endswith("linear_fc1")]
     share = sum(m.flops for m in fc1) / sum(m.flops for m in mods)
     p = SnipProblem(mods, ("fp8", "nvfp4"), share, cost=cost)
-    plan = policies.layer_type_heuristic(p)
+    plan = baselines.layer_type_heuristic(p)
     assert {k for k, f in plan.items() if f == "nvfp4"} == {m.name for m in fc1}
     # A custom order; within a type, layers go center-out (middle layer 1 first).
     p = replace(p, target=min(m.flops for m in mods if m.name.endswith("linear_proj")) / p.total_flops)
-    plan = policies.layer_type_heuristic(p, order=("linear_proj",))
+    plan = baselines.layer_type_heuristic(p, order=("linear_proj",))
     assert [k for k, f in plan.items() if f == "nvfp4"] == ["decoder.layers.1.self_attention.linear_proj"]
 
 
@@ -155,19 +155,19 @@ def test_split_mode_baselines_use_pass_keys():
     mods = llama_modules(2)
     cost = {m.name: {"fp8": 0.0, "nvfp4": 1.0} for m in mods}
     p = SnipProblem(mods, ("fp8", "nvfp4"), 0.5, fwd_cost=cost, bwd_cost=cost, pins={(mods[0].name, BWD): "fp8"})
-    plan = policies.layer_type_heuristic(p)
+    plan = baselines.layer_type_heuristic(p)
     assert plan[(mods[0].name, BWD)] == "fp8"
     assert set(plan) == {(m.name, p_) for m in mods for p_ in (FWD, BWD)}
     with pytest.raises(ValueError, match="split mode"):
-        policies.min_quant_error(p, cost)
-    assert evaluate_plan(p, policies.min_quant_error(p, cost, cost, solver="highs")).meets_target
+        baselines.min_quant_error(p, cost)
+    assert evaluate_plan(p, baselines.min_quant_error(p, cost, cost, solver="highs")).meets_target
 
 
 def test_min_quant_error_is_the_ilp_on_the_statistic():
     rng, p = random_problem(2)
     err = random_table(rng, p.modules, p.formats)
     bwd = random_table(rng, p.modules, p.formats) if p.split else None
-    plan = policies.min_quant_error(p, err, bwd, solver="highs")
+    plan = baselines.min_quant_error(p, err, bwd, solver="highs")
     costs = dict(fwd_cost=err, bwd_cost=bwd) if p.split else dict(cost=err)
     on_stat = replace(p, **costs, current=None, switch_penalty=0.0)
     assert evaluate_plan(on_stat, plan).objective == pytest.approx(solve(on_stat, "highs", mip_gap=0).objective,
@@ -179,11 +179,11 @@ def test_format_choices_are_validated():
     cost = {m.name: {"fp8": 0.0, "nvfp4": 1.0} for m in mods}
     p = SnipProblem(mods, ("fp8", "nvfp4"), 0.5, cost=cost)
     with pytest.raises(ValueError, match="not one of the FP4 candidates"):
-        policies.random_plan(p, fp4_format="fp8")
+        baselines.random_plan(p, fp4_format="fp8")
     with pytest.raises(ValueError, match="not one of the non-FP4 candidates"):
-        policies.random_plan(p, high_format="bf16")
+        baselines.random_plan(p, high_format="bf16")
     with pytest.raises(ValueError, match="first and last"):
-        policies.keep_ends_high(p, first=-1)
+        baselines.keep_ends_high(p, first=-1)
 
 
 def test_baselines_meet_time_budgets_and_never_beat_the_ilp():
@@ -215,8 +215,8 @@ def test_a_time_budget_fp4_cannot_reach_is_refused_by_the_baselines():
     p = SnipProblem(mods, ("bf16", "fp8", "nvfp4"), 0.0, cost=cost, speed=hopper, time_target=0.6)
     assert evaluate_plan(p, solve(p, "highs").plan).meets_target  # fp8 reaches it
     with pytest.raises(InfeasibleBudgetError, match="misses the time target 0.6"):
-        policies.uniform(p)
-    assert evaluate_plan(p, policies.random_plan(p, seed=0)).time_ratio == pytest.approx(0.5)  # fp8 fill
+        baselines.uniform(p)
+    assert evaluate_plan(p, baselines.random_plan(p, seed=0)).time_ratio == pytest.approx(0.5)  # fp8 fill
 
 
 def test_keep_last_high_protects_the_last_layers():
@@ -225,7 +225,7 @@ def test_keep_last_high_protects_the_last_layers():
     mods = llama_modules(8)
     problem = SnipProblem(mods, ("bf16", "fp8", "nvfp4"), 0.85, cost=random_table(np.random.default_rng(0), mods,
                                                                                    ("bf16", "fp8", "nvfp4")))
-    plan = policies.keep_last_high(problem)
+    plan = baselines.keep_last_high(problem)
     ev = evaluate_plan(problem, plan)
     assert ev.meets_target and ev.fp4_fraction < 0.85 + 0.1
     fp4_layers = [u.layer for u in problem.units if plan[u.key] == "nvfp4"]
@@ -242,7 +242,7 @@ def test_error_threshold_is_the_lowest_threshold_that_meets_the_budget():
         mods = llama_modules(3)
         err = random_table(rng, mods, formats)
         problem = SnipProblem(mods, formats, float(rng.uniform(0.1, 0.95)), cost=random_table(rng, mods, formats))
-        plan = policies.error_threshold(problem, err)
+        plan = baselines.error_threshold(problem, err)
         for tau in sorted(err[m.name]["nvfp4"] for m in mods):
             candidate = {m.name: "nvfp4" if err[m.name]["nvfp4"] <= tau else "fp8" for m in mods}
             if evaluate_plan(problem, candidate).meets_target:
@@ -280,7 +280,7 @@ def test_random_plan_meets_the_budget_as_tightly_as_the_units_allow():
             tightest = min(feasible.values())
             drawn = set()
             for seed in range(8):
-                plan = policies.random_plan(p, seed=seed, solver="highs")
+                plan = baselines.random_plan(p, seed=seed, solver="highs")
                 ev = evaluate_plan(p, plan)
                 assert ev.meets_target and plan[mods[0].name] == "bf16", (per_stage, target, seed)
                 assert ev.fp4_fraction == pytest.approx(tightest, abs=1e-12), (per_stage, target, seed)
@@ -298,7 +298,7 @@ def test_random_plan_draws_equal_units_uniformly():
     p = SnipProblem(mods, ("fp8", "nvfp4"), 0.3, cost={m.name: {"fp8": 0.0, "nvfp4": 1.0} for m in mods})
     counts = np.zeros(10)
     for seed in range(400):
-        plan = policies.random_plan(p, seed=seed, solver="highs")
+        plan = baselines.random_plan(p, seed=seed, solver="highs")
         chosen = [i for i, m in enumerate(mods) if plan[m.name] == "nvfp4"]
         assert len(chosen) == 3
         counts[chosen] += 1
@@ -313,10 +313,10 @@ def test_min_fp4_cost_is_the_brute_force_optimum():
     base = SnipProblem(mods, ("bf16", "fp8", "nvfp4"), 0.0, cost=random_table(rng, mods, ("bf16", "fp8", "nvfp4")))
     for target in (0.2, 0.5, 0.8):
         p = replace(base, target=target)
-        plan = policies.min_fp4_cost(p, cost, solver="highs")
+        plan = baselines.min_fp4_cost(p, cost, solver="highs")
         best = min(brute_force(p), key=lambda q: sum(cost[k] for k, f in q.items() if f == "nvfp4"))
         assert plan == best, target
     with pytest.raises(ValueError, match="no FP4 cost for 1 unit"):
-        policies.min_fp4_cost(base, dict(list(cost.items())[1:]))
+        baselines.min_fp4_cost(base, dict(list(cost.items())[1:]))
     with pytest.raises(ValueError, match="finite and >= 0"):
-        policies.min_fp4_cost(base, {**cost, mods[0].name: -1.0})
+        baselines.min_fp4_cost(base, {**cost, mods[0].name: -1.0})

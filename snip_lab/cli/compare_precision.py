@@ -1,6 +1,6 @@
 """Head-to-head of precision policies: one training branch per (policy, budget, seed).
 
-    python tools/compare_precision.py --out runs/compare --seeds 1 2 3 --trunk-iters 100 \\
+    python tools/lab/compare_precision.py --out runs/compare --seeds 1 2 3 --trunk-iters 100 \\
         --train-iters 300 --snip-interval 100 --fp4-targets 0.5 0.75 0.9 \\
         --policies snip snip-fixed uniform nvidia-recipe random min-relative-error threshold \\
         -- --model-preset tiny --micro-batch-size 8 --global-batch-size 16 --lr 3e-3 ... \\
@@ -11,7 +11,7 @@ checkpoint every arm trains to --train-iters on the same batches: the BF16 refer
 re-planning every --snip-interval ("snip"; "snip-loss-term-replanned" with --snip-update-weight 0;
 "snip-fisher-loss-term-replanned" adding --snip-curvature fisher), SNIP's first plan fixed
 ("snip-fixed"), and the baselines, each at
-exactly the same budget (plans from the trunk's statistics, megatron_snip/research/offline.py).
+exactly the same budget (plans from the trunk's statistics, megatron_snip/snip/policies.py).
 Flags after "--" go to every pretrain_llama.py run (model, data, optimizer, layout: add
 --tensor-model-parallel-size etc. with --nproc-per-node). Of SNIP's flags only the probe settings
 --snip-gain-exclude and --snip-probe-passes may be among them: they change what SNIP measures (the
@@ -24,12 +24,12 @@ arm per module.
 
 --policies ... oracle (with --ablations layers types, or modules) adds the oracle: the same ILP
 with the costs the ablation arms measured, trained after them at every budget, and each policy's
-regret to it (megatron_snip/research/oracle.py; it adds the all-high arm ablate-none). The costs
+regret to it (snip_lab/oracle.py; it adds the all-high arm ablate-none). The costs
 are kept in OUT/oracle/costs.json; --oracle-costs FILE plans the oracle with such a file of an
 earlier comparison of the same model instead of ablations (more seeds in another folder).
 
 --noise-floor adds the noise floor: BF16 again from each trunk on another order of the training
-documents (the validation documents and samples unchanged; megatron_snip/research/reorder.py),
+documents (the validation documents and samples unchanged; snip_lab/reorder.py),
 whose paired gap to BF16 is what arms differ by when nothing but the batches differs. The report
 sets every arm at a budget against SNIP's with the paired difference's 95% interval.
 
@@ -41,7 +41,7 @@ Writes OUT/results.md, OUT/results.json, OUT/gap_to_bf16.png and TensorBoard run
 side under OUT/tensorboard. Rerunning the same command finishes what an interrupted one left.
 SIGTERM or SIGUSR1 (kill, SLURM's --signal) stops it cleanly: the runs in flight save a checkpoint,
 no new one starts, and the tool exits with 128 + the signal's number. Seeds or arms run as separate
-jobs in separate --out folders make one table with tools/merge_comparisons.py.
+jobs in separate --out folders make one table with tools/lab/merge_comparisons.py.
 """
 
 from __future__ import annotations
@@ -51,9 +51,10 @@ import signal
 import sys
 from pathlib import Path
 
-from megatron_snip.research.ablation import KINDS
-from megatron_snip.research.comparison import ARMS, Comparison, ComparisonConfig, Stopped, parse_budgets
-from megatron_snip.research.oracle import ORACLE
+from snip_lab.ablation import KINDS
+from snip_lab.branches import ARMS, ComparisonConfig, parse_budgets
+from snip_lab.comparison import Comparison, Stopped
+from snip_lab.oracle import ORACLE
 
 
 def main(argv=None) -> int:

@@ -1,4 +1,4 @@
-"""tools/merge_comparisons.py: reports of one comparison's seeds trained in separate folders, as one table."""
+"""tools/lab/merge_comparisons.py: reports of one comparison's seeds trained in separate folders, as one table."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from dataclasses import replace
 
 import pytest
 
-from megatron_snip.cli import merge_comparisons
-from megatron_snip.research.comparison import BranchResult, ComparisonConfig, branches, settings
-from megatron_snip.research.merge import merge_reports, parse_budget
-from megatron_snip.research.report import markdown, summarize
 from megatron_snip.snip.statistics_file import Budget
+from snip_lab.branches import BranchResult, ComparisonConfig, branches, settings
+from snip_lab.cli import merge_comparisons
+from snip_lab.merge import merge_reports, parse_budget
+from snip_lab.report import markdown, summarize
 
 BUDGETS = (Budget(0.75), Budget(0.9))
 COSTS = {"modules": {"layer0.qkv": 0.002}, "groups": {}, "base_gap": 0.001, "source": "layers x types",

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from megatron_snip.research.policies import baseline_formats
+from megatron_snip.snip.estimators import cost_tables, local_error_baselines
 from megatron_snip.snip.ilp import Plan, SnipProblem, evaluate_plan
+from megatron_snip.snip.planner import baseline_formats
+from megatron_snip.snip.policies import with_reference
 from megatron_snip.snip.statistics import ProbeStatistics
 
 KINDS = ("layers", "types", "modules")
@@ -56,9 +58,6 @@ def predictions(problem: SnipProblem, stats: ProbeStatistics, plan: Plan) -> dic
     ILP weighs them), each of its two terms alone (the loss divergence dL/loss and the update
     divergence dU/||u||^2, unweighted), and the summed relative quantization error of the local
     baseline."""
-    from megatron_snip.research.offline import with_reference
-    from megatron_snip.snip.estimators import cost_tables, local_error_baselines
-
     def under(table: dict) -> float:  # the plan's summed cost under another module -> format table
         if problem.split:
             return float("nan")

@@ -1,4 +1,4 @@
-"""The cross-fit (research/crossfit.py): the oracle planned without one ablation seed, every plan
+"""The cross-fit (snip_lab/crossfit.py): the oracle planned without one ablation seed, every plan
 priced with the other seeds' costs and with the held-out seed's, by hand."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from test_compare_precision import FC2_0, FC2_1, QKV0, QKV1, two_by_two_problem
 
-from megatron_snip.research.crossfit import cross_fit
-from megatron_snip.research.oracle import ORACLE, oracle_groups
+from snip_lab.crossfit import cross_fit
+from snip_lab.oracle import ORACLE, oracle_groups
 
 # Per-module ablations (arm minus ablate-none of the same seed):
 #   seed 1: qkv0 .004, fc2_0 .016, qkv1 -.002, fc2_1 .011 (ablate-none - bf16 .010)

@@ -1,6 +1,6 @@
 """Estimator variants screened offline against the costs training measured (the oracle's).
 
-A comparison run with the oracle arm (``tools/compare_precision.py --ablations layers types``, or
+A comparison run with the oracle arm (``tools/lab/compare_precision.py --ablations layers types``, or
 ``modules``) holds, per seed, the SNIP statistics of its branch point and, in ``oracle/costs.json``,
 what each module costs in FP4 as the ablations measured it. Each variant here (SNIP's cost with
 other weights on its two terms, or another curvature) plans at a budget from the same statistics;
@@ -24,37 +24,15 @@ from pathlib import Path
 
 from megatron_snip.numerics.registry import is_fp4
 from megatron_snip.precision.plan import PrecisionPlan, parse_module_name
-from megatron_snip.snip.estimators import (
-    CURVATURES,
-    cost_tables,
-    divergences,
-    draws_z,
-    fisher_trace,
-    unresolved_curvatures,
-)
-from megatron_snip.snip.ilp import Plan, SnipProblem, evaluate_plan, solve
+from megatron_snip.snip.estimators import CURVATURES, cost_tables, divergences, draws_z, unresolved_curvatures
+from megatron_snip.snip.ilp import Plan, SnipProblem, evaluate_plan
 from megatron_snip.snip.planner import to_precision_plan
-from megatron_snip.snip.statistics import ModuleStatistics, ProbeStatistics
+from megatron_snip.snip.policies import Variant, variant_plan, with_curvature
+from megatron_snip.snip.statistics import ProbeStatistics
 from megatron_snip.snip.statistics_file import Budget, StatisticsFile
 
 from .oracle import OracleCosts, oracle_plan, predicted_gap
 from .ranks import spearman
-
-
-@dataclass(frozen=True)
-class Variant:
-    """SNIP's cost ``loss_weight * dL/loss + update_weight * dU/||u||^2`` with the loss term's
-    curvature from the probes' Hutchinson estimate or from :func:`fisher_curvature`."""
-
-    name: str
-    loss_weight: float = 1.0
-    update_weight: float = 1.0
-    curvature: str = "hutchinson"
-
-    def __post_init__(self):
-        if self.curvature not in CURVATURES:
-            raise ValueError(f"curvature must be one of {CURVATURES}, got {self.curvature!r}")
-
 
 VARIANTS = (
     Variant("snip"),
@@ -65,31 +43,6 @@ VARIANTS = (
     Variant("fisher loss + update", curvature="fisher"),
     Variant("fisher loss term", update_weight=0.0, curvature="fisher"),
 )
-
-
-def fisher_curvature(m: ModuleStatistics) -> float:
-    """The module's ``tr H`` as the empirical Fisher of its clean pass gives it (``estimators.fisher_trace``)."""
-    return fisher_trace(m.output_grad_sq, m.output_numel, m.out_features)
-
-
-def with_curvature(stats: ProbeStatistics, curvature: str) -> ProbeStatistics:
-    """``stats`` with every module's curvature from ``curvature`` ("hutchinson": as the probes measured
-    it, which statistics of a ``--snip-curvature fisher`` run do not hold: ValueError)."""
-    if curvature == "hutchinson":
-        if stats.settings.get("curvature", "hutchinson") != "hutchinson":
-            raise ValueError(f"statistics of iteration {stats.iteration} hold no Hutchinson curvature: they were "
-                             "measured with --snip-curvature fisher, which runs no Hutchinson passes")
-        return stats
-    return replace(stats, modules={n: replace(m, curvature=fisher_curvature(m)) for n, m in stats.modules.items()})
-
-
-def variant_plan(problem: SnipProblem, stats: ProbeStatistics, variant: Variant, solver: str = "auto") -> Plan:
-    """The ILP's plan at ``problem``'s budget with the variant's costs (split problems: per pass)."""
-    costs = cost_tables(with_curvature(stats, variant.curvature), variant.loss_weight, variant.update_weight,
-                        formats=problem.formats)
-    if problem.split:
-        return solve(replace(problem, fwd_cost=costs.forward, bwd_cost=costs.backward), solver=solver).plan
-    return solve(replace(problem, cost=costs.joint), solver=solver).plan
 
 
 def fp4_modules(problem: SnipProblem, plan: Plan) -> list[str]:
@@ -120,7 +73,7 @@ def momentum_gain(persistence: float, beta1: float) -> float:
 
 def measured_update_stats(stats: ProbeStatistics, by_type: Mapping[str, Mapping[str, Mapping[str, float]]],
                           beta1: float | None = None) -> ProbeStatistics:
-    """``stats`` with each module's update term rescaled to what ``tools/snip_validate.py
+    """``stats`` with each module's update term rescaled to what ``tools/lab/snip_validate.py
     --validate-by-type`` measured for its type: the local part by the type's exact own-weight drift over
     SNIP's local sum, the propagated part by its other-weight drift over SNIP's propagated sum.
 
@@ -264,7 +217,7 @@ def branch_points(out: Path) -> tuple[dict, dict[int, StatisticsFile]]:
     settings_path = out / "comparison.json"
     if not settings_path.exists():
         raise ValueError(f"{settings_path} does not exist: {out} is not the --out of a "
-                         "tools/compare_precision.py run")
+                         "tools/lab/compare_precision.py run")
     settings = json.loads(settings_path.read_text())
     stats = {}
     for seed in settings["seeds"]:

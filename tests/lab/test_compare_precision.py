@@ -1,4 +1,4 @@
-"""tools/compare_precision.py: branches at equal budgets, resumption, the report."""
+"""tools/lab/compare_precision.py: branches at equal budgets, resumption, the report."""
 
 from __future__ import annotations
 
@@ -18,20 +18,12 @@ import pytest
 from conftest import ROOT, TINY_MODEL, scalars, torchrun
 
 from megatron_snip.precision.plan import PrecisionPlan
-from megatron_snip.research.comparison import (
-    BranchResult,
-    Comparison,
-    ComparisonConfig,
-    Runs,
-    Stopped,
-    branches,
-    devices,
-    run_all,
-)
-from megatron_snip.research.merge import merge_reports
-from megatron_snip.research.report import ci95, markdown, summarize
 from megatron_snip.snip.statistics_file import Budget
 from megatron_snip.training import tags
+from snip_lab.branches import BranchResult, ComparisonConfig, branches
+from snip_lab.comparison import Comparison, Runs, Stopped, devices, run_all
+from snip_lab.merge import merge_reports
+from snip_lab.report import ci95, markdown, summarize
 
 BUDGET = Budget(0.75)
 
@@ -238,7 +230,7 @@ def test_each_job_gets_its_own_gpus(monkeypatch):
 
 
 def run_tool(out, *extra, train_args) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(ROOT / "tools" / "compare_precision.py"), "--out", str(out), "--seeds", "1",
+    cmd = [sys.executable, str(ROOT / "tools" / "lab" / "compare_precision.py"), "--out", str(out), "--seeds", "1",
            "--trunk-iters", "4", "--snip-interval", "2", "--policies", "snip", "uniform", "threshold", *extra,
            "--", *train_args]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
@@ -299,8 +291,8 @@ def test_compare_precision_branches_resume_and_report(tiny_data, tmp_path):
 
 
 def test_ablation_plans_put_exactly_one_group_in_fp4():
-    from megatron_snip.research.ablation import ablation_plans
     from megatron_snip.snip.ilp import LinearModule, SnipProblem
+    from snip_lab.ablation import ablation_plans
 
     types = ("self_attention.linear_qkv", "mlp.linear_fc2")
     mods = [LinearModule.from_shape(f"decoder.layers.{i}.{t}", i, 64, 32, 32) for i in range(3) for t in types]
@@ -317,7 +309,7 @@ def test_ablation_plans_put_exactly_one_group_in_fp4():
 
 
 def test_spearman_by_hand():
-    from megatron_snip.research.ranks import spearman
+    from snip_lab.ranks import spearman
 
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
@@ -338,7 +330,7 @@ def test_sigterm_to_the_tool_saves_the_branch_in_flight_and_a_rerun_finishes_it(
                   "--tokenizer-model", tiny_data.tokenizer_model, "--log-interval", "1", "--eval-interval", "30",
                   "--eval-iters", "2"]
     out = tmp_path / "cmp"
-    cmd = [sys.executable, str(ROOT / "tools" / "compare_precision.py"), "--out", str(out), "--seeds", "1",
+    cmd = [sys.executable, str(ROOT / "tools" / "lab" / "compare_precision.py"), "--out", str(out), "--seeds", "1",
            "--trunk-iters", "2", "--train-iters", "30", "--policies", "--", *train_args]
     tool = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     log = out / "seed1" / "bf16" / "log.txt"
@@ -394,7 +386,7 @@ ABLATION_LOSSES = {
 
 
 def oracle_costs(losses=ABLATION_LOSSES, kinds=("layers", "types"), clip=True):
-    from megatron_snip.research.oracle import measured_costs, oracle_groups
+    from snip_lab.oracle import measured_costs, oracle_groups
 
     return measured_costs(oracle_groups(two_by_two_problem(), kinds), losses, "bf16", clip)
 
@@ -424,7 +416,7 @@ def test_oracle_module_costs_are_the_layer_share_times_the_type_share_of_the_mea
 
 
 def test_oracle_module_ablations_are_the_costs_and_missing_ablations_are_refused():
-    from megatron_snip.research.oracle import group_costs
+    from snip_lab.oracle import group_costs
 
     modules = {"ablate-layer0-linear_qkv": 0.004, "ablate-layer0-linear_fc2": 0.009,
                "ablate-layer1-linear_qkv": -0.002, "ablate-layer1-linear_fc2": 0.001}
@@ -442,8 +434,8 @@ def test_oracle_plan_is_the_brute_force_optimum_of_the_measured_costs():
     """The ILP on the product-model costs picks, of the 16 plans, the cheapest that meets the budget."""
     import itertools
 
-    from megatron_snip.research.oracle import oracle_plan, predicted_gap
     from megatron_snip.snip.ilp import evaluate_plan
+    from snip_lab.oracle import oracle_plan, predicted_gap
 
     costs = oracle_costs()
     for target in (0.25, 0.5, 0.7, 0.9):
@@ -492,7 +484,7 @@ def test_regret_to_the_oracle_and_the_additive_prediction_by_hand():
 
 
 def test_the_oracle_arm_trains_its_plan_and_needs_the_ablations(tmp_path, capsys, monkeypatch):
-    from megatron_snip.research.ablation import ablation_plans
+    from snip_lab.ablation import ablation_plans
 
     with pytest.raises(ValueError, match="add --ablations modules or --ablations layers types"):
         config(policies=("oracle",), ablations=("types",))
@@ -510,7 +502,7 @@ def test_the_oracle_arm_trains_its_plan_and_needs_the_ablations(tmp_path, capsys
     assert {m for m, f in plans["ablate-layer1-linear_qkv"].items() if f == "nvfp4"} == {QKV1}
 
     # The command line: the arm and the kind are accepted, the missing ablations named (no run starts).
-    from megatron_snip.cli import compare_precision
+    from snip_lab.cli import compare_precision
 
     base = ["--out", str(tmp_path / "cli"), "--trunk-iters", "4", "--train-iters", "8",
             "--policies", "oracle", "random"]
@@ -527,8 +519,8 @@ def test_the_oracle_plans_with_an_earlier_comparisons_costs(tmp_path):
     its plan is the oracle's ILP on those costs, and the folder keeps the costs it planned with."""
     import random
 
-    from megatron_snip.research.oracle import load_costs, oracle_plan
     from megatron_snip.snip.statistics_file import StatisticsFile
+    from snip_lab.oracle import load_costs, oracle_plan
 
     stats_file = ROOT / "tests" / "data" / "snip_iter_schema1.json"  # 4 layers, candidates fp8 nvfp4
     rng = random.Random(5)
@@ -587,7 +579,7 @@ def test_the_noise_floor_reorders_only_the_training_documents(tmp_path, tiny_dat
     import numpy as np
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from megatron_snip.research.reorder import training_documents
+    from snip_lab.reorder import training_documents
 
     c = config(out=str(tmp_path), policies=("uniform",), seeds=(1, 2), noise_floor=True,
                train_args=("--lr", "1e-3", "--data-path", tiny_data.prefix, "--split", "80,20,0", "--eval-iters", "2"))

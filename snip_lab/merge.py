@@ -1,5 +1,5 @@
 """Several comparisons' reports as one table: seeds or arms trained in separate ``--out`` folders
-(other jobs, machines or sessions) summarized over all their seeds (``tools/merge_comparisons.py``).
+(other jobs, machines or sessions) summarized over all their seeds (``tools/lab/merge_comparisons.py``).
 
 A report (``OUT/results.json``) keeps every branch's numbers per seed: final validation loss, mean
 training loss over the window, FP4 share, estimated GEMM time. The merge collects each (branch,
@@ -35,7 +35,7 @@ from pathlib import Path
 from megatron_snip.fileio import write_text_atomic
 from megatron_snip.snip.statistics_file import Budget
 
-from .comparison import ARMS, FREE_SETTINGS, NOISE, BranchResult, ComparisonConfig, branches
+from .branches import ARMS, FREE_SETTINGS, NOISE, BranchResult, ComparisonConfig, branches
 from .oracle import ORACLE
 from .report import FOCUS, markdown, summarize
 
@@ -58,7 +58,7 @@ class Report:
         except (OSError, ValueError) as e:
             raise ValueError(f"{path}: not a comparison's report (results.json): {e}") from e
         if not isinstance(summary, dict) or "rows" not in summary or any(k not in summary for k in HEAD):
-            raise ValueError(f"{p}: not a comparison's report: a results.json of tools/compare_precision.py has "
+            raise ValueError(f"{p}: not a comparison's report: a results.json of tools/lab/compare_precision.py has "
                              f"'rows' and {', '.join(HEAD)}")
         return cls(str(p), summary)
 
@@ -192,7 +192,8 @@ def _oracle_costs(reports: Sequence[Report], oracle_from: str | Path | None) -> 
     costs = {r.costs for r in reports if r.has_oracle()}
     if None in costs:
         raise ValueError(f"{next(r.path for r in reports if r.has_oracle() and r.costs is None)}: oracle rows "
-                         "without the costs they planned with ('oracle'): not a report of tools/compare_precision.py")
+                         "without the costs they planned with ('oracle'): not a report of "
+                         "tools/lab/compare_precision.py")
     if oracle_from is None:
         if len(costs) > 1:
             names = ", ".join(r.path for r in reports if r.has_oracle())
