@@ -31,7 +31,6 @@ import sys
 from pathlib import Path
 
 from megatron_snip.model.precision.megatron_config import megatron_config_files
-from megatron_snip.numerics.recipes import RecipeConfig
 from megatron_snip.precision.config import SPEED_MODELS
 from megatron_snip.snip import baselines
 from megatron_snip.snip.ilp import InfeasibleBudgetError
@@ -101,10 +100,9 @@ def main(argv=None) -> int:
 def write_megatron_configs(plan, source: StatisticsFile, stem: Path, label: str) -> None:
     """``plan`` as STEM.yaml (and STEM.pp<s>[.vp<v>].yaml per model chunk) under the run's recipe and layout."""
     run = source.run
-    recipe = RecipeConfig(**run["recipe"]) if "recipe" in run else RecipeConfig()  # older files: the defaults
     try:
-        files = megatron_config_files(plan, recipe, run["dims"]["num_layers"], run["pipeline_stages"],
-                                      run.get("virtual_stages", 1), source=label)
+        files = megatron_config_files(plan, run.recipe, run.dims.num_layers, run.pipeline_stages, run.virtual_stages,
+                                      source=label)
     except ValueError as e:
         print(f"no Megatron-LM precision config for {label}: {e}")
         return
