@@ -4,7 +4,7 @@ An ablation arm trains with one group of linear modules in FP4 (one layer, one m
 across layers, or one module) and every other module in the high format, with no budget. Its
 measured loss gap to BF16 is what that group costs in training; SNIP's predicted divergence of the
 same plan, and the relative quantization error the local baselines rank by, are scored against it
-by rank correlation (docs/quality.md). The oracle arm plans with these costs (oracle.py).
+by rank correlation (results/notebook.md). The oracle arm plans with these costs (oracle.py).
 """
 
 from __future__ import annotations

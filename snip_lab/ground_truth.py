@@ -15,7 +15,7 @@
   side in a format; its update drift split into the group's own weights and the
   rest (what the estimator's local and propagated parts estimate), and how much
   of it repeats from batch to batch, which Adam's momentum keeps and a one-step
-  drift does not show (docs/quality.md, "Why SNIP ranks qkv and fc1 above fc2").
+  drift does not show (results/notebook.md, "Why SNIP ranks qkv and fc1 above fc2").
 
 Every rank of the job calls these together (they drive megatron's schedule, so
 they work under any TP/PP/DP layout) and every rank gets the full result.
@@ -336,7 +336,7 @@ def group_drift(
 
     ``operands`` quantizes only those of the GEMMs' operands (``{("dgrad", "w")}``: the error the
     input gradient takes from the quantized weight alone, the same at every step for a weight that
-    barely moves; docs/quality.md, "Why SNIP ranks qkv and fc1 above fc2", point 3).
+    barely moves; results/notebook.md, "Why SNIP ranks qkv and fc1 above fc2", point 3).
 
     Args: as :func:`backward_ground_truth`, plus ``groups`` (group name -> global module names),
         the rounding ``seed`` and ``operands`` ((gemm, operand) pairs; None: all of ``precision``'s).

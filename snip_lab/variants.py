@@ -6,7 +6,7 @@ what each module costs in FP4 as the ablations measured it. Each variant here (S
 other weights on its two terms, or another curvature) plans at a budget from the same statistics;
 under additivity (:func:`oracle.predicted_gap`) its plan's gap minus the oracle plan's is its
 *predicted regret*. That screens an estimator change in seconds, before training tests it: a
-variant whose predicted regret is no lower than SNIP's needs no training run (docs/quality.md,
+variant whose predicted regret is no lower than SNIP's needs no training run (results/notebook.md,
 "Estimator variants against the oracle's costs").
 
 The screen inherits the oracle's limits: its costs come from the seeds the ablations ran on, and

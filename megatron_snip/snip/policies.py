@@ -96,7 +96,7 @@ def _threshold(problem, stats, seed, solver):
     return baselines.error_threshold(problem, relative)
 
 
-# Every policy, by the name both tools use (docs/quality.md describes each).
+# Every policy, by the name both tools use (results/notebook.md describes each).
 POLICIES: dict[str, PolicyMaker] = {
     "snip": lambda problem, stats, seed, solver: solve(problem, solver=solver).plan,
     "snip-loss-term": _snip_loss_term("hutchinson"),

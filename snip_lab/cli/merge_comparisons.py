@@ -1,7 +1,7 @@
 """Merge comparisons' reports into one table: seeds or arms trained in separate folders.
 
     python tools/lab/merge_comparisons.py --out runs/merged runs/compare_s123 runs/compare_s45
-    python tools/lab/merge_comparisons.py --out runs/merged docs/compare_a.json docs/compare_b.json \\
+    python tools/lab/merge_comparisons.py --out runs/merged results/STUDY/compare_a.json results/STUDY/compare_b.json \\
         runs/oracle3/results.json --oracle-from runs/oracle3/results.json
 
 Each source is a ``tools/lab/compare_precision.py`` report (``OUT/results.json``, or the folder OUT).

@@ -17,7 +17,7 @@ what its ablation measured, and per seed how well the Hutchinson draws resolve t
 With ablations of two or more seeds, each budget also gets the cross-fit (snip_lab/crossfit.py): the
 oracle planned without one ablation seed, every plan priced with the other seeds' costs and with the
 held-out seed's; the oracle's excess beyond the variants' is its optimism, how much its choice
-exploited noise in the costs (docs/quality.md, "Estimator variants against the oracle's costs").
+exploited noise in the costs (results/notebook.md, "Estimator variants against the oracle's costs").
 
 ``--other NAME=DIR`` adds a row planned with SNIP's default cost from another comparison's
 branch-point statistics of the same trunks, measured with other probe settings (e.g. DIR run with
@@ -26,9 +26,9 @@ branch-point statistics of the same trunks, measured with other probe settings (
 ``--by-type`` adds two rows from each seed's ``tools/lab/snip_validate.py --validate-by-type --output``
 on the same trunk: SNIP's update term rescaled per module type to the exact drift measured, and
 that weighted by how much of it Adam's momentum keeps (its persistence between batches,
-``variants.momentum_gain``), re-normalised to SNIP's total (docs/quality.md, "Why SNIP ranks qkv
+``variants.momentum_gain``), re-normalised to SNIP's total (results/notebook.md, "Why SNIP ranks qkv
 and fc1 above fc2"). Nothing trains: a variant whose predicted regret is no lower than
-SNIP's is not worth a training run; one that is lower still needs one (docs/quality.md).
+SNIP's is not worth a training run; one that is lower still needs one (results/notebook.md).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ exact update drift of its backward GEMMs in each format, split into its own weig
 next to SNIP's local and propagated parts, the drift its forward GEMMs cause (which SNIP's update
 term leaves out), how much of each repeats between batches (whole, own weights, the rest),
 which Adam's momentum keeps, and the drift and persistence of the input-gradient error that the
-quantized weight alone causes in dgrad (``snip_lab.ground_truth.group_drift``; docs/quality.md, "Why SNIP ranks
+quantized weight alone causes in dgrad (``snip_lab.ground_truth.group_drift``; results/notebook.md, "Why SNIP ranks
 qkv and fc1 above fc2").
 It costs three forward + backward passes per (type, format, batch), where the per-module truth costs
 one per (module, format, seed, batch): at 16 layers 64 modules against 4 types.
@@ -65,7 +65,7 @@ def by_type(trainer, stats, est, batches, formats, seed: int) -> dict[str, dict[
                           Precision("bf16", fmt), **common)
         fwd = group_drift(trainer.model, trainer.optimizer, trainer.precision, batches, groups,
                           Precision(fmt, "bf16"), **common)
-        # the input gradient's error from the quantized weight alone: the part that repeats (docs/quality.md)
+        # the input gradient's error from the quantized weight alone: the part that repeats (results/notebook.md)
         dgrad_w = group_drift(trainer.model, trainer.optimizer, trainer.precision, batches, groups,
                               Precision("bf16", fmt), operands={("dgrad", "w")}, **common)
         out[fmt] = {t: {
