@@ -56,20 +56,41 @@ class TinyData:
     corpus: str
 
 
+def once_per_session(tmp_path_factory, name: str, make):
+    """``make(directory)``'s JSON-able result, made once per test run even when pytest-xdist runs the
+    session in several processes (scripts/test.sh): the first process to ask makes it in a folder all of
+    them share, the others wait for it and read it back."""
+    import json
+
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # each worker's base folder is a subfolder of the run's
+    record = root / f"{name}.json"
+    with FileLock(str(root / f"{name}.lock")):
+        if not record.exists():
+            (root / name).mkdir()
+            record.write_text(json.dumps(make(root / name)))
+        return json.loads(record.read_text())
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> TinyData:
-    """~60 stdlib modules, a 1024-piece tokenizer and the indexed dataset (built once per session)."""
+    """~60 stdlib modules, a 1024-piece tokenizer and the indexed dataset (built once per test run)."""
     from megatron_snip.data.corpus import CorpusConfig, build_corpus
     from megatron_snip.data.datasets import PreprocessConfig, preprocess
     from megatron_snip.data.tokenizer import TokenizerTrainingConfig, train_tokenizer
 
-    d = tmp_path_factory.mktemp("tiny_data")
-    corpus = str(d / "corpus.jsonl")
-    build_corpus(CorpusConfig(output=corpus, max_docs=60, exclude_tests=True, seed=1))
-    train_tokenizer(TokenizerTrainingConfig(input=corpus, model_prefix=str(d / "tok"), vocab_size=1024))
-    summary = preprocess(PreprocessConfig(input=corpus, output_prefix=str(d / "data"),
-                                          tokenizer_model=str(d / "tok.model"), append_eod=True, progress=False))
-    return TinyData(summary.prefixes["text"], str(d / "tok.model"), corpus)
+    def make(d: Path) -> list[str]:
+        corpus = str(d / "corpus.jsonl")
+        build_corpus(CorpusConfig(output=corpus, max_docs=60, exclude_tests=True, seed=1))
+        train_tokenizer(TokenizerTrainingConfig(input=corpus, model_prefix=str(d / "tok"), vocab_size=1024))
+        summary = preprocess(PreprocessConfig(input=corpus, output_prefix=str(d / "data"),
+                                              tokenizer_model=str(d / "tok.model"), append_eod=True, progress=False))
+        return [summary.prefixes["text"], str(d / "tok.model"), corpus]
+
+    return TinyData(*once_per_session(tmp_path_factory, "tiny_data", make))
 
 
 # A small Llama that runs a step in well under a second on 2 cores at any layout.
@@ -159,6 +180,26 @@ def torchrun(nproc: int, args: list[str], timeout: float = 300, check: bool = Tr
     return proc
 
 
+def stop_at_iteration(args: list[str], nproc: int, iteration: int, stop) -> tuple[subprocess.Popen, str]:
+    """Run pretrain_llama.py with ``args`` on ``nproc`` processes under torchrun until it logs training
+    iteration ``iteration``, then call ``stop(proc)`` (send the signal under test) and wait up to 120 s for the
+    job to end; the finished process and its whole output (stdout and stderr)."""
+    proc = subprocess.Popen(torchrun_command(nproc, args), cwd=ROOT, env=torchrun_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if f"[train] iteration {iteration:>8}/" in line:
+                break
+        stop(proc)
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc, "".join(lines) + rest
+
+
 def resume_from(src: Path, iteration: int, dst: Path) -> Path:
     """A copy of checkpoint directory ``src`` whose newest checkpoint is ``iteration``."""
     dst.mkdir()
@@ -183,10 +224,12 @@ def scalars(tensorboard_dir: str | Path, tag: str) -> dict[int, float]:
 
 @pytest.fixture(scope="session")
 def init_ckpt(tiny_data, tmp_path_factory) -> Path:
-    """Initial weights saved by a TP1 PP1 run that trains 0 iterations."""
-    path = tmp_path_factory.mktemp("init") / "ckpt"
-    torchrun(1, train_args(tiny_data, "--save", str(path), iters=0))
-    return path
+    """Initial weights saved by a TP1 PP1 run that trains 0 iterations (tests copy it, never write to it)."""
+    def make(d: Path) -> str:
+        torchrun(1, train_args(tiny_data, "--save", str(d / "ckpt"), iters=0))
+        return str(d / "ckpt")
+
+    return Path(once_per_session(tmp_path_factory, "init_ckpt", make))
 
 
 # Llama 3's pre-tokenizer split (tokenizer.json of Meta-Llama-3) and special tokens.

@@ -71,6 +71,6 @@ def test_a_statistics_file_of_schema_version_1_still_plans():
     from megatron_snip.snip.statistics_file import Budget, StatisticsFile
 
     stats = StatisticsFile.load(ROOT / "tests" / "data" / "snip_iter_schema1.json")
-    assert len(stats.stats.modules) == 16 and stats.run["pipeline_stages"] == 2
+    assert len(stats.stats.modules) == 16 and stats.run.pipeline_stages == 2
     solution = solve(stats.problem(Budget(0.75), solver="highs"), "highs")
     assert solution.fp4_fraction >= 0.75 - 1e-9

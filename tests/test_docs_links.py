@@ -1,13 +1,13 @@
-"""Every relative link in the README and docs/ reaches a file, and every ``#anchor`` a heading of
-the page it names (GitHub's anchors), so moving a section between pages cannot leave a reader at
-a dead link."""
+"""Every relative link in the README, docs/ and results/ (the lab's studies) reaches a file, and every
+``#anchor`` a heading of the page it names (GitHub's anchors), so moving a section between pages
+cannot leave a reader at a dead link."""
 
 import re
 from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "results").rglob("*.md"))]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
@@ -30,7 +30,7 @@ def anchors(page: Path) -> frozenset[str]:
 
 
 def test_the_anchor_rule_matches_githubs():
-    page = ROOT / "docs" / "quality.md"
+    page = ROOT / "results" / "notebook.md"
     assert "where-issue-26s-goal-stands" in anchors(page)  # "Where issue 26's goal stands"
     assert "snip-against-the-oracle-4-layers-mxfp4-75" in anchors(page)  # "...: 4 layers, MXFP4, 75%"
 

@@ -96,9 +96,9 @@ def test_sigterm_after_a_periodic_save_still_saves(tiny_data, tmp_path):
 def test_a_stop_during_a_slow_save_keeps_the_save_within_the_tools_grace(tiny_data, tmp_path):
     """SIGTERM reaches torchrun while the final checkpoint is being written, and the write takes 6 s more.
     torchrun SIGKILLs its workers a grace period after passing the signal on (TORCH_ELASTIC_SHUTDOWN_TIMEOUT):
-    with 2 s the save is cut and the checkpoint lost (what tools/compare_precision.py hit with torch's 30 s
+    with 2 s the save is cut and the checkpoint lost (what tools/lab/compare_precision.py hit with torch's 30 s
     default under load); with the grace the tool gives its runs (comparison.run_env) the save completes."""
-    from megatron_snip.research.comparison import STOP_GRACE_S, run_env
+    from snip_lab.comparison import STOP_GRACE_S, run_env
 
     assert run_env(0, 1, 1)["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == str(STOP_GRACE_S) and STOP_GRACE_S >= 300
     fault = {"FAULT": "slow_save", "FAULT_AT": "3", "FAULT_SLEEP": "6"}

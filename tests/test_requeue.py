@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import signal
-import subprocess
 import time
 
 import pytest
-from conftest import ROOT, run_config, torchrun, torchrun_command, torchrun_env, train_args
+from conftest import run_config, stop_at_iteration, torchrun, train_args
 
 from megatron_snip.arguments import ArgumentError
 from megatron_snip.training import requeue
@@ -113,20 +112,8 @@ def test_sigterm_to_torchrun_leaves_a_record_asking_for_a_requeue(tiny_data, tmp
     says so, which is what the SLURM script reads."""
     ckpt = tmp_path / "ckpt"
     launched = time.time()
-    proc = subprocess.Popen(torchrun_command(1, train_args(tiny_data, "--save", str(ckpt), iters=100000)),
-                            cwd=ROOT, env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    try:
-        for line in proc.stdout:
-            lines.append(line)
-            if "[train] iteration        2/" in line:
-                break
-        proc.send_signal(signal.SIGTERM)
-        rest, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    output = "".join(lines) + rest
+    _, output = stop_at_iteration(train_args(tiny_data, "--save", str(ckpt), iters=100000), 1, 2,
+                                  lambda proc: proc.send_signal(signal.SIGTERM))
     assert "exit signal received: saving at iteration" in output and "(SIGTERM)" in output, output[-4000:]
     rec = read(ckpt)
     assert rec is not None and rec.reason == "SIGTERM", output[-4000:]

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
 
 import psutil
 import pytest
-from conftest import ROOT, free_port, scalars, torchrun, train_args
+from conftest import scalars, stop_at_iteration, torchrun, train_args
 
 from megatron_snip.training import tags
 
@@ -21,26 +18,15 @@ pytestmark = pytest.mark.integration  # every test here launches processes
 def test_sigterm_saves_and_exits_zero(tiny_data, tmp_path):
     """SLURM signals every task; each finishes its iteration, all save together, exit 0."""
     ckpt = tmp_path / "ckpt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           str(ROOT / "pretrain_llama.py"),
-           *train_args(tiny_data, "--save", str(ckpt), "--log-interval", "1", iters=100000)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    lines = []
-    try:
-        for line in proc.stdout:
-            lines.append(line)
-            if "[train] iteration        3/" in line:
-                break
+
+    def every_worker(proc):
         workers = psutil.Process(proc.pid).children()
         assert len(workers) == 2
         for w in workers:
             w.send_signal(signal.SIGTERM)
-        rest, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    output = "".join(lines) + rest
+
+    proc, output = stop_at_iteration(train_args(tiny_data, "--save", str(ckpt), "--log-interval", "1", iters=100000),
+                                     2, 3, every_worker)
     assert proc.returncode == 0, output[-4000:]
     assert "exit signal received" in output
     saved = int((ckpt / "latest_checkpointed_iteration.txt").read_text())

@@ -211,10 +211,10 @@ def single_worker(rank, world, port, out_dir):
     from megatron_snip.numerics.linear import LinearQuantizers
     from megatron_snip.numerics.recipes import BF16, Precision
     from megatron_snip.precision.plan import PrecisionPlan
-    from megatron_snip.research.ground_truth import backward_ground_truth, forward_ground_truth, group_drift
-    from megatron_snip.research.ranks import rank_correlations
     from megatron_snip.snip.estimators import divergences, local_error_baselines
     from megatron_snip.snip.probes import ProbeConfig, run_probe_cycle
+    from snip_lab.ground_truth import backward_ground_truth, forward_ground_truth, group_drift
+    from snip_lab.ranks import rank_correlations
 
     _start(rank, world, port)
     _layout()
@@ -769,33 +769,3 @@ def test_a_gain_exclude_naming_no_parameter_is_refused_at_start_up(tiny_data, tm
     assert "error: --snip-gain-exclude embeding: names no parameter of the model" in proc.stderr
     assert "iteration        1/" not in proc.stdout
     assert "megatron_snip/" not in proc.stderr  # one line, no traceback of ours (torchrun prints its own)
-
-
-@pytest.mark.integration
-def test_snip_validate_by_type_measures_every_type_in_every_format(tiny_data, tmp_path):
-    """tools/snip_validate.py --validate-by-type, as a user runs it: one row per module type and
-    quantized format, SNIP's update terms next to the measured drifts, all of them finite."""
-    import json
-
-    out = tmp_path / "by_type.json"
-    run = train_args(tiny_data, "--snip", "--snip-formats", "bf16", "fp8", "mxfp4", "--snip-interval", "4", iters=4)
-    proc = torchrun(1, [*run, "--validate-by-type", "--validate-batches", "2", "--output", str(out)],
-                    script="tools/snip_validate.py")
-    assert "the exact update drift in mxfp4, every module of a type at once" in proc.stdout
-    table = json.loads(out.read_text())["by_type"]
-    assert sorted(table) == ["fp8", "mxfp4"]
-    for rows in table.values():
-        assert sorted(rows) == ["linear_fc1", "linear_fc2", "linear_proj", "linear_qkv"]
-        for row in rows.values():
-            assert all(math.isfinite(v) for v in row.values()), row
-            assert row["bwd: own"] > 0 and row["SNIP local"] > 0
-            assert all(-1 < row[f"bwd: {p}persistence"] < 1 for p in ("", "own ", "other "))
-
-
-def test_snip_validate_by_type_needs_two_batches(monkeypatch, capsys):
-    """Persistence compares batches: one batch is refused up front, naming the flag and what would do."""
-    from megatron_snip.cli.snip_validate import main
-
-    monkeypatch.setattr("sys.argv", ["snip_validate.py", "--validate-by-type", "--validate-batches", "1"])
-    assert main() == 2
-    assert "give --validate-batches 2 or more (got 1)" in capsys.readouterr().err

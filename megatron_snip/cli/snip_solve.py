@@ -15,7 +15,7 @@ NVIDIA's recipe (last layers high), random, min (relative) output quantization e
 (relative) operand quantization error (the paper's best_quant_err / best_rel_quant_err), an
 error-threshold switch (a GEMM goes high precision when its measured relative quantization error
 crosses a threshold, the lowest threshold that meets the budget), keep first/last layer high,
-and the layer-type heuristic, all at that budget (megatron_snip/research/offline.py). Times are
+and the layer-type heuristic, all at that budget (megatron_snip/snip/policies.py). Times are
 estimates under the run's GEMM speed model (``--gemm-speed-model`` to choose another). ``--write-plans`` saves each
 plan as a file for ``--precision-plan``; ``--write-megatron-configs`` as megatron-core's per-module
 precision config for Megatron-LM's ``--te-precision-config-file`` (docs/snip.md, "Plans as Megatron-LM
@@ -31,12 +31,11 @@ import sys
 from pathlib import Path
 
 from megatron_snip.model.precision.megatron_config import megatron_config_files
-from megatron_snip.numerics.recipes import RecipeConfig
 from megatron_snip.precision.config import SPEED_MODELS
-from megatron_snip.research import policies
-from megatron_snip.research.offline import POLICIES, policy_plans
+from megatron_snip.snip import baselines
 from megatron_snip.snip.ilp import InfeasibleBudgetError
 from megatron_snip.snip.planner import to_precision_plan
+from megatron_snip.snip.policies import POLICIES, policy_plans
 from megatron_snip.snip.statistics_file import Budget, StatisticsFile
 
 
@@ -84,7 +83,7 @@ def main(argv=None) -> int:
               f"{problem.time_target:.4f} x bf16 under the {source.speed_model_name(a.gemm_speed_model)} speed "
               f"model), statistics of iteration {source.stats.iteration}, loss weight {a.loss_weight}, "
               f"update weight {a.update_weight}")
-        print(policies.format_comparison(problem, plans))
+        print(baselines.format_comparison(problem, plans))
         for name, plan in plans.items():
             if isinstance(plan, Exception):
                 continue
@@ -101,10 +100,9 @@ def main(argv=None) -> int:
 def write_megatron_configs(plan, source: StatisticsFile, stem: Path, label: str) -> None:
     """``plan`` as STEM.yaml (and STEM.pp<s>[.vp<v>].yaml per model chunk) under the run's recipe and layout."""
     run = source.run
-    recipe = RecipeConfig(**run["recipe"]) if "recipe" in run else RecipeConfig()  # older files: the defaults
     try:
-        files = megatron_config_files(plan, recipe, run["dims"]["num_layers"], run["pipeline_stages"],
-                                      run.get("virtual_stages", 1), source=label)
+        files = megatron_config_files(plan, run.recipe, run.dims.num_layers, run.pipeline_stages, run.virtual_stages,
+                                      source=label)
     except ValueError as e:
         print(f"no Megatron-LM precision config for {label}: {e}")
         return

@@ -15,7 +15,7 @@ import json
 import os
 from typing import Iterable
 
-from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
+from megatron_snip.data.vocab_tokenizer import VocabTokenizer
 
 HUGGINGFACE_TOKENIZER = "HuggingFaceTokenizer"
 TOKENIZER_JSON = "tokenizer.json"
@@ -40,7 +40,7 @@ def _token(value) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
 
 
-class HuggingFaceTokenizer(MegatronLegacyTokenizer):
+class HuggingFaceTokenizer(VocabTokenizer):
     """A ``tokenizer.json`` as a megatron-core tokenizer.
 
     Raises:
@@ -50,23 +50,17 @@ class HuggingFaceTokenizer(MegatronLegacyTokenizer):
     def __init__(self, path: str) -> None:
         from tokenizers import Tokenizer
 
-        from megatron_snip.data.tokenizer import _without_legacy_notice
-
-        with _without_legacy_notice():
-            super().__init__(path)
         files = tokenizer_files(path)
         self._tok = Tokenizer.from_file(files[TOKENIZER_JSON])
         config = json.load(open(files[TOKENIZER_CONFIG])) if TOKENIZER_CONFIG in files else {}
-        self._vocab = self._tok.get_vocab(with_added_tokens=True)
-        self._inv_vocab = {i: piece for piece, i in self._vocab.items()}
-        eos = _token(config.get("eos_token")) or next((t for t in _KNOWN_EOS if t in self._vocab), None)
-        if eos is None or eos not in self._vocab:
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        eos = _token(config.get("eos_token")) or next((t for t in _KNOWN_EOS if t in vocab), None)
+        if eos is None or eos not in vocab:
             raise ValueError(f"--tokenizer-model {path}: cannot tell the end-of-document token (no eos_token in a "
                              f"{TOKENIZER_CONFIG} next to {TOKENIZER_JSON}, and none of {list(_KNOWN_EOS)}); give "
                              f"the model directory with its {TOKENIZER_CONFIG}")
-        self._eos = self._vocab[eos]
-        self._bos = self._vocab.get(_token(config.get("bos_token")), -1)
-        self._pad = self._vocab.get(_token(config.get("pad_token")), -1)
+        super().__init__(path, vocab, eos=vocab[eos], bos=vocab.get(_token(config.get("bos_token")), -1),
+                         pad=vocab.get(_token(config.get("pad_token")), -1))
         self._path = path
 
     def tokenize(self, text: str) -> list[int]:
@@ -78,30 +72,6 @@ class HuggingFaceTokenizer(MegatronLegacyTokenizer):
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
     @property
-    def vocab(self) -> dict[str, int]:
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> dict[int, str]:
-        return self._inv_vocab
-
-    @property
     def vocab_size(self) -> int:
         """Number of ids, added tokens included (``len(AutoTokenizer)``)."""
         return self._tok.get_vocab_size(with_added_tokens=True)
-
-    @property
-    def eod(self) -> int:
-        return self._eos
-
-    @property
-    def eos(self) -> int:
-        return self._eos
-
-    @property
-    def bos(self) -> int:
-        return self._bos
-
-    @property
-    def pad(self) -> int:
-        return self._pad

@@ -35,6 +35,7 @@ from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
 from megatron_snip.data.corpus import iter_documents
 
 from megatron_snip.data.config import HUGGINGFACE_TOKENIZER, NULL_TOKENIZER, SENTENCEPIECE_TYPES
+from megatron_snip.data.vocab_tokenizer import VocabTokenizer
 
 # Megatron-LM's --tokenizer-type values of tokenizer files: this module's, and data/hf_tokenizer.py's.
 SENTENCEPIECE_TOKENIZER = SENTENCEPIECE_TYPES[0]
@@ -43,32 +44,8 @@ TOKENIZER_TYPES = (*SENTENCEPIECE_TYPES, HUGGINGFACE_TOKENIZER)
 # --------------------------------------------------------------------------------------------
 # Using a model
 
-_LEGACY_NOTICE_LOGGER = "megatron.core.datasets.megatron_tokenizer"
-
-
-@contextlib.contextmanager
-def _without_legacy_notice() -> Iterator[None]:
-    """Silence the deprecation notice megatron-core logs on every tokenizer construction.
-
-    In megatron-core 0.16.1 ``GPTDataset`` needs only ``eod``/``pad``/``vocab_size`` and the
-    ``unique_identifiers`` this base class provides, so the "please migrate" notice is noise
-    (printed once per preprocessing worker).
-    """
-    logger = logging.getLogger(_LEGACY_NOTICE_LOGGER)
-
-    def drop_notice(record: logging.LogRecord) -> bool:
-        return "legacy tokenizer system" not in record.getMessage()
-
-    logger.addFilter(drop_notice)
-    try:
-        yield
-    finally:
-        logger.removeFilter(drop_notice)
-
-
-class SentencePieceTokenizer(MegatronLegacyTokenizer):
-    """A SentencePiece model as a megatron-core tokenizer (``MegatronLegacyTokenizer``, the
-    abstract class of ``megatron.core.datasets.megatron_tokenizer`` in 0.16.1).
+class SentencePieceTokenizer(VocabTokenizer):
+    """A SentencePiece model as a megatron-core tokenizer.
 
     Args:
         model_file: path to a ``.model`` file, e.g. one written by ``tools/train_tokenizer.py``.
@@ -78,8 +55,6 @@ class SentencePieceTokenizer(MegatronLegacyTokenizer):
     """
 
     def __init__(self, model_file: str) -> None:
-        with _without_legacy_notice():
-            super().__init__(model_file)
         self._model_file = model_file
         self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
         if self._sp.eos_id() < 0:
@@ -87,8 +62,8 @@ class SentencePieceTokenizer(MegatronLegacyTokenizer):
                 f"--tokenizer-model {model_file}: the model defines no eos id, which Megatron uses "
                 "as the end-of-document token; retrain it with tools/train_tokenizer.py"
             )
-        self._vocab = {self._sp.id_to_piece(i): i for i in range(self._sp.get_piece_size())}
-        self._inv_vocab = {i: piece for piece, i in self._vocab.items()}
+        super().__init__(model_file, {self._sp.id_to_piece(i): i for i in range(self._sp.get_piece_size())},
+                         eos=self._sp.eos_id(), bos=self._sp.bos_id(), pad=self._sp.pad_id())
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of ``text`` (no bos/eos added)."""
@@ -99,39 +74,9 @@ class SentencePieceTokenizer(MegatronLegacyTokenizer):
         return self._sp.decode([int(i) for i in ids])
 
     @property
-    def vocab(self) -> dict[str, int]:
-        """Piece -> id."""
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> dict[int, str]:
-        """Id -> piece."""
-        return self._inv_vocab
-
-    @property
     def vocab_size(self) -> int:
         """Number of ids, i.e. every id is in ``[0, vocab_size)``."""
         return self._sp.get_piece_size()
-
-    @property
-    def eod(self) -> int:
-        """End-of-document id (the model's eos id, as in Megatron-LM)."""
-        return self._sp.eos_id()
-
-    @property
-    def eos(self) -> int:
-        """End-of-sequence id (same as ``eod``)."""
-        return self._sp.eos_id()
-
-    @property
-    def bos(self) -> int:
-        """Beginning-of-sequence id, -1 if the model has none."""
-        return self._sp.bos_id()
-
-    @property
-    def pad(self) -> int:
-        """Padding id, -1 if the model has none (megatron-core then pads with -1 itself)."""
-        return self._sp.pad_id()
 
     @property
     def model_file(self) -> str:

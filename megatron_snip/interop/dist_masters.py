@@ -53,13 +53,13 @@ def main(load_dir: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     from megatron_snip.compat.device import setup_device
-    from megatron_snip.interop.hf_llama import _saved_args
+    from megatron_snip.interop.checkpoint_args import saved_args
     from megatron_snip.model.llama import build_model, transformer_config
     from megatron_snip.training import checkpointing
     from megatron_snip.training.checkpoint_record import CheckpointRecord
     from megatron_snip.training.setup import build_optimizer, build_scheduler, initialize_distributed, wrap_ddp
 
-    saved, record = _saved_args(load_dir)
+    saved, record = saved_args(load_dir)
     run = _run_config(saved)
     setup_device()
     initialize_distributed(run.parallel, run.training.seed)

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from megatron_snip.compat.launch import default_to_one_process, free_port
 from megatron_snip.fileio import umask, write_text_atomic
 from megatron_snip.interop import hf_files
+from megatron_snip.interop.checkpoint_args import saved_args
 from megatron_snip.interop.convert import (
     LlamaLayout,
     export_part,
@@ -251,26 +252,6 @@ def _keep_files(load_dir: str, save_dir: str) -> str | None:
     return dest
 
 
-def _saved_args(load_dir: str) -> tuple[dict, dict]:
-    """(arguments, replicated state) of the newest checkpoint in ``load_dir``, with the vocabulary
-    sizes derived for checkpoints trained from scratch (they record the tokenizer, not the size)."""
-    from megatron_snip.model.llama import padded_vocab_size
-    from megatron_snip.training.checkpointing import read_record
-
-    record = read_record(load_dir)
-    if record is None:
-        raise FileNotFoundError(f"--load-dir {load_dir} holds no checkpoint (no latest_checkpointed_iteration.txt)")
-    saved = dict(record.args)
-    if saved.get("vocab_size") is None:
-        from megatron_snip.data.tokenizer import build_tokenizer
-
-        saved["vocab_size"] = build_tokenizer(saved["tokenizer_type"], saved["tokenizer_model"]).vocab_size
-    if saved.get("padded_vocab_size") is None:
-        saved["padded_vocab_size"] = padded_vocab_size(saved["vocab_size"], saved["make_vocab_size_divisible_by"],
-                                                       saved["tensor_model_parallel_size"])
-    return saved, record
-
-
 def _hf_config(model: ModelConfig, saved: dict, dtype: torch.dtype) -> HFLlamaConfig:
     return HFLlamaConfig(
         vocab_size=model.vocab_size, hidden_size=model.hidden_size, intermediate_size=model.ffn_hidden_size,
@@ -306,7 +287,7 @@ def export_hf(load_dir: str, save_dir: str, dtype: str = "auto", max_shard_bytes
     start = time.perf_counter()
     if os.path.exists(save_dir) and os.listdir(save_dir):
         raise FileExistsError(f"--save-dir {save_dir} exists and is not empty; choose a new directory")
-    saved, record = _saved_args(load_dir)
+    saved, record = saved_args(load_dir)
     masters = _has_fp32_masters(saved, record)
     tmp = save_dir.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -50,13 +50,13 @@ class SnipConfig:
         1.0, "Weight of the update divergence (beta; 1 as in the paper). 0 plans by the loss divergence alone: in the "
         "CPU-scale comparisons, with the Hutchinson curvature it trained better at 90%% FP4 and worse at 50%%; with "
         "--snip-curvature fisher, re-planned, better or equal at 90%% in every setting, but behind the default at 75%% "
-        "on the quickstart corpus at 8 layers (docs/quality.md).", ours=True)
+        "on the quickstart corpus at 8 layers (docs/evidence.md).", ours=True)
     snip_switch_penalty: float = flag(0.0, "Objective penalty per module whose precision changes from the current "
                                       "plan.", ours=True)
     snip_curvature: str = flag(
         "hutchinson", "Curvature of the loss term: Hutchinson noise passes (the paper's) or the empirical Fisher "
         "N ||dY||^2 of the clean pass, which needs no curvature passes and cannot come out negative "
-        "(docs/quality.md).", choices=CURVATURES, ours=True)
+        "(docs/evidence.md).", choices=CURVATURES, ours=True)
     snip_probe_passes: int = flag(
         3, "Noise draws per estimator, each one pass differenced against a clean pass (default 3: a cycle runs 1 "
         "gradient + 1 clean + 3 curvature + 3 perturbation passes, 8 in all, and a clean forward for the "
@@ -66,7 +66,7 @@ class SnipConfig:
         None, "Parameters (name substrings, e.g. embedding) whose drift the update divergence's propagated part leaves "
         "out: the probes' parameter perturbation skips them (default: none, the paper's). The embedding holds most of "
         "the propagated drift of the CPU-scale models; leaving it out trained worse at 75%% FP4 and no better at 90%% "
-        "(docs/quality.md).", ours=True)
+        "(docs/evidence.md).", ours=True)
 
     def due(self, iteration: int) -> bool:
         """Whether a cycle runs after ``iteration``."""

@@ -1,17 +1,19 @@
-"""What a SNIP cycle decided, module by module, in words a user can check.
+"""What a SNIP cycle decided, module by module, in words a user can check, and the cycle's report.
 
 For every module: the precision the plan gives it, the estimated costs of that choice
 (``alpha * dL/loss`` of its forward format, ``beta * dU/||u||^2`` of its backward format,
 the ILP's own cost terms), and the next faster candidate with what it would have cost:
 how close each call was. A pure function of the plan and the ILP's cost tables, printed as a
 table for small models and summarised for large ones (the full table goes to a file).
+:class:`CycleReport` is the whole cycle's outcome, typed from the re-planner through the trainer's log
+to the statistics file (its ``cycle``) and back (``statistics_file.StatisticsFile.cycle``).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, fields
 
 from megatron_snip.numerics.registry import PRECISION_NAMES, precision_format
 from megatron_snip.precision.plan import PrecisionPlan, parse_module_name
@@ -87,3 +89,45 @@ def decision_summary(rows: Sequence[Decision], top: int = 8) -> str:
     lines.append(f"costliest {len(costly)} choices: " + "; ".join(
         f"{d.module} {d.precision} ({d.loss + d.update:.3g})" for d in costly))
     return "\n".join(lines)
+
+
+@dataclass
+class CycleReport:
+    """What one cycle decided and what it cost; identical on every rank after the broadcast."""
+
+    iteration: int
+    plan: PrecisionPlan  # the plan from the next step on
+    solver: str
+    objective: float
+    gap: float
+    solve_seconds: float
+    cycle_seconds: float
+    fp4_fraction: float
+    stage_fp4_fraction: dict[int, float]
+    time_ratio: float  # the plan's estimated linear-GEMM time / all-bf16 (under the run's speed model)
+    stage_time_ratio: dict[int, float]
+    time_target: float  # the time budget the ILP held the plan to (given, or implied by the FP4 target)
+    loss_divergence: float  # sum over modules of alpha * dL/loss of the chosen formats
+    update_divergence: float  # sum over modules of beta * dU/||u||^2 of the chosen formats
+    layer_divergence: dict[int, float]  # per layer, both terms
+    decisions: list[Decision] = field(default_factory=list)  # per module, in the cost tables' order
+    # modules whose Hutchinson curvature its draws do not tell from 0 (estimators.unresolved_curvatures;
+    # None: no draws to judge by)
+    unresolved_curvatures: list[str] | None = None
+
+    def to_dict(self) -> dict:
+        """The JSON form (the statistics file's ``cycle``): the plan as ``PrecisionPlan.to_dict()``, each
+        decision as a dict of its fields."""
+        return {**{f.name: getattr(self, f.name) for f in fields(self)}, "plan": self.plan.to_dict(),
+                "decisions": [asdict(d) for d in self.decisions]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CycleReport:
+        """The inverse of :meth:`to_dict`, after JSON (whose object keys are strings: the stage and layer
+        keys come back as ints). Files of statistics schema 0 hold no decisions and no unresolved
+        curvatures: an empty list and None."""
+        ints = ("stage_fp4_fraction", "stage_time_ratio", "layer_divergence")
+        return cls(**{**d, "plan": PrecisionPlan.from_dict(d["plan"]),
+                      **{k: {int(i): v for i, v in d[k].items()} for k in ints},
+                      "decisions": [Decision(**row) for row in d.get("decisions", [])],
+                      "unresolved_curvatures": d.get("unresolved_curvatures")})

@@ -132,7 +132,7 @@ def fisher_trace(output_grad_sq: float, output_numel: float, out_features: int) 
     ``N dY_t``, and the Fisher is the mean of their outer products).
 
     Read from the clean pass alone, and always >= 0, where the Hutchinson trace is a difference of
-    noisy passes that can come out negative (docs/quality.md, "Estimator variants").
+    noisy passes that can come out negative (results/notebook.md, "Estimator variants").
 
     Args:
         output_grad_sq: ``||dY||^2`` of the clean pass (dY the gradient of the mean loss).

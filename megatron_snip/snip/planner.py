@@ -3,7 +3,7 @@
 Pure functions. :class:`~megatron_snip.snip.replanner.SnipReplanner` calls them on rank 0 with a
 cycle's gathered statistics; ``training/precision.py`` at start-up, on zero costs, to check that the
 budgets are feasible under the pins; ``snip/statistics_file.py`` (``tools/snip_solve.py``, the
-comparisons in ``megatron_snip/research/``) on a statistics file.
+comparisons in ``snip_lab/``) on a statistics file.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
@@ -31,43 +31,15 @@ from megatron_snip.precision.gemm_speed import GemmSpeedModel
 from megatron_snip.precision.plan import PrecisionPlan, parse_module_name
 from megatron_snip.snip.adam_view import global_parameter_names
 from megatron_snip.snip.config import SnipConfig, SnipConfigError
-from megatron_snip.snip.decisions import Decision, decision_table, decisions
+from megatron_snip.snip.decisions import CycleReport, decision_table, decisions
 from megatron_snip.snip.estimators import cost_tables, divergences, unresolved_curvatures
 from megatron_snip.snip.ilp import InfeasibleBudgetError
 from megatron_snip.snip.planner import PlannerConfig, build_problem, linear_modules, solve_plan
 from megatron_snip.snip.probes import ProbeConfig, gather_across_pipeline, run_probe_cycle, unmatched_gain_excludes
 from megatron_snip.snip.statistics import STATISTICS_SCHEMA_VERSION, ProbeStatistics
+from megatron_snip.snip.statistics_file import RunSettings, SpeedModelRecord
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class CycleReport:
-    """What one cycle decided and what it cost; identical on every rank after the broadcast."""
-
-    iteration: int
-    plan: PrecisionPlan  # the plan from the next step on
-    solver: str
-    objective: float
-    gap: float
-    solve_seconds: float
-    cycle_seconds: float
-    fp4_fraction: float
-    stage_fp4_fraction: dict[int, float]
-    time_ratio: float  # the plan's estimated linear-GEMM time / all-bf16 (under the run's speed model)
-    stage_time_ratio: dict[int, float]
-    time_target: float  # the time budget the ILP held the plan to (given, or implied by the FP4 target)
-    loss_divergence: float  # sum over modules of alpha * dL/loss of the chosen formats
-    update_divergence: float  # sum over modules of beta * dU/||u||^2 of the chosen formats
-    layer_divergence: dict[int, float]  # per layer, both terms
-    decisions: list[dict] = field(default_factory=list)  # per module: decisions.Decision as a dict
-    # modules whose Hutchinson curvature its draws do not tell from 0 (estimators.unresolved_curvatures;
-    # None: no draws to judge by)
-    unresolved_curvatures: list[str] | None = None
-
-    def to_dict(self) -> dict:
-        """The JSON form (the statistics file's ``cycle``): the plan as ``PrecisionPlan.to_dict()``."""
-        return {**{f.name: getattr(self, f.name) for f in fields(self)}, "plan": self.plan.to_dict()}
 
 
 @dataclass(frozen=True)
@@ -158,8 +130,8 @@ class SnipReplanner:
             time_target=problem.time_target,
             loss_divergence=sum(f for f, _ in chosen.values()),
             update_divergence=sum(b for _, b in chosen.values()), layer_divergence=per_layer,
-            decisions=[asdict(d) for d in decisions(plan, costs, self.planner.formats, speed=self.planner.speed,
-                                                    pins=self.planner.pins, fixed=fixed)],
+            decisions=decisions(plan, costs, self.planner.formats, speed=self.planner.speed, pins=self.planner.pins,
+                                fixed=fixed),
             unresolved_curvatures=unresolved_curvatures(self.statistics))
 
     def write_statistics(self, directory: str, iteration: int) -> str | None:
@@ -171,25 +143,24 @@ class SnipReplanner:
             return None
         os.makedirs(directory, exist_ok=True)
         stem = os.path.join(directory, f"snip_iter_{iteration:07d}")
-        report = self.reports[-1].to_dict() if self.reports else None
+        report = self.reports[-1] if self.reports else None
         speed = self.speed_model
-        run = {"dims": asdict(self.dims), "tokens": self.step.tokens,
-               "pipeline_stages": self.pipeline_stages,
-               "virtual_stages": self.virtual_stages, "formats": list(self.planner.formats),
-               "budget": self.snip.snip_budget, "fp4_target": self.snip.snip_fp4_target,
-               "time_target": self.snip.snip_time_target, "split_passes": self.snip.snip_split_passes,
-               "speed_model": {"name": speed.name, "throughput": dict(speed.throughput), "source": speed.source},
-               "speeds": dict(self.planner.speed), "recipe": asdict(self.recipe),
-               "pins": {n: str(p) for n, p in self.planner.pins.items()}}
+        run = RunSettings(
+            dims=self.dims, tokens=self.step.tokens, pipeline_stages=self.pipeline_stages,
+            virtual_stages=self.virtual_stages, formats=tuple(self.planner.formats), budget=self.snip.snip_budget,
+            fp4_target=self.snip.snip_fp4_target, time_target=self.snip.snip_time_target,
+            split_passes=self.snip.snip_split_passes,
+            speed_model=SpeedModelRecord(speed.name, dict(speed.throughput), speed.source),
+            speeds=dict(self.planner.speed), recipe=self.recipe, pins=dict(self.planner.pins))
         write_text_atomic(stem + ".json", json.dumps({
             "schema_version": STATISTICS_SCHEMA_VERSION,
-            "run": run, "statistics": self.statistics.to_dict(), "cycle": report,
+            "run": run.to_dict(), "statistics": self.statistics.to_dict(),
+            "cycle": report.to_dict() if report is not None else None,
             "divergences": {n: {fmt: asdict(d) for fmt, d in per.items()}
                             for n, per in divergences(self.statistics).items()}}, indent=1))
         if report is not None:
-            write_text_atomic(stem + ".decisions.txt",
-                              decision_table([Decision(**d) for d in report["decisions"]]) + "\n")
-            self._write_megatron_configs(stem, self.reports[-1].plan, iteration)
+            write_text_atomic(stem + ".decisions.txt", decision_table(report.decisions) + "\n")
+            self._write_megatron_configs(stem, report.plan, iteration)
         return stem + ".json"
 
     def _write_megatron_configs(self, stem: str, plan: PrecisionPlan, iteration: int) -> None:

@@ -3,10 +3,9 @@
 
 from __future__ import annotations
 
-from megatron_snip.snip.decisions import TABLE_MAX_ROWS, Decision, decision_summary, decision_table
+from megatron_snip.snip.decisions import TABLE_MAX_ROWS, CycleReport, decision_summary, decision_table
 from megatron_snip.snip.estimators import UNRESOLVED_Z
 from megatron_snip.snip.plan_image import plan_image
-from megatron_snip.snip.replanner import CycleReport
 from megatron_snip.training import tags
 from megatron_snip.training.logger import MetricsLogger, metric_line
 
@@ -30,7 +29,7 @@ def log_cycle(logger: MetricsLogger, report: CycleReport, num_layers: int) -> No
                    report.iteration)
     logger.image(tags.SNIP_PLAN_IMAGE, plan_image(plan, num_layers, title=f"iteration {report.iteration}: FP4 "
                                                                       f"{report.fp4_fraction:.1%}"), report.iteration)
-    rows = [Decision(**d) for d in report.decisions]
+    rows = report.decisions
     table = decision_table(rows)
     logger.panel(tags.SNIP_DECISIONS, f"```\n{table}\n```", report.iteration)
     if len(rows) <= TABLE_MAX_ROWS:

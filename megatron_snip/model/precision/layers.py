@@ -167,7 +167,7 @@ class QuantizedLinearMixin(PlanLinear):
     def quantize_only(self, operands: Collection[tuple[str, str]]) -> None:
         """Keep the precision's quantizers on ``operands`` ((gemm, operand) pairs such as
         ``("dgrad", "w")``) and run every other operand in bf16, until the precision or recipe next
-        changes: the ground truth's split of a GEMM's error by operand (research.ground_truth)."""
+        changes: the ground truth's split of a GEMM's error by operand (snip_lab.ground_truth)."""
         exact = LinearQuantizers.resolve(BF16, self.recipe).table
         self._quantizers = LinearQuantizers({key: q if key in operands else exact[key]
                                              for key, q in self._quantizers.table.items()})
