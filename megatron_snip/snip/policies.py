@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 
 from megatron_snip.numerics.registry import precision_format
 from megatron_snip.snip import baselines
+from megatron_snip.snip.config import CURVATURES
 from megatron_snip.snip.estimators import (
-    CURVATURES,
     cost_tables,
     fisher_trace,
     local_error_baselines,
