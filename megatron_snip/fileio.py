@@ -60,7 +60,7 @@ def check_writable(directory: str | os.PathLike) -> str | None:
         return f"cannot create the folder: [Errno {errno.ENOTDIR}] {os.strerror(errno.ENOTDIR)} (ENOTDIR: {folder} " \
                f"is a file)"
     probe = folder / f".write_probe.{socket.gethostname()}.{os.getpid()}"
-    renamed = probe.with_suffix(".renamed")
+    renamed = probe.with_name(probe.name + ".renamed")  # not with_suffix: that would drop the pid
     steps = ((f"create a file {where}", lambda: probe.open("x").close()),
              (f"write a file {where}", lambda: probe.write_text("probe")),
              (f"rename a file {where}", lambda: os.replace(probe, renamed)),

@@ -275,7 +275,7 @@ def test_nan_in_one_module_output_is_caught_and_named(tiny_data, tmp_path, polic
         (error,) = re.findall(r"pretrain_llama\.py: error: .*", proc.stderr)
         assert "non-finite loss and gradients at iteration 2" in error and named in error, error
         assert ("first: decoder.layers.1.mlp.linear_fc2 fprop.x, entered its input from outside the quantized "
-                "GEMMs; --non-finite-grad-policy fail") in error
+                "GEMMs (no quantized GEMM made them: nothing to promote); --non-finite-grad-policy fail") in error
         assert "[train] iteration        2/" not in proc.stdout
     else:
         assert proc.returncode == 0, proc.stderr[-3000:]

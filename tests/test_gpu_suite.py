@@ -23,7 +23,8 @@ import prepare_gpu_wheels as wheels
 from side_by_side import side_by_side
 
 CUDA_FILES = {"tests/test_triton_qdq.py", "tests/test_fp8_gemm.py", "tests/test_fp8_linear.py",
-              "tests/test_quantizers.py", "tests/test_gpu_training.py", "tests/test_snip_probes.py"}
+              "tests/test_quantizers.py", "tests/test_gpu_training.py", "tests/test_snip_probes.py",
+              "tests/test_step_speed.py"}
 
 
 def suite(*args: str) -> subprocess.CompletedProcess:

@@ -15,6 +15,11 @@ from contextvars import ContextVar
 _collecting: ContextVar[list[str] | None] = ContextVar("_collecting", default=None)
 
 
+class HostProblem(str):
+    """A problem's message that depends on the host the rank runs on (what its filesystem lets it do), not on
+    the flags alone: rank 0 cannot speak for it, so the first rank of each host reports its own."""
+
+
 class ArgumentError(ValueError):
     """Bad command-line values; each message names the flag (or file) and what would be right.
     ``problems``: the messages, one per problem (``str()`` joins them, one per line)."""

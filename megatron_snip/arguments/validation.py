@@ -28,7 +28,7 @@ from megatron_snip.precision.config import RECIPE_DEFAULTS
 from megatron_snip.snip.config import DEFAULT_FP4_TARGET
 
 from .architecture import resolve_architecture
-from .errors import ArgumentError, Problems, require
+from .errors import ArgumentError, HostProblem, Problems, require
 from .megatron_lm import refuse_megatron_lm, validate_megatron_lm
 from .parser import parse_args
 
@@ -581,7 +581,7 @@ def _validate_output_folders(args: argparse.Namespace) -> None:
     for flag, folder in folders.items():
         if folder is not None:
             failure = check_writable(folder)
-            require(failure is None, f"{flag} {folder}: {failure}; give a folder this job can write")
+            require(failure is None, HostProblem(f"{flag} {folder}: {failure}; give a folder this job can write"))
 
 
 def _validate_data_files(args: argparse.Namespace) -> int:

@@ -9,12 +9,14 @@ with :data:`~megatron_snip.training.requeue.CONFIG_ERROR_STATUS`.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from megatron_snip.arguments import ArgumentError, parse_args, resolve
+from megatron_snip.arguments.errors import HostProblem
 from megatron_snip.compat.launch import default_to_one_process
 from megatron_snip.training import requeue
 
@@ -31,9 +33,15 @@ def _error(e: Exception) -> None:
 
 
 def _refused(e: ArgumentError, save: str | None) -> int:
-    """Every problem at once, from rank 0 only (every rank found the same), and the exit record asking
-    not to requeue where --save already exists (best effort: an unwritable --save may be the problem)."""
-    if os.environ.get("RANK", "0") != "0":
+    """Every problem at once, from rank 0 (every rank found the same), and the exit record asking not to
+    requeue where --save already exists (best effort: an unwritable --save may be the problem). A folder
+    this host cannot write (:class:`HostProblem`) is reported by the first rank of each host, naming it."""
+    rank = os.environ.get("RANK", "0")
+    if rank != "0":
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            for problem in e.problems:
+                if isinstance(problem, HostProblem):
+                    _error(f"rank {rank} on {socket.gethostname()}: {problem}")
         return requeue.CONFIG_ERROR_STATUS
     problems = e.problems or [str(e)]
     if len(problems) == 1:
