@@ -135,11 +135,16 @@ def test_layer_glob_does_not_catch_two_digit_layers(tmp_path):
 
 @pytest.mark.parametrize("plan,recipe,message", [
     (PrecisionPlan({"decoder.layers.1.mlp.linear_fc1": Precision.uniform("mxfp4")}), RECIPE,
-     "decoder.layers.1.mlp.linear_fc1: mxfp4: Transformer Engine has no mxfp4 recipe"),
+     "decoder.layers.1.mlp.linear_fc1: precision mxfp4: Transformer Engine has no MXFP4 recipe"),
     (PrecisionPlan({"decoder.layers.0.mlp.linear_fc2": Precision("nvfp4", "fp8")}), RECIPE,
      "decoder.layers.0.mlp.linear_fc2: nvfp4/fp8 gives the forward and backward GEMMs different precisions"),
     (PrecisionPlan.uniform("fp8"), RecipeConfig(fp8_recipe="delayed"),
      "decoder.layers.0.self_attention.linear_qkv: fp8 with --fp8-recipe delayed"),
+    (PrecisionPlan({"decoder.layers.1.mlp.linear_fc2": Precision.uniform("fp8:delayed")}), RECIPE,
+     "decoder.layers.1.mlp.linear_fc2: fp8:delayed: megatron-core's per-module TE recipes do not support delayed "
+     "scaling; use fp8:tensorwise, fp8:blockwise or fp8:mxfp8"),
+    (PrecisionPlan({"decoder.layers.0.mlp.linear_fc1": Precision.uniform("fp8:rowwise")}), RECIPE,
+     "decoder.layers.0.mlp.linear_fc1: fp8:rowwise: Transformer Engine has no rowwise FP8 recipe"),
 ])
 def test_what_te_cannot_state_is_refused(plan, recipe, message):
     with pytest.raises(ValueError, match="cannot be stated in a Megatron-LM precision config") as e:
@@ -193,8 +198,7 @@ def test_a_config_that_depends_on_an_unknown_base_is_refused(tmp_path):
      "fp4_quantization_recipe 'custom' is not one this program runs (nvfp4)"),
     ({"c": te(fp8_quantization_recipe="delayed")}, "Delayed scaling not in scope"),
     ({"c": te(fp8_quantization_recipe="blockwise", override_nonquantized_autocast=True)},
-     "fp8 blockwise / e4m3, but every fp8 module runs the run's --fp8-recipe tensorwise --fp8-format hybrid; give "
-     "--fp8-recipe blockwise --fp8-format e4m3"),
+     "fp8_format e4m3, but every FP8 module runs the run's --fp8-format hybrid; give --fp8-format e4m3"),
     ({"c": {**te(), "evaluation_recipe": {"fp4_quantization_recipe": "nvfp4"}}}, "an evaluation_recipe other than"),
     ({"c": te(fp8_recipe="tensorwise")}, "Field 'fp8_recipe' not valid"),
     ({"c": {"training_recipe": {}}}, "must have 'transformer_engine_config_type' key"),

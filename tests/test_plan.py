@@ -7,7 +7,7 @@ from fractions import Fraction
 
 import pytest
 
-from megatron_snip.numerics.recipes import BF16, Precision
+from megatron_snip.numerics.recipes import BF16, PRECISION_NAMES, Precision
 from megatron_snip.precision.flops import LlamaLinearDims, flop_fractions, flops_by_format, gemm_flops
 from megatron_snip.precision.plan import (
     LINEAR_MODULES,
@@ -115,7 +115,8 @@ def test_flop_fractions_hand_checked():
     # FP4: all of layer 0's fc1 (3 * 2 * 64 = 384) + layer 1's fc2 backward (2 * 2 * 32 = 128).
     # FP8: layer 1's qkv forward only (2 * 32 = 64).
     totals = flops_by_format(plan, DIMS)
-    assert totals == {"nvfp4": 384, "mxfp4": 128, "fp8": 64, "bf16": 1728 - 384 - 128 - 64}
+    assert totals == {**dict.fromkeys(PRECISION_NAMES, 0), "nvfp4": 384, "mxfp4": 128, "fp8": 64,
+                      "bf16": 1728 - 384 - 128 - 64}
     f = flop_fractions(plan, DIMS)
     assert f.fp4 == pytest.approx(float(Fraction(512, 1728)))
     assert f.fp8 == pytest.approx(float(Fraction(64, 1728)))
