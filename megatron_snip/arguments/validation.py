@@ -512,7 +512,8 @@ def _default_snip_formats(args: argparse.Namespace, cuda: bool, fp4_target_given
     from megatron_snip.precision.execution import fast_precisions
 
     recipe = RecipeConfig(fp8_recipe=args.fp8_recipe, fp8_format=args.fp8_format, fp8_gemm=args.fp8_gemm)
-    fast = fast_precisions(args.fp4_recipe, recipe, args.transformer_impl, torch.cuda.get_device_capability())
+    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    fast = fast_precisions(args.fp4_recipe, recipe, args.transformer_impl, capability)
     if not fast:
         return research
     fp4 = [args.fp4_recipe] if fp4_target_given and args.fp4_recipe not in fast else []
