@@ -64,6 +64,49 @@ def test_inconsistent_flags(tiny_data, extra, world, flag):
         parse(tiny_data, *extra, world_size=world)
 
 
+SNIP_FLAGS = ("--snip", "--snip-interval", "2", "--snip-fp4-target", "0")
+
+
+@pytest.mark.parametrize("formats,message", [
+    (("bf16", "fp8:fast"), "--snip-formats fp8:fast: unknown FP8 recipe 'fast' in precision 'fp8:fast'; valid: "
+     "fp8:tensorwise, fp8:delayed, fp8:rowwise, fp8:blockwise, fp8:mxfp8 (Megatron-LM's --fp8-recipe values, and "
+     "rowwise)"),
+    (("bf16", "fp8_rowwise"), "--snip-formats fp8_rowwise: unknown precision 'fp8_rowwise' (an FP8 recipe per module "
+     "is written fp8:rowwise); valid: bf16, fp8, fp8:tensorwise, fp8:delayed, fp8:rowwise, fp8:blockwise, fp8:mxfp8, "
+     "nvfp4, mxfp4 (or forward/backward, e.g. 'fp8/bf16')"),
+    (("bf16", "fp8", "fp8:tensorwise"), "--snip-formats lists fp8 and fp8:tensorwise, the same quantizers under "
+     "--fp8-recipe tensorwise: give one of them (fp8 runs the run's --fp8-recipe, fp8:RECIPE its own)"),
+    (("bf16", "fp8:rowwise", "fp8:rowwise"), "--snip-formats lists fp8:rowwise more than once: give each candidate "
+     "once"),
+])
+def test_fp8_recipe_candidates_are_checked_at_the_edge(formats, message):
+    from conftest import run_config
+
+    with pytest.raises(ArgumentError) as e:
+        run_config(*SNIP_FLAGS, "--snip-formats", *formats)
+    assert str(e.value) == message
+
+
+def test_fp8_recipes_per_module_are_candidates_and_precisions(tiny_data):
+    """--snip-formats takes fp8:RECIPE beside the run's fp8 (another recipe than --fp8-recipe's), --precision and
+    --snip-warmup-plan take them too, and the measured speed table times each one the run can use."""
+    from conftest import run_config
+
+    from megatron_snip.numerics.recipes import Precision
+    from megatron_snip.training.precision import timed_precisions
+
+    config = parse(tiny_data, *SNIP_FLAGS, "--snip-formats", "bf16", "fp8", "fp8:rowwise", "fp8:blockwise",
+                   "--snip-warmup-plan", "fp8:mxfp8")
+    assert config.snip.snip_formats == ("bf16", "fp8", "fp8:rowwise", "fp8:blockwise")
+    assert config.start.plan.default == Precision.uniform("fp8:mxfp8")
+    assert timed_precisions(config) == ["bf16", "fp8", "nvfp4", "mxfp4", "fp8:rowwise", "fp8:blockwise", "fp8:mxfp8"]
+    plain = parse(tiny_data, "--precision", "fp8:rowwise")
+    assert plain.start.plan.default == Precision.uniform("fp8:rowwise")
+    assert timed_precisions(plain) == ["bf16", "fp8", "nvfp4", "mxfp4", "fp8:rowwise"]
+    # Without a GPU no candidate has a fast kernel: a time-target run keeps the research default.
+    assert run_config(*SNIP_FLAGS, "--snip-time-target", "1").snip.snip_formats == ("bf16", "fp8", "nvfp4")
+
+
 def test_triton_kernels_need_cuda(tiny_data, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ArgumentError, match=r"--quant-kernels triton needs (CUDA|the triton package)"):

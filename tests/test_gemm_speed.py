@@ -29,6 +29,37 @@ def test_time_linears_times_every_shape_and_precision_on_the_training_path():
     assert all(f > 0 and b > 0 for row in times.values() for f, b in row.values())
 
 
+def test_fp8_recipes_are_timed_each_through_its_own_recipe_and_priced_per_unit():
+    """fp8:RECIPE names are timed beside the run's fp8 (sharing its figures where they quantize alike, so noise
+    cannot tell them apart), and a time budget chooses among recipes per module by each one's measured time."""
+    names = ("bf16", "fp8", "fp8:tensorwise", "fp8:rowwise", "fp8:blockwise")
+    times = time_linears({"mlp.linear_fc2": (16, 128, 64)}, RecipeConfig(), device=torch.device("cpu"),
+                         dtype=torch.float32, names=names, repeats=1)["mlp.linear_fc2"]
+    assert list(times) == list(names) and times["fp8:tensorwise"] is times["fp8"]
+    assert times["fp8:rowwise"] is not times["fp8"] and all(f > 0 and b > 0 for f, b in times.values())
+    # By hand: rowwise pays at qkv, blockwise at fc2 (tensorwise at neither).
+    by_hand = {"self_attention.linear_qkv": {"bf16": (1.0, 2.0), "fp8": (1.0, 2.0), "fp8:rowwise": (0.5, 1.0),
+                                             "fp8:blockwise": (1.0, 2.0)},
+               "mlp.linear_fc2": {"bf16": (2.0, 4.0), "fp8": (2.0, 4.0), "fp8:rowwise": (2.0, 4.0),
+                                  "fp8:blockwise": (1.0, 2.0)}}
+    model = speed_model_from_times(by_hand, SHAPES, RecipeConfig(), device="CPU", source="by hand")
+    assert model.precision_speeds(RecipeConfig()) == pytest.approx(
+        {"bf16": 1.0, "fp8": 1.0, "fp8:rowwise": 9 / 7.5, "fp8:blockwise": 9 / 6})
+    with pytest.raises(KeyError, match="precision fp8:mxfp8 was not timed by the measured speed table"):
+        model.precision_speed("fp8:mxfp8", RecipeConfig())
+    mods = [LinearModule.from_shape("decoder.layers.0.self_attention.linear_qkv", 0, 32, 64, 128),
+            LinearModule.from_shape("decoder.layers.0.mlp.linear_fc2", 0, 32, 192, 64)]
+    formats = ("bf16", "fp8", "fp8:rowwise", "fp8:blockwise")
+    # Each module costs least in the recipe that does not pay for it there.
+    cost = {mods[0].name: {"bf16": 0.0, "fp8": 0.1, "fp8:rowwise": 0.3, "fp8:blockwise": 0.1},
+            mods[1].name: {"bf16": 0.0, "fp8": 0.1, "fp8:rowwise": 0.1, "fp8:blockwise": 0.3}}
+    problem = SnipProblem(mods, formats, 0.0, cost=cost, speed=model.precision_speeds(RecipeConfig()),
+                          unit_speed=unit_speeds(mods, model.module_speeds(formats), split=False), time_target=0.6)
+    solution = solve(problem)
+    assert solution.plan == {mods[0].name: "fp8:rowwise", mods[1].name: "fp8:blockwise"}
+    assert solution.time_ratio == pytest.approx(4.5 / 9)  # qkv 1.5 s + fc2 3 s of 9 s
+
+
 def test_speeds_are_relative_to_the_model_wide_bf16_rate_and_emulation_is_capped():
     model = speed_model_from_times(TIMES, SHAPES, RecipeConfig(), device="CPU", source="by hand",
                                    emulated=["nvfp4", "mxfp4"])

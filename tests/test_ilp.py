@@ -38,10 +38,20 @@ SPEED_TABLES = ({"bf16": 1.0, "fp8": 2.0, "nvfp4": 4.0, "mxfp4": 4.0},   # black
                 {"bf16": 1.0, "fp8": 2.0, "nvfp4": 1.0, "mxfp4": 1.0})   # hopper-like: FP4 emulated
 
 
-def random_instance(rng, *, split=False, per_stage=False, pins=False, switch=False, time=False):
-    """Raw instance data (plain dicts) plus the SnipProblem built from it."""
+# Candidates of a time-target plan on Hopper: an FP8 recipe per module, FP4 sometimes among them.
+RECIPE_FORMATS = (("bf16", "fp8:tensorwise", "fp8:rowwise", "fp8:blockwise"),
+                  ("bf16", "fp8:tensorwise", "fp8:rowwise", "nvfp4"),
+                  ("fp8", "fp8:rowwise", "fp8:blockwise", "fp8:mxfp8"))
+
+
+def random_instance(rng, *, split=False, per_stage=False, pins=False, switch=False, time=False, recipes=False):
+    """Raw instance data (plain dicts) plus the SnipProblem built from it. ``recipes``: FP8 recipes per module
+    as candidates, priced per unit (a measured speed table's ``unit_speed``) under a time budget."""
     formats = [("fp8", "nvfp4"), ("bf16", "nvfp4"), ("bf16", "fp8", "nvfp4"), ("fp8", "nvfp4", "mxfp4")][
         rng.integers(4)]
+    if recipes:
+        formats = RECIPE_FORMATS[rng.integers(len(RECIPE_FORMATS))]
+        time = True
     n = int(rng.integers(3, 6) if split else rng.integers(4, 8))
     n_stages = int(rng.integers(1, 4))
     modules = [
@@ -72,12 +82,20 @@ def random_instance(rng, *, split=False, per_stage=False, pins=False, switch=Fal
 
     def build(target, time_target=None):
         costs = dict(fwd_cost=raw["fwd_cost"], bwd_cost=raw["bwd_cost"]) if split else dict(cost=raw["cost"])
-        timed = dict(speed=raw["speed"], time_target=time_target) if time else {}
+        timed = dict(speed=raw["speed"], time_target=time_target, unit_speed=raw.get("unit_speed")) if time else {}
         return SnipProblem(modules, formats, target, **costs, per_stage=per_stage, pins=raw["pins"],
                            current=raw["current"] or None, switch_penalty=raw["penalty"], **timed)
 
     if time:
         raw["speed"] = SPEED_TABLES[rng.integers(len(SPEED_TABLES))]
+    if recipes:
+        # Measured-like: each unit its own speed per format, bf16 included (the ILP's all-bf16 time), FP8
+        # recipes from a little slower to twice as fast as bf16 (rowwise and blockwise pay more for scales).
+        low = {"bf16": 0.8, "fp8": 1.0, "fp8:tensorwise": 1.0, "fp8:rowwise": 0.9, "fp8:blockwise": 0.7,
+               "fp8:mxfp8": 0.6, "nvfp4": 0.5}
+        raw["speed"] = {f: 1.0 for f in formats}
+        raw["unit_speed"] = {k: {f: float(rng.uniform(low[f], low[f] + 1.0)) for f in {*formats, "bf16"}}
+                             for k in keys}
     largest = largest_feasible_target(build(0.0))
     # Every fifth instance sits exactly on the largest feasible target.
     target = largest if rng.random() < 0.2 else float(rng.uniform(0, largest))
@@ -115,12 +133,16 @@ def enumerate_assignments(raw):
     objective = np.zeros(len(combos))
     fp4_flops, time = {}, {}
     speed = raw.get("speed")
-    for j, (allowed, unit_cost, flops, stage) in enumerate(units):
+    bf16_time = {}  # stage -> its all-bf16 time (its FLOPs, or by each unit's own speed)
+    for j, (key, (allowed, unit_cost, flops, stage)) in enumerate(zip(raw["keys"], units)):
         objective += np.asarray(unit_cost)[combos[:, j]]
         is_fp4 = np.array([f in FP4 for f in allowed])[combos[:, j]]
         fp4_flops[stage] = fp4_flops.get(stage, 0.0) + flops * is_fp4
+        unit_speed = raw["unit_speed"][key] if raw.get("unit_speed") else speed
         if speed is not None:
-            time[stage] = time.get(stage, 0.0) + np.array([flops / speed[f] for f in allowed])[combos[:, j]]
+            time[stage] = time.get(stage, 0.0) + np.array([flops / unit_speed[f] for f in allowed])[combos[:, j]]
+            bf16_time[stage] = bf16_time.get(stage, 0.0) + flops / (unit_speed["bf16"] if raw.get("unit_speed")
+                                                                      else 1.0)
     stage_total = {}
     for _, _, flops, stage in units:
         stage_total[stage] = stage_total.get(stage, 0.0) + flops
@@ -132,8 +154,8 @@ def enumerate_assignments(raw):
     if speed is None:
         return objective, ok, None
     # The binding time of an assignment: its worst stage with per-stage budgets, else the whole.
-    ratio = (np.max([time[s] / f for s, f in stage_total.items()], axis=0) if raw["per_stage"]
-             else sum(time.values()) / total)
+    ratio = (np.max([time[s] / bf16_time[s] for s in stage_total], axis=0) if raw["per_stage"]
+             else sum(time.values()) / sum(bf16_time.values()))
     return objective, ok, ratio
 
 
@@ -158,12 +180,14 @@ SCENARIOS = {
     "switch": dict(switch=True, per_stage=None),
     "split": dict(split=True, per_stage=None, pins=None, switch=None),
     "time": dict(time=True, per_stage=None, pins=None, split=None),
+    "fp8_recipes": dict(recipes=True, per_stage=None, pins=None, split=None, switch=None),
 }
 
 
 @pytest.mark.parametrize("solver", SOLVER_NAMES)
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_matches_brute_force(scenario, solver):
+    mixed_recipes = 0  # optima that run modules in two FP8 recipes or more
     for seed in range(N_INSTANCES):
         rng = np.random.default_rng([list(SCENARIOS).index(scenario), seed])
         # None in a scenario means "toggle at random per instance".
@@ -184,6 +208,9 @@ def test_matches_brute_force(scenario, solver):
         assert evaluate_plan(problem, sol.plan).objective == pytest.approx(sol.objective)
         assert 0 <= sol.gap <= 1e-4 + 1e-12 and sol.seconds >= 0
         assert sol.bound <= sol.objective + 1e-6
+        mixed_recipes += len({f for f in sol.plan.values() if f.startswith("fp8")}) > 1
+    if scenario == "fp8_recipes":
+        assert mixed_recipes >= N_INSTANCES // 3, "the instances must exercise plans that mix FP8 recipes"
 
 
 def test_solvers_agree_exactly_with_zero_gap():

@@ -20,6 +20,7 @@ from megatron_snip.model.precision.megatron_config import (
     to_megatron_config,
 )
 from megatron_snip.numerics.recipes import BF16, Precision, RecipeConfig
+from megatron_snip.numerics.registry import precision_fp8_recipe
 from megatron_snip.precision.plan import LINEAR_MODULES, PlanError, PrecisionPlan, module_name, module_names
 from megatron_snip.training.precision import initial_plan
 
@@ -57,8 +58,9 @@ def assert_resolves_to(path, plan: PrecisionPlan, recipe: RecipeConfig, paths: d
         assert in_bf16 == in_quantized == (want != "bf16"), name
         te = params.training_recipe
         assert te.fp4_quantization_recipe == ("nvfp4" if want == "nvfp4" else None), name
-        assert te.fp8_quantization_recipe == (recipe.fp8_recipe if want == "fp8" else None), name
-        if want == "fp8":
+        fp8 = precision_fp8_recipe(want, recipe.fp8_recipe)  # fp8: the run's recipe; fp8:RECIPE its own
+        assert te.fp8_quantization_recipe == fp8, name
+        if fp8 is not None:
             assert te.fp8_format == recipe.fp8_format, name
         assert params.evaluation_recipe is None
 
@@ -70,6 +72,32 @@ def test_megatron_core_resolves_every_module_to_the_plans_format_and_recipe(tmp_
     path = tmp_path / "plan.yaml"
     path.write_text(to_megatron_config(plan, recipe, 12))
     assert_resolves_to(path, plan, recipe, {n: n for n in module_names(12)})  # one chunk: global = local paths
+
+
+@pytest.mark.parametrize("run_recipe", ["tensorwise", "blockwise", "rowwise"])
+def test_fp8_recipes_per_module_round_trip_through_megatron_core(tmp_path, run_recipe):
+    """fp8 and fp8:RECIPE both become megatron-core's per-module fp8_quantization_recipe; reading maps the
+    run's --fp8-recipe back to fp8 and every other recipe to fp8:RECIPE, so a plan that names the run's recipe
+    as fp8 comes back unchanged (under --fp8-recipe rowwise, which TE lacks, plain fp8 cannot be written)."""
+    recipe = RecipeConfig(fp8_recipe=run_recipe)
+    te = [r for r in ("tensorwise", "blockwise", "mxfp8") if r != run_recipe]
+    formats = ("bf16", "nvfp4", *(f"fp8:{r}" for r in te), *(("fp8",) if run_recipe != "rowwise" else ()))
+    plan = random_plan(8, seed=5, formats=formats)
+    assert {str(p) for p in plan.modules.values()} | {str(plan.default)} == set(formats)
+    path = tmp_path / "plan.yaml"
+    path.write_text(to_megatron_config(plan, recipe, 8))
+    assert_resolves_to(path, plan, recipe, {n: n for n in module_names(8)})
+    assert PrecisionPlan(read_megatron_config(path, 8, recipe=recipe)) == PrecisionPlan(
+        {n: plan[n] for n in module_names(8)})
+    configs = __import__("yaml").safe_load(path.read_text())["configs"]
+    assert configs[f"fp8:{te[0]}"]["training_recipe"]["fp8_quantization_recipe"] == te[0]
+    header = " ".join(line[2:] for line in path.read_text().splitlines() if line.startswith("# "))
+    assert f"fp8:{te[0]} = TE " in header and "(--fp8-format hybrid)" in header
+    # fp8:RECIPE naming the run's recipe is the same config, read back as plain fp8
+    if run_recipe != "rowwise":
+        same = PrecisionPlan.uniform(f"fp8:{run_recipe}")
+        path.write_text(to_megatron_config(same, recipe, 8))
+        assert set(read_megatron_config(path, 8, recipe=recipe).values()) == {Precision.uniform("fp8")}
 
 
 @pytest.mark.parametrize("pp,vpp", [(2, 1), (2, 2), (4, 1)])
@@ -135,11 +163,16 @@ def test_layer_glob_does_not_catch_two_digit_layers(tmp_path):
 
 @pytest.mark.parametrize("plan,recipe,message", [
     (PrecisionPlan({"decoder.layers.1.mlp.linear_fc1": Precision.uniform("mxfp4")}), RECIPE,
-     "decoder.layers.1.mlp.linear_fc1: mxfp4: Transformer Engine has no mxfp4 recipe"),
+     "decoder.layers.1.mlp.linear_fc1: precision mxfp4: Transformer Engine has no MXFP4 recipe"),
     (PrecisionPlan({"decoder.layers.0.mlp.linear_fc2": Precision("nvfp4", "fp8")}), RECIPE,
      "decoder.layers.0.mlp.linear_fc2: nvfp4/fp8 gives the forward and backward GEMMs different precisions"),
     (PrecisionPlan.uniform("fp8"), RecipeConfig(fp8_recipe="delayed"),
      "decoder.layers.0.self_attention.linear_qkv: fp8 with --fp8-recipe delayed"),
+    (PrecisionPlan({"decoder.layers.1.mlp.linear_fc2": Precision.uniform("fp8:delayed")}), RECIPE,
+     "decoder.layers.1.mlp.linear_fc2: fp8:delayed: megatron-core's per-module TE recipes do not support delayed "
+     "scaling; use fp8:tensorwise, fp8:blockwise or fp8:mxfp8"),
+    (PrecisionPlan({"decoder.layers.0.mlp.linear_fc1": Precision.uniform("fp8:rowwise")}), RECIPE,
+     "decoder.layers.0.mlp.linear_fc1: fp8:rowwise: Transformer Engine has no rowwise FP8 recipe"),
 ])
 def test_what_te_cannot_state_is_refused(plan, recipe, message):
     with pytest.raises(ValueError, match="cannot be stated in a Megatron-LM precision config") as e:
@@ -193,8 +226,7 @@ def test_a_config_that_depends_on_an_unknown_base_is_refused(tmp_path):
      "fp4_quantization_recipe 'custom' is not one this program runs (nvfp4)"),
     ({"c": te(fp8_quantization_recipe="delayed")}, "Delayed scaling not in scope"),
     ({"c": te(fp8_quantization_recipe="blockwise", override_nonquantized_autocast=True)},
-     "fp8 blockwise / e4m3, but every fp8 module runs the run's --fp8-recipe tensorwise --fp8-format hybrid; give "
-     "--fp8-recipe blockwise --fp8-format e4m3"),
+     "fp8_format e4m3, but every FP8 module runs the run's --fp8-format hybrid; give --fp8-format e4m3"),
     ({"c": {**te(), "evaluation_recipe": {"fp4_quantization_recipe": "nvfp4"}}}, "an evaluation_recipe other than"),
     ({"c": te(fp8_recipe="tensorwise")}, "Field 'fp8_recipe' not valid"),
     ({"c": {"training_recipe": {}}}, "must have 'transformer_engine_config_type' key"),

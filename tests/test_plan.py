@@ -7,7 +7,7 @@ from fractions import Fraction
 
 import pytest
 
-from megatron_snip.numerics.recipes import BF16, Precision
+from megatron_snip.numerics.recipes import BF16, PRECISION_NAMES, Precision
 from megatron_snip.precision.flops import LlamaLinearDims, flop_fractions, flops_by_format, gemm_flops
 from megatron_snip.precision.plan import (
     LINEAR_MODULES,
@@ -53,6 +53,29 @@ def test_json_round_trip(tmp_path):
     assert plan[module_name(3, "mlp.linear_fc1")] == NV and plan[module_name(9, "mlp.linear_fc1")] == BF16
 
 
+def test_fp8_recipes_per_module_round_trip_and_old_plans_keep_their_meaning(tmp_path):
+    """fp8:RECIPE is a precision of its own in plans (split too); a version-1 plan's fp8 stays fp8, which runs
+    the run's --fp8-recipe, while fp8:RECIPE keeps its recipe under any --fp8-recipe."""
+    from megatron_snip.numerics.recipes import RecipeConfig, operand_quantizer
+
+    plan = PrecisionPlan({module_name(0, "self_attention.linear_qkv"): Precision.parse("fp8:rowwise"),
+                          module_name(0, "mlp.linear_fc1"): Precision.parse("fp8:blockwise/bf16"),
+                          module_name(1, "mlp.linear_fc2"): Precision.parse("fp8")},
+                         default=Precision.uniform("fp8:mxfp8"))
+    text = plan.to_json()
+    assert json.loads(text) == {"version": 1, "default": "fp8:mxfp8", "modules": {
+        "decoder.layers.0.self_attention.linear_qkv": "fp8:rowwise", "decoder.layers.0.mlp.linear_fc1":
+        "fp8:blockwise/bf16", "decoder.layers.1.mlp.linear_fc2": "fp8"}}
+    assert PrecisionPlan.from_json(text) == plan
+    assert plan[module_name(0, "mlp.linear_fc1")] == Precision("fp8:blockwise", "bf16")
+    old = PrecisionPlan.from_json('{"version": 1, "default": "fp8", "modules": {}}')  # written before fp8:RECIPE
+    assert old == PrecisionPlan.uniform("fp8") != PrecisionPlan.uniform("fp8:tensorwise")
+    for run in ("tensorwise", "rowwise", "blockwise"):
+        recipe = RecipeConfig(fp8_recipe=run)
+        assert operand_quantizer("fp8", "dgrad", "dy", recipe) == operand_quantizer(f"fp8:{run}", "dgrad", "dy")
+        assert operand_quantizer("fp8:rowwise", "fprop", "x", recipe).scheme == "fp8_rowwise"
+
+
 def test_equality_is_semantic():
     assert PrecisionPlan.uniform("nvfp4") == PrecisionPlan({module_name(0, "mlp.linear_fc1"): NV}, NV)
     assert PrecisionPlan.uniform("nvfp4") != PrecisionPlan.uniform("mxfp4")
@@ -68,6 +91,10 @@ def test_equality_is_semantic():
     ('{"version": 1, "modules": {"decoder.layers.0.mlp.linear_fc1": "nvfp5"}}',
      "module decoder.layers.0.mlp.linear_fc1: unknown precision 'nvfp5'"),
     ('{"version": 1, "modules": {"decoder.layers.0.mlp.fc1": "nvfp4"}}', "not a linear module name"),
+    ('{"version": 1, "default": "fp8:fast"}', "default: unknown FP8 recipe 'fast' in precision 'fp8:fast'; valid: "
+     "fp8:tensorwise, fp8:delayed, fp8:rowwise, fp8:blockwise, fp8:mxfp8"),
+    ('{"version": 1, "default": "fp8_rowwise"}', r"unknown precision 'fp8_rowwise' \(an FP8 recipe per module is "
+     r"written fp8:rowwise\)"),
     ('{"version": 1, "modules": {"decoder.layers.0.mlp.linear_fc1": 4}}', "precision must be a string"),
     ('{"version": 1, "modules": []}', "'modules' must be an object"),
     ('{"version": 1, "plan": {}}', "unknown key"),
@@ -115,7 +142,8 @@ def test_flop_fractions_hand_checked():
     # FP4: all of layer 0's fc1 (3 * 2 * 64 = 384) + layer 1's fc2 backward (2 * 2 * 32 = 128).
     # FP8: layer 1's qkv forward only (2 * 32 = 64).
     totals = flops_by_format(plan, DIMS)
-    assert totals == {"nvfp4": 384, "mxfp4": 128, "fp8": 64, "bf16": 1728 - 384 - 128 - 64}
+    assert totals == {**dict.fromkeys(PRECISION_NAMES, 0), "nvfp4": 384, "mxfp4": 128, "fp8": 64,
+                      "bf16": 1728 - 384 - 128 - 64}
     f = flop_fractions(plan, DIMS)
     assert f.fp4 == pytest.approx(float(Fraction(512, 1728)))
     assert f.fp8 == pytest.approx(float(Fraction(64, 1728)))

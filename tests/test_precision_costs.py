@@ -30,7 +30,8 @@ def test_every_recipe_quantizer_is_a_registered_scheme_with_a_quantizer():
                     scale = torch.tensor(1.0) if q.scheme.startswith("fp8_t") or q.scheme == "fp8_delayed" else None
                     out = quantize_dequantize(x, q, scale=scale, generator=torch.Generator().manual_seed(1))
                     assert out.shape == x.shape and out.dtype == torch.float32 and torch.isfinite(out).all()
-    assert FP4_NAMES == ("nvfp4", "mxfp4") and [family(n) for n in PRECISION_NAMES] == ["bf16", "fp8", "fp4", "fp4"]
+    assert FP4_NAMES == ("nvfp4", "mxfp4")
+    assert [family(n) for n in PRECISION_NAMES] == ["bf16", "fp8", *["fp8"] * 5, "fp4", "fp4"]
 
 
 def test_fake_quantize_goes_through_the_same_quantizers_as_the_layers():
@@ -45,8 +46,11 @@ def test_fake_quantize_goes_through_the_same_quantizers_as_the_layers():
 
 def test_peak_speed_models_follow_the_published_ratios():
     hopper, blackwell = PEAK_MODELS["hopper"], PEAK_MODELS["blackwell"]
-    assert hopper.precision_speeds(RecipeConfig()) == {"bf16": 1.0, "fp8": 2.0, "nvfp4": 1.0, "mxfp4": 1.0}
-    assert blackwell.precision_speeds(RecipeConfig()) == {"bf16": 1.0, "fp8": 2.0, "nvfp4": 4.0, "mxfp4": 4.0}
+    fp8 = {"fp8:tensorwise": 2.0, "fp8:delayed": 2.0, "fp8:rowwise": 2.0, "fp8:blockwise": 2.0}
+    assert hopper.precision_speeds(RecipeConfig()) == {"bf16": 1.0, "fp8": 2.0, **fp8, "fp8:mxfp8": 1.0,
+                                                       "nvfp4": 1.0, "mxfp4": 1.0}
+    assert blackwell.precision_speeds(RecipeConfig()) == {"bf16": 1.0, "fp8": 2.0, **fp8, "fp8:mxfp8": 2.0,
+                                                          "nvfp4": 4.0, "mxfp4": 4.0}
     # MXFP8 has no tensor cores on Hopper: fp8 under --fp8-recipe mxfp8 is emulated there.
     assert hopper.precision_speed("fp8", RecipeConfig(fp8_recipe="mxfp8")) == 1.0
     assert blackwell.precision_speed("fp8", RecipeConfig(fp8_recipe="mxfp8")) == 2.0

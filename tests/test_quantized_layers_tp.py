@@ -64,6 +64,7 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.all_gather_object(results["pp_names"], pp_module_names())
     _layout()  # data parallel: both ranks run the same single-process checks
     results["gpt"] = gpt_training()
+    results["recipes"] = mixed_recipe_bits()
     if rank == 0:
         torch.save(results, os.path.join(out_dir, "results.pt"))
     dist.destroy_process_group()
@@ -319,6 +320,88 @@ def test_quantized_gpt_trains(results, plan):
     assert losses[-1] < losses[0] - 1.0, losses
     # Memorising one batch: 4-bit GEMMs cost some loss, not the learning.
     assert losses[-1] < bf16[-1] + 0.5 * (bf16[0] - bf16[-1]), (losses, bf16)
+
+
+# An FP8 recipe per module: fp8 follows the controller's (the run's) recipe, fp8:RECIPE keeps its own.
+RECIPE_PLAN = {"decoder.layers.0.self_attention.linear_qkv": "fp8", "decoder.layers.0.self_attention.linear_proj":
+               "fp8:rowwise", "decoder.layers.0.mlp.linear_fc1": "fp8:blockwise", "decoder.layers.0.mlp.linear_fc2":
+               "fp8:mxfp8", "decoder.layers.1.self_attention.linear_qkv": "fp8:rowwise/fp8:blockwise",
+               "decoder.layers.1.mlp.linear_fc1": "fp8:tensorwise", "decoder.layers.1.mlp.linear_fc2": "fp8"}
+
+
+def _reference_gemms(x, w, dy, precision, recipe):
+    """(y, dx, dw) of ``Y = X W^T`` and its backward GEMMs from the reference quantizers alone: each
+    operand quantized and dequantized by ``quantize_dequantize`` as ``operand_quantizer`` says, then fp32
+    GEMMs (the emulated path's arithmetic)."""
+    from megatron_snip.numerics.blocks import tensor_amax
+    from megatron_snip.numerics.fp8 import fp8_scale_from_amax
+    from megatron_snip.numerics.quantize import quantize_dequantize
+    from megatron_snip.numerics.recipes import operand_quantizer
+
+    def q(t, gemm, operand):
+        quantizer = operand_quantizer(precision.fwd if gemm == "fprop" else precision.bwd, gemm, operand, recipe)
+        src = t.t() if quantizer.columnwise else t
+        scale = fp8_scale_from_amax(tensor_amax(src).float(), quantizer.element) if quantizer.spec.per_tensor \
+            else None
+        out = quantize_dequantize(src, quantizer, scale=scale)
+        return out.t() if quantizer.columnwise else out
+
+    return (q(x, "fprop", "x") @ q(w, "fprop", "w").t(), q(dy, "dgrad", "dy") @ q(w, "dgrad", "w"),
+            q(dy, "wgrad", "dy").t() @ q(x, "wgrad", "x"))
+
+
+def mixed_recipe_bits():
+    """A plan of FP8 recipes per module applied by the controller, under the run recipes tensorwise and then
+    rowwise: per module, whether its forward output, input gradient and weight gradient equal the reference
+    quantizers' of its own recipe (plain fp8: the run's), and of the run's recipe's plain fp8."""
+    from megatron_snip.model.precision.controller import PrecisionController
+    from megatron_snip.numerics.recipes import Precision, RecipeConfig
+    from megatron_snip.precision.plan import PrecisionPlan
+
+    model = _gpt(_gpt_config())
+    controller = PrecisionController(model, seed=1)
+    plan = PrecisionPlan({k: Precision.parse(v) for k, v in RECIPE_PLAN.items()})
+    captured = {}
+
+    def hook(name):
+        def forward_hook(module, inputs, output):
+            x, y = inputs[0], output[0]
+            record = captured[name] = {"x": x.detach(), "y": y.detach()}
+            x.register_hook(lambda g: record.__setitem__("dx", g.detach()))
+            y.register_hook(lambda g: record.__setitem__("dy", g.detach()))
+        return forward_hook
+
+    modules = controller.modules()
+    for name, module in modules.items():
+        module.register_forward_hook(hook(name))
+    out = {}
+    for run_recipe in ("tensorwise", "rowwise"):
+        recipe = RecipeConfig(fp8_recipe=run_recipe, kernels="torch")
+        controller.set_recipe(recipe)
+        controller.apply(plan)
+        model.zero_grad(set_to_none=True)
+        _loss(model, _batch()).backward()
+        for name, text in RECIPE_PLAN.items():
+            c, weight = captured[name], modules[name].weight
+            got = (c["y"].reshape(-1, c["y"].shape[-1]), c["dx"].reshape(-1, c["dx"].shape[-1]), weight.grad)
+            args = (c["x"].reshape(-1, c["x"].shape[-1]), weight.detach(), c["dy"].reshape(-1, c["dy"].shape[-1]))
+            own = _reference_gemms(*args, Precision.parse(text), recipe)
+            plain = _reference_gemms(*args, Precision.uniform("fp8"), recipe)
+            out[run_recipe, name] = {"own": [torch.equal(a, b) for a, b in zip(got, own)],
+                                     "run's": [torch.equal(a, b) for a, b in zip(got, plain)]}
+    return out
+
+
+@pytest.mark.integration
+def test_a_plan_of_fp8_recipes_runs_each_modules_own_recipe(results):
+    """Every module's three GEMMs give the bits of its own recipe's reference quantizers; plain fp8 follows the
+    run's recipe when it changes, fp8:RECIPE does not (so its results differ from the run recipe's)."""
+    bits = results["recipes"]
+    for (run_recipe, name), r in bits.items():
+        text = RECIPE_PLAN[name]
+        assert r["own"] == [True, True, True], (run_recipe, name, text, r)
+        follows_run = text == "fp8" or text == f"fp8:{run_recipe}"
+        assert all(r["run's"]) == follows_run, (run_recipe, name, text, r)
 
 
 def test_precision_layer_spec_replaces_exactly_the_four_linears():

@@ -276,6 +276,24 @@ def single_worker(rank, world, port, out_dir):
     quant = LinearQuantization(Precision.uniform("nvfp4"), fc1.recipe, QuantState())
     out["fc1_w_nvfp4_error_sq"] = (quantize_operand(w, quant.quantizer("fprop", "w"), "w", quant) - w).square().sum(
         dtype=torch.float64).item()
+    # FP8 recipes as candidates of their own: the probes price each with its own quantizers, whatever the run's
+    # recipe; the reference is fp8 under that recipe as the run's --fp8-recipe.
+    from dataclasses import replace
+
+    recipes = ("tensorwise", "rowwise", "blockwise")
+    by_recipe = run_probe_cycle(chunks, optimizer, controller, iter(batches[0]), num_microbatches=MICRO,
+                                seq_length=SEQ, micro_batch_size=MBS, iteration=STEPS,
+                                config=ProbeConfig(formats=tuple(f"fp8:{r}" for r in recipes), curvature="fisher",
+                                                   perturbation_probes=1, restore_grads=True))
+    module = by_recipe.modules["decoder.layers.1.mlp.linear_fc1"]
+    out["fc1_w_fp8_recipes"] = {r: module.errors[f"fp8:{r}"].operand_sq["w"] for r in recipes}
+    out["fc1_output_fp8_recipes"] = {r: module.errors[f"fp8:{r}"].output_sq for r in recipes}
+    reference = {}
+    for r in recipes:
+        quant = LinearQuantization(Precision.uniform("fp8"), replace(fc1.recipe, fp8_recipe=r), QuantState())
+        reference[r] = (quantize_operand(w, quant.quantizer("fprop", "w"), "w", quant) - w).square().sum(
+            dtype=torch.float64).item()
+    out["fc1_w_fp8_reference"] = reference
 
     # Estimator vs ground truth: every module in every format, on the probe batch.
     controller.apply(PrecisionPlan())
@@ -462,6 +480,19 @@ def test_statistics_are_finite_and_complete(single):
             assert 1e-5 < fp8 < fp4 < 0.1, (m.name, operand, fp8, fp4)
     assert stats.modules["decoder.layers.1.mlp.linear_fc1"].errors["nvfp4"].operand_sq["w"] == pytest.approx(
         single["fc1_w_nvfp4_error_sq"], rel=1e-8)  # fp64 sums in another order
+
+
+@pytest.mark.integration
+def test_each_fp8_recipe_is_measured_with_its_own_quantizers(single):
+    """fp8:tensorwise / rowwise / blockwise as candidates: each weight error is its recipe's reference quantizer's
+    (under a tensorwise run), and tensorwise's errors differ from the power-of-two-scaled recipes', so the ILP sees
+    them apart. (Rowwise and blockwise round alike here: a power-of-two scale changes no element's rounding but
+    for subnormals, and at this width a 1x128 block is a whole row.)"""
+    probe, reference = single["fc1_w_fp8_recipes"], single["fc1_w_fp8_reference"]
+    for recipe, value in probe.items():
+        assert value == pytest.approx(reference[recipe], rel=1e-8), recipe
+    for stats in (probe, single["fc1_output_fp8_recipes"]):
+        assert stats["tensorwise"] != pytest.approx(stats["rowwise"], rel=1e-6), stats
 
 
 @pytest.mark.integration

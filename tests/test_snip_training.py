@@ -1,4 +1,4 @@
-"""SNIP end to end through pretrain_llama.py at TP=2, PP=2 on CPU."""
+"""SNIP end to end through pretrain_llama.py on CPU (at TP=2, PP=2 but where a test says otherwise)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import stat
 import pytest
 from conftest import scalars, torchrun, train_args
 
+from megatron_snip.arguments import parse_config
 from megatron_snip.precision.plan import PrecisionPlan, module_names
 from megatron_snip.training import tags
 
@@ -98,6 +99,45 @@ def test_time_target_with_the_papers_candidates_at_tp2_pp2(tiny_data, tmp_path):
                                                                                                  "mxfp4": 4.0}
     plan = PrecisionPlan.from_dict(cycle["plan"])
     assert {str(plan[n]) for n in module_names(4)} == {"fp8", "mxfp4"}
+
+
+def test_a_time_target_chooses_among_fp8_recipes_per_module(tiny_data, tmp_path):
+    """--snip-formats bf16 fp8 fp8:tensorwise fp8:mxfp8 under --fp8-recipe blockwise (plain fp8 is blockwise) and a
+    time target, one process: the probes measure each recipe with its own quantizers, the plan meets the target
+    in a mix of them, the decisions, logs, megatron-core config and checkpoint carry each module's recipe, and a
+    resumed run starts from that plan."""
+    from megatron_snip.model.precision.megatron_config import read_megatron_config
+    from megatron_snip.numerics.recipes import RecipeConfig
+    from megatron_snip.training.checkpointing import read_record
+    from megatron_snip.training.precision import initial_plan
+
+    formats = ("bf16", "fp8", "fp8:tensorwise", "fp8:mxfp8")
+    flags = ("--snip", "--snip-formats", *formats, "--fp8-recipe", "blockwise", "--snip-time-target", "0.6",
+             "--gemm-speed-model", "blackwell", "--snip-interval", "2", "--snip-probe-passes", "1",
+             "--save", str(tmp_path / "ckpt"), "--save-interval", "2")
+    out = torchrun(1, train_args(tiny_data, *flags, iters=2))
+    path = tmp_path / "ckpt" / "snip" / "snip_iter_0000002.json"
+    record = json.loads(path.read_text())
+    errors = {f: record["statistics"]["modules"]["decoder.layers.1.mlp.linear_fc1"]["errors"][f]["output_sq"]
+              for f in formats[1:]}
+    assert errors["fp8"] != errors["fp8:tensorwise"], errors  # blockwise and tensorwise measured apart
+    cycle = record["cycle"]
+    plan = PrecisionPlan.from_dict(cycle["plan"])
+    chosen = {str(plan[n]) for n in module_names(4)}
+    assert chosen <= set(formats) and len(chosen - {"bf16"}) >= 1, chosen
+    assert cycle["time_target"] == 0.6 and cycle["time_ratio"] <= 0.6 + 1e-9
+    assert [r["precision"] for r in cycle["decisions"]] == [str(plan[n]) for n in module_names(4)]
+    recipe = RecipeConfig(fp8_recipe="blockwise")
+    yaml_plan = read_megatron_config(tmp_path / "ckpt" / "snip" / "snip_iter_0000002.yaml", 4, recipe=recipe)
+    assert PrecisionPlan(yaml_plan) == PrecisionPlan({n: plan[n] for n in module_names(4)})
+    checkpoint = read_record(str(tmp_path / "ckpt"))
+    assert PrecisionPlan.from_dict(checkpoint.precision_plan) == plan
+    resumed, source = initial_plan(parse_config(train_args(tiny_data, *flags, "--load", str(tmp_path / "ckpt"),
+                                                           iters=4), world_size=1, cuda=False), checkpoint)
+    assert resumed == plan and "the checkpoint's" in source
+    log = out.stdout + out.stderr
+    assert "fp8 (blockwise) simulated" in log or "fp8 simulated" in log
+    assert all(f"{p}:" in log or f" {p} " in log for p in chosen), chosen
 
 
 def test_fisher_curvature_plans_by_the_loss_term_it_measured_at_tp2_pp2(tiny_data, tmp_path):

@@ -151,6 +151,20 @@ def test_snip_on_the_te_backend_drops_what_te_cannot_run(tiny_data):
     assert "--snip-split-passes ignored" in notes
 
 
+def test_snip_on_the_te_backend_keeps_the_fp8_recipes_te_runs_per_module(tiny_data):
+    argv = train_args(tiny_data, "--transformer-impl", "transformer_engine", "--snip", "--snip-interval", "5",
+                      "--snip-formats", "bf16", "fp8:tensorwise", "fp8:rowwise", "fp8:blockwise", "fp8:delayed",
+                      "nvfp4")
+    config = parse_config(argv, world_size=1, cuda=True)
+    assert config.snip.snip_formats == ("bf16", "fp8:tensorwise", "fp8:blockwise", "nvfp4")
+    notes = " | ".join(config.precision.precision_notes)
+    assert ("SNIP candidate fp8:rowwise dropped on --transformer-impl transformer_engine (fp8:rowwise: Transformer "
+            "Engine has no rowwise FP8 recipe") in notes
+    assert "SNIP candidate fp8:delayed dropped" in notes and "do not support delayed scaling" in notes
+    blockwise = te_quant_params(Precision.uniform("fp8:blockwise"), RecipeConfig()).training_recipe
+    assert blockwise.fp8_quantization_recipe == Fp8Recipe.blockwise and blockwise.fp8_format == "hybrid"
+
+
 def test_snip_on_the_te_backend_needs_an_fp4_format_te_runs(tiny_data):
     argv = train_args(tiny_data, "--transformer-impl", "transformer_engine", "--snip", "--snip-interval", "5",
                       "--fp4-recipe", "mxfp4")

@@ -23,7 +23,7 @@ from megatron_snip.data.config import NULL_TOKENIZER, REFUSED_TOKENIZER_TYPES
 from megatron_snip.fileio import check_writable
 from megatron_snip.model import checkpoint_shape
 from megatron_snip.model.presets import PRESETS
-from megatron_snip.numerics.registry import FP4_NAMES, PRECISION_NAMES
+from megatron_snip.numerics.registry import FP4_NAMES
 from megatron_snip.precision.config import RECIPE_DEFAULTS
 from megatron_snip.snip.config import DEFAULT_FP4_TARGET
 
@@ -175,7 +175,9 @@ def resolve(parsed: argparse.Namespace, world_size: int | None = None, cuda: boo
     resumed = None if args.finetune else checkpoint  # --finetune takes the weights only
     with problems.step():
         _validate_precision(args, cuda, resumed)
-    for validate in (_validate_snip, _validate_safety, _validate_split):
+    with problems.step():
+        _validate_snip(args, cuda)
+    for validate in (_validate_safety, _validate_split):
         with problems.step():
             validate(args)
     with problems.step() as data_source:
@@ -440,13 +442,16 @@ def _fp8_recipe_notice(args: argparse.Namespace, given: dict, kept_recipe: str |
     return None
 
 
-def _validate_snip(args: argparse.Namespace) -> None:
-    if args.snip_formats is None:
-        args.snip_formats = ["bf16", "fp8", args.fp4_recipe]
+def _validate_snip(args: argparse.Namespace, cuda: bool) -> None:
     if not args.snip:
+        if args.snip_formats is None:
+            args.snip_formats = ["bf16", "fp8", args.fp4_recipe]
         return
+    fp4_target_given = args.snip_fp4_target is not None
     if args.snip_fp4_target is None:
         args.snip_fp4_target = 0.0 if args.snip_time_target is not None else DEFAULT_FP4_TARGET
+    if args.snip_formats is None:
+        args.snip_formats = _default_snip_formats(args, cuda, fp4_target_given)
     require(0.0 <= args.snip_fp4_target <= 1.0, f"--snip-fp4-target {args.snip_fp4_target} must lie in [0, 1]")
     require(args.snip_time_target is None or args.snip_time_target > 0,
             f"--snip-time-target {args.snip_time_target} must be > 0 (a ratio to the all-bf16 GEMM time)")
@@ -455,8 +460,7 @@ def _validate_snip(args: argparse.Namespace) -> None:
                 "--snip needs --snip-interval N or --save-interval N (SNIP re-plans at checkpoint intervals)")
         args.snip_interval = args.save_interval
     require(args.snip_interval >= 1, "--snip-interval must be >= 1")
-    bad = [f for f in args.snip_formats if f not in PRECISION_NAMES]
-    require(not bad, f"--snip-formats: unknown {bad}; choose from {list(PRECISION_NAMES)}")
+    _check_snip_formats(args.snip_formats, args.fp8_recipe)
     require(any(f in FP4_NAMES for f in args.snip_formats) or args.snip_fp4_target == 0,
             "--snip-formats has no FP4 format (nvfp4 or mxfp4) but --snip-fp4-target is above 0")
     require(args.snip_probe_passes >= 1, "--snip-probe-passes must be >= 1")
@@ -472,6 +476,48 @@ def _validate_snip(args: argparse.Namespace) -> None:
             "keep one of them above 0 (defaults 1, 1)")
     if args.transformer_impl == "transformer_engine":
         _te_snip_candidates(args)
+
+
+def _check_snip_formats(formats: list[str], fp8_recipe: str) -> None:
+    """Every candidate a registered precision, each quantizing its own way (ArgumentError naming the flag)."""
+    from megatron_snip.numerics.registry import precision_format, precision_scheme
+
+    for f in formats:
+        try:
+            precision_format(f)
+            unknown = None
+        except ValueError as e:
+            unknown = str(e)
+        require(unknown is None, f"--snip-formats {f}: {unknown}")
+    twice = sorted({f for f in formats if formats.count(f) > 1})
+    require(not twice, f"--snip-formats lists {' '.join(twice)} more than once: give each candidate once")
+    seen: dict[str, str] = {}
+    for f in formats:
+        same = seen.setdefault(precision_scheme(f, fp8_recipe).name, f)
+        require(same == f, f"--snip-formats lists {same} and {f}, the same quantizers under --fp8-recipe {fp8_recipe}: "
+                "give one of them (fp8 runs the run's --fp8-recipe, fp8:RECIPE its own)")
+
+
+def _default_snip_formats(args: argparse.Namespace, cuda: bool, fp4_target_given: bool) -> list[str]:
+    """--snip-formats when not given: the research default (bf16, fp8 and --fp4-recipe) for an FP4 share;
+    with --snip-time-target on a GPU, bf16 and the precisions with a real kernel there
+    (``execution.fast_precisions``: on Hopper fp8:tensorwise fp8:rowwise fp8:blockwise), with --fp4-recipe
+    where it has one or --snip-fp4-target is given; the research default where none has."""
+    research = ["bf16", "fp8", args.fp4_recipe]
+    if args.snip_time_target is None or not cuda:
+        return research
+    import torch
+
+    from megatron_snip.numerics.recipes import RecipeConfig
+    from megatron_snip.precision.execution import fast_precisions
+
+    recipe = RecipeConfig(fp8_recipe=args.fp8_recipe, fp8_format=args.fp8_format, fp8_gemm=args.fp8_gemm)
+    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    fast = fast_precisions(args.fp4_recipe, recipe, args.transformer_impl, capability)
+    if not fast:
+        return research
+    fp4 = [args.fp4_recipe] if fp4_target_given and args.fp4_recipe not in fast else []
+    return ["bf16", *fast, *fp4]
 
 
 def _te_snip_candidates(args: argparse.Namespace) -> None:

@@ -3,8 +3,12 @@
 Two levels, each a frozen description read by every part that dispatches on a name:
 
 * **Precisions** (:data:`PRECISIONS`): what a plan, a flag or the SNIP ILP gives a linear
-  module's GEMMs: ``bf16``, ``fp8``, ``nvfp4``, ``mxfp4``. Their *family* (bf16 / fp8 / fp4)
-  is what FLOP fractions, the ILP's FP4 budget and the plots count.
+  module's GEMMs: ``bf16``, ``fp8`` (scaled per the run's ``--fp8-recipe``), ``fp8:RECIPE``
+  (an FP8 recipe of its own, whatever the run's: ``fp8:tensorwise``, ``fp8:delayed``,
+  ``fp8:rowwise``, ``fp8:blockwise``, ``fp8:mxfp8``; RECIPE is Megatron-LM's ``--fp8-recipe``
+  value, the ``fp8_quantization_recipe`` of megatron-core's per-module configs, or ``rowwise``,
+  ours), ``nvfp4``, ``mxfp4``. Their *family* (bf16 / fp8 / fp4) is what FLOP fractions, the
+  ILP's FP4 budget and the plots count.
 * **Schemes** (:data:`SCHEMES`): how one GEMM operand is quantized: ``bf16``,
   ``fp8_tensorwise``, ``fp8_delayed``, ``fp8_rowwise``, ``fp8_block``, ``mxfp8``, ``mxfp4``, ``nvfp4``. The recipe
   (``recipes.operand_quantizer``) picks one per (precision, GEMM, operand); the quantizers
@@ -36,7 +40,10 @@ class PrecisionFormat:
         family: "bf16", "fp8" or "fp4": the element width class FLOP fractions count.
         bits: bits per element (scales excluded).
         summary: elements and scaling, for help texts and docs.
-        colour: RGB of the format in plan images (Paul Tol's colour-blind-safe "bright").
+        colour: RGB of the format in plan images (Paul Tol's colour-blind-safe "bright", and his
+            "muted" and "light" for the FP8 recipes).
+        scheme: the scheme every operand uses; None for ``fp8``, whose scheme ``--fp8-recipe`` picks.
+        fp8_recipe: the FP8 recipe an ``fp8:RECIPE`` precision fixes (None for the others).
     """
 
     name: str
@@ -44,7 +51,8 @@ class PrecisionFormat:
     bits: int
     summary: str
     colour: tuple[int, int, int]
-    scheme: str | None  # the scheme every operand uses; None for fp8, whose scheme --fp8-recipe picks
+    scheme: str | None
+    fp8_recipe: str | None = None
 
     @property
     def quantized(self) -> bool:
@@ -101,17 +109,6 @@ class SchemeFormat:
         return self.bits < 16
 
 
-PRECISIONS: dict[str, PrecisionFormat] = {p.name: p for p in (
-    PrecisionFormat("bf16", "bf16", 16, "bf16, unscaled (megatron-core's own GEMM)", (68, 119, 170), "bf16"),
-    PrecisionFormat("fp8", "fp8", 8, "E4M3 forward / E5M2 gradients, scaled per --fp8-recipe", (102, 204, 238),
-                    None),
-    PrecisionFormat("nvfp4", "fp4", 4, "E2M1, E4M3 scale per 16 elements (16x16 weight tiles) + fp32 per tensor",
-                    (238, 102, 119), "nvfp4"),
-    PrecisionFormat("mxfp4", "fp4", 4, "E2M1, E8M0 scale per 32 elements", (204, 187, 68), "mxfp4"),
-)}
-PRECISION_NAMES = tuple(PRECISIONS)
-FP4_NAMES = tuple(n for n, p in PRECISIONS.items() if p.family == "fp4")
-
 SCHEMES: dict[str, SchemeFormat] = {s.name: s for s in (
     SchemeFormat("bf16", 16, None, None, "none", "bf16", ("bf16",)),
     SchemeFormat("fp8_tensorwise", 8, None, None, "fp32 per tensor from its amax (current scaling)", "fp8",
@@ -129,13 +126,50 @@ SCHEMES: dict[str, SchemeFormat] = {s.name: s for s in (
                  ("e2m1",), global_scale=True, weight_tiles_optional=True, wgrad_hadamard=True,
                  stochastic_rounding=True),
 )}
-SPEED_KEYS = tuple(dict.fromkeys(s.speed_key for s in SCHEMES.values()))
-SCHEME_NAMES = tuple(SCHEMES)
 
 # --fp8-recipe -> the scheme of the fp8 precision's operands (TE's recipes; Megatron-LM's values).
 # rowwise is ours (torchao's float8 rowwise recipe; Transformer Engine has none).
 FP8_RECIPE_SCHEMES = {"tensorwise": "fp8_tensorwise", "delayed": "fp8_delayed", "rowwise": "fp8_rowwise",
                       "blockwise": "fp8_block", "mxfp8": "mxfp8"}
+# Between "fp8" and its recipe in a precision's name ("/" separates forward from backward).
+RECIPE_SEPARATOR = ":"
+# The colours of the fp8:RECIPE precisions in plan images (Tol's muted teal, green, indigo, purple; his light cyan).
+_FP8_RECIPE_COLOURS = {"tensorwise": (68, 170, 153), "delayed": (153, 221, 255), "rowwise": (17, 119, 51),
+                       "blockwise": (51, 34, 136), "mxfp8": (170, 68, 153)}
+
+
+def fp8_recipe_precision(recipe: str) -> str:
+    """The name of the precision that runs FP8 under ``recipe`` whatever the run's --fp8-recipe:
+    ``"fp8:rowwise"``."""
+    if recipe not in FP8_RECIPE_SCHEMES:
+        raise ValueError(f"unknown FP8 recipe {recipe!r}; valid: {', '.join(FP8_RECIPE_SCHEMES)}")
+    return f"fp8{RECIPE_SEPARATOR}{recipe}"
+
+
+def _fp8_recipe_format(recipe: str) -> PrecisionFormat:
+    scheme = SCHEMES[FP8_RECIPE_SCHEMES[recipe]]
+    elements = "E4M3 forward / E5M2 gradients per --fp8-format" if scheme.per_tensor else "E4M3"
+    return PrecisionFormat(fp8_recipe_precision(recipe), "fp8", 8,
+                           f"FP8 recipe {recipe} whatever --fp8-recipe: {elements}, scale {scheme.scale}",
+                           _FP8_RECIPE_COLOURS[recipe], scheme.name, recipe)
+
+
+PRECISIONS: dict[str, PrecisionFormat] = {p.name: p for p in (
+    PrecisionFormat("bf16", "bf16", 16, "bf16, unscaled (megatron-core's own GEMM)", (68, 119, 170), "bf16"),
+    PrecisionFormat("fp8", "fp8", 8, "E4M3 forward / E5M2 gradients, scaled per --fp8-recipe", (102, 204, 238),
+                    None),
+    *map(_fp8_recipe_format, FP8_RECIPE_SCHEMES),
+    PrecisionFormat("nvfp4", "fp4", 4, "E2M1, E4M3 scale per 16 elements (16x16 weight tiles) + fp32 per tensor",
+                    (238, 102, 119), "nvfp4"),
+    PrecisionFormat("mxfp4", "fp4", 4, "E2M1, E8M0 scale per 32 elements", (204, 187, 68), "mxfp4"),
+)}
+PRECISION_NAMES = tuple(PRECISIONS)
+FP4_NAMES = tuple(n for n, p in PRECISIONS.items() if p.family == "fp4")
+# The fp8:RECIPE precisions, by recipe.
+FP8_RECIPE_PRECISIONS = {p.fp8_recipe: n for n, p in PRECISIONS.items() if p.fp8_recipe is not None}
+SPEED_KEYS = tuple(dict.fromkeys(s.speed_key for s in SCHEMES.values()))
+SCHEME_NAMES = tuple(SCHEMES)
+
 
 # fake_quantize names per-tensor FP8 by its element ("fp8_e4m3"), as no recipe is there to pick
 # one: name -> (scheme, element). Every other scheme is its own name there, but delayed scaling,
@@ -146,9 +180,17 @@ NAMED_SCHEMES = tuple(n for s in SCHEMES.values() if not s.amax_history
 
 
 def precision_format(name: str) -> PrecisionFormat:
-    """The registered precision ``name``; ValueError listing the valid ones."""
+    """The registered precision ``name``; ValueError saying what is wrong and listing the valid ones."""
     if name not in PRECISIONS:
-        raise ValueError(f"unknown precision {name!r}; valid: {', '.join(PRECISION_NAMES)} "
+        base, sep, recipe = name.partition(RECIPE_SEPARATOR)
+        if sep and base == "fp8":
+            raise ValueError(f"unknown FP8 recipe {recipe!r} in precision {name!r}; valid: "
+                             f"{', '.join(FP8_RECIPE_PRECISIONS.values())} (Megatron-LM's --fp8-recipe values, and "
+                             "rowwise)")
+        recipe = name.removeprefix("fp8_").removeprefix("fp8-")
+        hint = (f" (an FP8 recipe per module is written {fp8_recipe_precision(recipe)})"
+                if recipe != name and recipe in FP8_RECIPE_SCHEMES else "")
+        raise ValueError(f"unknown precision {name!r}{hint}; valid: {', '.join(PRECISION_NAMES)} "
                          "(or forward/backward, e.g. 'fp8/bf16')")
     return PRECISIONS[name]
 
@@ -171,9 +213,19 @@ def is_fp4(name: str) -> bool:
 
 
 def precision_scheme(name: str, fp8_recipe: str) -> SchemeFormat:
-    """The scheme of precision ``name``'s operands under ``--fp8-recipe`` ``fp8_recipe``."""
+    """The scheme of precision ``name``'s operands under ``--fp8-recipe`` ``fp8_recipe`` (which only
+    plain ``fp8`` follows; ``fp8:RECIPE`` keeps its own)."""
     scheme = precision_format(name).scheme or FP8_RECIPE_SCHEMES[fp8_recipe]
     return SCHEMES[scheme]
+
+
+def precision_fp8_recipe(name: str, fp8_recipe: str) -> str | None:
+    """The FP8 recipe precision ``name`` runs under ``--fp8-recipe`` ``fp8_recipe``: its own for
+    ``fp8:RECIPE``, ``fp8_recipe`` for plain ``fp8``; None for the other families."""
+    p = precision_format(name)
+    if p.family != "fp8":
+        return None
+    return p.fp8_recipe or fp8_recipe
 
 
 def resolve_named(name: str) -> tuple[SchemeFormat, str | None]:

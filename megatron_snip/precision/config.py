@@ -38,7 +38,8 @@ class PrecisionConfig:
         "to fp8 mid-run is scaled right from its first step; a start-up notice says so where Megatron-LM's flags "
         "would mean delayed scaling). rowwise (ours, torchao's float8 rowwise: a power-of-two scale per row of each "
         "GEMM's reduction dim, E4M3 throughout) runs on torch._scaled_mm like tensorwise; Transformer Engine has no "
-        "rowwise recipe.", choices=tuple(FP8_RECIPE_SCHEMES))
+        "rowwise recipe. It is what precision fp8 means; fp8:RECIPE (in plans, --precision, --snip-formats) runs "
+        "RECIPE in that module whatever this says.", choices=tuple(FP8_RECIPE_SCHEMES))
     fp8_format: str | None = flag(
         None, "E4M3 forward / E5M2 gradients (hybrid, default) or E4M3 everywhere. As in Megatron, giving it without "
         "--precision selects --precision fp8.", choices=("hybrid", "e4m3"))

@@ -15,7 +15,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from megatron_snip.numerics.recipes import RecipeConfig
-from megatron_snip.numerics.registry import ROW, SchemeFormat, precision_format, precision_scheme
+from megatron_snip.numerics.registry import (
+    ROW,
+    SchemeFormat,
+    fp8_recipe_precision,
+    precision_format,
+    precision_scheme,
+)
 
 # Compute capabilities of the tensor cores each real kernel needs.
 FP8_TENSOR_CORES = (8, 9)  # Ada / Hopper: per-tensor FP8 (torch._scaled_mm, TE)
@@ -60,8 +66,8 @@ def gemm_execution(formats: Iterable[str], recipe: RecipeConfig, backend: str,
     """precision -> how its GEMMs run: ``"real: <kernel>"`` or ``"simulated (...)"``.
 
     Args:
-        formats: precision names (bf16, fp8, nvfp4, mxfp4).
-        recipe: how fp8 is scaled (``recipe.fp8_recipe``) and whether the torch backend may use
+        formats: precision names (bf16, fp8, fp8:RECIPE, nvfp4, mxfp4).
+        recipe: how plain fp8 is scaled (``recipe.fp8_recipe``) and whether the torch backend may use
             ``torch._scaled_mm`` (``recipe.fp8_gemm``).
         backend: "local" (this package's quantized linears) or "transformer_engine".
         capability: the GPU's compute capability, None without a GPU.
@@ -92,8 +98,22 @@ def _te_execution(fmt: str, scheme: SchemeFormat, recipe: RecipeConfig, capabili
         return "not run by Transformer Engine"
     if capability < te.needs:
         return f"not run by Transformer Engine on this GPU (needs compute capability {te.needs[0]}.{te.needs[1]})"
-    label = f"{fmt} ({recipe.fp8_recipe})" if precision_format(fmt).scheme is None else fmt  # fp8: its recipe
+    label = f"{fmt} ({recipe.fp8_recipe})" if precision_format(fmt).scheme is None else fmt  # fp8: the run's recipe
     return f"real: Transformer Engine {label} tensor cores"
+
+
+# The FP8 recipes a --snip-time-target run chooses among by default where they run on a real kernel. Not
+# delayed: its amax history would start empty whenever a plan switches a module to it.
+STATELESS_FP8_RECIPES = ("tensorwise", "rowwise", "blockwise", "mxfp8")
+
+
+def fast_precisions(fp4: str, recipe: RecipeConfig, backend: str, capability: tuple[int, int] | None) -> list[str]:
+    """The precisions below bf16 whose GEMMs run on a real kernel on this device (:func:`gemm_execution`):
+    ``fp8:RECIPE`` for each stateless FP8 recipe, then the FP4 format ``fp4`` (a run's --fp4-recipe); on
+    Hopper with the torch backend fp8:tensorwise, fp8:rowwise and fp8:blockwise. The default candidates
+    of a time-target SNIP run, which its measured speed table then prices."""
+    names = [*map(fp8_recipe_precision, STATELESS_FP8_RECIPES), fp4]
+    return [n for n, how in gemm_execution(names, recipe, backend, capability).items() if how.startswith("real")]
 
 
 def describe_execution(execution: dict[str, str]) -> str:

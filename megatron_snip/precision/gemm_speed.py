@@ -51,7 +51,14 @@ import torch
 
 from megatron_snip.compat.device import has_cuda
 from megatron_snip.numerics.recipes import PRECISION_NAMES, Precision, RecipeConfig, operand_quantizer
-from megatron_snip.numerics.registry import SCHEME_NAMES, SCHEMES, SPEED_KEYS, precision_format
+from megatron_snip.numerics.registry import (
+    FP4_NAMES,
+    SCHEME_NAMES,
+    SCHEMES,
+    SPEED_KEYS,
+    precision_format,
+    precision_scheme,
+)
 from megatron_snip.precision.config import SPEED_MODELS
 
 #: module type -> precision -> (forward, backward) GEMM throughput relative to the model-wide bf16 FLOP rate.
@@ -61,6 +68,9 @@ Shapes = Mapping[str, tuple[int, int, int]]
 #: module type -> precision -> (forward, backward) seconds at its shape.
 Times = Mapping[str, Mapping[str, tuple[float, float]]]
 CACHE_FORMAT = 1  # bump when the cached record's meaning changes
+# What a table times unless told: bf16, fp8 under the run's --fp8-recipe and the FP4 formats (a run adds the
+# fp8:RECIPE precisions it can use: training/precision.py's timed_precisions).
+DEFAULT_TIMED = ("bf16", "fp8", *FP4_NAMES)
 
 
 @dataclass(frozen=True)
@@ -118,13 +128,20 @@ class GemmSpeedModel:
     def precision_speed(self, name: str, recipe: RecipeConfig) -> float:
         """Relative throughput of precision ``name``'s GEMMs under ``recipe`` (the scheme of its
         fprop operands decides: a recipe uses one scheme family for all three GEMMs); a measured
-        model's whole-model figure (it was timed under the run's recipe)."""
+        model's whole-model figure (it was timed under the run's recipe). KeyError naming the precisions
+        timed for one a measured model did not time."""
         if self.overall is not None:
+            if name not in self.overall:
+                raise KeyError(f"precision {name} was not timed by the measured speed table (it timed "
+                               f"{', '.join(self.overall)})")
             return self.overall[name]
         return self.throughput[operand_quantizer(name, "fprop", "x", recipe).scheme]
 
-    def precision_speeds(self, recipe: RecipeConfig, names: Iterable[str] = PRECISION_NAMES) -> dict[str, float]:
-        """Precision name -> relative throughput, the form the ILP's ``speed`` takes."""
+    def precision_speeds(self, recipe: RecipeConfig, names: Iterable[str] | None = None) -> dict[str, float]:
+        """Precision name -> relative throughput, the form the ILP's ``speed`` takes (of ``names``; default
+        every precision a measured model timed, every registered one for an estimate)."""
+        if names is None:
+            names = PRECISION_NAMES if self.overall is None else self.overall
         return {n: self.precision_speed(n, recipe) for n in names}
 
     def module_speeds(self, names: Iterable[str] | None = None) -> ModuleSpeeds | None:
@@ -206,13 +223,16 @@ def _median_seconds(fn, repeats: int, device: torch.device) -> float:
 
 
 def time_linears(shapes: Shapes, recipe: RecipeConfig, *, device: torch.device, dtype: torch.dtype = torch.bfloat16,
-                 names: Iterable[str] = PRECISION_NAMES, repeats: int = 3) -> dict[str, dict[str, tuple[float, float]]]:
+                 names: Iterable[str] = DEFAULT_TIMED, repeats: int = 3) -> dict[str, dict[str, tuple[float, float]]]:
     """Forward and backward seconds of one linear of each shape in each precision, through the path
-    training runs: ``quantized_linear`` under ``recipe`` (its kernels, real or emulated), and for
-    bf16 a plain ``F.linear`` in ``dtype`` (megatron-core's path for a bf16 module).
+    training runs: ``quantized_linear`` under ``recipe`` (its kernels, real or emulated; an
+    ``fp8:RECIPE`` precision in its own recipe), and for bf16 a plain ``F.linear`` in ``dtype``
+    (megatron-core's path for a bf16 module).
 
     Each (shape, precision) takes 1 + ``repeats`` forwards and 1 + ``repeats`` forward + backward
-    runs (medians; backward = the difference, floored at 1% of the forward).
+    runs (medians; backward = the difference, floored at 1% of the forward). Two names that run the
+    same scheme (``fp8`` and ``fp8:tensorwise`` under ``--fp8-recipe tensorwise``) are timed once and
+    share the figures, so timing noise cannot tell them apart.
     """
     from megatron_snip.numerics.linear import QuantState, quantized_linear
 
@@ -225,7 +245,13 @@ def time_linears(shapes: Shapes, recipe: RecipeConfig, *, device: torch.device, 
         x.requires_grad_()
         w.requires_grad_()
         out[module] = {}
+        timed: dict[str, str] = {}  # scheme -> the precision timed with it
         for name in names:
+            scheme = precision_scheme(name, recipe.fp8_recipe).name
+            if scheme in timed:
+                out[module][name] = out[module][timed[scheme]]
+                continue
+            timed[scheme] = name
             state = QuantState(seed=0)
 
             def forward(name=name, state=state, x=x, w=w):
@@ -314,7 +340,7 @@ def cache_path(key: dict, cache_dir: str | os.PathLike | None = None) -> Path:
 
 
 def cached_times(shapes: Shapes, recipe: RecipeConfig, *, device: torch.device, dtype: torch.dtype,
-                 names: Iterable[str] = PRECISION_NAMES, repeats: int = 3,
+                 names: Iterable[str] = DEFAULT_TIMED, repeats: int = 3,
                  cache_dir: str | os.PathLike | None = None) -> tuple[dict, bool, Path]:
     """(:func:`time_linears`'s seconds, whether they came from the cache, the cache file): read from the
     cache file of this key where it exists, else measured and written there (atomically)."""

@@ -26,7 +26,7 @@ from megatron_snip.numerics.registry import precision_format
 from megatron_snip.precision.plan import PrecisionPlan, module_names
 
 PASSES = ("fwd", "bwd", "all")
-_ENTRY = re.compile(r"(fwd|bwd|all)=([a-z0-9]+)@([0-9.]+%?)")
+_ENTRY = re.compile(r"(fwd|bwd|all)=([a-z0-9:]+)@([0-9.]+%?)")
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,11 @@ class SnipConfig:
     snip_solver: str = flag("auto", "ILP solver: Gurobi when licensed and within its size limits, else HiGHS (auto).",
                             choices=("auto", "gurobi", "highs"), ours=True)
     snip_formats: tuple[str, ...] | None = flag(
-        None, "Candidate precisions (default: bf16 fp8 and --fp4-recipe).", ours=True)
+        None, "Candidate precisions: bf16, fp8 (the run's --fp8-recipe), fp8:RECIPE (an FP8 recipe per module: "
+        "fp8:tensorwise, fp8:rowwise, fp8:blockwise, fp8:mxfp8, fp8:delayed), nvfp4, mxfp4. Default: bf16 fp8 and "
+        "--fp4-recipe; with --snip-time-target on a GPU, bf16 and those with a real kernel there (on Hopper: "
+        "fp8:tensorwise fp8:rowwise fp8:blockwise), FP4 only where it has one or --snip-fp4-target is given.",
+        ours=True)
     snip_budget: str = flag(
         "per-stage", "FP4 and time budgets for each pipeline stage (no stage becomes the bottleneck) or only overall.",
         choices=("per-stage", "global"), ours=True)

@@ -27,7 +27,7 @@ class Decision:
     """One module's choice. Costs are dimensionless (the ILP's objective terms)."""
 
     module: str
-    precision: str  # e.g. "nvfp4", or "fp8/bf16" with split passes
+    precision: str  # e.g. "nvfp4", "fp8:rowwise", or "fp8/bf16" with split passes
     loss: float  # alpha * dL/loss of its forward format (0 where a schedule fixes the pass)
     update: float  # beta * dU/||u||^2 of its backward format (0 where a schedule fixes the pass)
     faster: str | None  # the next faster candidate than its forward format (None: none is faster)
@@ -67,11 +67,12 @@ def decisions(plan: PrecisionPlan, costs: CostTables, formats: Sequence[str], *,
 def decision_table(rows: Sequence[Decision]) -> str:
     """Fixed-width text: one line per module."""
     width = max([len("module"), *(len(d.module) for d in rows)])
-    lines = [f"{'module':<{width}} {'precision':<11} {'loss cost':>10} {'update cost':>11}  next faster (its cost)"]
+    pw = max([11, *(len(d.precision) for d in rows)])  # "fp8:blockwise/bf16" is wider than "precision"
+    lines = [f"{'module':<{width}} {'precision':<{pw}} {'loss cost':>10} {'update cost':>11}  next faster (its cost)"]
     for d in rows:
         faster = "-" if d.faster is None else f"{d.faster} ({d.faster_cost:.3g})"
         pin = "  [pinned]" if d.pinned else ""
-        lines.append(f"{d.module:<{width}} {d.precision:<11} {d.loss:>10.3g} {d.update:>11.3g}  {faster}{pin}")
+        lines.append(f"{d.module:<{width}} {d.precision:<{pw}} {d.loss:>10.3g} {d.update:>11.3g}  {faster}{pin}")
     return "\n".join(lines)
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from megatron_snip.model.precision.megatron_config import model_chunks
 from megatron_snip.numerics.recipes import Precision, RecipeConfig
-from megatron_snip.numerics.registry import FP4_NAMES
+from megatron_snip.numerics.registry import FP4_NAMES, family
 from megatron_snip.precision.flops import LlamaLinearDims
 from megatron_snip.precision.gemm_speed import GemmSpeedModel, ModuleSpeeds, peak_speed_model
 from megatron_snip.precision.plan import LINEAR_MODULES, PrecisionPlan, module_name, parse_module_name
@@ -22,7 +22,7 @@ from megatron_snip.snip.estimators import CostTables
 from megatron_snip.snip.ilp import BWD, FWD, LinearModule, SnipProblem, Solution, UnitKey, solve
 
 # The formats the planner's implied time budget and every baseline plan assume: FP4 units in nvfp4, the rest
-# in fp8, where those are candidates.
+# in fp8 (else the first fp8:RECIPE candidate), where those are candidates.
 PREFERRED_FP4 = "nvfp4"
 PREFERRED_HIGH = "fp8"
 
@@ -250,10 +250,11 @@ def to_precision_plan(units: Mapping[UnitKey, str], split: bool) -> PrecisionPla
 
 def baseline_formats(formats: Sequence[str], fp4_formats: Iterable[str]) -> tuple[str | None, str | None]:
     """(fp4, high): the formats a baseline gives its FP4 units and the rest by default: "nvfp4" if
-    a candidate, else the first FP4 candidate; "fp8" if a candidate, else the first non-FP4 one
-    (None where the candidates have none)."""
+    a candidate, else the first FP4 candidate; "fp8" if a candidate, else the first other FP8 one
+    (an ``fp8:RECIPE``), else the first non-FP4 one (None where the candidates have none)."""
     fp4_formats = set(fp4_formats)
     fp4 = [f for f in formats if f in fp4_formats]
     high = [f for f in formats if f not in fp4_formats]
+    fp8 = [f for f in high if family(f) == family(PREFERRED_HIGH)]
     return (PREFERRED_FP4 if PREFERRED_FP4 in fp4 else next(iter(fp4), None),
-            PREFERRED_HIGH if PREFERRED_HIGH in high else next(iter(high), None))
+            PREFERRED_HIGH if PREFERRED_HIGH in high else next(iter(fp8 or high), None))

@@ -16,7 +16,7 @@ from megatron_snip.model.precision.megatron_config import read_megatron_config
 from megatron_snip.numerics.recipes import BF16, PRECISION_NAMES, Precision, RecipeConfig, misaligned_split
 from megatron_snip.numerics.registry import is_fp4, precision_format
 from megatron_snip.precision.flops import LlamaLinearDims
-from megatron_snip.precision.gemm_speed import GemmSpeedModel, peak_speed_model
+from megatron_snip.precision.gemm_speed import DEFAULT_TIMED, GemmSpeedModel, peak_speed_model
 from megatron_snip.precision.plan import LINEAR_MODULES as LINEAR_MODULE_TYPES
 from megatron_snip.precision.plan import (
     PlanError,
@@ -256,7 +256,8 @@ def speed_model(config: RunConfig, dims: LlamaLinearDims) -> GemmSpeedModel:
     timed before), averaged over all ranks so every rank plans alike (collective:
     call on every rank at once).
 
-    Start-up cost when not cached: per module type (4) and precision (4), 1 + 3 forwards and 1 + 3
+    Start-up cost when not cached: per module type (4) and precision (:func:`timed_precisions`: 4, and each
+    ``fp8:RECIPE`` the run can use whose scheme is not one of theirs), 1 + 3 forwards and 1 + 3
     forward + backward passes of one micro-batch's linear on a GPU (about 128 single-linear steps: a
     few seconds at 8B shapes), 1 + 1 of each on a CPU, where one process per machine times (the
     quickstart's shapes: about 3 s on the 2-core machine) and the others read its file. The start-up
@@ -275,11 +276,11 @@ def speed_model(config: RunConfig, dims: LlamaLinearDims) -> GemmSpeedModel:
     from megatron_snip.precision.gemm_speed import cached_times, device_label, speed_model_from_times
 
     shapes = linear_shapes(config, dims)
-    device, recipe = current_device(), config.precision.recipe()
+    device, recipe, names = current_device(), config.precision.recipe(), timed_precisions(config)
     start = time.perf_counter()
 
     def table():
-        return cached_times(shapes, recipe, device=device, dtype=config.model.params_dtype, names=PRECISION_NAMES,
+        return cached_times(shapes, recipe, device=device, dtype=config.model.params_dtype, names=names,
                             repeats=3 if device.type == "cuda" else 1)
 
     if dist.is_initialized() and device.type == "cpu":
@@ -301,7 +302,7 @@ def speed_model(config: RunConfig, dims: LlamaLinearDims) -> GemmSpeedModel:
         values = iter((flat / ranks).tolist())
         times = {m: {p: (next(values), next(values)) for p in times[m]} for m in times}
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    emulated = [p for p, how in gemm_execution(PRECISION_NAMES, recipe, config.model.transformer_impl,
+    emulated = [p for p, how in gemm_execution(names, recipe, config.model.transformer_impl,
                                                capability).items() if how == SIMULATED]
     how = f"read from {path}" if cached else f"timed in {seconds:.1f} s, cached in {path}"
     source = (f"forward + backward of each linear shape ({len(shapes)}) in each precision, {how}"
@@ -309,6 +310,17 @@ def speed_model(config: RunConfig, dims: LlamaLinearDims) -> GemmSpeedModel:
               + (f"; emulated, capped at bf16's speed: {', '.join(emulated)}" if emulated else ""))
     return speed_model_from_times(times, shapes, recipe, device=device_label(device), source=source,
                                   emulated=emulated)
+
+
+def timed_precisions(config: RunConfig) -> list[str]:
+    """The precisions a measured speed table times for this run: bf16, fp8 (the run's --fp8-recipe) and the
+    FP4 formats, and every ``fp8:RECIPE`` the run can use (SNIP's candidates, its first plan, its schedule)."""
+    used = [*(config.snip.snip_formats if config.snip.enabled else ())]
+    if config.start is not None:
+        plan = config.start.plan
+        used += [side for p in (plan.default, *plan.modules.values()) for side in (p.fwd, p.bwd)]
+        used += [entry.precision for entry in config.start.schedule.entries]
+    return list(dict.fromkeys([*DEFAULT_TIMED, *(n for n in used if precision_format(n).fp8_recipe is not None)]))
 
 
 def bf16_gemm_seconds(model: GemmSpeedModel, module_names: list[str], micro_batches: int) -> float | None:

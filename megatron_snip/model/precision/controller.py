@@ -178,4 +178,4 @@ class PrecisionController:
         for module in self._modules.values():
             module.check_precision(module.precision, recipe)
         for module in self._modules.values():
-            module.recipe = recipe
+            module.set_recipe(recipe)  # re-resolves its quantizers (assigning .recipe alone would keep the old ones)

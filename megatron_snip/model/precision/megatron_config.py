@@ -16,11 +16,15 @@ virtual chunk; only ``TransformerLayer.layer_number`` is global, and 1-based). A
 it only where each rank is given its stage's file (docs/snip.md, "Plans as Megatron-LM precision
 configs").
 
+An FP8 recipe per module is what these configs are for: ``fp8`` (the run's ``--fp8-recipe``) and
+``fp8:RECIPE`` both become ``fp8_quantization_recipe: RECIPE`` (megatron-core 0.16 runs
+tensorwise, blockwise and mxfp8 per module, with ``fp8_format`` the run's ``--fp8-format``), and
+reading maps a module's recipe back to ``fp8`` where it is the run's, else to ``fp8:RECIPE``.
 What a TE recipe cannot state is refused (ValueError naming the module): mxfp4 (TE has no MXFP4
-recipe), different forward and backward precisions (a recipe covers all three GEMMs), fp8 with
-``--fp8-recipe delayed`` (megatron-core's per-module configs leave delayed scaling out). The NVFP4
-switches (``--nvfp4-disable-rht`` ...) are TE environment variables, not config fields: each file's
-header names them.
+recipe), rowwise FP8 (TE has none; it is torchao's), delayed scaling (megatron-core's per-module
+configs refuse it), different forward and backward precisions (a recipe covers all three GEMMs).
+The NVFP4 switches (``--nvfp4-disable-rht`` ...) are TE environment variables, not config fields:
+each file's header names them.
 
 Files written here carry a ``megatron_snip_layout`` key (the layout and chunk they are for), which
 megatron-core ignores (it reads ``configs`` and ``matchers`` only) and :func:`read_megatron_config`
@@ -38,7 +42,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_snip.numerics.recipes import BF16, Precision, RecipeConfig
-from megatron_snip.numerics.registry import PRECISIONS, precision_format, precision_scheme
+from megatron_snip.numerics.registry import (
+    FP8_RECIPE_SCHEMES,
+    PRECISIONS,
+    SCHEMES,
+    fp8_recipe_precision,
+    precision_format,
+    precision_scheme,
+)
 from megatron_snip.precision.execution import TE_RECIPES
 from megatron_snip.precision.plan import LINEAR_MODULES, PlanError, PrecisionPlan, module_name, parse_module_name
 
@@ -46,7 +57,6 @@ LAYOUT_KEY = "megatron_snip_layout"
 CONFIG_TYPE = "TEQuantizationParams"  # megatron-core's TransformerEngineConfigType
 # megatron-core's per-module FP8 recipes (TEQuantizationRecipe; "delayed" is refused there).
 TE_FP8_RECIPES = tuple(te.name for te in TE_RECIPES.values() if te.kind == "fp8")
-TE_FP8_CLASSES = {te.name: te.te_class for te in TE_RECIPES.values() if te.kind == "fp8"}
 # fp4_quantization_recipe -> the precision it runs (a precision whose own scheme has a TE recipe).
 TE_FP4_PRECISIONS = {TE_RECIPES[p.scheme].name: p.name for p in PRECISIONS.values()
                      if p.scheme in TE_RECIPES and TE_RECIPES[p.scheme].kind == "fp4"}
@@ -93,11 +103,10 @@ def te_config(precision: Precision, recipe: RecipeConfig) -> dict:
     te = TE_RECIPES.get(precision_scheme(name, recipe.fp8_recipe).name)
     if not precision_format(name).quantized:
         training = {}
-    elif te is None and precision_format(name).scheme is None:  # fp8 under a recipe TE runs only globally
-        raise ValueError(f"{name} with --fp8-recipe {recipe.fp8_recipe}: megatron-core's per-module configs run "
-                         f"{', '.join(TE_FP8_RECIPES)} only")
     elif te is None:
-        raise ValueError(f"{name}: Transformer Engine has no {name} recipe")
+        from megatron_snip.model.precision.te_layers import te_unsupported
+
+        raise ValueError(te_unsupported(name, recipe))
     elif te.kind == "fp8":
         training = {"fp8_quantization_recipe": te.name, "fp8_format": recipe.fp8_format,
                     "override_nonquantized_autocast": True}
@@ -152,15 +161,15 @@ def to_megatron_config(plan: PrecisionPlan, recipe: RecipeConfig, num_layers: in
               "virtual_pipeline_stage": this.virtual_stage, "global_layers": list(this.layers)}
     body = yaml.safe_dump({"configs": configs, "matchers": matchers, LAYOUT_KEY: layout}, sort_keys=False,
                           default_flow_style=None, width=1000)  # one line per matcher
-    return _header(source, recipe, this, num_layers, pipeline_stages, virtual_stages) + body
+    return _header(source, recipe, list(configs), this, num_layers, pipeline_stages, virtual_stages) + body
 
 
 def _glob(pattern: str, config: str) -> dict:
     return {"type": "glob", "pattern": pattern, "config": config, "enabled": True}
 
 
-def _header(source: str, recipe: RecipeConfig, chunk: ModelChunk, num_layers: int, pipeline_stages: int,
-            virtual_stages: int) -> str:
+def _header(source: str, recipe: RecipeConfig, configs: list[str], chunk: ModelChunk, num_layers: int,
+            pipeline_stages: int, virtual_stages: int) -> str:
     """The file's comment: what it states, for which chunk, what it cannot state, how to replay it."""
     import textwrap
 
@@ -183,11 +192,10 @@ def _header(source: str, recipe: RecipeConfig, chunk: ModelChunk, num_layers: in
         f"Precision plan ({source}) as a megatron-core per-module precision config (Megatron-LM "
         "--te-precision-config-file; parsed by megatron/core/quantization/quant_config.py).",
         where,
-        f"Configs: bf16 = no quantization; fp8 = TE {TE_FP8_CLASSES.get(recipe.fp8_recipe, '?')} (--fp8-recipe "
-        f"{recipe.fp8_recipe}, --fp8-format {recipe.fp8_format}); nvfp4 = TE NVFP4BlockScaling. Every linear module "
-        "is matched and every config overrides the run's own autocast, so this file alone sets their precision. "
-        "Not expressible here: mxfp4 (TE has no MXFP4 recipe) and different forward and backward precisions (a TE "
-        "recipe covers all three GEMMs of a module).",
+        f"Configs: {'; '.join(_describe_config(c, recipe) for c in configs)}. Every linear module is matched and "
+        "every config overrides the run's own autocast, so this file alone sets their precision. Not expressible "
+        "here: mxfp4 (TE has no MXFP4 recipe), rowwise and delayed FP8 (no per-module TE recipe) and different "
+        "forward and backward precisions (a TE recipe covers all three GEMMs of a module).",
         "NVFP4's switches are TE environment variables, read when TE is imported. Replay in Megatron-LM: set",
     ]
     lines = [line for text in paragraphs for line in textwrap.wrap(text, 100, break_on_hyphens=False)]
@@ -196,6 +204,18 @@ def _header(source: str, recipe: RecipeConfig, chunk: ModelChunk, num_layers: in
               "  --transformer-impl transformer_engine --bf16 --te-precision-config-file THIS_FILE",
               f"({LAYOUT_KEY} records the layout for megatron-snip's reader; megatron-core ignores it.)"]
     return "".join(f"# {line}\n" for line in lines)
+
+
+def _describe_config(key: str, recipe: RecipeConfig) -> str:
+    """e.g. "fp8:blockwise = TE Float8BlockScaling (--fp8-format hybrid)" for the header."""
+    name = Precision.parse(key).fwd
+    if not precision_format(name).quantized:
+        return f"{key} = no quantization"
+    te = TE_RECIPES[precision_scheme(name, recipe.fp8_recipe).name]
+    if te.kind == "fp8":
+        run = f"--fp8-recipe {recipe.fp8_recipe}, " if precision_format(name).fp8_recipe is None else ""
+        return f"{key} = TE {te.te_class} ({run}--fp8-format {recipe.fp8_format})"
+    return f"{key} = TE {te.te_class}"
 
 
 def _span(first: int, last: int) -> str:
@@ -233,8 +253,9 @@ def read_megatron_config(path: str | os.PathLike, num_layers: int, pipeline_stag
     A module absent from ``base`` has no known base (SNIP re-plans it): a config whose effect would
     depend on it is refused.
 
-    ``recipe``: the run's; an fp8 config must name its --fp8-recipe and --fp8-format (every fp8
-    module runs the run's recipe). PlanError (a ValueError) naming the file, on one line, for a file
+    ``recipe``: the run's; an fp8 config reads as ``fp8`` where it names the run's --fp8-recipe, else as
+    ``fp8:RECIPE``, and its fp8_format must be the run's --fp8-format (a precision carries no format of
+    its own). PlanError (a ValueError) naming the file, on one line, for a file
     megatron-core cannot parse, a recipe this program does not run (custom, delayed, an FP4 recipe
     other than nvfp4), evaluation precisions other than the training ones, a matcher that matches
     no linear module of this layout, or a file written for another layout.
@@ -350,8 +371,8 @@ def _precision(te, recipe: RecipeConfig, where: str) -> Precision:
     if fp8 not in TE_FP8_RECIPES:
         raise PlanError(f"{where}: fp8_quantization_recipe {fp8!r} is not one this program runs per module "
                         f"({', '.join(TE_FP8_RECIPES)})")
-    if (fp8, te.fp8_format) != (recipe.fp8_recipe, recipe.fp8_format):
-        raise PlanError(f"{where}: fp8 {fp8} / {te.fp8_format}, but every fp8 module runs the run's --fp8-recipe "
-                        f"{recipe.fp8_recipe} --fp8-format {recipe.fp8_format}; give --fp8-recipe {fp8} --fp8-format "
-                        f"{te.fp8_format}")
-    return Precision.uniform("fp8")
+    if te.fp8_format != recipe.fp8_format:
+        raise PlanError(f"{where}: fp8_format {te.fp8_format}, but every FP8 module runs the run's --fp8-format "
+                        f"{recipe.fp8_format}; give --fp8-format {te.fp8_format}")
+    run = precision_scheme("fp8", recipe.fp8_recipe) == SCHEMES[FP8_RECIPE_SCHEMES[fp8]]
+    return Precision.uniform("fp8" if run else fp8_recipe_precision(fp8))

@@ -10,11 +10,13 @@ them reads its ``te_quant_params`` on every forward and, when set, enters
 so plans, ``--precision``, ``--first-last-layers-bf16`` and plan switching work as
 with the ``torch`` backend.
 
-What TE cannot express is refused with the module named: different formats for
-the forward and the backward GEMMs (a TE recipe covers all three), MXFP4 (TE has
-no MXFP4 recipe), and delayed scaling (megatron-core's per-module recipes leave
-it out; use --fp8-recipe tensorwise, blockwise or mxfp8); ``--snip`` drops such
-candidates from its ILP (:func:`te_runnable`).
+Every module runs its own recipe: ``fp8`` the run's ``--fp8-recipe``, ``fp8:RECIPE`` its own
+(megatron-core's per-module ``fp8_quantization_recipe``), so one model can mix tensorwise,
+blockwise and (on Blackwell) MXFP8 and NVFP4 modules. What TE cannot express is refused with the
+module named: different formats for the forward and the backward GEMMs (a TE recipe covers all
+three), MXFP4 (TE has no MXFP4 recipe), rowwise FP8 (TE has no such recipe) and delayed scaling
+(megatron-core's per-module recipes leave it out); ``--snip`` drops such candidates from its ILP
+(:func:`te_runnable`).
 
 SNIP measures, TE executes: the adapter shows the probes the TE module's GEMM
 operands (its weight, its input after the fused norm: :func:`fused_norm_output`,
@@ -36,7 +38,12 @@ from packaging.version import Version as PkgVersion
 from megatron_snip.model.precision.layers import PlanLinear
 from megatron_snip.numerics.linear import QuantState
 from megatron_snip.numerics.recipes import BF16, Precision, RecipeConfig
-from megatron_snip.numerics.registry import precision_format, precision_scheme
+from megatron_snip.numerics.registry import (
+    fp8_recipe_precision,
+    precision_format,
+    precision_fp8_recipe,
+    precision_scheme,
+)
 from megatron_snip.precision.execution import ARCHITECTURES, TE_RECIPES
 
 NVFP4_MIN_TE = "2.8.0"  # first Transformer Engine release with NVFP4BlockScaling
@@ -57,12 +64,8 @@ def te_quant_params(precision: Precision, recipe: RecipeConfig):
         return None
     scheme = precision_scheme(name, recipe.fp8_recipe)
     te = TE_RECIPES.get(scheme.name)
-    if te is None and scheme.amax_history:
-        raise ValueError(f"{name} with --fp8-recipe {recipe.fp8_recipe}: megatron-core's per-module TE recipes do "
-                         "not support delayed scaling; use --fp8-recipe tensorwise, blockwise or mxfp8")
     if te is None:
-        raise ValueError(f"precision {name}: Transformer Engine has no {name.upper()} recipe; use nvfp4 "
-                         "(--fp4-recipe nvfp4) or the torch backend (--transformer-impl local)")
+        raise ValueError(te_unsupported(name, recipe))
     if te.kind == "fp4":  # NVFP4BlockScaling, TE's one FP4 recipe
         _require_te_version(NVFP4_MIN_TE, te.name)
         _check_te_nvfp4_switches(recipe)
@@ -73,6 +76,28 @@ def te_quant_params(precision: Precision, recipe: RecipeConfig):
         override_nonquantized_autocast=True,  # no global autocast is open: this module opens its own
     )
     return TEQuantizationParams(training_recipe=te_recipe, evaluation_recipe=None)
+
+
+def te_unsupported(name: str, recipe: RecipeConfig) -> str:
+    """Why no per-module Transformer Engine recipe runs precision ``name`` under ``recipe`` (one that has none)."""
+    fp8 = precision_fp8_recipe(name, recipe.fp8_recipe)
+    te_fp8 = [te.name for te in TE_RECIPES.values() if te.kind == "fp8"]
+    if precision_format(name).fp8_recipe is None:  # plain fp8: the run's recipe
+        what, instead = f"{name} with --fp8-recipe {recipe.fp8_recipe}", f"--fp8-recipe {_or(te_fp8)}"
+    else:
+        what, instead = name, _or([fp8_recipe_precision(r) for r in te_fp8])
+    if fp8 is not None and precision_scheme(name, recipe.fp8_recipe).amax_history:
+        return f"{what}: megatron-core's per-module TE recipes do not support delayed scaling; use {instead}"
+    if fp8 is not None:
+        return (f"{what}: Transformer Engine has no {fp8} FP8 recipe (rowwise is torchao's; this package's torch "
+                f"backend, --transformer-impl local, runs it); use {instead}")
+    return (f"precision {name}: Transformer Engine has no {name.upper()} recipe; use nvfp4 (--fp4-recipe nvfp4) or "
+            "the torch backend (--transformer-impl local)")
+
+
+def _or(names: list[str]) -> str:
+    """["a", "b", "c"] -> "a, b or c"."""
+    return " or ".join(filter(None, (", ".join(names[:-1]), names[-1])))
 
 
 def te_runnable(formats: tuple[str, ...] | list[str], recipe: RecipeConfig,
