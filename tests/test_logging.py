@@ -1,5 +1,6 @@
-"""Logging like Megatron-LM's (training/tags.py, training/logger.py): Megatron-LM's TensorBoard tags with
-the right values and flags, the same scalars on W&B (offline), and the progress line."""
+"""Logging like Megatron-LM's (training/tags.py, training/logger.py, training/progress.py): Megatron-LM's
+TensorBoard tags with the right values and flags, the same scalars on W&B (offline), and the progress line;
+a SNIP re-plan's measured step against --snip-time-target (training/time_check.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ from megatron_snip.arguments import ArgumentError
 from megatron_snip.training import tags
 from megatron_snip.training.logger import hms, open_wandb
 from megatron_snip.training.metrics_record import MetricsRecord, read_metrics
+from megatron_snip.training.precision import missed_time_target
+from megatron_snip.training.progress import LogWindow, StepResult
+from megatron_snip.training.time_check import TimeTargetCheck
 
 
 def tensorboard_tags(tensorboard_dir: Path) -> tuple[set[str], set[str]]:
@@ -79,6 +83,55 @@ def test_metrics_record_keeps_the_last_value_and_survives_a_cut_line(tmp_path):
 
 def test_hms():
     assert [hms(s) for s in (0, 61.4, 3599.6, 30 * 3600 + 62)] == ["00:00:00", "00:01:01", "01:00:00", "30:01:02"]
+
+
+def window(*seconds: float) -> LogWindow:
+    """A log window of applied steps that took ``seconds`` each."""
+    out = LogWindow()
+    for s in seconds:
+        out.add(StepResult(None, 1.0, None, True, s))
+    return out
+
+
+def test_a_replans_first_whole_window_is_checked_against_the_time_target():
+    """The last whole bf16 window is the reference; the first window wholly under SNIP's plan is judged once
+    (a window the plan changed within measures neither plan); a re-plan that meets the target says nothing."""
+    check = TimeTargetCheck(time_target=0.8, bf16_gemm=0.030)  # the table: 30 ms of GEMMs per bf16 step
+    assert check.window(2, window(0.050, 0.052), plan_since=1, all_bf16=True) is None  # cold
+    assert check.window(4, window(0.040, 0.040), plan_since=1, all_bf16=True) is None  # warm: the reference
+    assert check.replanned(4) is None  # SNIP's plan from iteration 5 on: a reference exists, nothing to say
+    assert check.window(5, window(0.037), plan_since=5, all_bf16=False) == (
+        f"[snip] iteration 5: {missed_time_target(0.8, 0.040, 0.030, 0.037)}")  # a GEMM time of 0.9 of bf16
+    assert check.window(6, window(0.037), plan_since=5, all_bf16=False) is None  # judged once
+    check.replanned(6)
+    assert check.window(8, window(0.037, 0.037), plan_since=8, all_bf16=False) is None  # promoted at 8: mixed
+    assert check.pending
+    assert check.window(10, window(0.036, 0.036), plan_since=8, all_bf16=False) is None  # 0.867: within 10%
+    assert not check.pending
+
+
+def test_a_run_without_a_bf16_window_says_once_that_it_cannot_check():
+    check = TimeTargetCheck(time_target=0.9, bf16_gemm=0.030)  # resumed from a checkpoint's SNIP plan
+    assert check.replanned(10) == (
+        "[snip] iteration 10: the measured step is not checked against --snip-time-target 0.9: no log window of "
+        "this run ran in bf16 to compare it with (it started from a plan that is not bf16: a checkpoint's or "
+        "--snip-warmup-plan's)")
+    assert check.window(11, window(0.5), plan_since=11, all_bf16=False) is None
+    assert check.replanned(20) is None
+
+
+def test_the_time_check_needs_a_time_target_and_a_measured_speed_table():
+    from megatron_snip.precision.gemm_speed import peak_speed_model, speed_model_from_times
+
+    shapes = {"self_attention.linear_qkv": (32, 64, 128), "mlp.linear_fc2": (32, 192, 64)}
+    times = {m: {p: (0.001, 0.002) for p in ("bf16", "fp8", "nvfp4", "mxfp4")} for m in shapes}
+    measured = speed_model_from_times(times, shapes, run_config().precision.recipe(), device="CPU", source="by hand")
+    names = ["decoder.layers.0.self_attention.linear_qkv", "decoder.layers.0.mlp.linear_fc2"]
+    target = run_config("--snip", "--snip-interval", "2", "--snip-time-target", "1")
+    check = TimeTargetCheck.of_run(target, measured, names)
+    assert check == TimeTargetCheck(1.0, 2 * 0.003)  # 1 micro-batch of 2 linears, 1 + 2 ms each
+    assert TimeTargetCheck.of_run(target, peak_speed_model("auto"), names) is None  # an estimate has no seconds
+    assert TimeTargetCheck.of_run(run_config("--snip", "--snip-interval", "2"), measured, names) is None
 
 
 @pytest.mark.integration
