@@ -39,10 +39,13 @@ class TimeTargetCheck:
             return None
         return cls(config.snip.snip_time_target, bf16_gemm)
 
-    def replanned(self, iteration: int) -> str | None:
-        """A SNIP re-plan after ``iteration`` came into force: check its first whole window. Once per run, the
-        line saying a run without a bf16 window cannot be checked."""
-        self.pending = True
+    def replanned(self, iteration: int, all_bf16: bool) -> str | None:
+        """A SNIP re-plan after ``iteration`` came into force (``all_bf16``: its plan quantizes nothing, so there
+        is nothing to check): check its first whole window. Once per run, the line saying a run without a bf16
+        window cannot be checked."""
+        self.pending = not all_bf16
+        if all_bf16:
+            return None
         if self.bf16_step is None and not self.told_unchecked:
             self.told_unchecked = True
             return (f"[snip] iteration {iteration}: the measured step is not checked against --snip-time-target "

@@ -344,7 +344,7 @@ class Trainer:
             return
         log_cycle(self.logger, report, self.linear_dims.num_layers)
         if self.time_check is not None:
-            self.logger.text(self.time_check.replanned(iteration))
+            self.logger.text(self.time_check.replanned(iteration, self.plans.all_bf16))
         if self.config.checkpoint.save:
             directory = os.path.join(self.config.checkpoint.save, "snip")
             try:
