@@ -281,7 +281,8 @@ def time_health_code(trainer) -> list[float]:
     for attr in ("record", "record_output"):
         timed(HealthStats, attr)
     timed(trainer.precision, "reset_health")
-    timed(trainer, "_log_precision")  # the whole-model gather and its TensorBoard scalars (logged steps)
+    timed(trainer.plans, "health")  # the whole-model gather (logged steps)
+    timed(trainer.logger, "precision")  # its TensorBoard scalars
     return total
 
 

@@ -9,7 +9,14 @@ import shutil
 import pytest
 from conftest import ROOT, torchrun
 
-from megatron_snip.training.checkpoint_record import CHECKPOINT_RECORD_VERSION, VERSION_KEY, CheckpointRecord
+from megatron_snip.numerics.recipes import Precision
+from megatron_snip.training.checkpoint_record import (
+    CHECKPOINT_RECORD_VERSION,
+    VERSION_KEY,
+    CheckpointRecord,
+    PlanChange,
+    PlanEvent,
+)
 from megatron_snip.training.checkpointing import CheckpointError, read_record
 
 OLD = ROOT / "tests" / "data" / "checkpoint_v0"
@@ -25,6 +32,27 @@ def test_the_record_round_trips_through_the_common_state():
     common = {**record.to_common(), "opt_param_scheduler": {"num_steps": 7}}  # the scheduler's entry beside it
     assert common[VERSION_KEY] == CHECKPOINT_RECORD_VERSION
     assert CheckpointRecord.from_common(common, "x") == record
+
+
+def test_the_plan_history_is_typed_and_stored_as_checkpoints_always_stored_it():
+    """The history's entries as every checkpoint since --promote-on-fault holds them (plain dicts, "old -> new"
+    per module) read as PlanChange records and are written back unchanged, key order included."""
+    stored = [
+        {"iteration": 4, "event": "snip cycle", "modules": {"decoder.layers.0.mlp.linear_fc1": "bf16 -> nvfp4",
+                                                            "decoder.layers.1.mlp.linear_fc2": "nvfp4 -> fp8/bf16"}},
+        {"iteration": 6, "event": "promotion", "reason": "non-finite loss at iteration 6",
+         "modules": {"decoder.layers.1.mlp.linear_fc2": "fp8/bf16 -> bf16"}}]
+    record = CheckpointRecord.from_common({"iteration": 6, "precision_history": stored}, "ckpt/iter_0000006")
+    cycle, promotion = record.precision_history
+    assert cycle == PlanChange(4, PlanEvent.SNIP_CYCLE, {
+        "decoder.layers.0.mlp.linear_fc1": (Precision.uniform("bf16"), Precision.uniform("nvfp4")),
+        "decoder.layers.1.mlp.linear_fc2": (Precision.uniform("nvfp4"), Precision("fp8", "bf16"))})
+    assert promotion.event is PlanEvent.PROMOTION and promotion.reason == "non-finite loss at iteration 6"
+    written = record.to_common()["precision_history"]
+    assert written == stored and [list(e) for e in written] == [list(e) for e in stored]
+    with pytest.raises(ValueError, match=r"ckpt/iter_0000006: unreadable plan history entry .*'event': 'merge'"):
+        CheckpointRecord.from_common({"iteration": 6, "precision_history": [{**stored[0], "event": "merge"}]},
+                                     "ckpt/iter_0000006")
 
 
 def test_a_newer_or_foreign_record_is_refused_naming_the_checkpoint():

@@ -1,5 +1,6 @@
-"""Logging like Megatron-LM's (training/tags.py, training/logger.py): Megatron-LM's TensorBoard tags with
-the right values and flags, the same scalars on W&B (offline), and the progress line."""
+"""Logging like Megatron-LM's (training/tags.py, training/logger.py, training/progress.py): Megatron-LM's
+TensorBoard tags with the right values and flags, the same scalars on W&B (offline), and the progress line;
+a SNIP re-plan's measured step against --snip-time-target (training/time_check.py)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from conftest import run_config, scalars, torchrun, train_args
 
 from megatron_snip.arguments import ArgumentError
 from megatron_snip.training import tags
 from megatron_snip.training.logger import hms, open_wandb
 from megatron_snip.training.metrics_record import MetricsRecord, read_metrics
+from megatron_snip.training.precision import missed_time_target
+from megatron_snip.training.progress import LogWindow, StepResult
+from megatron_snip.training.time_check import TimeTargetCheck
 
 
 def tensorboard_tags(tensorboard_dir: Path) -> tuple[set[str], set[str]]:
@@ -81,19 +86,100 @@ def test_hms():
     assert [hms(s) for s in (0, 61.4, 3599.6, 30 * 3600 + 62)] == ["00:00:00", "00:01:01", "01:00:00", "30:01:02"]
 
 
+def window(*seconds: float) -> LogWindow:
+    """A log window of applied steps that took ``seconds`` each."""
+    out = LogWindow()
+    for s in seconds:
+        out.add(StepResult(None, 1.0, None, True, s))
+    return out
+
+
+def test_a_replans_first_whole_window_is_checked_against_the_time_target():
+    """The last whole bf16 window is the reference; the first window wholly under SNIP's plan is judged once
+    (a window the plan changed within measures neither plan); a re-plan that meets the target says nothing."""
+    check = TimeTargetCheck(time_target=0.8, bf16_gemm=0.030)  # the table: 30 ms of GEMMs per bf16 step
+    assert check.window(2, window(0.050, 0.052), plan_since=1, all_bf16=True) is None  # cold
+    assert check.window(4, window(0.040, 0.040), plan_since=1, all_bf16=True) is None  # warm: the reference
+    assert check.replanned(4, all_bf16=False) is None  # SNIP's plan from 5 on: a reference exists, nothing to say
+    assert check.window(5, window(0.037), plan_since=5, all_bf16=False) == (
+        f"[snip] iteration 5: {missed_time_target(0.8, 0.040, 0.030, 0.037)}")  # a GEMM time of 0.9 of bf16
+    assert check.window(6, window(0.037), plan_since=5, all_bf16=False) is None  # judged once
+    check.replanned(6, all_bf16=False)
+    assert check.window(8, window(0.037, 0.037), plan_since=8, all_bf16=False) is None  # promoted at 8: mixed
+    assert check.pending
+    assert check.window(10, window(0.036, 0.036), plan_since=8, all_bf16=False) is None  # 0.867: within 10%
+    assert not check.pending
+
+
+def test_a_run_without_a_bf16_window_says_once_that_it_cannot_check():
+    check = TimeTargetCheck(time_target=0.9, bf16_gemm=0.030)  # resumed from a checkpoint's SNIP plan
+    assert check.replanned(4, all_bf16=True) is None  # a bf16 plan: nothing to check, nothing to say
+    assert check.replanned(10, all_bf16=False) == (
+        "[snip] iteration 10: the measured step is not checked against --snip-time-target 0.9: no log window of "
+        "this run ran in bf16 to compare it with (it started from a plan that is not bf16: a checkpoint's or "
+        "--snip-warmup-plan's)")
+    assert check.window(11, window(0.5), plan_since=11, all_bf16=False) is None
+    assert check.replanned(20, all_bf16=False) is None
+
+
+def test_the_time_check_needs_a_time_target_and_a_measured_speed_table():
+    from megatron_snip.precision.gemm_speed import peak_speed_model, speed_model_from_times
+
+    shapes = {"self_attention.linear_qkv": (32, 64, 128), "mlp.linear_fc2": (32, 192, 64)}
+    times = {m: {p: (0.001, 0.002) for p in ("bf16", "fp8", "nvfp4", "mxfp4")} for m in shapes}
+    measured = speed_model_from_times(times, shapes, run_config().precision.recipe(), device="CPU", source="by hand")
+    names = ["decoder.layers.0.self_attention.linear_qkv", "decoder.layers.0.mlp.linear_fc2"]
+    target = run_config("--snip", "--snip-interval", "2", "--snip-time-target", "1")
+    check = TimeTargetCheck.of_run(target, measured, names)
+    assert check == TimeTargetCheck(1.0, 2 * 0.003)  # 1 micro-batch of 2 linears, 1 + 2 ms each
+    assert TimeTargetCheck.of_run(target, peak_speed_model("auto"), names) is None  # an estimate has no seconds
+    assert TimeTargetCheck.of_run(run_config("--snip", "--snip-interval", "2"), measured, names) is None
+
+
+def write_lying_speed_table(directory: Path, config) -> None:
+    """A measured speed table in the cache ``directory`` for ``config``'s linears on this CPU that says every
+    precision runs at bf16's speed, where the emulated ones are many times slower."""
+    from megatron_snip.numerics.registry import PRECISION_NAMES
+    from megatron_snip.precision.flops import LlamaLinearDims
+    from megatron_snip.precision.gemm_speed import cache_key, cache_path
+    from megatron_snip.training.precision import linear_shapes
+
+    shapes = linear_shapes(config, LlamaLinearDims.from_config(config.model))
+    key = cache_key(shapes, config.precision.recipe(), torch.device("cpu"), config.model.params_dtype,
+                    PRECISION_NAMES)
+    seconds = {module: {p: (1e-5, 3e-5) for p in PRECISION_NAMES} for module in shapes}
+    directory.mkdir()
+    cache_path(key, directory).write_text(json.dumps({"key": key, "seconds": seconds}))
+
+
 @pytest.mark.integration
 def test_megatron_tags_values_and_wandb(tiny_data, tmp_path):
     """Every Megatron-LM switch on: Megatron-LM's tags with the console's, the scheduler's and exp(loss)'s
-    values, this program's beside them, the config panel, and the same scalars in an offline W&B run."""
+    values, this program's beside them, the config panel, and the same scalars in an offline W&B run. With
+    SNIP under --snip-time-target 1 (a speed table that prices emulated NVFP4 as bf16 makes a plan with NVFP4
+    meet it), warmed up in FP8: its measured step has no bf16 window to be checked against, and the log
+    says so once."""
     tb = tmp_path / "tb"
+    snip = ["--snip", "--snip-time-target", "1", "--snip-fp4-target", "0.5", "--snip-interval", "2",
+            "--snip-probe-passes", "1", "--snip-warmup-plan", "fp8"]
+    write_lying_speed_table(tmp_path / "cache", run_config("--micro-batch-size", "2", "--seq-length", "64"))
     proc = torchrun(1, train_args(
         tiny_data, "--tensorboard-dir", str(tb), "--eval-interval", "2", "--log-throughput",
         "--log-timers-to-tensorboard", "--timing-log-level", "1", "--log-memory-to-tensorboard",
         "--log-validation-ppl-to-tensorboard", "--log-params-norm", "--log-num-zeros-in-grad",
         "--log-world-size-to-tensorboard", "--wandb-project", "snip-test", "--wandb-exp-name", "tiny",
-        "--wandb-save-dir", str(tmp_path / "wb"), "--save", str(tmp_path / "ckpt"), iters=4),
-        env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+        "--wandb-save-dir", str(tmp_path / "wb"), "--save", str(tmp_path / "ckpt"), *snip, iters=4),
+        env={"WANDB_MODE": "offline", "WANDB_SILENT": "true", "MEGATRON_SNIP_CACHE": str(tmp_path / "cache")})
     steps = [1, 2, 3, 4]
+    assert "speed model measured on CPU (forward + backward of each linear shape (4) in each precision, read from" \
+        in proc.stdout
+    fp4 = scalars(tb, tags.FP4_FRACTION)
+    assert fp4[1] == fp4[2] == 0 and fp4[3] >= 0.5 - 1e-6 and fp4[4] >= 0.5 - 1e-6  # SNIP's from iteration 3 on
+    assert scalars(tb, tags.GEMM_TIME) == pytest.approx({k: 1.0 for k in steps})  # the table's word
+    assert re.findall(r"^\[snip\] iteration \d+: the measured step is not checked.*$", proc.stdout, re.M) == [
+        "[snip] iteration 2: the measured step is not checked against --snip-time-target 1: no log window of this "
+        "run ran in bf16 to compare it with (it started from a plan that is not bf16: a checkpoint's or "
+        "--snip-warmup-plan's)"]
     scalar_tags, text_tags = tensorboard_tags(tb)
     megatron = {tags.LM_LOSS, tags.LEARNING_RATE, tags.BATCH_SIZE, tags.LOSS_SCALE, tags.WORLD_SIZE, tags.GRAD_NORM,
                 tags.NUM_ZEROS, tags.PARAMS_NORM}
@@ -138,7 +224,8 @@ def test_megatron_tags_values_and_wandb(tiny_data, tmp_path):
     assert scalars(tb, tags.LM_LOSS_VALIDATION_PPL) == pytest.approx({k: math.exp(v) for k, v in valid.items()},
                                                                      rel=1e-5)
     assert scalars(tb, tags.vs_samples(tags.LM_LOSS_VALIDATION)) == {16: valid[2], 32: valid[4]}
-    assert f"validation loss at iteration 4 | lm loss value: {valid[4]:.6E}" in proc.stdout
+    (printed,) = re.findall(r"validation loss at iteration 4 \| lm loss value: (\S+) \|", proc.stdout)
+    assert float(printed) == pytest.approx(valid[4], rel=1e-6)  # TensorBoard keeps float32
 
     # W&B: the same scalars at the same iterations (TensorBoard keeps float32), the run's flags as its config.
     records = wandb_records(tmp_path / "wb")

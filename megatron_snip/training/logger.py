@@ -128,8 +128,9 @@ class MetricsLogger:
         if self.writer is not None:
             self.writer.add_text(tag, markdown, step)
 
-    def text(self, message: str) -> None:
-        if self.active:
+    def text(self, message: str | None) -> None:
+        """A console line (None: nothing, for a helper that had nothing to say)."""
+        if self.active and message is not None:
             print(message, flush=True)
 
     def close(self) -> None:
