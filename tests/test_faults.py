@@ -118,10 +118,14 @@ def test_a_stop_during_a_slow_save_keeps_the_save_within_the_tools_grace(tiny_da
 @pytest.mark.integration  # it starts the helper process
 def test_the_checkpoint_writer_helper_survives_stop_signals():
     """The Manager process megatron-core's writer would spawn (and a stop signal would kill) is ours: SIGTERM
-    and SIGUSR1 leave it serving, and this process's signal mask is as it was (nothing left blocked)."""
+    and SIGUSR1 leave it serving, and this process's signal mask is as it was (nothing left blocked). The
+    write results it carries (torch.distributed.checkpoint's classes) reach it as bytes: it never loads torch."""
     import os
 
+    import psutil
     from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.storage import WriteResult
 
     from megatron_snip.training import save_helper
 
@@ -130,9 +134,12 @@ def test_the_checkpoint_writer_helper_survives_stop_signals():
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         os.kill(save_helper._manager._process.pid, sig)
     time.sleep(0.5)
-    queue.put("written")
-    assert queue.get() == "written"
+    written = {0: [WriteResult(index=MetadataIndex("layer.weight"), size_in_bytes=64, storage_data="__0_0.distcp")]}
+    queue.put(written)
+    assert queue.get_nowait() == written
     assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == set()
+    loaded = [m.path for m in psutil.Process(save_helper._manager._process.pid).memory_maps()]
+    assert loaded and not [path for path in loaded if "libtorch" in path]
 
 
 def _kill_job(proc: subprocess.Popen) -> None:

@@ -6,7 +6,10 @@ process's first save and reuses after. SLURM's preemption SIGTERM reaches every 
 job step, and torchrun's shutdown sends SIGTERM to each worker's whole process group: the spawned
 Manager keeps no Python handler, dies of it, and the save the signal asked for (or any later one)
 fails with BrokenPipeError. :func:`install` starts that Manager here instead, before the first
-save, with the stop signals ignored and a watch that ends it when its worker is gone.
+save, with the stop signals ignored and a watch that ends it when its worker is gone. The queue's
+items are pickled before they reach the Manager (:class:`PickledQueue`): it holds bytes, so it never
+imports what the write results' classes need (torch.distributed.checkpoint, hence all of torch: 2-3.5
+CPU-seconds and 250 MB in every rank's Manager, measured on a 2-core CPU machine; 0.1 s and 20 MB now).
 
 This module is imported by the spawned Manager to run :func:`_serve_through_signals`: keep its
 imports light.
@@ -17,6 +20,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import threading
 import time
@@ -44,6 +48,24 @@ def _serve_through_signals(worker: int) -> None:
         os._exit(0)
 
     threading.Thread(target=watch, daemon=True).start()
+
+
+class PickledQueue:
+    """A Manager's queue whose items travel as pickled bytes: the Manager process unpickles only
+    ``bytes``. The methods megatron-core's writer calls (``put`` in the writing process, ``get_nowait``
+    in the trainer), and ``get``."""
+
+    def __init__(self, queue):
+        self._queue = queue  # a picklable proxy: this object can be passed to another process too
+
+    def put(self, item) -> None:
+        self._queue.put(pickle.dumps(item))
+
+    def get(self, *args, **kwargs):
+        return pickle.loads(self._queue.get(*args, **kwargs))
+
+    def get_nowait(self):
+        return pickle.loads(self._queue.get_nowait())
 
 
 def install() -> None:
@@ -75,4 +97,4 @@ def install() -> None:
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     _manager = manager
-    filesystem_async._results_queue = manager.Queue()
+    filesystem_async._results_queue = PickledQueue(manager.Queue())
