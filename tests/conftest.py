@@ -180,6 +180,20 @@ def torchrun(nproc: int, args: list[str], timeout: float = 300, check: bool = Tr
     return proc
 
 
+def launch(nproc: int, args: list[str], timeout: float = 300, check: bool = True, env: dict | None = None,
+           script: str = "pretrain_llama.py") -> subprocess.CompletedProcess:
+    """:func:`torchrun`'s job with its ranks forked from a process that imported the trainer once
+    (tests/forked_ranks.py): the same program for a fifth of the CPU time, for tests whose point is
+    what the run computes. Tests of torchrun's part (exit status, signals, kills) use :func:`torchrun`."""
+    from forked_ranks import launch as forked
+
+    proc = forked(nproc, ROOT / script, args, env=torchrun_env(env), cwd=ROOT, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"rank exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-6000:]}"
+                             f"\n--- stderr ---\n{proc.stderr[-6000:]}")
+    return proc
+
+
 def stop_at_iteration(args: list[str], nproc: int, iteration: int, stop) -> tuple[subprocess.Popen, str]:
     """Run pretrain_llama.py with ``args`` on ``nproc`` processes under torchrun until it logs training
     iteration ``iteration``, then call ``stop(proc)`` (send the signal under test) and wait up to 120 s for the
@@ -226,7 +240,7 @@ def scalars(tensorboard_dir: str | Path, tag: str) -> dict[int, float]:
 def init_ckpt(tiny_data, tmp_path_factory) -> Path:
     """Initial weights saved by a TP1 PP1 run that trains 0 iterations (tests copy it, never write to it)."""
     def make(d: Path) -> str:
-        torchrun(1, train_args(tiny_data, "--save", str(d / "ckpt"), iters=0))
+        launch(1, train_args(tiny_data, "--save", str(d / "ckpt"), iters=0))
         return str(d / "ckpt")
 
     return Path(once_per_session(tmp_path_factory, "init_ckpt", make))

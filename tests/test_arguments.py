@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, torchrun, train_args
+from conftest import ROOT, launch, train_args
 
 from megatron_snip.arguments import ArgumentError, parse_config
 
@@ -382,7 +382,7 @@ def test_a_megatron_nvfp4_script_trains_saves_lean_checkpoints_and_resumes(tiny_
     ckpt = str(tmp_path / "ckpt")
     megatron = ("--fp4-format", "e2m1", "--fp4-recipe", "nvfp4", "--manual-gc", "--manual-gc-interval", "1",
                 "--no-save-optim", "--no-save-rng", "--save", ckpt, "--load", ckpt, "--lr-decay-samples", "32")
-    first = torchrun(1, without_train_iters(tiny_data, *megatron, "--train-samples", "16"))
+    first = launch(1, without_train_iters(tiny_data, *megatron, "--train-samples", "16"))
     assert "100.0% of linear-layer FLOPs in FP4" in first.stdout and "fp4 nvfp4" in first.stdout
     record = read_record(ckpt)
     assert (record.iteration, record.no_optimizer_state, record.no_rng_state) == (2, True, True)
@@ -390,8 +390,8 @@ def test_a_megatron_nvfp4_script_trains_saves_lean_checkpoints_and_resumes(tiny_
     written = os.path.join(ckpt, "iter_0000002", "run_config.yaml")  # the resolved flags, beside the checkpoint
     again = parse_config(["--yaml-cfg", written], world_size=1, cuda=False)
     assert (again.training.train_iters, again.precision.precision, again.checkpoint.no_save_optim) == (2, "fp4", True)
-    second = torchrun(1, without_train_iters(tiny_data, *megatron, "--train-samples", "32",
-                                             "--exit-on-missing-checkpoint"))
+    second = launch(1, without_train_iters(tiny_data, *megatron, "--train-samples", "32",
+                                           "--exit-on-missing-checkpoint"))
     assert "resumed from" in second.stdout and "continuing at 2" in second.stdout
     assert read_record(ckpt).iteration == 4
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from conftest import ROOT, torchrun
+from conftest import ROOT, launch
 
 from megatron_snip.numerics.recipes import Precision
 from megatron_snip.training.checkpoint_record import (
@@ -85,8 +85,8 @@ def test_training_resumes_from_a_checkpoint_saved_before_the_record(tmp_path):
     record version."""
     ckpt = tmp_path / "ckpt"
     shutil.copytree(OLD, ckpt)
-    out = torchrun(1, [*OLD_FLAGS, "--train-iters", "3", "--load", str(ckpt), "--save", str(ckpt),
-                       "--save-interval", "1"])
+    out = launch(1, [*OLD_FLAGS, "--train-iters", "3", "--load", str(ckpt), "--save", str(ckpt),
+                     "--save-interval", "1"])
     assert "resumed from" in out.stdout and "at iteration 2" in out.stdout
     record = read_record(str(ckpt))
     assert (record.version, record.iteration, record.consumed_samples) == (CHECKPOINT_RECORD_VERSION, 3, 6)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import in_world_of_one, run_config, scalars, torchrun, train_args
+from conftest import in_world_of_one, launch, run_config, scalars, train_args
 from test_parallel import LOSS, assert_close
 
 from megatron_snip.arguments.errors import ArgumentError
@@ -135,10 +135,10 @@ def test_compiled_training_matches_eager_at_tp2_across_a_replan(tiny_data, init_
     losses, logs = {}, {}
     for name, extra in (("eager", ()), ("compiled", ("--torch-compile", "--torch-compile-backend", "aot_eager"))):
         tb = tmp_path / name
-        proc = torchrun(2, train_args(tiny_data, "--tensor-model-parallel-size", "2", "--sequence-parallel",
-                                      "--precision-schedule", "fwd=fp8@3", "--load", str(init_ckpt),
-                                      "--no-load-optim", "--no-load-rng", "--tensorboard-dir", str(tb), *extra,
-                                      iters=5))
+        proc = launch(2, train_args(tiny_data, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                    "--precision-schedule", "fwd=fp8@3", "--load", str(init_ckpt),
+                                    "--no-load-optim", "--no-load-rng", "--tensorboard-dir", str(tb), *extra,
+                                    iters=5))
         losses[name], logs[name] = scalars(tb, LOSS), proc.stdout + proc.stderr
     before = {step: loss for step, loss in losses["eager"].items() if step < 3}
     assert_close({step: losses["compiled"][step] for step in before}, before, rel=1e-6)

@@ -13,7 +13,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import ROOT, scalars, torchrun, torchrun_command, torchrun_env, train_args
+from conftest import ROOT, launch, scalars, torchrun, torchrun_command, torchrun_env, train_args
 from drivers.faults import signal_group
 
 from megatron_snip.arguments import ArgumentError, parse_config
@@ -174,6 +174,7 @@ def test_kill_9_at_random_moments_several_times_then_resume_is_exact(tiny_data, 
         return train_args(tiny_data, *flags, "--tensorboard-dir", str(tmp_path / tb), iters=8)
 
     start = time.monotonic()
+    # Under torchrun, as the runs killed: its duration is the span their moments are drawn from.
     torchrun(4, train_args(tiny_data, *LAYOUT, *CHAIN[:-1], "2", "--save", str(tmp_path / "ckpt_ref"),
                            "--tensorboard-dir", str(tmp_path / "tb_ref"), iters=8), timeout=600)
     duration = time.monotonic() - start
@@ -194,7 +195,7 @@ def test_kill_9_at_random_moments_several_times_then_resume_is_exact(tiny_data, 
         if (ckpt / "latest_checkpointed_iteration.txt").exists():
             assert (ckpt / f"iter_{tracker(ckpt):07d}" / ".metadata").is_file(), moments
 
-    final = torchrun(4, args("tb_final"), timeout=600)
+    final = launch(4, args("tb_final"), timeout=600)
     resumed = re.search(r"resumed from .* at iteration (\d+)", final.stdout)
     since = int(resumed.group(1)) if resumed else 0
     context = f"seed {seed}, run of {duration:.1f} s killed at {moments}, final run from iteration {since}"
@@ -221,8 +222,8 @@ def test_a_save_that_fails_part_way_keeps_the_previous_checkpoint(tiny_data, tmp
         assert "the newest complete checkpoint is still" in e
     assert tracker(ckpt) == 2 and sorted(p.name for p in ckpt.iterdir()) == [
         "iter_0000002", "latest_checkpointed_iteration.txt", "metrics.jsonl"]  # the partial one was removed
-    torchrun(1, train_args(tiny_data, "--load", str(ckpt), "--skip-train", "--tensorboard-dir",
-                           str(tmp_path / "tb"), iters=4))
+    launch(1, train_args(tiny_data, "--load", str(ckpt), "--skip-train", "--tensorboard-dir",
+                         str(tmp_path / "tb"), iters=4))
     assert list(scalars(tmp_path / "tb", tags.LM_LOSS_VALIDATION)) == [2]
 
 

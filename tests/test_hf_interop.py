@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, free_port, tiny_hf_llama
+from conftest import ROOT, free_port, launch, tiny_hf_llama
 
 # fp32 end to end; only the order of floating-point operations differs from transformers.
 LOGIT_TOL = 1e-4
@@ -184,16 +184,14 @@ def test_export_is_bit_exact_and_loads_without_warnings(imported, tmp_path, mode
 def test_train_with_snip_then_export_matches_ours(hf_tokenizer_data, imported, tmp_path):
     """import -> 4 iterations at TP2 with SNIP (FP4 plan from iteration 2) -> export: transformers'
     logits of the export equal ours from the trained checkpoint, and training moved the weights."""
-    from conftest import torchrun
-
     vocab = hf_tokenizer_data.vocab_size
     hf_dir = imported["untied"].hf_dir
     data = ["--data-path", hf_tokenizer_data.prefix, "--tokenizer-type", "HuggingFaceTokenizer",
             "--tokenizer-model", hf_tokenizer_data.tokenizer_dir, "--split", "90,10,0"]
-    torchrun(2, ["--load", imported["untied"].ckpt, "--finetune", "--save", str(tmp_path / "trained"),
-                 "--tensor-model-parallel-size", "2", "--micro-batch-size", "2", "--global-batch-size", "4",
-                 "--train-iters", "4", "--save-interval", "2", "--lr", "1e-3", "--eval-iters", "0",
-                 "--snip", "--snip-fp4-target", "0.75", *data])
+    launch(2, ["--load", imported["untied"].ckpt, "--finetune", "--save", str(tmp_path / "trained"),
+               "--tensor-model-parallel-size", "2", "--micro-batch-size", "2", "--global-batch-size", "4",
+               "--train-iters", "4", "--save-interval", "2", "--lr", "1e-3", "--eval-iters", "0",
+               "--snip", "--snip-fp4-target", "0.75", *data])
     convert("export", "--load-dir", str(tmp_path / "trained"), "--save-dir", str(tmp_path / "out"))
     side = json.loads((tmp_path / "out" / "megatron_snip.json").read_text())
     assert side["iteration"] == 4 and "nvfp4" in json.dumps(side["precision_plan"])
@@ -283,8 +281,6 @@ def test_bf16_runs_export_their_fp32_master_weights(hf_tokenizer_data, imported,
     optimizer (PP2) and from the distributed optimizer's flat DP-sharded buffers (PP2 x DP2, the
     same samples per step): both runs' masters agree to within what bf16 compute noise moves
     through Adam's normalised steps."""
-    from conftest import torchrun
-
     hf_dir = imported["tied"].hf_dir
     lr, iters = 1e-3, 2
     common = ["--load", imported["tied"].ckpt, "--finetune", "--bf16", "--pipeline-model-parallel-size", "2",
@@ -292,8 +288,8 @@ def test_bf16_runs_export_their_fp32_master_weights(hf_tokenizer_data, imported,
               "--eval-iters", "0",
               "--data-path", hf_tokenizer_data.prefix, "--tokenizer-type", "HuggingFaceTokenizer",
               "--tokenizer-model", hf_tokenizer_data.tokenizer_dir, "--split", "90,10,0"]
-    torchrun(2, [*common, "--save", str(tmp_path / "trained"), "--micro-batch-size", "2"])
-    torchrun(4, [*common, "--save", str(tmp_path / "dist"), "--micro-batch-size", "1", "--use-distributed-optimizer"])
+    launch(2, [*common, "--save", str(tmp_path / "trained"), "--micro-batch-size", "2"])
+    launch(4, [*common, "--save", str(tmp_path / "dist"), "--micro-batch-size", "1", "--use-distributed-optimizer"])
     original = _tensors(hf_dir)
     exports = {}
     convert_many([["export", "--load-dir", str(tmp_path / run), "--save-dir", str(tmp_path / f"{run}_hf")]

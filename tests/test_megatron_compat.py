@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import ROOT, TINY_MEGATRON, free_port, scalars, torchrun, torchrun_env, train_args
+from conftest import ROOT, TINY_MEGATRON, free_port, launch, scalars, torchrun, torchrun_env, train_args
 
 from megatron_snip.arguments import ArgumentError, parse_config
 
@@ -251,8 +251,8 @@ def test_the_8b_scripts_fp8_flags_say_which_recipe_runs(tiny_data):
 ])
 def test_the_8b_scripts_fp8_flags_train_the_recipe_they_report(tiny_data, extra, scaling):
     """What the GEMMs of every module kept after two FP8 iterations of the 8B script's precision flags."""
-    proc = torchrun(1, train_args(tiny_data, *LLAMA3_8B_FP8, *extra, iters=2, model=TINY_MEGATRON),
-                    script="tests/drivers/fp8_scaling.py")
+    proc = launch(1, train_args(tiny_data, *LLAMA3_8B_FP8, *extra, iters=2, model=TINY_MEGATRON),
+                  script="tests/drivers/fp8_scaling.py")
     (line,) = re.findall(r"^FP8-SCALING (.*)$", proc.stdout, re.M)
     kept = json.loads(line)
     assert len(kept) == 16 and all(state == scaling for state in kept.values()), kept
@@ -270,7 +270,7 @@ def test_per_token_loss_zero_centred_norms_and_the_profiler_keep_training_as_meg
 
     def run(name, *extra):
         tb = tmp_path / name
-        torchrun(2, train_args(tiny_data, "--tensorboard-dir", str(tb), *extra, iters=5))
+        launch(2, train_args(tiny_data, "--tensorboard-dir", str(tb), *extra, iters=5))
         return tb, scalars(tb, tags.LM_LOSS)
 
     _, plain = run("plain")

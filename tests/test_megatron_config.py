@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, run_config, torchrun, train_args
+from conftest import ROOT, launch, run_config, train_args
 
 from megatron_snip.arguments import ArgumentError
 from megatron_snip.model.precision.megatron_config import (
@@ -315,9 +315,9 @@ def test_megatron_cores_module_paths_are_stage_local_and_the_chunk_files_match_t
     the chunk's file on that path gives the plan's precision of the module's global name."""
     plan = random_plan(4, seed=5)
     plan.save(tmp_path / "plan.json")
-    torchrun(4, train_args(tiny_data, "--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size",
-                           "2", iters=2),
-             script="tests/drivers/megatron_paths.py", env={"PLAN": str(tmp_path / "plan.json"), "OUT": str(tmp_path)})
+    launch(4, train_args(tiny_data, "--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size",
+                         "2", iters=2),
+           script="tests/drivers/megatron_paths.py", env={"PLAN": str(tmp_path / "plan.json"), "OUT": str(tmp_path)})
     seen = {}
     for rank in range(4):
         seen.update(json.loads((tmp_path / f"rank{rank}.json").read_text()))
@@ -335,9 +335,9 @@ def test_a_snip_run_writes_yaml_plans_megatron_core_reads_back_identically(tiny_
     pins = config_file(tmp_path, {"fp8": te(fp8_quantization_recipe="tensorwise", fp8_format="hybrid",
                                              override_nonquantized_autocast=True)}, [("*.linear_proj", "fp8")])
     save = tmp_path / "ckpt"
-    torchrun(2, train_args(tiny_data, "--pipeline-model-parallel-size", "2", "--snip", "--snip-fp4-target", "0.5",
-                           "--snip-interval", "2", "--snip-probe-passes", "1", "--te-precision-config-file", str(pins),
-                           "--save", str(save), "--save-interval", "4", iters=4))
+    launch(2, train_args(tiny_data, "--pipeline-model-parallel-size", "2", "--snip", "--snip-fp4-target", "0.5",
+                         "--snip-interval", "2", "--snip-probe-passes", "1", "--te-precision-config-file", str(pins),
+                         "--save", str(save), "--save-interval", "4", iters=4))
     for it in (2, 4):
         stem = save / "snip" / f"snip_iter_{it:07d}"
         plan = PrecisionPlan.from_dict(json.loads(stem.with_suffix(".json").read_text())["cycle"]["plan"])

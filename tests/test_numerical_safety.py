@@ -12,7 +12,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import resume_from, scalars, torchrun, train_args
+from conftest import launch, resume_from, scalars, torchrun, train_args
 from megatron.core import dist_checkpointing
 
 from megatron_snip.arguments import ArgumentError, parse_config
@@ -51,8 +51,8 @@ def test_fail_policy_raises_on_every_rank_and_keeps_the_last_good_checkpoint(tin
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
     assert not (ckpt / "iter_0000004").exists() and not (ckpt / "iter_0000004.tmp").exists()
     # The good checkpoint loads (and resharded to one process) and evaluates.
-    torchrun(1, train_args(tiny_data, "--load", str(ckpt), "--skip-train", "--tensorboard-dir",
-                           str(tmp_path / "tb"), iters=6))
+    launch(1, train_args(tiny_data, "--load", str(ckpt), "--skip-train", "--tensorboard-dir",
+                         str(tmp_path / "tb"), iters=6))
     assert list(scalars(tmp_path / "tb", tags.LM_LOSS_VALIDATION)) == [2]
 
 
@@ -61,10 +61,10 @@ def test_skip_policy_skips_counts_and_resumes_exactly(tiny_data, tmp_path):
     layout = ("--pipeline-model-parallel-size", "2", "--non-finite-grad-policy", "skip")
     digests = tmp_path / "digests"
     digests.mkdir()
-    proc = torchrun(2, train_args(tiny_data, *layout, "--save", str(tmp_path / "full"), "--save-interval", "4",
-                                  "--tensorboard-dir", str(tmp_path / "tb_full")),
-                    env=inject(3, "decoder.layers.0.self_attention.linear_qkv.weight", INJECT_VALUE="inf",
-                               PARAM_DIGESTS=digests), script=DRIVER)
+    proc = launch(2, train_args(tiny_data, *layout, "--save", str(tmp_path / "full"), "--save-interval", "4",
+                                "--tensorboard-dir", str(tmp_path / "tb_full")),
+                  env=inject(3, "decoder.layers.0.self_attention.linear_qkv.weight", INJECT_VALUE="inf",
+                             PARAM_DIGESTS=digests), script=DRIVER)
     assert "non-finite gradients at iteration 3: rank 0 (tp 0, pp 0, dp 0): decoder.layers.0." in proc.stdout
     assert "update skipped (1 in a row, 1 in the run)" in proc.stdout
     for rank in (0, 1):  # weights entering step 4 are those entering step 3: the skipped step changed nothing
@@ -73,7 +73,7 @@ def test_skip_policy_skips_counts_and_resumes_exactly(tiny_data, tmp_path):
     assert scalars(tmp_path / "tb_full", SKIPPED) == {1: 0, 2: 0, 3: 1, 4: 1, 5: 1, 6: 1}
     full = scalars(tmp_path / "tb_full", LOSS)
     ckpt = resume_from(tmp_path / "full", 4, tmp_path / "resumed")
-    torchrun(2, train_args(tiny_data, *layout, "--load", str(ckpt), "--tensorboard-dir", str(tmp_path / "tb_res")))
+    launch(2, train_args(tiny_data, *layout, "--load", str(ckpt), "--tensorboard-dir", str(tmp_path / "tb_res")))
     resumed = scalars(tmp_path / "tb_res", LOSS)
     assert sorted(resumed) == [5, 6] and {k: full[k] for k in resumed} == resumed  # bit-identical
     assert scalars(tmp_path / "tb_res", SKIPPED) == {5: 1, 6: 1}  # the count came back from the checkpoint

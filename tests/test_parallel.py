@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, resume_from, scalars, torchrun, train_args
+from conftest import ROOT, launch, resume_from, scalars, train_args
 
 from megatron_snip.training import tags
 
@@ -24,8 +24,8 @@ VALID = tags.LM_LOSS_VALIDATION
 
 def run_from_init(tiny_data, init_ckpt, tmp_path, nproc, *layout, iters=6):
     tb = tmp_path / "tb"
-    torchrun(nproc, train_args(tiny_data, *layout, "--load", str(init_ckpt), "--no-load-optim", "--no-load-rng",
-                               "--tensorboard-dir", str(tb), iters=iters))
+    launch(nproc, train_args(tiny_data, *layout, "--load", str(init_ckpt), "--no-load-optim", "--no-load-rng",
+                             "--tensorboard-dir", str(tb), iters=iters))
     return scalars(tb, LOSS)
 
 
@@ -60,9 +60,9 @@ def losses_and_grads(tiny_data, init_ckpt, tmp_path, nproc, *layout, iters=4):
     """Losses of ``iters`` steps from the initial weights, and the unsharded gradients of the next
     batch (tests/drivers/dump_grads.py)."""
     tb, out = tmp_path / "tb", tmp_path / "grads.pt"
-    torchrun(nproc, train_args(tiny_data, *layout, "--load", str(init_ckpt), "--no-load-optim", "--no-load-rng",
-                               "--tensorboard-dir", str(tb), iters=iters),
-             env={"GRADS_OUT": str(out)}, script=ROOT / "tests" / "drivers" / "dump_grads.py")
+    launch(nproc, train_args(tiny_data, *layout, "--load", str(init_ckpt), "--no-load-optim", "--no-load-rng",
+                             "--tensorboard-dir", str(tb), iters=iters),
+           env={"GRADS_OUT": str(out)}, script=ROOT / "tests" / "drivers" / "dump_grads.py")
     return scalars(tb, LOSS), torch.load(out)
 
 
@@ -96,16 +96,16 @@ def test_layout_matches_tp1_in_losses_and_gradients(tiny_data, init_ckpt, baseli
 def tp2pp2_run(tiny_data, tmp_path_factory):
     """8 iterations at TP2 PP2 saving at 4 and 8."""
     d = tmp_path_factory.mktemp("tp2pp2")
-    torchrun(4, train_args(tiny_data, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                           "--save", str(d / "ckpt"), "--save-interval", "4", "--tensorboard-dir", str(d / "tb"),
-                           iters=8))
+    launch(4, train_args(tiny_data, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                         "--save", str(d / "ckpt"), "--save-interval", "4", "--tensorboard-dir", str(d / "tb"),
+                         iters=8))
     return d
 
 
 def test_resume_is_exact_tp2pp2(tiny_data, tp2pp2_run, tmp_path):
     ckpt = resume_from(tp2pp2_run / "ckpt", 4, tmp_path / "ckpt")
-    torchrun(4, train_args(tiny_data, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                           "--load", str(ckpt), "--tensorboard-dir", str(tmp_path / "tb"), iters=8))
+    launch(4, train_args(tiny_data, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                         "--load", str(ckpt), "--tensorboard-dir", str(tmp_path / "tb"), iters=8))
     full = scalars(tp2pp2_run / "tb", LOSS)
     resumed = scalars(tmp_path / "tb", LOSS)
     assert sorted(resumed) == [5, 6, 7, 8]
@@ -114,8 +114,8 @@ def test_resume_is_exact_tp2pp2(tiny_data, tp2pp2_run, tmp_path):
 
 
 def test_tp2pp2_checkpoint_loads_into_tp1pp1(tiny_data, tp2pp2_run, tmp_path):
-    torchrun(1, train_args(tiny_data, "--load", str(tp2pp2_run / "ckpt"), "--skip-train",
-                           "--tensorboard-dir", str(tmp_path / "tb"), iters=8))
+    launch(1, train_args(tiny_data, "--load", str(tp2pp2_run / "ckpt"), "--skip-train",
+                         "--tensorboard-dir", str(tmp_path / "tb"), iters=8))
     want = scalars(tp2pp2_run / "tb", VALID)[8]
     assert scalars(tmp_path / "tb", VALID)[8] == pytest.approx(want, rel=1e-5)
 
@@ -125,26 +125,26 @@ VPP = ("--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel
 
 def test_interleaved_pipeline_resume_is_exact_and_loads_into_tp1(tiny_data, tmp_path):
     """PP2 x VPP2: a checkpoint of both chunks per rank resumes bit for bit and loads into TP1 PP1."""
-    torchrun(2, train_args(tiny_data, *VPP, "--save", str(tmp_path / "full"), "--save-interval", "2",
-                           "--tensorboard-dir", str(tmp_path / "tb_full"), iters=4))
+    launch(2, train_args(tiny_data, *VPP, "--save", str(tmp_path / "full"), "--save-interval", "2",
+                         "--tensorboard-dir", str(tmp_path / "tb_full"), iters=4))
     ckpt = resume_from(tmp_path / "full", 2, tmp_path / "resumed")
-    torchrun(2, train_args(tiny_data, *VPP, "--load", str(ckpt), "--tensorboard-dir", str(tmp_path / "tb_res"),
-                           iters=4))
+    launch(2, train_args(tiny_data, *VPP, "--load", str(ckpt), "--tensorboard-dir", str(tmp_path / "tb_res"),
+                         iters=4))
     full, resumed = scalars(tmp_path / "tb_full", LOSS), scalars(tmp_path / "tb_res", LOSS)
     assert sorted(resumed) == [3, 4]
     assert {k: full[k] for k in resumed} == resumed
-    torchrun(1, train_args(tiny_data, "--load", str(tmp_path / "full"), "--skip-train",
-                           "--tensorboard-dir", str(tmp_path / "tb_tp1"), iters=4))
+    launch(1, train_args(tiny_data, "--load", str(tmp_path / "full"), "--skip-train",
+                         "--tensorboard-dir", str(tmp_path / "tb_tp1"), iters=4))
     assert scalars(tmp_path / "tb_tp1", VALID)[4] == pytest.approx(scalars(tmp_path / "tb_full", VALID)[4], rel=1e-5)
 
 
 def test_distributed_optimizer_resume_is_exact(tiny_data, tmp_path):
     args = ("--use-distributed-optimizer", "--save-interval", "3")
-    torchrun(2, train_args(tiny_data, *args, "--save", str(tmp_path / "full"), "--tensorboard-dir",
-                           str(tmp_path / "tb_full")))
+    launch(2, train_args(tiny_data, *args, "--save", str(tmp_path / "full"), "--tensorboard-dir",
+                         str(tmp_path / "tb_full")))
     ckpt = resume_from(tmp_path / "full", 3, tmp_path / "resumed")
-    torchrun(2, train_args(tiny_data, *args, "--load", str(ckpt), "--save", str(ckpt),
-                           "--tensorboard-dir", str(tmp_path / "tb_res")))
+    launch(2, train_args(tiny_data, *args, "--load", str(ckpt), "--save", str(ckpt),
+                         "--tensorboard-dir", str(tmp_path / "tb_res")))
     full, resumed = scalars(tmp_path / "tb_full", LOSS), scalars(tmp_path / "tb_res", LOSS)
     assert sorted(resumed) == [4, 5, 6]
     assert {k: full[k] for k in resumed} == resumed
@@ -154,11 +154,11 @@ def test_bf16_run_saves_and_resumes_exactly(tiny_data, tmp_path):
     """--bf16 (bf16 parameters, fp32 masters in the optimizer) checkpoints and resumes bit for bit:
     every parameter, the norms' included, is bf16, as the mixed-precision optimizer requires."""
     full, tb_full, tb_resumed = tmp_path / "full", tmp_path / "tb_full", tmp_path / "tb_resumed"
-    torchrun(1, train_args(tiny_data, "--bf16", "--save", str(full), "--save-interval", "2",
-                           "--tensorboard-dir", str(tb_full), iters=4))
+    launch(1, train_args(tiny_data, "--bf16", "--save", str(full), "--save-interval", "2",
+                         "--tensorboard-dir", str(tb_full), iters=4))
     ckpt = resume_from(full, 2, tmp_path / "resumed")
-    torchrun(1, train_args(tiny_data, "--bf16", "--load", str(ckpt), "--save", str(ckpt),
-                           "--tensorboard-dir", str(tb_resumed), iters=4))
+    launch(1, train_args(tiny_data, "--bf16", "--load", str(ckpt), "--save", str(ckpt),
+                         "--tensorboard-dir", str(tb_resumed), iters=4))
     want = scalars(tb_full, LOSS)
     assert scalars(tb_resumed, LOSS) == {3: want[3], 4: want[4]}
 
@@ -175,7 +175,7 @@ def test_tied_embeddings_train_at_pp2_as_at_tp1_resume_and_export(tiny_data, tmp
     from megatron_snip.training.checkpointing import read_record
 
     def run(nproc, *extra, iters=3):
-        torchrun(nproc, train_args(tiny_data, *extra, model=TINY_MEGATRON, iters=iters))
+        launch(nproc, train_args(tiny_data, *extra, model=TINY_MEGATRON, iters=iters))
 
     init, pp2 = tmp_path / "init", ("--pipeline-model-parallel-size", "2")
     run(1, "--save", str(init), iters=0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from conftest import scalars, torchrun, train_args
+from conftest import launch, scalars, train_args
 
 from megatron_snip.arguments import ArgumentError, parse_config
 from megatron_snip.precision.plan import PrecisionPlan
@@ -25,8 +25,8 @@ SAVED = ("--precision", "nvfp4", "--fp8-recipe", "blockwise", "--nvfp4-disable-r
 def run(tiny_data, tmp_path_factory):
     """4 steps in nvfp4 (forward GEMMs bf16 from step 3 on), checkpoints at 2 and 4."""
     d = tmp_path_factory.mktemp("precision_resume")
-    torchrun(1, train_args(tiny_data, *SAVED, "--save", str(d / "ckpt"), "--save-interval", "2",
-                           "--tensorboard-dir", str(d / "tb"), iters=4))
+    launch(1, train_args(tiny_data, *SAVED, "--save", str(d / "ckpt"), "--save-interval", "2",
+                         "--tensorboard-dir", str(d / "tb"), iters=4))
     return d
 
 
@@ -47,8 +47,8 @@ def test_schedule_changes_the_plan_at_its_step_and_survives_a_resume(tiny_data, 
     assert scalars(run / "tb", FP4) == pytest.approx({1: 1.0, 2: 1.0, 3: 2 / 3, 4: 2 / 3})
     ckpt = resumed_at_2(run, tmp_path)
     # No precision flags: the checkpoint's plan, recipe and schedule go on, bit for bit.
-    torchrun(1, train_args(tiny_data, "--load", str(ckpt), "--lr-decay-style", "constant",
-                           "--tensorboard-dir", str(tmp_path / "tb"), iters=4))
+    launch(1, train_args(tiny_data, "--load", str(ckpt), "--lr-decay-style", "constant",
+                         "--tensorboard-dir", str(tmp_path / "tb"), iters=4))
     assert scalars(tmp_path / "tb", FP4) == pytest.approx({3: 2 / 3, 4: 2 / 3})
     full, again = scalars(run / "tb", tags.LM_LOSS), scalars(tmp_path / "tb", tags.LM_LOSS)
     assert again == {k: full[k] for k in (3, 4)}
@@ -88,9 +88,9 @@ def test_conflicting_plan_flags_are_one_error(tiny_data, run, tmp_path):
 
 def test_a_resume_with_a_new_precision_trains_in_it(tiny_data, run, tmp_path):
     ckpt = resumed_at_2(run, tmp_path)
-    proc = torchrun(1, train_args(tiny_data, "--load", str(ckpt), "--precision", "fp8",
-                                  "--precision-schedule", "all=fp8@4", "--lr-decay-style", "constant",
-                                  "--tensorboard-dir", str(tmp_path / "tb"), iters=4))
+    proc = launch(1, train_args(tiny_data, "--load", str(ckpt), "--precision", "fp8",
+                                "--precision-schedule", "all=fp8@4", "--lr-decay-style", "constant",
+                                "--tensorboard-dir", str(tmp_path / "tb"), iters=4))
     assert scalars(tmp_path / "tb", FP4) == {3: 0.0, 4: 0.0}
     assert scalars(tmp_path / "tb", tags.FP8_FRACTION) == {3: 1.0, 4: 1.0}
     assert "precision: plan --precision fp8" in proc.stdout

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, free_port, scalars, torchrun, train_args
+from conftest import ROOT, free_port, launch, scalars, train_args
 
 from megatron_snip.numerics.recipes import Precision
 from megatron_snip.precision.flops import LlamaLinearDims, flop_fractions
@@ -32,8 +32,8 @@ def mixed_plan() -> PrecisionPlan:
 
 @pytest.mark.integration
 def test_uniform_nvfp4_trains_at_tp2_pp2(tiny_data, tmp_path):
-    torchrun(4, train_args(tiny_data, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                           "--precision", "nvfp4", "--tensorboard-dir", str(tmp_path / "tb"), iters=12))
+    launch(4, train_args(tiny_data, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                         "--precision", "nvfp4", "--tensorboard-dir", str(tmp_path / "tb"), iters=12))
     losses = scalars(tmp_path / "tb", LOSS)
     assert all(math.isfinite(v) for v in losses.values())
     assert losses[12] < losses[1] - 0.3
@@ -44,8 +44,8 @@ def test_uniform_nvfp4_trains_at_tp2_pp2(tiny_data, tmp_path):
 def test_mixed_plan_file_at_tp2(tiny_data, tmp_path):
     plan = mixed_plan()
     plan.save(tmp_path / "plan.json")
-    torchrun(2, train_args(tiny_data, "--tensor-model-parallel-size", "2", "--precision-plan",
-                           str(tmp_path / "plan.json"), "--tensorboard-dir", str(tmp_path / "tb"), iters=6))
+    launch(2, train_args(tiny_data, "--tensor-model-parallel-size", "2", "--precision-plan",
+                         str(tmp_path / "plan.json"), "--tensorboard-dir", str(tmp_path / "tb"), iters=6))
     want = flop_fractions(plan, DIMS)
     assert 0 < want.fp4 < 1 and 0 < want.fp8 < 1
     assert scalars(tmp_path / "tb", FP4)[6] == pytest.approx(want.fp4, rel=1e-6)
@@ -66,14 +66,14 @@ def test_resume_continues_the_quantization_state_bit_for_bit(tiny_data, tmp_path
               "--fp8-recipe", "delayed", "--fp8-amax-history-len", "16", "--fp8-amax-compute-algo", "max",
               "--save-interval", "3", "--lr-decay-style", "constant")
     full = tmp_path / "full"
-    torchrun(2, train_args(tiny_data, *common, "--save", str(full), "--tensorboard-dir", str(tmp_path / "tb"),
-                           iters=6))
+    launch(2, train_args(tiny_data, *common, "--save", str(full), "--tensorboard-dir", str(tmp_path / "tb"),
+                         iters=6))
     resumed = tmp_path / "resumed"
     resumed.mkdir()
     shutil.copytree(full / "iter_0000003", resumed / "iter_0000003")
     (resumed / "latest_checkpointed_iteration.txt").write_text("3")
-    torchrun(2, train_args(tiny_data, *common, "--load", str(resumed), "--save", str(resumed),
-                           "--tensorboard-dir", str(tmp_path / "tb2"), iters=6))
+    launch(2, train_args(tiny_data, *common, "--load", str(resumed), "--save", str(resumed),
+                         "--tensorboard-dir", str(tmp_path / "tb2"), iters=6))
     losses, again = scalars(tmp_path / "tb", LOSS), scalars(tmp_path / "tb2", LOSS)
     assert sorted(again) == [4, 5, 6]
     assert {k: losses[k] for k in again} == again
@@ -95,8 +95,8 @@ def test_plan_change_takes_effect_next_iteration_and_survives_checkpoint(tiny_da
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert scalars(tb, FP4) == pytest.approx({1: 0.0, 2: 0.0, 3: want, 4: want})
     # Resume without naming a plan: the checkpoint's plan is restored.
-    torchrun(2, train_args(tiny_data, "--pipeline-model-parallel-size", "2", "--load", str(ckpt),
-                           "--tensorboard-dir", str(tmp_path / "tb2"), iters=6))
+    launch(2, train_args(tiny_data, "--pipeline-model-parallel-size", "2", "--load", str(ckpt),
+                         "--tensorboard-dir", str(tmp_path / "tb2"), iters=6))
     assert scalars(tmp_path / "tb2", FP4) == pytest.approx({5: want, 6: want})
 
 

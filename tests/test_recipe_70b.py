@@ -13,7 +13,7 @@ import json
 import shutil
 
 import pytest
-from conftest import ROOT, scalars, torchrun, train_args
+from conftest import ROOT, launch, scalars, train_args
 from test_examples import recorded_launches
 
 from megatron_snip.arguments import parse_args
@@ -49,8 +49,8 @@ def plan_at(save_dir, iteration: int) -> dict:
 def test_recipe_trains_replans_and_resumes_exactly(tiny_data, tmp_path):
     flags = recipe_flags(tmp_path / "record")
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    torchrun(4, train_args(tiny_data, *flags, "--save", str(full), "--save-interval", "2",
-                           "--tensorboard-dir", str(full / "tb"), iters=4), timeout=600)
+    launch(4, train_args(tiny_data, *flags, "--save", str(full), "--save-interval", "2",
+                         "--tensorboard-dir", str(full / "tb"), iters=4), timeout=600)
     losses = scalars(full / "tb", tags.LM_LOSS)
     assert sorted(losses) == [1, 2, 3, 4] and all(v == v for v in losses.values())
     # The re-plan at iteration 2 is in force from iteration 3 on: at least the FP4 target.
@@ -59,8 +59,8 @@ def test_recipe_trains_replans_and_resumes_exactly(tiny_data, tmp_path):
     resumed.mkdir()
     shutil.copytree(full / "iter_0000002", resumed / "iter_0000002")
     (resumed / "latest_checkpointed_iteration.txt").write_text("2")
-    torchrun(4, train_args(tiny_data, *flags, "--load", str(resumed), "--save", str(resumed), "--save-interval", "2",
-                           "--tensorboard-dir", str(resumed / "tb"), iters=4), timeout=600)
+    launch(4, train_args(tiny_data, *flags, "--load", str(resumed), "--save", str(resumed), "--save-interval", "2",
+                         "--tensorboard-dir", str(resumed / "tb"), iters=4), timeout=600)
     again = scalars(resumed / "tb", tags.LM_LOSS)
     assert sorted(again) == [3, 4]
     assert again == {k: losses[k] for k in again}  # bit-identical, SNIP's plan restored from the checkpoint

@@ -8,7 +8,7 @@ import signal
 
 import psutil
 import pytest
-from conftest import scalars, stop_at_iteration, torchrun, train_args
+from conftest import launch, scalars, stop_at_iteration, torchrun, train_args
 
 from megatron_snip.training import tags
 
@@ -56,7 +56,7 @@ def test_a_truncated_newest_shard_is_named_and_ckpt_fallback_loads_the_intact_on
     file and the flag; with --ckpt-fallback the run loads 2 (one line), keeps the damaged one as
     iter_0000004.damaged (its iteration is saved anew, never over it) and goes on."""
     ckpt = tmp_path / "ckpt"
-    torchrun(1, train_args(tiny_data, "--save", str(ckpt), "--save-interval", "2", iters=4))
+    launch(1, train_args(tiny_data, "--save", str(ckpt), "--save-interval", "2", iters=4))
     shard = sorted((ckpt / "iter_0000004").glob("*.distcp"))[0]
     size = shard.stat().st_size
     shard.write_bytes(shard.read_bytes()[: size // 3])  # truncated by a full disk
@@ -68,7 +68,7 @@ def test_a_truncated_newest_shard_is_named_and_ckpt_fallback_loads_the_intact_on
                       f"{ckpt / 'latest_checkpointed_iteration.txt'} names, is damaged: {shard} has {size // 3} bytes "
                       f"but the index needs {size} (truncated); pass --ckpt-fallback to load the newest intact one, "
                       f"{ckpt / 'iter_0000002'}, instead, or restore the file"], refused.stderr[-3000:]
-    proc = torchrun(1, [*resume, "--ckpt-fallback"])
+    proc = launch(1, [*resume, "--ckpt-fallback"])
     assert (f"notice: --ckpt-fallback: checkpoint {ckpt / 'iter_0000004'} is damaged ({shard} has {size // 3} bytes "
             f"but the index needs {size} (truncated)); loading {ckpt / 'iter_0000002'}, the newest intact one; the "
             f"damaged one is set aside as iter_N.damaged and the tracker names the one loaded") in proc.stdout

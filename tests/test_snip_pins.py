@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 import yaml
-from conftest import run_config, scalars, torchrun, train_args
+from conftest import launch, run_config, scalars, train_args
 
 from megatron_snip.arguments import ArgumentError
 from megatron_snip.numerics.recipes import BF16, Precision
@@ -219,8 +219,8 @@ def test_pins_hold_at_tp2_pp2_in_split_mode_across_cycles_and_a_resume(tiny_data
     pinned; then a resume from iteration 2 re-plans at 4 identically. Every plan, the checkpoints' included,
     keeps both passes of layers 0 and 3 in bf16 while the free layers meet the per-stage budget."""
     run = tmp_path / "run"
-    out = torchrun(4, train_args(tiny_data, *LAYOUT, *PINNED, "--save", str(run / "ckpt"), "--tensorboard-dir",
-                                 str(run / "tb"), iters=4))
+    out = launch(4, train_args(tiny_data, *LAYOUT, *PINNED, "--save", str(run / "ckpt"), "--tensorboard-dir",
+                               str(run / "tb"), iters=4))
     assert "SNIP pins: 8 modules (layers 0, 3) in bf16 (--first-last-layers-bf16)" in out.stdout
     for it in (2, 4):
         record = json.loads((run / "ckpt" / "snip" / f"snip_iter_{it:07d}.json").read_text())
@@ -235,8 +235,8 @@ def test_pins_hold_at_tp2_pp2_in_split_mode_across_cycles_and_a_resume(tiny_data
     (resumed / "ckpt").mkdir(parents=True)
     shutil.copytree(run / "ckpt" / "iter_0000002", resumed / "ckpt" / "iter_0000002")
     (resumed / "ckpt" / "latest_checkpointed_iteration.txt").write_text("2")
-    torchrun(4, train_args(tiny_data, *LAYOUT, *PINNED, "--load", str(resumed / "ckpt"), "--save",
-                           str(resumed / "ckpt"), "--tensorboard-dir", str(resumed / "tb"), iters=4))
+    launch(4, train_args(tiny_data, *LAYOUT, *PINNED, "--load", str(resumed / "ckpt"), "--save",
+                         str(resumed / "ckpt"), "--tensorboard-dir", str(resumed / "tb"), iters=4))
     for tag in (tags.LM_LOSS, tags.FP4_FRACTION, tags.snip("objective")):
         full, again = scalars(run / "tb", tag), scalars(resumed / "tb", tag)
         assert again and {k: full[k] for k in again} == again, tag

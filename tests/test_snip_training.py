@@ -8,7 +8,7 @@ import shutil
 import stat
 
 import pytest
-from conftest import scalars, torchrun, train_args
+from conftest import launch, scalars, train_args
 
 from megatron_snip.arguments import parse_config
 from megatron_snip.precision.plan import PrecisionPlan, module_names
@@ -28,8 +28,8 @@ def snip_run(tiny_data, tmp_path_factory):
     d = tmp_path_factory.mktemp("snip")
     old = os.umask(0o022)
     try:
-        torchrun(4, train_args(tiny_data, *LAYOUT, *SNIP, "--save", str(d / "ckpt"), "--tensorboard-dir",
-                               str(d / "tb"), iters=6))
+        launch(4, train_args(tiny_data, *LAYOUT, *SNIP, "--save", str(d / "ckpt"), "--tensorboard-dir",
+                             str(d / "tb"), iters=6))
     finally:
         os.umask(old)
     return d
@@ -82,10 +82,10 @@ def test_time_target_with_the_papers_candidates_at_tp2_pp2(tiny_data, tmp_path):
     from megatron_snip.snip.statistics_file import StatisticsFile
     from megatron_snip.training.cycle_log import UNRESOLVED_WARN
 
-    out = torchrun(4, train_args(tiny_data, *LAYOUT, "--snip", "--snip-formats", "fp8", "mxfp4", "--snip-time-target",
-                                 "0.35", "--gemm-speed-model", "blackwell", "--snip-interval", "2",
-                                 "--snip-probe-passes", "2", "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
-                                 "--tensorboard-dir", str(tmp_path / "tb"), iters=2))
+    out = launch(4, train_args(tiny_data, *LAYOUT, "--snip", "--snip-formats", "fp8", "mxfp4", "--snip-time-target",
+                               "0.35", "--gemm-speed-model", "blackwell", "--snip-interval", "2",
+                               "--snip-probe-passes", "2", "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
+                               "--tensorboard-dir", str(tmp_path / "tb"), iters=2))
     path = tmp_path / "ckpt" / "snip" / "snip_iter_0000002.json"
     record = json.loads(path.read_text())
     cycle = record["cycle"]
@@ -115,7 +115,7 @@ def test_a_time_target_chooses_among_fp8_recipes_per_module(tiny_data, tmp_path)
     flags = ("--snip", "--snip-formats", *formats, "--fp8-recipe", "blockwise", "--snip-time-target", "0.6",
              "--gemm-speed-model", "blackwell", "--snip-interval", "2", "--snip-probe-passes", "1",
              "--save", str(tmp_path / "ckpt"), "--save-interval", "2")
-    out = torchrun(1, train_args(tiny_data, *flags, iters=2))
+    out = launch(1, train_args(tiny_data, *flags, iters=2))
     path = tmp_path / "ckpt" / "snip" / "snip_iter_0000002.json"
     record = json.loads(path.read_text())
     errors = {f: record["statistics"]["modules"]["decoder.layers.1.mlp.linear_fc1"]["errors"][f]["output_sq"]
@@ -148,9 +148,9 @@ def test_fisher_curvature_plans_by_the_loss_term_it_measured_at_tp2_pp2(tiny_dat
     from megatron_snip.snip.planner import to_precision_plan
     from megatron_snip.snip.statistics_file import Budget, StatisticsFile
 
-    torchrun(4, train_args(tiny_data, *LAYOUT, "--snip", "--snip-fp4-target", str(TARGET), "--snip-curvature",
-                           "fisher", "--snip-update-weight", "0", "--snip-interval", "2", "--snip-probe-passes", "1",
-                           "--save", str(tmp_path / "ckpt"), "--save-interval", "2", iters=2))
+    launch(4, train_args(tiny_data, *LAYOUT, "--snip", "--snip-fp4-target", str(TARGET), "--snip-curvature",
+                         "fisher", "--snip-update-weight", "0", "--snip-interval", "2", "--snip-probe-passes", "1",
+                         "--save", str(tmp_path / "ckpt"), "--save-interval", "2", iters=2))
     path = tmp_path / "ckpt" / "snip" / "snip_iter_0000002.json"
     record = json.loads(path.read_text())
     assert record["statistics"]["settings"]["curvature"] == "fisher"
@@ -169,8 +169,8 @@ def test_resume_restores_the_plan_and_continues_identically(tiny_data, snip_run,
     ckpt.mkdir()
     shutil.copytree(snip_run / "ckpt" / "iter_0000003", ckpt / "iter_0000003")
     (ckpt / "latest_checkpointed_iteration.txt").write_text("3")
-    torchrun(4, train_args(tiny_data, *LAYOUT, *SNIP, "--load", str(ckpt), "--save", str(ckpt),
-                           "--tensorboard-dir", str(tmp_path / "tb"), iters=6))
+    launch(4, train_args(tiny_data, *LAYOUT, *SNIP, "--load", str(ckpt), "--save", str(ckpt),
+                         "--tensorboard-dir", str(tmp_path / "tb"), iters=6))
     for tag in (tags.LM_LOSS, tags.FP4_FRACTION, tags.snip("objective")):
         full = scalars(snip_run / "tb", tag)
         resumed = scalars(tmp_path / "tb", tag)
@@ -181,10 +181,10 @@ def test_probe_cycles_leave_training_unchanged(tiny_data, tmp_path):
     """With a target of 0 and bf16 the only non-FP4 candidate the plan stays bf16, so a run with cycles must
     match one without, bit for bit."""
     common = ("--pipeline-model-parallel-size", "2", "--lr-decay-style", "constant")
-    torchrun(2, train_args(tiny_data, *common, "--tensorboard-dir", str(tmp_path / "plain"), iters=5))
-    torchrun(2, train_args(tiny_data, *common, "--snip", "--snip-fp4-target", "0", "--snip-formats", "bf16", "nvfp4",
-                           "--snip-interval", "2",
-                           "--snip-probe-passes", "1", "--tensorboard-dir", str(tmp_path / "snip"), iters=5))
+    launch(2, train_args(tiny_data, *common, "--tensorboard-dir", str(tmp_path / "plain"), iters=5))
+    launch(2, train_args(tiny_data, *common, "--snip", "--snip-fp4-target", "0", "--snip-formats", "bf16", "nvfp4",
+                         "--snip-interval", "2",
+                         "--snip-probe-passes", "1", "--tensorboard-dir", str(tmp_path / "snip"), iters=5))
     assert sorted(scalars(tmp_path / "snip", tags.snip("objective"))) == [2, 4]  # two cycles ran
     assert set(scalars(tmp_path / "snip", tags.FP4_FRACTION).values()) == {0.0}
     assert scalars(tmp_path / "snip", tags.LM_LOSS) == scalars(tmp_path / "plain", tags.LM_LOSS)

@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY_MODEL, scalars, torchrun
+from conftest import ROOT, TINY_MODEL, launch, scalars
 
 from megatron_snip.precision.plan import PrecisionPlan
 from megatron_snip.snip.statistics_file import Budget
@@ -266,7 +266,7 @@ def test_compare_precision_branches_resume_and_report(tiny_data, tmp_path):
     assert "[snip] iteration" not in log
     # The BF16 branch is the unbranched BF16 run: the trunk's schedule, data order and RNG carry over
     # the branch point exactly (the trunk's SNIP cycle changes nothing the training sees).
-    torchrun(1, [*train_args, "--seed", "1", "--train-iters", "8", "--tensorboard-dir", str(tmp_path / "tb")])
+    launch(1, [*train_args, "--seed", "1", "--train-iters", "8", "--tensorboard-dir", str(tmp_path / "tb")])
     assert scalars(tmp_path / "tb", tags.LM_LOSS_VALIDATION)[8] == json.loads(
         (out / "seed1" / "bf16" / "result.json").read_text())["final_valid_loss"]
     assert (out / "gap_to_bf16.png").stat().st_size > 0 and "| FP4 target 0.75 | threshold |" in (
@@ -356,7 +356,7 @@ def test_sigterm_to_the_tool_saves_the_branch_in_flight_and_a_rerun_finishes_it(
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "seed 1: bf16 (resuming)" in proc.stdout
-    torchrun(1, [*train_args, "--seed", "1", "--train-iters", "16", "--tensorboard-dir", str(tmp_path / "tb")])
+    launch(1, [*train_args, "--seed", "1", "--train-iters", "16", "--tensorboard-dir", str(tmp_path / "tb")])
     assert scalars(tmp_path / "tb", tags.LM_LOSS_VALIDATION)[16] == json.loads(
         (out / "seed1" / "bf16" / "result.json").read_text())["final_valid_loss"]
 

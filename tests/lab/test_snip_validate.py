@@ -7,7 +7,7 @@ import json
 import math
 
 import pytest
-from conftest import torchrun, train_args
+from conftest import launch, train_args
 
 
 @pytest.mark.integration
@@ -16,8 +16,8 @@ def test_snip_validate_by_type_measures_every_type_in_every_format(tiny_data, tm
     quantized format, SNIP's update terms next to the measured drifts, all of them finite."""
     out = tmp_path / "by_type.json"
     run = train_args(tiny_data, "--snip", "--snip-formats", "bf16", "fp8", "mxfp4", "--snip-interval", "4", iters=4)
-    proc = torchrun(1, [*run, "--validate-by-type", "--validate-batches", "2", "--output", str(out)],
-                    script="tools/lab/snip_validate.py")
+    proc = launch(1, [*run, "--validate-by-type", "--validate-batches", "2", "--output", str(out)],
+                  script="tools/lab/snip_validate.py")
     assert "the exact update drift in mxfp4, every module of a type at once" in proc.stdout
     table = json.loads(out.read_text())["by_type"]
     assert sorted(table) == ["fp8", "mxfp4"]
