@@ -33,7 +33,7 @@ import tempfile
 from pathlib import Path
 
 from results import goal, write_json
-from timing import StepClock, device_name
+from timing import device_name
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = "--worker"
@@ -44,31 +44,20 @@ RECIPES = ("tensorwise", "rowwise")
 
 def worker(plan_file: str, argv: list[str]) -> None:
     """Inside torchrun: the phases on this rank; rank 0 writes what it measured."""
-    from megatron_snip.compat.cpu import silence_cpu_warnings
+    from step_time import stamped_trainer
 
-    silence_cpu_warnings()
+    run, trainer, clock = stamped_trainer(plan_file, argv)
     from dataclasses import replace
 
     import torch
     import torch.distributed as dist
 
-    from megatron_snip.cli.pretrain import trainer_from_command_line
     from megatron_snip.compat.device import current_device
     from megatron_snip.precision.gemm_speed import time_linears
     from megatron_snip.precision.plan import PrecisionPlan
     from megatron_snip.training.precision import linear_shapes
 
-    run = json.loads(Path(plan_file).read_text())
-    trainer = trainer_from_command_line(argv)
     config = trainer.config
-    clock = StepClock()
-    step = trainer.train_step
-
-    def stamped_step(data):
-        clock.stamp()
-        return step(data)
-
-    trainer.train_step = stamped_step
     shapes = linear_shapes(config, trainer.linear_dims)
     layers = len(trainer.precision.module_names()) // 4  # this rank's layers (4 linears each)
     model = trainer.speed_model

@@ -129,34 +129,42 @@ def phases(opts) -> list[tuple[str, str, str, str | None, str | None]]:
                    "bf16" if name in ("plain", "ours") else name, None, None) for name in opts.profile]
 
 
+def stamped_trainer(plan_file: str, argv: list[str]):
+    """Inside torchrun: (the run's plan read from ``plan_file``, the trainer ``argv`` builds, the clock every
+    training step stamps at its start: start-to-start, the whole loop body, data and checks included)."""
+    from megatron_snip.compat.cpu import silence_cpu_warnings
+
+    silence_cpu_warnings()
+    from megatron_snip.cli.pretrain import trainer_from_command_line
+
+    run = json.loads(Path(plan_file).read_text())
+    trainer = trainer_from_command_line(argv)
+    clock = StepClock()
+    step = trainer.train_step
+
+    def stamped_step(data):
+        clock.stamp()
+        return step(data)
+
+    trainer.train_step = stamped_step
+    return run, trainer, clock
+
+
 def worker(plan_file: str, argv: list[str]) -> None:
     """Runs inside torchrun: every phase of ``plan_file`` on this rank; rank 0 writes what it measured.
 
     ``argv`` is pretrain_llama.py's command line alone, so none of its flags is taken for one of this
     script's (--micro-batch-size, --bf16 ... are both)."""
-    from megatron_snip.compat.cpu import silence_cpu_warnings
-
-    silence_cpu_warnings()
+    run, trainer, clock = stamped_trainer(plan_file, argv)
     from dataclasses import replace
 
     import torch.distributed as dist
 
-    from megatron_snip.cli.pretrain import trainer_from_command_line
     from megatron_snip.compat.device import has_cuda
     from megatron_snip.precision.plan import PrecisionPlan
     from megatron_snip.training.logger import peak_tflops
 
-    run = json.loads(Path(plan_file).read_text())
-    trainer = trainer_from_command_line(argv)
     config = trainer.config
-    clock = StepClock()
-    step = trainer.train_step
-
-    def stamped_step(data):  # start-to-start: the whole loop body, data and checks included
-        clock.stamp()
-        return step(data)
-
-    trainer.train_step = stamped_step
     # The health code timed from inside, where that is exact: synchronous CPU execution.
     timed_health = any(name == "health-on" for name, *_ in run["phases"]) and not has_cuda()
     health_clock = time_health_code(trainer) if timed_health else None

@@ -139,15 +139,14 @@ def test_the_time_check_needs_a_time_target_and_a_measured_speed_table():
 def write_lying_speed_table(directory: Path, config) -> None:
     """A measured speed table in the cache ``directory`` for ``config``'s linears on this CPU that says every
     precision runs at bf16's speed, where the emulated ones are many times slower."""
-    from megatron_snip.numerics.registry import PRECISION_NAMES
     from megatron_snip.precision.flops import LlamaLinearDims
     from megatron_snip.precision.gemm_speed import cache_key, cache_path
-    from megatron_snip.training.precision import linear_shapes
+    from megatron_snip.training.precision import linear_shapes, timed_precisions
 
     shapes = linear_shapes(config, LlamaLinearDims.from_config(config.model))
-    key = cache_key(shapes, config.precision.recipe(), torch.device("cpu"), config.model.params_dtype,
-                    PRECISION_NAMES)
-    seconds = {module: {p: (1e-5, 3e-5) for p in PRECISION_NAMES} for module in shapes}
+    names = timed_precisions(config)  # what the run times at start-up: the cache file's key names them
+    key = cache_key(shapes, config.precision.recipe(), torch.device("cpu"), config.model.params_dtype, names)
+    seconds = {module: {p: (1e-5, 3e-5) for p in names} for module in shapes}
     directory.mkdir()
     cache_path(key, directory).write_text(json.dumps({"key": key, "seconds": seconds}))
 
@@ -162,7 +161,7 @@ def test_megatron_tags_values_and_wandb(tiny_data, tmp_path):
     tb = tmp_path / "tb"
     snip = ["--snip", "--snip-time-target", "1", "--snip-fp4-target", "0.5", "--snip-interval", "2",
             "--snip-probe-passes", "1", "--snip-warmup-plan", "fp8"]
-    write_lying_speed_table(tmp_path / "cache", run_config("--micro-batch-size", "2", "--seq-length", "64"))
+    write_lying_speed_table(tmp_path / "cache", run_config("--micro-batch-size", "2", "--seq-length", "64", *snip))
     proc = torchrun(1, train_args(
         tiny_data, "--tensorboard-dir", str(tb), "--eval-interval", "2", "--log-throughput",
         "--log-timers-to-tensorboard", "--timing-log-level", "1", "--log-memory-to-tensorboard",

@@ -17,9 +17,10 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from megatron_snip.numerics.recipes import Precision
+if TYPE_CHECKING:  # the numerics import torch; the flags' --help reads this module without it
+    from megatron_snip.numerics.recipes import Precision
 
 CHECKPOINT_RECORD_VERSION = 1
 VERSION_KEY = "checkpoint_record_version"
@@ -52,6 +53,8 @@ class PlanChange:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str) -> PlanChange:
         """Inverse of :meth:`to_dict`; ValueError naming ``source`` for an entry this program cannot read."""
+        from megatron_snip.numerics.recipes import Precision
+
         try:
             modules = {}
             for name, change in data["modules"].items():
