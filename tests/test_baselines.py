@@ -59,7 +59,7 @@ def all_baselines(problem, rng, seed):
         rel["bwd_rel_error"] = random_table(rng, problem.modules, problem.formats)
     return {
         "uniform": baselines.uniform(problem),
-        "random": baselines.random_plan(problem, seed=seed),
+        "random": baselines.random_plan(problem, seed=seed, solver="highs"),  # gurobi: 27 s on seed 2
         "min_quant_error": baselines.min_quant_error(problem, **stat, solver="highs"),
         "min_relative_quant_error": baselines.min_relative_quant_error(problem, **rel, solver="highs"),
         "keep_ends_high": baselines.keep_ends_high(problem, first=1, last=1),

@@ -279,10 +279,6 @@ def _baseline_format(problem: SnipProblem, fmt: str | None, *, fp4: bool) -> str
     if fmt is None:
         raise ValueError(f"the problem has no {kind} candidate format, so FP4 baselines do not apply")
     return fmt
-    fmt = baseline_formats(problem.formats, problem.fp4_formats)[1]
-    if fmt is None:
-        raise ValueError("the problem has no non-FP4 candidate format for a baseline's high-precision units")
-    return fmt
 
 
 def _layer_span(problem: SnipProblem) -> tuple[int, int]:
