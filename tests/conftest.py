@@ -26,7 +26,7 @@ from megatron_snip.compat.launch import free_port  # noqa: E402 (after TRITON_IN
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "cuda: has cases that run on a CUDA GPU when there is one (bench/gpu_suite.py runs "
-        "`pytest -m cuda` on a lent GPU); on CPU they run their CPU cases or skip")
+        "`pytest -m cuda` on a GPU); on CPU they run their CPU cases or skip")
     config.addinivalue_line(
         "markers", "integration: launches processes (torchrun, spawned gloo workers, a CLI in a subprocess); "
         "`bash scripts/test.sh --fast` runs only the tests without it")

@@ -1,7 +1,7 @@
 """Training on one GPU: every precision and SNIP through pretrain_llama.py, on the GPU code paths
 (NCCL, CUDA kernels, the compiled Triton quantizers, ``torch._scaled_mm``), and the attention softmax
 on a GPU without apex. The training cases need CUDA and skip without it (bench/gpu_suite.py runs
-them on a lent GPU); the softmax case runs everywhere."""
+them on a GPU); the softmax case runs everywhere."""
 
 from __future__ import annotations
 
