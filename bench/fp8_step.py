@@ -55,7 +55,7 @@ def worker(plan_file: str, argv: list[str]) -> None:
     from megatron_snip.compat.device import current_device
     from megatron_snip.precision.gemm_speed import time_linears
     from megatron_snip.precision.plan import PrecisionPlan
-    from megatron_snip.training.precision import linear_shapes
+    from megatron_snip.training.precision_setup import linear_shapes
 
     config = trainer.config
     shapes = linear_shapes(config, trainer.linear_dims)

@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_snip.model.precision.controller import PrecisionController
-from megatron_snip.model.precision.layers import QuantizedLinearMixin
+from megatron_snip.model.quantized.controller import PrecisionController
+from megatron_snip.model.quantized.layers import QuantizedLinearMixin
 from megatron_snip.model.step import LOSS_KEY, forward_step
 from megatron_snip.numerics.linear import QuantState
 from megatron_snip.numerics.recipes import BF16, Precision

@@ -93,7 +93,7 @@ def test_fp8_recipes_per_module_are_candidates_and_precisions(tiny_data):
     from conftest import run_config
 
     from megatron_snip.numerics.recipes import Precision
-    from megatron_snip.training.precision import timed_precisions
+    from megatron_snip.training.precision_setup import timed_precisions
 
     config = parse(tiny_data, *SNIP_FLAGS, "--snip-formats", "bf16", "fp8", "fp8:rowwise", "fp8:blockwise",
                    "--snip-warmup-plan", "fp8:mxfp8")

@@ -45,7 +45,7 @@ def _loss_and_grads(model, tokens):
 def checks() -> dict:
     from torch._dynamo.utils import counters
 
-    from megatron_snip.model.precision.layers import PlanLinear
+    from megatron_snip.model.quantized.layers import PlanLinear
 
     tokens = torch.randint(0, 128, (2, SEQ + 1), generator=torch.Generator().manual_seed(3))
     out = {"eager": _loss_and_grads(_build(False), tokens)}

@@ -147,7 +147,7 @@ def test_a_time_target_below_1_is_refused_where_every_low_precision_runs_emulate
 
 
 def test_a_replan_whose_measured_step_misses_its_target_is_named():
-    from megatron_snip.training.precision import bf16_gemm_seconds, missed_time_target
+    from megatron_snip.training.precision_setup import bf16_gemm_seconds, missed_time_target
 
     model = speed_model_from_times(TIMES, SHAPES, RecipeConfig(), device="CPU", source="by hand")
     names = ["decoder.layers.0.self_attention.linear_qkv", "decoder.layers.0.mlp.linear_fc2",

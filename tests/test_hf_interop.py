@@ -16,7 +16,7 @@ import re
 import subprocess
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -320,11 +320,12 @@ def test_bf16_runs_export_their_fp32_master_weights(hf_tokenizer_data, imported,
 def test_qkv_and_fc1_layouts_are_megatrons():
     """The pure mapping: linear_qkv is [q heads of group g; k_g; v_g] per query group, linear_fc1 is
     [gate; up], the vocabulary part is the first rows; export inverts import exactly."""
-    from megatron_snip.interop.convert import LlamaLayout, export_part, hf_names, import_part, part_view
+    from megatron_snip.interop.convert import export_part, hf_names, import_part, part_view
+    from megatron_snip.model.config import ModelConfig
 
-    lay = LlamaLayout(num_layers=1, hidden_size=8, ffn_hidden_size=6, num_attention_heads=4, num_query_groups=2,
-                      vocab_size=5, tied=False)
-    d, h = lay.head_dim, lay.hidden_size
+    lay = ModelConfig(num_layers=1, hidden_size=8, ffn_hidden_size=6, num_attention_heads=4, num_query_groups=2,
+                      vocab_size=5, share_embeddings_and_output_weights=False)
+    d, h = lay.kv_channels, lay.hidden_size
     q, k, v = torch.randn(4 * d, h), torch.randn(2 * d, h), torch.randn(2 * d, h)
     qkv = torch.zeros((4 + 2 * 2) * d, h)
     for part, t in (("q", q), ("k", k), ("v", v)):
@@ -339,9 +340,9 @@ def test_qkv_and_fc1_layouts_are_megatrons():
     names = hf_names(lay)
     assert names["model.layers.0.self_attn.k_proj.weight"] == ("decoder.layers.0.self_attention.linear_qkv.weight", "k")
     assert "lm_head.weight" in names and "lm_head.weight" not in hf_names(
-        LlamaLayout(**{**lay.__dict__, "tied": True}))
+        replace(lay, share_embeddings_and_output_weights=True))
     # A zero-centred norm (--apply-layernorm-1p) stores scale - 1; Hugging Face stores the scale.
-    centred, gamma = LlamaLayout(**{**lay.__dict__, "zero_centered_norms": True}), torch.randn(8)
+    centred, gamma = replace(lay, apply_layernorm_1p=True), torch.randn(8)
     assert names["model.layers.0.input_layernorm.weight"] == ("decoder.layers.0.input_layernorm.weight", "norm")
     norm = torch.zeros(8)
     import_part(norm, "norm", gamma, centred, "norm")

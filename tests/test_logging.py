@@ -20,7 +20,7 @@ from megatron_snip.arguments import ArgumentError
 from megatron_snip.training import tags
 from megatron_snip.training.logger import hms, open_wandb
 from megatron_snip.training.metrics_record import MetricsRecord, read_metrics
-from megatron_snip.training.precision import missed_time_target
+from megatron_snip.training.precision_setup import missed_time_target
 from megatron_snip.training.progress import LogWindow, StepResult
 from megatron_snip.training.time_check import TimeTargetCheck
 
@@ -141,7 +141,7 @@ def write_lying_speed_table(directory: Path, config) -> None:
     precision runs at bf16's speed, where the emulated ones are many times slower."""
     from megatron_snip.precision.flops import LlamaLinearDims
     from megatron_snip.precision.gemm_speed import cache_key, cache_path
-    from megatron_snip.training.precision import linear_shapes, timed_precisions
+    from megatron_snip.training.precision_setup import linear_shapes, timed_precisions
 
     shapes = linear_shapes(config, LlamaLinearDims.from_config(config.model))
     names = timed_precisions(config)  # what the run times at start-up: the cache file's key names them

@@ -12,7 +12,7 @@ from megatron_snip.arguments import ArgumentError, parse_config
 from megatron_snip.precision.plan import PrecisionPlan
 from megatron_snip.training import tags
 from megatron_snip.training.checkpointing import read_record
-from megatron_snip.training.precision import initial_plan
+from megatron_snip.training.precision_setup import initial_plan
 
 pytestmark = pytest.mark.integration  # every test here launches processes
 

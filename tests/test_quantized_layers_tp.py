@@ -85,7 +85,7 @@ def _layer_case(kind, precision, tp_group, world, sequence_parallel=False):
     """A layer of ``kind`` on ``tp_group`` (weights are copied in by :func:`_run_layer`)."""
     from megatron.core.model_parallel_config import ModelParallelConfig
 
-    from megatron_snip.model.precision.layers import QuantizedColumnParallelLinear, QuantizedRowParallelLinear
+    from megatron_snip.model.quantized.layers import QuantizedColumnParallelLinear, QuantizedRowParallelLinear
     from megatron_snip.numerics.recipes import Precision, RecipeConfig
 
     config = ModelParallelConfig(tensor_model_parallel_size=world, use_cpu_initialization=True,
@@ -162,7 +162,7 @@ def layer_alignment(world):
     """A 96-wide column-parallel layer at TP=2 (48 per rank): fine for nvfp4's 16, not mxfp4's 32."""
     from megatron.core.model_parallel_config import ModelParallelConfig
 
-    from megatron_snip.model.precision.layers import QuantizedColumnParallelLinear
+    from megatron_snip.model.quantized.layers import QuantizedColumnParallelLinear
     from megatron_snip.numerics.recipes import Precision
 
     config = ModelParallelConfig(tensor_model_parallel_size=world, use_cpu_initialization=True)
@@ -222,7 +222,7 @@ def _gpt(config, quantized=True):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_snip.model.precision.layers import precision_layer_spec
+    from megatron_snip.model.quantized.layers import precision_layer_spec
 
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     return GPTModel(config=config, transformer_layer_spec=precision_layer_spec(spec) if quantized else spec,
@@ -250,7 +250,7 @@ MIXED = {"decoder.layers.1.self_attention.linear_qkv": "fp8", "decoder.layers.1.
 
 def gpt_training():
     """Plan switches and 20 Adam steps per plan on one batch, on a single-rank model."""
-    from megatron_snip.model.precision.controller import PrecisionController
+    from megatron_snip.model.quantized.controller import PrecisionController
     from megatron_snip.numerics.recipes import Precision
     from megatron_snip.precision.plan import PrecisionPlan, module_names
 
@@ -354,7 +354,7 @@ def mixed_recipe_bits():
     """A plan of FP8 recipes per module applied by the controller, under the run recipes tensorwise and then
     rowwise: per module, whether its forward output, input gradient and weight gradient equal the reference
     quantizers' of its own recipe (plain fp8: the run's), and of the run's recipe's plain fp8."""
-    from megatron_snip.model.precision.controller import PrecisionController
+    from megatron_snip.model.quantized.controller import PrecisionController
     from megatron_snip.numerics.recipes import Precision, RecipeConfig
     from megatron_snip.precision.plan import PrecisionPlan
 
@@ -410,7 +410,7 @@ def test_precision_layer_spec_replaces_exactly_the_four_linears():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    from megatron_snip.model.precision.layers import (
+    from megatron_snip.model.quantized.layers import (
         QuantizedColumnParallelLinear,
         QuantizedRowParallelLinear,
         precision_layer_spec,
@@ -437,7 +437,7 @@ def test_precision_layer_spec_replaces_exactly_the_four_linears():
 
 
 def pp_module_names():
-    from megatron_snip.model.precision.controller import PrecisionController
+    from megatron_snip.model.quantized.controller import PrecisionController
 
     return PrecisionController(_gpt(_gpt_config(pp=2))).module_names()
 
@@ -445,7 +445,7 @@ def pp_module_names():
 def tp_model_alignment():
     """A TP=2 model: fc1 per rank holds [gate; up] slices of 160 / 2 = 80 rows: fine for
     nvfp4's 16, not for mxfp4's 32; the refused plan must change nothing."""
-    from megatron_snip.model.precision.controller import PrecisionController
+    from megatron_snip.model.quantized.controller import PrecisionController
     from megatron_snip.precision.plan import PrecisionPlan
 
     model = _gpt(_gpt_config(tp=2))

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 from megatron.core.enums import Fp4Recipe, Fp8Recipe
 
-from megatron_snip.model.precision.megatron_config import TE_FP4_PRECISIONS, TE_FP8_RECIPES
 from megatron_snip.numerics.fake_quant import FORMATS, element_bits
 from megatron_snip.numerics.formats import ELEMENTS
 from megatron_snip.numerics.health import element_format
@@ -22,6 +21,7 @@ from megatron_snip.numerics.registry import (
     resolve_named,
 )
 from megatron_snip.precision.execution import TE_RECIPES
+from megatron_snip.precision.te_precision_config import TE_FP4_PRECISIONS, TE_FP8_RECIPES
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -27,7 +27,7 @@ from megatron_snip.snip.planner import (
     unit_pins,
 )
 from megatron_snip.training import tags
-from megatron_snip.training.precision import describe_pins, initial_plan, snip_pins
+from megatron_snip.training.precision_setup import describe_pins, initial_plan, snip_pins
 
 DIMS = LlamaLinearDims(num_layers=4, hidden_size=64, ffn_hidden_size=192, kv_channels=16, num_query_groups=2)
 FORMATS = ("bf16", "fp8", "nvfp4")

@@ -131,7 +131,7 @@ def _build(distributed_optimizer=False, stochastic_rounding=True, sequence_paral
 
     from megatron_snip.model import llama
     from megatron_snip.model.llama import build_model, transformer_config
-    from megatron_snip.model.precision.controller import PrecisionController
+    from megatron_snip.model.quantized.controller import PrecisionController
     from megatron_snip.numerics.recipes import RecipeConfig
     from megatron_snip.training.setup import build_optimizer, wrap_ddp
 

@@ -106,10 +106,10 @@ def test_a_time_target_chooses_among_fp8_recipes_per_module(tiny_data, tmp_path)
     time target, one process: the probes measure each recipe with its own quantizers, the plan meets the target
     in a mix of them, the decisions, logs, megatron-core config and checkpoint carry each module's recipe, and a
     resumed run starts from that plan."""
-    from megatron_snip.model.precision.megatron_config import read_megatron_config
     from megatron_snip.numerics.recipes import RecipeConfig
+    from megatron_snip.precision.te_precision_config import read_megatron_config
     from megatron_snip.training.checkpointing import read_record
-    from megatron_snip.training.precision import initial_plan
+    from megatron_snip.training.precision_setup import initial_plan
 
     formats = ("bf16", "fp8", "fp8:tensorwise", "fp8:mxfp8")
     flags = ("--snip", "--snip-formats", *formats, "--fp8-recipe", "blockwise", "--snip-time-target", "0.6",

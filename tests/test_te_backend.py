@@ -16,7 +16,7 @@ from conftest import train_args
 from megatron.core.enums import Fp4Recipe, Fp8Recipe
 
 from megatron_snip.arguments import ArgumentError, parse_config
-from megatron_snip.model.precision.te_layers import TELinearPrecision, te_quant_params
+from megatron_snip.model.quantized.te_layers import TELinearPrecision, te_quant_params
 from megatron_snip.numerics.recipes import Precision, RecipeConfig
 
 
@@ -94,7 +94,8 @@ def test_te_flags_are_checked_before_start(tiny_data, extra, message):
 
 def test_nvfp4_switches_become_transformer_engine_environment(monkeypatch):
     """TE reads NVTE_NVFP4_DISABLE_* when it is imported; the te backend sets them from the flags first."""
-    from megatron_snip.model.precision.te_layers import prepare_te_environment, te_nvfp4_environment
+    from megatron_snip.model.quantized.te_layers import prepare_te_environment
+    from megatron_snip.precision.execution import te_nvfp4_environment
 
     assert te_nvfp4_environment(RecipeConfig()) == {
         "NVTE_NVFP4_DISABLE_RHT": "0", "NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING": "0",
@@ -124,7 +125,7 @@ def test_adapter_shows_the_probes_the_gemm_operands():
 def test_fused_norm_output_is_the_norm_the_local_spec_runs(normalization, zero_centered):
     """The GEMM input of TE's LayerNormLinear, as the probes compute it, equals torch's norm (the local
     spec's) with TE's zero-centered gamma (weight + 1)."""
-    from megatron_snip.model.precision.te_layers import fused_norm_output
+    from megatron_snip.model.quantized.te_layers import fused_norm_output
 
     g = torch.Generator().manual_seed(0)
     x, weight, bias = torch.randn(5, 2, 32, generator=g), torch.randn(32, generator=g), torch.randn(32, generator=g)
@@ -181,7 +182,7 @@ def test_snip_on_the_te_backend_without_a_gpu_says_what_it_needs(tiny_data):
 
 
 def test_te_nvfp4_is_dropped_below_blackwell():
-    from megatron_snip.model.precision.te_layers import te_runnable
+    from megatron_snip.model.quantized.te_layers import te_runnable
 
     assert te_runnable(["bf16", "fp8", "nvfp4"], RecipeConfig(), (10, 0)) == (["bf16", "fp8", "nvfp4"], {})
     kept, dropped = te_runnable(["bf16", "fp8", "nvfp4"], RecipeConfig(), (9, 0))

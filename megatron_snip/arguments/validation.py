@@ -339,7 +339,7 @@ def _start_point(config: RunConfig, resumed: CheckpointRecord | None, check_file
     schedule, or conflicting plan flags fail here, before any process group."""
     from megatron_snip.precision.plan import PlanError
     from megatron_snip.training.config import StartPoint
-    from megatron_snip.training.precision import check_snip_budgets, initial_plan, initial_schedule, snip_pins
+    from megatron_snip.training.precision_setup import check_snip_budgets, initial_plan, initial_schedule, snip_pins
 
     try:
         pins = snip_pins(config) if config.snip.enabled else ({}, "")
@@ -526,7 +526,7 @@ def _te_snip_candidates(args: argparse.Namespace) -> None:
     notice for the start-up log (``args.precision_notes``)."""
     import torch
 
-    from megatron_snip.model.precision.te_layers import te_runnable
+    from megatron_snip.model.quantized.te_layers import te_runnable
     from megatron_snip.numerics.recipes import RecipeConfig
 
     capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None

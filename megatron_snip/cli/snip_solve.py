@@ -30,8 +30,8 @@ import os
 import sys
 from pathlib import Path
 
-from megatron_snip.model.precision.megatron_config import megatron_config_files
 from megatron_snip.precision.config import SPEED_MODELS
+from megatron_snip.precision.te_precision_config import megatron_config_files
 from megatron_snip.snip import baselines
 from megatron_snip.snip.ilp import InfeasibleBudgetError
 from megatron_snip.snip.planner import to_precision_plan

@@ -14,36 +14,24 @@ Pure functions on tensors. Each Hugging Face tensor is one *part* of one megatro
 
 Rotary embeddings need no permutation: Hugging Face's Llama and megatron-core both rotate
 halves (``rotate_half``), not interleaved pairs.
+
+The shapes come from the run's validated :class:`ModelConfig`: its layers, widths, heads and query
+groups, ``vocab_size`` (the real rows; the rest of megatron's padded embedding is padding),
+``share_embeddings_and_output_weights`` (no ``lm_head``) and ``apply_layernorm_1p`` (zero-centred
+norms).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 import torch
 
+from megatron_snip.model.config import ModelConfig
 
-@dataclass(frozen=True)
-class LlamaLayout:
-    """What the mapping needs to know about the model's shapes."""
 
-    num_layers: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    vocab_size: int          # real rows (the rest of megatron's padded embedding is padding)
-    tied: bool               # output layer shares the embedding
-    zero_centered_norms: bool = False  # the norms store scale - 1 (--apply-layernorm-1p)
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    @property
-    def heads_per_group(self) -> int:
-        return self.num_attention_heads // self.num_query_groups
+def _heads_per_group(model: ModelConfig) -> int:
+    return model.num_attention_heads // model.num_query_groups
 
 
 _LAYER = {
@@ -67,39 +55,40 @@ _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
 
-def megatron_target(hf_name: str, layout: LlamaLayout) -> tuple[str, str] | None:
+def megatron_target(hf_name: str, model: ModelConfig) -> tuple[str, str] | None:
     """(megatron parameter, part) that Hugging Face tensor ``hf_name`` fills; None for tensors
     that carry no weights (rotary buffers; ``lm_head`` of a tied model). Raises KeyError for a
     name a Llama does not have."""
-    if _IGNORED.fullmatch(hf_name) or (hf_name == "lm_head.weight" and layout.tied):
+    if _IGNORED.fullmatch(hf_name) or (hf_name == "lm_head.weight" and model.share_embeddings_and_output_weights):
         return None
     if hf_name in _GLOBAL:
         return _GLOBAL[hf_name]
     m = _LAYER_NAME.fullmatch(hf_name)
-    if m and m.group(2) in _LAYER and int(m.group(1)) < layout.num_layers:
+    if m and m.group(2) in _LAYER and int(m.group(1)) < model.num_layers:
         name, part = _LAYER[m.group(2)]
         return f"decoder.layers.{m.group(1)}.{name}", part
     raise KeyError(hf_name)
 
 
-def hf_names(layout: LlamaLayout) -> dict[str, tuple[str, str]]:
+def hf_names(model: ModelConfig) -> dict[str, tuple[str, str]]:
     """Every Hugging Face weight of the model -> (megatron parameter, part)."""
-    names = {n: t for n, t in _GLOBAL.items() if not (layout.tied and n == "lm_head.weight")}
-    for i in range(layout.num_layers):
+    tied = model.share_embeddings_and_output_weights
+    names = {n: t for n, t in _GLOBAL.items() if not (tied and n == "lm_head.weight")}
+    for i in range(model.num_layers):
         names.update({f"model.layers.{i}.{n}": (f"decoder.layers.{i}.{m}", part) for n, (m, part) in _LAYER.items()})
     return names
 
 
-def part_view(param: torch.Tensor, part: str, layout: LlamaLayout) -> torch.Tensor:
+def part_view(param: torch.Tensor, part: str, model: ModelConfig) -> torch.Tensor:
     """The view of megatron parameter ``param`` (full, unsharded) that holds ``part``, shaped as
     the Hugging Face tensor (copying into the view writes the parameter)."""
-    h, d, g, per = layout.hidden_size, layout.head_dim, layout.num_query_groups, layout.heads_per_group
+    h, d, g, per = model.hidden_size, model.kv_channels, model.num_query_groups, _heads_per_group(model)
     if part in ("all", "norm"):
         return param
     if part == "vocab":
-        return param[: layout.vocab_size]
+        return param[: model.vocab_size]
     if part in ("gate", "up"):
-        f = layout.ffn_hidden_size
+        f = model.ffn_hidden_size
         return param[:f] if part == "gate" else param[f:]
     groups = param.view(g, per + 2, d, h)
     if part == "q":
@@ -107,36 +96,36 @@ def part_view(param: torch.Tensor, part: str, layout: LlamaLayout) -> torch.Tens
     return groups[:, per if part == "k" else per + 1]  # (g, d, h)
 
 
-def import_part(param: torch.Tensor, part: str, hf_tensor: torch.Tensor, layout: LlamaLayout, hf_name: str) -> None:
+def import_part(param: torch.Tensor, part: str, hf_tensor: torch.Tensor, model: ModelConfig, hf_name: str) -> None:
     """Copy ``hf_tensor`` into its part of ``param``; a shape that does not fit is an error naming both."""
-    view = part_view(param, part, layout)
-    expected = _expected_shape(part, view, layout)
+    view = part_view(param, part, model)
+    expected = _expected_shape(part, view, model)
     if tuple(hf_tensor.shape) != expected:
         raise ValueError(f"{hf_name} has shape {tuple(hf_tensor.shape)} but config.json implies {expected}")
     with torch.no_grad():
-        view.copy_(hf_tensor.reshape(view.shape) - _norm_offset(part, layout))
+        view.copy_(hf_tensor.reshape(view.shape) - _norm_offset(part, model))
 
 
-def _expected_shape(part: str, view: torch.Tensor, layout: LlamaLayout) -> tuple[int, ...]:
+def _expected_shape(part: str, view: torch.Tensor, model: ModelConfig) -> tuple[int, ...]:
     if part in ("q", "k", "v"):
-        return (view.numel() // layout.hidden_size, layout.hidden_size)
+        return (view.numel() // model.hidden_size, model.hidden_size)
     return tuple(view.shape)
 
 
-def export_part(param: torch.Tensor, part: str, layout: LlamaLayout) -> torch.Tensor:
+def export_part(param: torch.Tensor, part: str, model: ModelConfig) -> torch.Tensor:
     """The Hugging Face tensor of ``part`` of megatron parameter ``param`` (a copy)."""
-    view = part_view(param, part, layout)
+    view = part_view(param, part, model)
     if part in ("q", "k", "v"):
-        return view.reshape(-1, layout.hidden_size).clone()
-    return view.clone() + _norm_offset(part, layout)
+        return view.reshape(-1, model.hidden_size).clone()
+    return view.clone() + _norm_offset(part, model)
 
 
-def _norm_offset(part: str, layout: LlamaLayout) -> float:
+def _norm_offset(part: str, model: ModelConfig) -> float:
     """What Hugging Face's value of ``part`` adds to megatron's: 1 for a zero-centred norm, else 0."""
-    return 1.0 if part == "norm" and layout.zero_centered_norms else 0.0
+    return 1.0 if part == "norm" and model.apply_layernorm_1p else 0.0
 
 
-def zero_padding_rows(param: torch.Tensor, layout: LlamaLayout) -> None:
+def zero_padding_rows(param: torch.Tensor, model: ModelConfig) -> None:
     """Megatron's extra vocabulary rows: zero, so they neither shift an input nor a logit."""
     with torch.no_grad():
-        param[layout.vocab_size:].zero_()
+        param[model.vocab_size:].zero_()

@@ -29,7 +29,6 @@ from megatron_snip.fileio import umask, write_text_atomic
 from megatron_snip.interop import hf_files
 from megatron_snip.interop.checkpoint_args import saved_args
 from megatron_snip.interop.convert import (
-    LlamaLayout,
     export_part,
     hf_names,
     import_part,
@@ -114,14 +113,6 @@ def _build(run: RunConfig):
     return model
 
 
-def _layout(model: ModelConfig) -> LlamaLayout:
-    return LlamaLayout(
-        num_layers=model.num_layers, hidden_size=model.hidden_size, ffn_hidden_size=model.ffn_hidden_size,
-        num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
-        vocab_size=model.vocab_size,
-        tied=bool(model.share_embeddings_and_output_weights), zero_centered_norms=bool(model.apply_layernorm_1p))
-
-
 @dataclass(frozen=True)
 class ConversionSummary:
     source: str
@@ -152,8 +143,7 @@ def import_hf(load_dir: str, save_dir: str, divisible_by: int = 128, dtype: str 
         # The model only lends its checkpoint structure (keys, shapes, shardings): its parameters
         # are allocated but never written, so they take no memory.
         model = _build(run)
-        layout = _layout(run.model)
-        parts = _parts_by_parameter(load_dir, files, layout)
+        parts = _parts_by_parameter(load_dir, files, run.model)
         weights = hf_files.MappedWeights(files)
         state = model.sharded_state_dict()
         apply_factories(state)  # linear_fc1 -> its gate and up halves, as the checkpoint stores them
@@ -170,7 +160,7 @@ def import_hf(load_dir: str, save_dir: str, divisible_by: int = 128, dtype: str 
 
         for sh in tqdm(tensors, desc="import", disable=not progress, unit="tensor"):
             name, half = owners[sh.data.untyped_storage().data_ptr()], sh.data.storage_offset() > 0
-            sh.data = _checkpoint_tensor(params[name], parts[name], weights, layout,
+            sh.data = _checkpoint_tensor(params[name], parts[name], weights, run.model,
                                          DTYPES[dtype], ("up" if half else "gate") if "gate" in parts[name] else None,
                                          scratch)
         del model, params  # their (never touched) allocations
@@ -182,15 +172,15 @@ def import_hf(load_dir: str, save_dir: str, divisible_by: int = 128, dtype: str 
     return ConversionSummary(load_dir, save_dir, n, time.perf_counter() - start)
 
 
-def _parts_by_parameter(load_dir: str, files: dict[str, str], layout: LlamaLayout) -> dict[str, dict[str, str]]:
+def _parts_by_parameter(load_dir: str, files: dict[str, str], model: ModelConfig) -> dict[str, dict[str, str]]:
     """Megatron parameter -> {part: Hugging Face tensor}; every tensor of ``files`` must belong to the
     model and every part of the model must be in ``files`` (checked before anything is read)."""
-    expected = hf_names(layout)
+    expected = hf_names(model)
     for name in files:
         try:
-            megatron_target(name, layout)
+            megatron_target(name, model)
         except KeyError:
-            raise HFFormatError(f"{files[name]}: tensor {name} is not part of a {layout.num_layers}-layer "
+            raise HFFormatError(f"{files[name]}: tensor {name} is not part of a {model.num_layers}-layer "
                                 f"Llama; check that config.json belongs to these weights") from None
     missing = [n for n in expected if n not in files]
     if missing:
@@ -209,16 +199,16 @@ def _parameter_storages(model) -> dict[int, str]:
 
 
 def _checkpoint_tensor(param: torch.Tensor, parts: dict[str, str], weights: hf_files.MappedWeights,
-                       layout: LlamaLayout, dtype: torch.dtype, half: str | None, scratch) -> torch.Tensor:
+                       model: ModelConfig, dtype: torch.dtype, half: str | None, scratch) -> torch.Tensor:
     """The checkpoint's tensor for ``param`` (or its ``half``, "gate" or "up", of linear_fc1), from
     the Hugging Face tensors ``parts``: the memory-mapped tensor itself where it is the whole
     tensor in the right dtype (no copy), else assembled (q/k/v interleaving, vocabulary padding
     rows, a dtype conversion) in ``scratch(shape)``, a file-backed tensor of ``dtype``."""
     if half is not None:
-        region, parts = part_view(param, half, layout), {"all": parts[half]}
+        region, parts = part_view(param, half, model), {"all": parts[half]}
     else:
         region = param
-    padded = "vocab" in parts and layout.vocab_size != param.shape[0]
+    padded = "vocab" in parts and model.vocab_size != param.shape[0]
     if len(parts) == 1 and not padded:
         (part, name), = parts.items()
         tensor = weights.get(name)
@@ -231,12 +221,12 @@ def _checkpoint_tensor(param: torch.Tensor, parts: dict[str, str], weights: hf_f
     out = scratch(tuple(region.shape))
     for part, name in parts.items():
         try:
-            import_part(out, part, weights.get(name), layout, name)
+            import_part(out, part, weights.get(name), model, name)
         except ValueError as e:
             raise HFFormatError(f"{weights.files[name]}: {e}; check that config.json belongs to these "
                                 f"weights") from None
     if padded:
-        zero_padding_rows(out, layout)
+        zero_padding_rows(out, model)
     return out
 
 
@@ -305,11 +295,10 @@ def export_hf(load_dir: str, save_dir: str, dtype: str = "auto", max_shard_bytes
             _load_fp32_masters(load_dir, model)
         else:
             load_checkpoint(weights_dir, model, None, None, load_optim=False, load_rng=False)
-        layout = _layout(run.model)
         params = dict(model.named_parameters())
         out_dtype = next(model.parameters()).dtype if dtype == "auto" else DTYPES[dtype]
-        names = hf_names(layout)
-        tensors = ((n, export_part(params[m], part, layout).to(out_dtype)) for n, (m, part) in names.items())
+        names = hf_names(run.model)
+        tensors = ((n, export_part(params[m], part, run.model).to(out_dtype)) for n, (m, part) in names.items())
         hf_files.write_shards(tqdm(tensors, total=len(names), desc="export", disable=not progress, unit="tensor"),
                               tmp, max_shard_bytes)
         config = _hf_config(run.model, saved, out_dtype)

@@ -26,7 +26,7 @@ import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_snip.model.config import COMPILE_BACKENDS
-from megatron_snip.model.precision.layers import PlanLinear
+from megatron_snip.model.quantized.layers import PlanLinear
 
 
 def keep_eager(module: torch.nn.Module) -> None:

@@ -21,7 +21,7 @@ from megatron_snip.model.compile import compile_layers
 from megatron_snip.model.config import ModelConfig, ParallelConfig
 from megatron_snip.model.fusions import enable_rope_fusion, enable_wgrad_accumulation_fusion
 from megatron_snip.model.norms import block_spec, with_torch_norms
-from megatron_snip.model.precision.layers import precision_layer_spec
+from megatron_snip.model.quantized.layers import precision_layer_spec
 from megatron_snip.precision.flops import LlamaLinearDims
 from megatron_snip.precision.plan import LINEAR_MODULES
 

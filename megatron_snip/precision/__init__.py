@@ -1,7 +1,8 @@
-"""Per-module precision as data and cost: plans (which precision each linear module runs), the
-``--precision*`` configuration, FLOP accounting, the GEMM speed model, schedules, and whether a
-precision runs on a real kernel here. The numbers themselves are ``megatron_snip.numerics``; the
-layers that apply a plan to megatron-core's model are ``megatron_snip.model.precision``.
+"""Per-module precision as data and cost: plans (which precision each linear module runs) and their
+files (JSON, megatron-core's per-module precision YAML), the ``--precision*`` configuration, FLOP
+accounting, the GEMM speed model, schedules, and whether a precision runs on a real kernel here. The
+numbers themselves are ``megatron_snip.numerics``; the layers that apply a plan to megatron-core's
+model are ``megatron_snip.model.quantized``.
 
 The names below are imported on first use (PEP 562).
 """

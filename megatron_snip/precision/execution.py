@@ -6,7 +6,9 @@ time in logs and TensorBoard is an estimate from ``--gemm-speed-model`` either w
 whether any speed-up can be real.
 
 A pure function of the backend, the recipe and the GPU's compute capability (None: no GPU), so
-it is tested on CPU for every device.
+it is tested on CPU for every device. The Transformer Engine recipe each scheme runs as per module
+(``TE_RECIPES``), why a precision has none (:func:`te_unsupported`) and TE's NVFP4 switches are here
+too: the te backend's layers and the per-module precision files both state them.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from megatron_snip.numerics.registry import (
     SchemeFormat,
     fp8_recipe_precision,
     precision_format,
+    precision_fp8_recipe,
     precision_scheme,
 )
 
@@ -57,6 +60,40 @@ TE_RECIPES = {
     "mxfp8": TERecipe("fp8", "mxfp8", "MXFP8BlockScaling", BLACKWELL),
     "nvfp4": TERecipe("fp4", "nvfp4", "NVFP4BlockScaling", BLACKWELL),
 }
+
+
+def te_unsupported(name: str, recipe: RecipeConfig) -> str:
+    """Why no per-module Transformer Engine recipe runs precision ``name`` under ``recipe`` (one that has none)."""
+    fp8 = precision_fp8_recipe(name, recipe.fp8_recipe)
+    te_fp8 = [te.name for te in TE_RECIPES.values() if te.kind == "fp8"]
+    if precision_format(name).fp8_recipe is None:  # plain fp8: the run's recipe
+        what, instead = f"{name} with --fp8-recipe {recipe.fp8_recipe}", f"--fp8-recipe {_or(te_fp8)}"
+    else:
+        what, instead = name, _or([fp8_recipe_precision(r) for r in te_fp8])
+    if fp8 is not None and precision_scheme(name, recipe.fp8_recipe).amax_history:
+        return f"{what}: megatron-core's per-module TE recipes do not support delayed scaling; use {instead}"
+    if fp8 is not None:
+        return (f"{what}: Transformer Engine has no {fp8} FP8 recipe (rowwise is torchao's; this package's torch "
+                f"backend, --transformer-impl local, runs it); use {instead}")
+    return (f"precision {name}: Transformer Engine has no {name.upper()} recipe; use nvfp4 (--fp4-recipe nvfp4) or "
+            "the torch backend (--transformer-impl local)")
+
+
+def _or(names: list[str]) -> str:
+    """["a", "b", "c"] -> "a, b or c"."""
+    return " or ".join(filter(None, (", ".join(names[:-1]), names[-1])))
+
+
+def te_nvfp4_environment(recipe: RecipeConfig) -> dict[str, str]:
+    """Transformer Engine's NVFP4 switches for ``recipe``. TE reads them from the environment
+    once, when it is imported (they are the defaults of ``NVFP4BlockScaling``'s fields, and
+    megatron-core builds that recipe with its defaults), so they must be set before."""
+    return {
+        "NVTE_NVFP4_DISABLE_RHT": "0" if recipe.nvfp4_random_hadamard else "1",
+        "NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING": "0" if recipe.fp4_stochastic_rounding else "1",
+        "NVTE_NVFP4_DISABLE_2D_QUANTIZATION": "0" if recipe.nvfp4_2d_weights else "1",
+    }
+
 
 SIMULATED = "simulated (operands quantized and dequantized, GEMM in fp32/bf16: no faster than bf16)"
 

@@ -69,7 +69,7 @@ Shapes = Mapping[str, tuple[int, int, int]]
 Times = Mapping[str, Mapping[str, tuple[float, float]]]
 CACHE_FORMAT = 1  # bump when the cached record's meaning changes
 # What a table times unless told: bf16, fp8 under the run's --fp8-recipe and the FP4 formats (a run adds the
-# fp8:RECIPE precisions it can use: training/precision.py's timed_precisions).
+# fp8:RECIPE precisions it can use: training/precision_setup.py's timed_precisions).
 DEFAULT_TIMED = ("bf16", "fp8", *FP4_NAMES)
 
 

@@ -17,7 +17,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
 from megatron_snip.compat.device import has_cuda
-from megatron_snip.model.precision.layers import PlanLinear
+from megatron_snip.model.quantized.layers import PlanLinear
 from megatron_snip.model.step import LOSS_KEY, forward_step, reduced_losses
 
 ForwardStep = Callable  # (data_iterator, model) -> (output, loss_func), as megatron's schedules call it

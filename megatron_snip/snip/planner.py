@@ -1,7 +1,7 @@
 """From per-module divergences to a precision plan: build the ILP, solve it, read the plan.
 
 Pure functions. :class:`~megatron_snip.snip.replanner.SnipReplanner` calls them on rank 0 with a
-cycle's gathered statistics; ``training/precision.py`` at start-up, on zero costs, to check that the
+cycle's gathered statistics; ``training/precision_setup.py`` at start-up, on zero costs, to check that the
 budgets are feasible under the pins; ``snip/statistics_file.py`` (``tools/snip_solve.py``, the
 comparisons in ``snip_lab/``) on a statistics file.
 """
@@ -11,12 +11,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from megatron_snip.model.precision.megatron_config import model_chunks
 from megatron_snip.numerics.recipes import Precision, RecipeConfig
 from megatron_snip.numerics.registry import FP4_NAMES, family
 from megatron_snip.precision.flops import LlamaLinearDims
 from megatron_snip.precision.gemm_speed import GemmSpeedModel, ModuleSpeeds, peak_speed_model
 from megatron_snip.precision.plan import LINEAR_MODULES, PrecisionPlan, module_name, parse_module_name
+from megatron_snip.precision.te_precision_config import model_chunks
 from megatron_snip.snip.config import SnipConfig
 from megatron_snip.snip.estimators import CostTables
 from megatron_snip.snip.ilp import BWD, FWD, LinearModule, SnipProblem, Solution, UnitKey, solve

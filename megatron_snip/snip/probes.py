@@ -37,7 +37,7 @@ states or RNG states; the DDP gradient buffers are zeroed (or restored with
 ``ProbeConfig.restore_grads``); the caller's data iterator is read for exactly
 ``num_microbatches`` micro-batches.
 
-The modules are seen through :class:`~megatron_snip.model.precision.layers.PlanLinear` only (a forward
+The modules are seen through :class:`~megatron_snip.model.quantized.layers.PlanLinear` only (a forward
 hook, the GEMM's input, weight and output gradient), so the same measurement runs whether this
 package's quantized linears or Transformer Engine's execute the GEMMs (``--transformer-impl``).
 
@@ -60,8 +60,8 @@ from megatron.core import parallel_state
 from megatron.core.utils import get_pg_size
 
 from megatron_snip.compat.device import current_device
-from megatron_snip.model.precision.controller import PrecisionController
-from megatron_snip.model.precision.layers import PlanLinear
+from megatron_snip.model.quantized.controller import PrecisionController
+from megatron_snip.model.quantized.layers import PlanLinear
 from megatron_snip.model.step import LOSS_KEY, forward_step
 from megatron_snip.numerics.linear import LinearQuantization, QuantState, quantize_operand, quantized_linear
 from megatron_snip.numerics.recipes import BF16, Precision

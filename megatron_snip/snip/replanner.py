@@ -23,12 +23,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_snip.fileio import write_text_atomic
-from megatron_snip.model.precision.controller import PrecisionController
-from megatron_snip.model.precision.megatron_config import megatron_config_files
+from megatron_snip.model.quantized.controller import PrecisionController
 from megatron_snip.numerics.recipes import RecipeConfig
 from megatron_snip.precision.flops import LlamaLinearDims
 from megatron_snip.precision.gemm_speed import GemmSpeedModel
 from megatron_snip.precision.plan import PrecisionPlan, parse_module_name
+from megatron_snip.precision.te_precision_config import megatron_config_files
 from megatron_snip.snip.adam_view import global_parameter_names
 from megatron_snip.snip.config import SnipConfig, SnipConfigError
 from megatron_snip.snip.decisions import CycleReport, decision_table, decisions
@@ -138,7 +138,7 @@ class SnipReplanner:
         """The last cycle's statistics and decision as one JSON file, and its plan as megatron-core
         per-module precision configs next to it (rank 0 writes, atomically): ``snip_iter_N.json``,
         ``snip_iter_N.yaml`` (the plan at PP 1) and under PP > 1 ``snip_iter_N.pp<stage>[.vp<chunk>].yaml``
-        (megatron_config.megatron_config_files). Returns the JSON's path."""
+        (te_precision_config.megatron_config_files). Returns the JSON's path."""
         if self.statistics is None or dist.get_rank() != 0:
             return None
         os.makedirs(directory, exist_ok=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from megatron_snip.model.precision.controller import PrecisionController
+from megatron_snip.model.quantized.controller import PrecisionController
 from megatron_snip.numerics.recipes import Precision
 from megatron_snip.numerics.registry import PRECISION_NAMES
 from megatron_snip.precision.flops import LlamaLinearDims, estimated_time_ratio, flop_fractions

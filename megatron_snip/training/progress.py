@@ -21,7 +21,7 @@ from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
 from megatron_snip.compat.device import current_device, has_cuda
-from megatron_snip.model.precision.te_layers import describe_te_backend
+from megatron_snip.model.quantized.te_layers import describe_te_backend
 from megatron_snip.numerics.linear import describe_backend
 from megatron_snip.precision.execution import describe_execution, gemm_execution
 from megatron_snip.snip.plan_image import plan_image
@@ -29,7 +29,7 @@ from megatron_snip.training import tags
 from megatron_snip.training.config import RunConfig
 from megatron_snip.training.logger import MetricsLogger, hms, peak_tflops, progress_line
 from megatron_snip.training.plan_state import PlanState
-from megatron_snip.training.precision import describe_speed_model
+from megatron_snip.training.precision_setup import describe_speed_model
 from megatron_snip.training.quant_health import HealthTable
 from megatron_snip.training.safety import NumericalGuard
 from megatron_snip.training.timers import Timers

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from megatron_snip.precision.gemm_speed import GemmSpeedModel
 from megatron_snip.training.config import RunConfig
-from megatron_snip.training.precision import bf16_gemm_seconds, missed_time_target
+from megatron_snip.training.precision_setup import bf16_gemm_seconds, missed_time_target
 from megatron_snip.training.progress import LogWindow
 
 

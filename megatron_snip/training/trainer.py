@@ -27,8 +27,8 @@ from megatron_snip.data.datasets import megatron_num_samples
 from megatron_snip.data.loader import micro_batches
 from megatron_snip.data.tokenizer import build_tokenizer
 from megatron_snip.model.llama import build_model, flops_per_token, num_parameters, transformer_config
-from megatron_snip.model.precision.controller import PrecisionController
-from megatron_snip.model.precision.te_layers import prepare_te_environment
+from megatron_snip.model.quantized.controller import PrecisionController
+from megatron_snip.model.quantized.te_layers import prepare_te_environment
 from megatron_snip.model.step import forward_step, mean_loss
 from megatron_snip.precision.flops import LlamaLinearDims
 from megatron_snip.precision.plan import PrecisionPlan
@@ -41,7 +41,7 @@ from megatron_snip.training.cycle_log import log_cycle
 from megatron_snip.training.data import build_datasets
 from megatron_snip.training.logger import RunFilesError, setup_console
 from megatron_snip.training.plan_state import PlanState
-from megatron_snip.training.precision import speed_model
+from megatron_snip.training.precision_setup import speed_model
 from megatron_snip.training.profiling import StepProfiler
 from megatron_snip.training.progress import StepResult, TrainingLogger, model_params_norm
 from megatron_snip.training.safety import NumericalGuard

@@ -4,7 +4,7 @@ Run under torchrun with pretrain_llama.py's flags and $PLAN (a plan JSON); build
 nothing. For every linear module: its path in its chunk's ``GPTModel.named_modules()`` and the precision
 megatron-core resolves for that path from the chunk's file of ``megatron_config_files`` (by its own
 parser), keyed by the module's global name (``TransformerLayer.layer_number``, through the controller).
-Writes $OUT/rank<r>.json; used by tests/test_megatron_config.py.
+Writes $OUT/rank<r>.json; used by tests/test_te_precision_config.py.
 """
 
 import json
@@ -20,8 +20,8 @@ if __name__ == "__main__":
     from megatron.core.quantization.utils import get_quant_config_or_none, load_quantization_recipe
 
     from megatron_snip.cli.pretrain import trainer_from_command_line
-    from megatron_snip.model.precision.megatron_config import megatron_config_files
     from megatron_snip.precision.plan import PrecisionPlan
+    from megatron_snip.precision.te_precision_config import megatron_config_files
 
     trainer = trainer_from_command_line(sys.argv[1:])
     c = trainer.config

@@ -20,7 +20,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import get_pg_size
 
-from megatron_snip.model.precision.layers import PlanLinear, QuantizedLinearMixin
+from megatron_snip.model.quantized.layers import PlanLinear, QuantizedLinearMixin
 from megatron_snip.numerics.health import OUTPUTS, HealthStats
 from megatron_snip.numerics.recipes import Precision, RecipeConfig
 from megatron_snip.precision.plan import LINEAR_MODULES, PrecisionPlan, module_name, parse_module_name
@@ -35,7 +35,7 @@ def _plan_interface(module: torch.nn.Module) -> PlanLinear:
     """The precision interface of a plan linear: the module itself, or a TE module's adapter."""
     if isinstance(module, QuantizedLinearMixin):
         return module
-    from megatron_snip.model.precision.te_layers import TELinearPrecision
+    from megatron_snip.model.quantized.te_layers import TELinearPrecision
 
     return TELinearPrecision(module)
 

@@ -13,16 +13,16 @@ import pytest
 from conftest import ROOT, launch, run_config, train_args
 
 from megatron_snip.arguments import ArgumentError
-from megatron_snip.model.precision.megatron_config import (
+from megatron_snip.numerics.recipes import BF16, Precision, RecipeConfig
+from megatron_snip.numerics.registry import precision_fp8_recipe
+from megatron_snip.precision.plan import LINEAR_MODULES, PlanError, PrecisionPlan, module_name, module_names
+from megatron_snip.precision.te_precision_config import (
     megatron_config_files,
     model_chunks,
     read_megatron_config,
     to_megatron_config,
 )
-from megatron_snip.numerics.recipes import BF16, Precision, RecipeConfig
-from megatron_snip.numerics.registry import precision_fp8_recipe
-from megatron_snip.precision.plan import LINEAR_MODULES, PlanError, PrecisionPlan, module_name, module_names
-from megatron_snip.training.precision import initial_plan
+from megatron_snip.training.precision_setup import initial_plan
 
 RECIPE = RecipeConfig()
 

@@ -50,7 +50,7 @@ from megatron_snip.numerics.registry import (
     precision_format,
     precision_scheme,
 )
-from megatron_snip.precision.execution import TE_RECIPES
+from megatron_snip.precision.execution import TE_RECIPES, te_nvfp4_environment, te_unsupported
 from megatron_snip.precision.plan import LINEAR_MODULES, PlanError, PrecisionPlan, module_name, parse_module_name
 
 LAYOUT_KEY = "megatron_snip_layout"
@@ -104,8 +104,6 @@ def te_config(precision: Precision, recipe: RecipeConfig) -> dict:
     if not precision_format(name).quantized:
         training = {}
     elif te is None:
-        from megatron_snip.model.precision.te_layers import te_unsupported
-
         raise ValueError(te_unsupported(name, recipe))
     elif te.kind == "fp8":
         training = {"fp8_quantization_recipe": te.name, "fp8_format": recipe.fp8_format,
@@ -172,8 +170,6 @@ def _header(source: str, recipe: RecipeConfig, configs: list[str], chunk: ModelC
             pipeline_stages: int, virtual_stages: int) -> str:
     """The file's comment: what it states, for which chunk, what it cannot state, how to replay it."""
     import textwrap
-
-    from megatron_snip.model.precision.te_layers import te_nvfp4_environment
 
     first, last = chunk.layers[0], chunk.layers[-1]
     if pipeline_stages * virtual_stages == 1:

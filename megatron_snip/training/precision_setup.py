@@ -12,7 +12,6 @@ import time
 import torch
 
 from megatron_snip.compat.device import has_cuda
-from megatron_snip.model.precision.megatron_config import read_megatron_config
 from megatron_snip.numerics.recipes import BF16, PRECISION_NAMES, Precision, RecipeConfig, misaligned_split
 from megatron_snip.numerics.registry import is_fp4, precision_format
 from megatron_snip.precision.flops import LlamaLinearDims
@@ -27,6 +26,7 @@ from megatron_snip.precision.plan import (
     parse_module_name,
 )
 from megatron_snip.precision.schedule import PrecisionSchedule
+from megatron_snip.precision.te_precision_config import read_megatron_config
 from megatron_snip.training.checkpoint_record import CheckpointRecord
 from megatron_snip.training.config import RunConfig
 
@@ -220,7 +220,7 @@ def _check_tensor_parallel_blocks(plan: PrecisionPlan, config: RunConfig, source
 
 def _check_te(plan: PrecisionPlan, recipe: RecipeConfig, source: str) -> None:
     """Every precision of ``plan`` must be one the te backend can run (PlanError naming it)."""
-    from megatron_snip.model.precision.te_layers import te_quant_params
+    from megatron_snip.model.quantized.te_layers import te_quant_params
 
     for name, precision in [("default", plan.default), *plan.modules.items()]:
         try:

@@ -35,16 +35,14 @@ import sys
 import torch
 from packaging.version import Version as PkgVersion
 
-from megatron_snip.model.precision.layers import PlanLinear
+from megatron_snip.model.quantized.layers import PlanLinear
 from megatron_snip.numerics.linear import QuantState
 from megatron_snip.numerics.recipes import BF16, Precision, RecipeConfig
 from megatron_snip.numerics.registry import (
-    fp8_recipe_precision,
     precision_format,
-    precision_fp8_recipe,
     precision_scheme,
 )
-from megatron_snip.precision.execution import ARCHITECTURES, TE_RECIPES
+from megatron_snip.precision.execution import ARCHITECTURES, TE_RECIPES, te_nvfp4_environment, te_unsupported
 
 NVFP4_MIN_TE = "2.8.0"  # first Transformer Engine release with NVFP4BlockScaling
 
@@ -76,28 +74,6 @@ def te_quant_params(precision: Precision, recipe: RecipeConfig):
         override_nonquantized_autocast=True,  # no global autocast is open: this module opens its own
     )
     return TEQuantizationParams(training_recipe=te_recipe, evaluation_recipe=None)
-
-
-def te_unsupported(name: str, recipe: RecipeConfig) -> str:
-    """Why no per-module Transformer Engine recipe runs precision ``name`` under ``recipe`` (one that has none)."""
-    fp8 = precision_fp8_recipe(name, recipe.fp8_recipe)
-    te_fp8 = [te.name for te in TE_RECIPES.values() if te.kind == "fp8"]
-    if precision_format(name).fp8_recipe is None:  # plain fp8: the run's recipe
-        what, instead = f"{name} with --fp8-recipe {recipe.fp8_recipe}", f"--fp8-recipe {_or(te_fp8)}"
-    else:
-        what, instead = name, _or([fp8_recipe_precision(r) for r in te_fp8])
-    if fp8 is not None and precision_scheme(name, recipe.fp8_recipe).amax_history:
-        return f"{what}: megatron-core's per-module TE recipes do not support delayed scaling; use {instead}"
-    if fp8 is not None:
-        return (f"{what}: Transformer Engine has no {fp8} FP8 recipe (rowwise is torchao's; this package's torch "
-                f"backend, --transformer-impl local, runs it); use {instead}")
-    return (f"precision {name}: Transformer Engine has no {name.upper()} recipe; use nvfp4 (--fp4-recipe nvfp4) or "
-            "the torch backend (--transformer-impl local)")
-
-
-def _or(names: list[str]) -> str:
-    """["a", "b", "c"] -> "a, b or c"."""
-    return " or ".join(filter(None, (", ".join(names[:-1]), names[-1])))
 
 
 def te_runnable(formats: tuple[str, ...] | list[str], recipe: RecipeConfig,
@@ -138,17 +114,6 @@ def fused_norm_output(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     else:
         raise ValueError(f"normalization {normalization!r}: expected RMSNorm or LayerNorm")
     return y.to(x.dtype)
-
-
-def te_nvfp4_environment(recipe: RecipeConfig) -> dict[str, str]:
-    """Transformer Engine's NVFP4 switches for ``recipe``. TE reads them from the environment
-    once, when it is imported (they are the defaults of ``NVFP4BlockScaling``'s fields, and
-    megatron-core builds that recipe with its defaults), so they must be set before."""
-    return {
-        "NVTE_NVFP4_DISABLE_RHT": "0" if recipe.nvfp4_random_hadamard else "1",
-        "NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING": "0" if recipe.fp4_stochastic_rounding else "1",
-        "NVTE_NVFP4_DISABLE_2D_QUANTIZATION": "0" if recipe.nvfp4_2d_weights else "1",
-    }
 
 
 def prepare_te_environment(recipe: RecipeConfig) -> None:
