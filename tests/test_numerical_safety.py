@@ -12,7 +12,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import launch, resume_from, scalars, torchrun, train_args
+from conftest import launch, resume_from, scalars, train_args
 from megatron.core import dist_checkpointing
 
 from megatron_snip.arguments import ArgumentError, parse_config
@@ -38,9 +38,9 @@ def inject(at: int, param: str, **more) -> dict:
 def test_fail_policy_raises_on_every_rank_and_keeps_the_last_good_checkpoint(tiny_data, tmp_path):
     ckpt = tmp_path / "ckpt"
     param = "decoder.layers.3.mlp.linear_fc2.weight"  # only TP rank 1's shard is corrupted
-    proc = torchrun(2, train_args(tiny_data, "--tensor-model-parallel-size", "2", "--save", str(ckpt),
-                                  "--save-interval", "2", iters=6),
-                    check=False, env=inject(4, param, INJECT_TP_RANK=1), script=DRIVER)
+    proc = launch(2, train_args(tiny_data, "--tensor-model-parallel-size", "2", "--save", str(ckpt),
+                                "--save-interval", "2", iters=6),
+                  check=False, env=inject(4, param, INJECT_TP_RANK=1), script=DRIVER)
     assert proc.returncode != 0
     errors = re.findall(r"pretrain_llama\.py: error: rank .*?nothing was saved", proc.stderr)
     assert sorted(int(re.search(r"rank (\d)", e).group(1)) for e in errors) == [0, 1], proc.stderr[-3000:]
@@ -82,9 +82,9 @@ def test_skip_policy_skips_counts_and_resumes_exactly(tiny_data, tmp_path):
 @pytest.mark.integration
 def test_too_many_consecutive_skips_fail(tiny_data, tmp_path):
     """A gradient that is NaN at every step (here: from step 2 on, max 1 skip) stops the run."""
-    proc = torchrun(1, train_args(tiny_data, "--non-finite-grad-policy", "skip", "--max-consecutive-skips", "0",
-                                  iters=3),
-                    check=False, env=inject(2, "decoder.layers.1.mlp.linear_fc1.weight"), script=DRIVER)
+    proc = launch(1, train_args(tiny_data, "--non-finite-grad-policy", "skip", "--max-consecutive-skips", "0",
+                                iters=3),
+                  check=False, env=inject(2, "decoder.layers.1.mlp.linear_fc1.weight"), script=DRIVER)
     assert proc.returncode == 1
     assert "1 consecutive iterations skipped (--max-consecutive-skips 0): giving up" in proc.stderr
 
@@ -93,9 +93,9 @@ def test_too_many_consecutive_skips_fail(tiny_data, tmp_path):
 def test_a_checkpoint_never_holds_nonfinite_weights(tiny_data, tmp_path):
     """Without the check the NaN reaches the weights; the save at 4 refuses, the one at 2 stays the newest."""
     ckpt = tmp_path / "ckpt"
-    proc = torchrun(1, train_args(tiny_data, "--no-check-for-nan-in-loss-and-grad", "--save", str(ckpt),
-                                  "--save-interval", "2", iters=4),
-                    check=False, env=inject(3, "decoder.layers.2.mlp.linear_fc2.weight"), script=DRIVER)
+    proc = launch(1, train_args(tiny_data, "--no-check-for-nan-in-loss-and-grad", "--save", str(ckpt),
+                                "--save-interval", "2", iters=4),
+                  check=False, env=inject(3, "decoder.layers.2.mlp.linear_fc2.weight"), script=DRIVER)
     assert proc.returncode == 1
     # (gradient clipping by a NaN norm spreads the NaN to every weight)
     assert f"refusing to save {ckpt / 'iter_0000004'}: non-finite values in rank 0 (tp 0, pp 0, dp 0): " in proc.stderr
@@ -127,10 +127,10 @@ def test_promote_on_fault_names_the_module_skips_and_recovers(tiny_data, tmp_pat
     module = "decoder.layers.1.mlp.linear_fc2"
     ckpt, tb = tmp_path / "ckpt", tmp_path / "tb"
     # Logged (and so fully measured) every second step: step 3 is not measured in full, flags only.
-    proc = torchrun(2, train_args(tiny_data, "--pipeline-model-parallel-size", "2", "--precision", "nvfp4",
-                                  "--promote-on-fault", "--save", str(ckpt), "--tensorboard-dir", str(tb),
-                                  "--log-interval", "2", "--tensorboard-log-interval", "2", iters=6),
-                    env={"INJECT_AT": "3", "INJECT_GEMM": module}, script=DRIVER)
+    proc = launch(2, train_args(tiny_data, "--pipeline-model-parallel-size", "2", "--precision", "nvfp4",
+                                "--promote-on-fault", "--save", str(ckpt), "--tensorboard-dir", str(tb),
+                                "--log-interval", "2", "--tensorboard-log-interval", "2", iters=6),
+                  env={"INJECT_AT": "3", "INJECT_GEMM": module}, script=DRIVER)
     assert re.search(rf"quantized modules with non-finite values: {module} \([a-z.]*, ?[a-z., ]*fprop\.y",
                      proc.stdout)  # listed first
     assert (f"first: {module} fprop.y, made by its quantized forward GEMM (its inputs were finite); "

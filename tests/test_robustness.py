@@ -8,7 +8,7 @@ import signal
 
 import psutil
 import pytest
-from conftest import launch, scalars, stop_at_iteration, torchrun, train_args
+from conftest import launch, scalars, stop_at_iteration, train_args
 
 from megatron_snip.training import tags
 
@@ -42,8 +42,8 @@ def test_partial_save_is_ignored_and_replaced(tiny_data, init_ckpt, tmp_path):
     for folder in (partial, later):
         folder.mkdir()
         (folder / "__0_0.distcp").write_bytes(b"\x00" * 100)  # what a killed writer leaves behind
-    proc = torchrun(1, train_args(tiny_data, "--load", str(ckpt), "--save", str(ckpt), "--save-interval", "2",
-                                  "--tensorboard-dir", str(tmp_path / "tb"), iters=2))
+    proc = launch(1, train_args(tiny_data, "--load", str(ckpt), "--save", str(ckpt), "--save-interval", "2",
+                                "--tensorboard-dir", str(tmp_path / "tb"), iters=2))
     assert proc.stdout.count("a partial checkpoint an interrupted save left (the tracker never named it)") == 2
     assert f"removed {later}: a partial checkpoint" in proc.stdout
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
@@ -61,7 +61,7 @@ def test_a_truncated_newest_shard_is_named_and_ckpt_fallback_loads_the_intact_on
     size = shard.stat().st_size
     shard.write_bytes(shard.read_bytes()[: size // 3])  # truncated by a full disk
     resume = train_args(tiny_data, "--load", str(ckpt), "--save", str(ckpt), "--save-interval", "2", iters=6)
-    refused = torchrun(1, resume, check=False)
+    refused = launch(1, resume, check=False)
     assert refused.returncode != 0
     errors = re.findall(r"pretrain_llama\.py: error: .*", refused.stderr)
     assert errors == [f"pretrain_llama.py: error: checkpoint {ckpt / 'iter_0000004'}, the one "

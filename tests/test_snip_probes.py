@@ -41,7 +41,7 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import free_port, run_config, running_plan, torchrun, train_args
+from conftest import free_port, launch, run_config, running_plan, train_args
 
 VOCAB, SEQ, MBS, MICRO = 128, 32, 4, 2
 STEPS = 30
@@ -795,7 +795,7 @@ def test_a_gain_exclude_naming_no_parameter_is_refused_at_start_up(tiny_data, tm
     the model is built (on both pipeline stages), before the first iteration, naming the flag."""
     run = train_args(tiny_data, "--snip", "--snip-interval", "4", "--snip-gain-exclude", "embeding",
                      "--pipeline-model-parallel-size", "2", "--save", str(tmp_path / "ckpt"), iters=4)
-    proc = torchrun(2, run, check=False)
+    proc = launch(2, run, check=False)
     assert proc.returncode != 0
     assert "error: --snip-gain-exclude embeding: names no parameter of the model" in proc.stderr
     assert "iteration        1/" not in proc.stdout
