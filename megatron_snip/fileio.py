@@ -13,13 +13,11 @@ from pathlib import Path
 
 def umask() -> int:
     """The process's file-mode creation mask (read without changing it where Linux shows it)."""
-    try:
+    with contextlib.suppress(OSError):  # no /proc (not Linux): set and restore below
         with open("/proc/self/status") as f:
             for line in f:
                 if line.startswith("Umask:"):
                     return int(line.split()[1], 8)
-    except OSError:
-        pass
     mask = os.umask(0o022)  # elsewhere: set and restore (a file another thread creates meanwhile gets 022)
     os.umask(mask)
     return mask

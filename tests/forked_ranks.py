@@ -16,6 +16,7 @@ logging and the launch scripts keep using.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import runpy
@@ -73,10 +74,8 @@ def _rank(script: str, argv: list[str], env: dict, stdout: str, stderr: str, cwd
 def _stop(procs, sig: int) -> None:
     for p in procs:
         if p.exitcode is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
                 os.killpg(p.pid, sig)
-            except ProcessLookupError:
-                pass
 
 
 def launch(nproc: int, script: str | Path, argv: list[str], env: dict, cwd: str | Path,

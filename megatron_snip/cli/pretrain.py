@@ -8,6 +8,7 @@ with :data:`~megatron_snip.training.requeue.CONFIG_ERROR_STATUS`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -49,10 +50,8 @@ def _refused(e: ArgumentError, save: str | None) -> int:
     else:
         _error(f"{len(problems)} problems with the flags, files or launch:" + "".join(f"\n  - {p}" for p in problems))
     if save is not None and os.path.isdir(save):
-        try:
+        with contextlib.suppress(OSError):  # best effort: an unwritable --save may be the problem reported
             requeue.write_record(save, requeue.ExitRecord(None, requeue.CONFIG_ERROR, None, time.time()))
-        except OSError:
-            pass
     return requeue.CONFIG_ERROR_STATUS
 
 

@@ -11,6 +11,7 @@ reader keeps the last value of each (tag, iteration). A line cut short by a cras
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -40,10 +41,8 @@ class MetricsRecord:
 
     def abandon(self) -> None:
         """Close after a failed write, dropping what could not be written."""
-        try:
+        with contextlib.suppress(OSError):  # the failed write's error is the one reported
             self._file.close()
-        except OSError:
-            pass
 
 
 def read_metrics(path: str | Path) -> dict[str, dict[int, float]]:
