@@ -32,8 +32,15 @@ def pytest_configure(config):
         "`bash scripts/test.sh --fast` runs only the tests without it")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _font_cache_built():
+    """matplotlib lists the system fonts with ``fc-list`` (a subprocess) the first time it is imported on a
+    machine; done here, once, so that the first unit test that plots is not taken for one launching a process."""
+    import matplotlib.font_manager  # noqa: F401
+
+
 @pytest.fixture(autouse=True)
-def _unit_tests_launch_no_process(request, monkeypatch):
+def _unit_tests_launch_no_process(request, monkeypatch, _font_cache_built):
     """Keeps the tiers honest: a test not marked ``integration`` that starts a process fails, naming the fix."""
     import torch.multiprocessing
 
