@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -44,7 +43,7 @@ RECIPES = ("tensorwise", "rowwise")
 
 def worker(plan_file: str, argv: list[str]) -> None:
     """Inside torchrun: the phases on this rank; rank 0 writes what it measured."""
-    from step_time import stamped_trainer
+    from step_time import run_conditions, stamped_trainer
 
     run, trainer, clock = stamped_trainer(plan_file, argv)
     from dataclasses import replace
@@ -61,7 +60,8 @@ def worker(plan_file: str, argv: list[str]) -> None:
     shapes = linear_shapes(config, trainer.linear_dims)
     layers = len(trainer.precision.module_names()) // 4  # this rank's layers (4 linears each)
     model = trainer.speed_model
-    result = {"device": device_name(), "speed_model": model.describe(), "phases": {}, "recipes": {},
+    result = {"device": device_name(), "conditions": run_conditions(trainer).to_dict(),
+              "speed_model": model.describe(), "phases": {}, "recipes": {},
               "modules": {m: {p: list(v) for p, v in row.items()} for m, row in (model.module_speeds() or {}).items()},
               "micro_batches": config.training.num_microbatches, "layers_on_rank": layers}
     for name, recipe in [("bf16", None)] + [(f"fp8-{r}", r) for r in run["recipes"]]:
@@ -93,7 +93,7 @@ def summarise(measured: dict) -> tuple[list[str], dict]:
     for module, row in measured["modules"].items():
         lines.append(f"  {module:28s} " + "  ".join(f"{p} fwd {f:.3g} bwd {b:.3g}" for p, (f, b) in row.items()))
     lines.append(f"our bf16 step: {bf16 * 1e3:.1f} ms")
-    summary = {"bf16_ms": bf16 * 1e3, "recipes": {}}
+    summary = {"bf16_ms": bf16 * 1e3, "recipes": {}, "conditions": measured.get("conditions")}
     for recipe, gemm in measured["recipes"].items():
         step = measured["phases"][f"fp8-{recipe}"]
         predicted = bf16 - gemm["bf16"] + gemm["fp8"]
@@ -116,6 +116,7 @@ def summarise(measured: dict) -> tuple[list[str], dict]:
 
 def main() -> None:
     sys.path.insert(0, str(ROOT / "bench"))
+    import conditions
     from step_time import add_layout_args, build_data, training_args
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -133,7 +134,7 @@ def main() -> None:
         out, plan = workdir / "measured.json", workdir / "phases.json"
         plan.write_text(json.dumps({"recipes": opts.recipes, "iters": opts.iters, "warmup": opts.warmup,
                                     "out": str(out)}))
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGATRON_SNIP_CACHE": str(workdir / "cache")}
+        env = {**conditions.worker_env(opts.nproc, opts.threads), "MEGATRON_SNIP_CACHE": str(workdir / "cache")}
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(opts.nproc),
                         __file__, WORKER, str(plan), *argv], check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
         measured = json.loads(out.read_text())

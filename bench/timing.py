@@ -77,3 +77,25 @@ def device_name() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
     return f"cpu, {torch.get_num_threads()} threads"
+
+
+def profiled(fn, rows: int = 30) -> str:
+    """``fn()`` under torch.profiler: the ops that took the most device time (CPU time without a
+    GPU), and the host's busy time against the wall time (a step whose host time nears its wall
+    time is launch-bound: the GPU waits for Python)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        fn()
+    wall = time.perf_counter() - start
+    averages = prof.key_averages()
+    sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+    host = sum(e.self_cpu_time_total for e in averages) / 1e6
+    device = sum(e.self_device_time_total for e in averages) / 1e6 if cuda else None
+    calls = sum(e.count for e in averages)
+    head = (f"wall {wall:.3f} s, host busy {host:.3f} s" + (f", device busy {device:.3f} s" if cuda else "")
+            + f", {calls} op calls")
+    return head + "\n" + averages.table(sort_by=sort, row_limit=rows)
