@@ -111,5 +111,9 @@ def differences(a: dict | None, b: dict | None, by_design: tuple[str, ...] = ())
     if not a or not b:
         return [f"{NOT_RECORDED} by " + ("either side" if not a and not b else "the first side" if not a
                                           else "the second side")]
-    return [f"{name}: {a.get(name)!r} vs {b.get(name)!r}" for name in FIELDS
+    return [f"{name}: {_show(a.get(name))} vs {_show(b.get(name))}" for name in FIELDS
             if name not in by_design and a.get(name) != b.get(name)]
+
+
+def _show(value) -> str:
+    return f"{value:.6g}" if isinstance(value, float) else repr(value)

@@ -129,7 +129,7 @@ def main() -> None:
     opts, extra = p.parse_known_args()
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        data = build_data(workdir)
+        data = build_data(workdir, opts.data_dir)
         argv = training_args(opts, *data, (1 + len(opts.recipes)) * opts.iters) + extra
         out, plan = workdir / "measured.json", workdir / "phases.json"
         plan.write_text(json.dumps({"recipes": opts.recipes, "iters": opts.iters, "warmup": opts.warmup,

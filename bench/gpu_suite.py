@@ -132,6 +132,8 @@ def plan(wheels: Path | None, raw: Path, trainer_args: list[str] = (), tiny: boo
                                    *(["--backend", "aot_eager"] if tiny else [])),
                           peer_cap, f"peer_{shape.name}.json", peer_budget))
         snip = ["--snip-time-target", SNIP_TIME_TARGET] if shape is llama8 else []
+        if snip and tiny:  # a CPU emulates FP8 and FP4: the target is planned for a GPU's speeds instead
+            snip += ["--gemm-speed-model", "blackwell"]
         steps.append(Step(f"ours_{shape.name}", f"our trainer, {shape.label}: bf16 vs the plain megatron-core loop, "
                           f"FP8 {', '.join(fp8_recipes())}, a SNIP cycle" + (
                               f" with --snip-time-target {SNIP_TIME_TARGET}" if snip else " (its cost and memory)"),

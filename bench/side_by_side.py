@@ -145,16 +145,17 @@ def compare(shape: Shape, peer: dict | None, ours: dict | None) -> tuple[list[st
         if "skipped" in v:
             lines.append(f"  peer {name:<20} skipped: {v['skipped']}")
         else:
-            lines.append(f"  peer {name:<20} {_ms(v['seconds'])}, {v['tflops']:6.1f} TFLOP/s{_mfu(v['mfu'])}")
+            lines.append(f"  peer {name:<20} {_ms(v['seconds'])}, {v['tflops']:6.3g} TFLOP/s{_mfu(v['mfu'])}")
     compiled = variants.get("compiled", {}).get("seconds")
     for name, v in variants.items():
         if name.startswith("float8-") and "seconds" in v and compiled:
             lines.append(f"  peer torchao {name} speed-up over its compiled bf16: {compiled / v['seconds']:.3f}x")
     steps = (ours or {}).get("seconds_per_iteration", {})
+    dtype = ((ours or {}).get("conditions") or {}).get("dtype", "bf16")  # fp32 in a CPU run
     if "ours" in steps:
         bf16 = steps["ours"]
         lines.append(f"  ours plain megatron-core loop {_ms(steps['plain'])}")
-        lines.append(f"  ours bf16 trainer             {_ms(bf16)}, {ours['bf16_tflops_per_device']:6.1f} "
+        lines.append(f"  ours {dtype} trainer             {_ms(bf16)}, {ours['bf16_tflops_per_device']:6.3g} "
                      f"TFLOP/s{_mfu(ours['mfu_bf16'])}; / plain loop {bf16 / steps['plain']:.3f}")
         fp8 = ours.get("fp8_vs_bf16", {})
         for recipe, ratio in fp8.items():
@@ -181,13 +182,13 @@ def compare(shape: Shape, peer: dict | None, ours: dict | None) -> tuple[list[st
         compiled_ours = (ours.get("conditions") or {}).get("compile", conditions.COMPILE_EAGER)
         like = "eager" if compiled_ours == conditions.COMPILE_EAGER else "compiled"
         ratio, differ, text = peer_ratio(ours, peer, like)
-        lines.append(f"  ours bf16 / peer {like}: {text}")
+        lines.append(f"  ours {dtype} / peer {like}: {text}")
         goals.append({**goal(f"{shape.name}: conditions that differ between our step and the peer's {like} step",
                              None if text.startswith("no peer figure") else len(differ), at_most=0),
                       **({"note": "; ".join(differ)} if differ else {})})
         if like != "compiled":  # the goal's ratio: the compile setting differs by design, and is named
             ratio, differ, text = peer_ratio(ours, peer, "compiled", by_design=("compile",))
-            lines.append(f"  ours bf16 / peer compiled (goal <= {PEER_GOAL:g}): {text}")
+            lines.append(f"  ours {dtype} / peer compiled (goal <= {PEER_GOAL:g}): {text}")
         goals.append({**goal(f"{shape.name}: our bf16 step / the peer's compiled step", ratio, at_most=PEER_GOAL,
                              profiles=(f"ours_{shape.name}/ours", f"peer_{shape.name}/compiled")),
                       **({"note": "refused: the conditions differ (" + "; ".join(differ) + ")"} if differ else {})})
