@@ -264,6 +264,16 @@ def test_step_time_ratios_are_against_the_same_runs_baseline():
     assert goals["SNIP plan's logged time ratio, relative error against its measured step ratio"] == (
         round(0.05 / 0.85, 6), True)
 
+    # Stopped at the suite's cap (bench/suite_run.py) after the cycle, before the phase under its plan ended:
+    # the cycle's figures against bf16, nothing of the plan's step; before the bf16 phases ended: no figures.
+    del measured["phases"]["snip"]
+    lines, figures = summarise(measured)
+    assert "9.0 bf16 iterations (goal <= 10), stopped before the plan it chose was timed" in "\n".join(lines)
+    assert [g["name"] for g in figures["goals"] if "SNIP" in g["name"]] == [
+        "SNIP cycle in bf16 iterations", "SNIP cycle peak memory / bf16 step peak"]
+    lines, figures = summarise({**measured, "phases": {"plain": measured["phases"]["plain"]}})
+    assert lines == ["stopped before the bf16 phases (plain, ours) ended: no figures"] and figures["goals"] == []
+
 
 H200 = {"device": "NVIDIA H200", "processes": 1, "threads_per_process": 16, "dtype": "bf16", "compile": "eager",
         "recompute": "none", "model": "22 layers x 2048, ffn 5632, 32 heads / 4 groups, vocab 2048", "seq_length": 2048,
@@ -342,6 +352,22 @@ def test_conditions_differ_field_by_field_except_what_a_comparison_names():
     assert conditions.threads_per_process(1) == cores and conditions.threads_per_process(2 * cores) == 1
     assert conditions.threads_per_process(4, threads=3) == 3
     assert conditions.worker_env(1, env={"OMP_NUM_THREADS": "1"})["OMP_NUM_THREADS"] == str(cores)
+
+
+def test_tiny_mode_runs_every_flag_of_the_gpu_commands_at_tiny_sizes(tmp_path):
+    """--tiny checks on a CPU the commands a GPU run gives: every step's, each with every flag it has there."""
+    gpu = gpu_suite.plan(tmp_path / "wheels", tmp_path)
+    tiny = gpu_suite.plan(tmp_path / "wheels", tmp_path, tiny=True)
+    assert [s.name for s in gpu][1:] == [s.name for s in tiny][1:] and tiny[0].name == "environment"
+
+    def flags(step):
+        return {a for a in step.cmd if a.startswith("--")}
+
+    for g, t in zip(gpu[1:], tiny[1:]):
+        assert flags(g) <= flags(t), (g.name, flags(g) - flags(t))
+        assert (t.cap_s, t.extra, t.fill, t.result) == (g.cap_s * gpu_suite.TINY_CAP_FACTOR, g.extra, g.fill, g.result)
+    ours = next(s for s in tiny if s.name == "ours_llama3_8b_4l").cmd
+    assert " ".join(gpu_suite.TINY_SHAPE) in " ".join(ours) and "--gemm-speed-model blackwell" in " ".join(ours)
 
 
 def test_a_missed_goal_is_reported_with_the_profiles_of_what_it_measures(tmp_path):
