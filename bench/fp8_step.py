@@ -69,7 +69,7 @@ def worker(plan_file: str, argv: list[str]) -> None:
         fp8_recipe = replace(base, fp8_recipe=recipe) if recipe else base
         trainer.precision.set_recipe(fp8_recipe)
         trainer.set_plan(PrecisionPlan.uniform("fp8" if recipe else "bf16"))
-        clock.stamps.clear()
+        clock.clear()
         trainer.train(until=trainer.state.iteration + run["iters"])
         result["phases"][name] = statistics.median(clock.intervals(run["warmup"]))
         if recipe:  # the table's GEMM seconds for one micro-batch, this recipe against bf16

@@ -281,6 +281,7 @@ def run_variant(config: PeerConfig, variant: str, device: torch.device, iters: i
         losses.append(train_step(model, optimizer, batches, config.bf16).item())  # one sync per iteration
     clock.stamp()
     result = {"seconds": statistics.median(clock.intervals(warmup)), "warmup_seconds": warmup_seconds,
+              "cpu_seconds": statistics.median(clock.intervals(warmup, cpu=True)),
               "losses": losses, "peak_gib": peak_memory_gib(),
               "conditions": config.run_conditions(variant, backend).to_dict()}
     if profile_steps:  # after the timing, which it would slow

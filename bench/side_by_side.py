@@ -133,7 +133,17 @@ def peer_ratio(ours: dict, peer: dict, variant: str, by_design: tuple[str, ...] 
     named = "".join(f", {name}: ours {ours['conditions'][name]} / peer {theirs[name]}" for name in by_design
                     if ours["conditions"][name] != theirs[name])
     ratio = ours["seconds_per_iteration"]["ours"] / v["seconds"]
-    return ratio, [], f"{ratio:.3f} (same conditions{named})"
+    return ratio, [], f"{ratio:.3f} (same conditions{named}){cpu_ratio(ours, v)}"
+
+
+def cpu_ratio(ours: dict, peer_variant: dict) -> str:
+    """On a CPU, our step over the peer's in process CPU time too: the two sides run one after the other,
+    and other jobs on the machine stretch the wall time of each by what they take in its turn, not the
+    CPU time it spends (with one thread per process, where no thread waits at a barrier for another)."""
+    ours_cpu = ours.get("cpu_seconds_per_iteration", {}).get("ours")
+    if ours["conditions"]["device"] != "cpu" or ours_cpu is None or "cpu_seconds" not in peer_variant:
+        return ""
+    return f"; in process CPU time {ours_cpu / peer_variant['cpu_seconds']:.3f}"
 
 
 def compare(shape: Shape, peer: dict | None, ours: dict | None) -> tuple[list[str], list[dict]]:

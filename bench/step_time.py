@@ -199,7 +199,7 @@ def worker(plan_file: str, argv: list[str]) -> None:
                                    "time_target_given": config.snip.snip_time_target is not None}
             snip_plan = report.plan
             peak_memory_reset()
-        clock.stamps.clear()
+        clock.clear()
         if health_clock is not None:
             health_clock[0] = 0.0
         if name.startswith(PROFILED):  # warm-up steps first, then the profiled ones alone
@@ -210,8 +210,10 @@ def worker(plan_file: str, argv: list[str]) -> None:
             run_loop(trainer, loop, run["iters"], clock)
             if len(clock.stamps) <= run["iters"]:  # the trainer stopped early (a SIGTERM): a phase cut short
                 break
-            phase = result["phases"].setdefault(name, {"medians": [], "means": [], "peak_gib": None})
+            phase = result["phases"].setdefault(name, {"medians": [], "means": [], "cpu_medians": [],
+                                                       "peak_gib": None})
             phase["medians"].append(statistics.median(clock.intervals(run["warmup"])))
+            phase["cpu_medians"].append(statistics.median(clock.intervals(run["warmup"], cpu=True)))
             phase["means"].append(statistics.fmean(clock.intervals(run["warmup"])))
             if health_clock is not None and name == "health-on":
                 phase.setdefault("health_share", []).append(health_clock[0] / (clock.stamps[-1] - clock.stamps[0]))
@@ -329,7 +331,9 @@ def summarise(measured: dict) -> tuple[list[str], dict]:
     best = {name: min(p["medians"]) for name, p in measured["phases"].items()}
     peaks = {name: p["peak_gib"] for name, p in measured["phases"].items()}
     figures = {"seconds_per_iteration": best, "peak_memory_gib": peaks, "conditions": measured.get("conditions"),
-               "profiles": measured.get("profiles", {})}
+               "profiles": measured.get("profiles", {}),
+               "cpu_seconds_per_iteration": {name: min(p["cpu_medians"]) for name, p in measured["phases"].items()
+                                             if p.get("cpu_medians")}}
     if "ours" not in best or "plain" not in best:
         return ["stopped before the bf16 phases (plain, ours) ended: no figures"], {**figures, "goals": []}
     bf16 = best["ours"]

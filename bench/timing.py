@@ -46,20 +46,30 @@ def median_seconds(fn: Callable[[], object], device: torch.device | str, reps: i
 
 
 class StepClock:
-    """Start-to-start wall time of consecutive steps (a training step syncs itself by reading its loss).
+    """Start-to-start wall time of consecutive steps (a training step syncs itself by reading its loss),
+    and this process's CPU time over the same intervals (all its threads: on a CPU, the work the step did,
+    which other jobs on the machine do not stretch as they stretch the wall time).
 
     ``stamp()`` at the start of every step and once after the last; ``intervals(skip)``
-    gives the step times without the first ``skip`` (warm-up) steps.
+    gives the step times without the first ``skip`` (warm-up) steps, ``intervals(skip, cpu=True)``
+    their CPU seconds.
     """
 
     def __init__(self) -> None:
         self.stamps: list[float] = []
+        self.cpu_stamps: list[float] = []
 
     def stamp(self) -> None:
         self.stamps.append(time.perf_counter())
+        self.cpu_stamps.append(time.process_time())
 
-    def intervals(self, skip: int = 0) -> list[float]:
-        return [b - a for a, b in zip(self.stamps, self.stamps[1:])][skip:]
+    def clear(self) -> None:
+        self.stamps.clear()
+        self.cpu_stamps.clear()
+
+    def intervals(self, skip: int = 0, cpu: bool = False) -> list[float]:
+        stamps = self.cpu_stamps if cpu else self.stamps
+        return [b - a for a, b in zip(stamps, stamps[1:])][skip:]
 
 
 def peak_memory_reset() -> None:

@@ -48,7 +48,9 @@ def side_by_side(bench_data, tmp_path_factory):
 def test_side_by_side_at_equal_work_under_equal_conditions_is_near_parity(side_by_side):
     """Both sides ran with the threads asked for (measured inside each process), the same shape, batch, dtype
     and FLOPs, so the ratio is the two programs' (on this 2-core CPU ~0.95-1.0 when idle: the notes' 0.99 at
-    TinyLlama's width); a thread count that differs, which once made ours look 1.69x the peer's, is refused."""
+    TinyLlama's width); a thread count that differs, which once made ours look 1.69x the peer's, is refused.
+    The sides run one after the other while other tests share the cores, which stretches the wall time of
+    each by what they take in its turn: the band is checked on the process CPU time each side spent."""
     from conditions import FIELDS
 
     stdout, result = side_by_side
@@ -60,8 +62,9 @@ def test_side_by_side_at_equal_work_under_equal_conditions_is_near_parity(side_b
     assert ours["conditions"]["flops_per_iteration"] == peer["flops_per_iteration"]
     assert len(eager["losses"]) == 4 and all(v > 0 for v in ours["seconds_per_iteration"].values())
     ratio = ours["seconds_per_iteration"]["ours"] / eager["seconds"]
-    assert 0.5 <= ratio <= 2.0, f"ours / peer at equal work: {ratio:.3f}\n{stdout}"
-    assert f"ours fp32 / peer eager: {ratio:.3f} (same conditions)" in stdout
+    cpu_ratio = ours["cpu_seconds_per_iteration"]["ours"] / eager["cpu_seconds"]
+    assert 0.5 <= cpu_ratio <= 2.0, f"ours / peer at equal work, process CPU time: {cpu_ratio:.3f}\n{stdout}"
+    assert f"ours fp32 / peer eager: {ratio:.3f} (same conditions); in process CPU time {cpu_ratio:.3f}" in stdout
     (differ,) = [g for g in result["goals"] if g["name"].startswith("run: conditions that differ")]
     assert (differ["value"], differ["met"]) == (0, True)
 
