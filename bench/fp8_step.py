@@ -18,7 +18,9 @@ that table predicts: the bf16 step minus the GEMM time fp8 saves by the table (i
 micro-batch of each module type, times the layers on this rank and the micro-batches per step).
 ``prediction error`` is that prediction against the measured fp8 step: the check that a plan's
 reported GEMM time ratio holds on the step (goal: within 10%; on CPU, where the GEMMs are most of
-the step, the relation is tight; on a GPU the rest of the step dilutes it).
+the step, the relation is tight; on a GPU the rest of the step dilutes it). Each process runs
+``--threads`` torch threads (default: the cores shared evenly by ``--nproc``); the JSON records the
+conditions the steps ran under (bench/conditions.py).
 """
 
 from __future__ import annotations

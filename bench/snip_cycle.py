@@ -8,8 +8,9 @@ Runs pretrain_llama.py with ``--snip`` re-planning once, then reads TensorBoard:
 the cycle's wall time (probe passes, statistics, gather, solve, broadcast) over
 the median seconds per training iteration before the cycle (the warm-up plan,
 bf16) and after it (the new plan), and its share of the wall time at one cycle per 1000 iterations.
-Goals: a cycle costs <= ~10 iterations; on a GPU, <= 1% of 1000 iterations. Options this script
-does not know pass through to pretrain_llama.py.
+Goals: a cycle costs <= ~10 iterations; on a GPU, <= 1% of 1000 iterations. Each process runs
+``--threads`` torch threads (default: the cores shared evenly by ``--nproc``, bench/conditions.py).
+Options this script does not know pass through to pretrain_llama.py.
 """
 
 from __future__ import annotations

@@ -34,7 +34,8 @@ One ``torchrun`` launch builds the model once; every rank then runs these phases
   (passed through) also the plan's step over the bf16 step (goal <= T + 0.02) and how far the
   time ratio it logged is from that measurement (goal <= 10%).
 - ``--profile NAME ...``: after the timed phases, ``--warmup`` steps of each named one and then
-  ``--profile-steps`` steps under torch.profiler (``--repeats 0``: the profiles alone).
+  ``--profile-steps`` steps under torch.profiler (``--repeats 0``: the profiles alone; ``snip``: under
+  the plan the SNIP phase's cycle chose). Their tables go into the JSON too.
 
 ``--compare-attention SEQ [SEQ ...]`` asks another question and runs alone: at each sequence
 length, (a) forward+backward of the core attention alone (batch 2, 8 heads of 64, causal, fp32 or
@@ -50,7 +51,12 @@ Also printed: MFU of the bf16 step (model FLOPs per second over the peak assumed
 GPU, named; ``--peak-tflops`` overrides) and, on a GPU, the peak memory allocated in each
 phase. ``--preset`` with ``--num-layers`` / ``--seq-length`` sets the shape; ``--data-dir`` keeps the
 bench's data (corpus, 2048-piece tokenizer, indexed dataset) for the next run. Options this
-script does not know pass through to pretrain_llama.py (e.g. ``--num-workers 0``).
+script does not know pass through to pretrain_llama.py (e.g. ``--num-workers 0``, or ``--hidden-size``
+to override more of the preset's shape). Each process runs ``--threads`` torch threads (default: the
+machine's cores shared evenly by ``--nproc``), and the JSON records the conditions the steps ran under
+(bench/conditions.py: what bench/side_by_side.py checks before it sets them beside the peer's), and each
+phase's process CPU time beside its wall time. Interrupted (Ctrl-C, or bench/gpu_suite.py's SIGINT at a
+step's cap), it still prints and writes the figures of the phases it finished.
 """
 
 from __future__ import annotations
