@@ -57,7 +57,7 @@ from pathlib import Path
 from prepare_gpu_wheels import OPTIONAL, TOP_LEVEL, WHEELS, check_folder
 from side_by_side import SHAPES, Run
 from suite_report import bundle, write_report
-from suite_run import Record, Step, adopt_orphans, junit_summary, run_step  # noqa: F401 (the suite's API)
+from suite_run import Record, Step, adopt_orphans, run_step
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"

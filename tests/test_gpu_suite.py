@@ -508,7 +508,7 @@ def test_a_test_past_its_deadline_fails_and_the_run_goes_on(tmp_path):
                           timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT / "bench")})
     assert time.monotonic() - start < 40
     assert proc.returncode == 1, proc.stdout
-    summary = gpu_suite.junit_summary(tmp_path / "pytest.xml")
+    summary = suite_run.junit_summary(tmp_path / "pytest.xml")
     assert (summary["passed"], summary["failures"]) == (1, 1)
     assert "test_hangs: Failed: still running after the 2 s per-test deadline" in summary["failed"][0]
     assert summary["slowest"][0][0].endswith("test_hangs") and 2 <= summary["slowest"][0][1] < 10
