@@ -97,10 +97,17 @@ def worker_env(processes: int, threads: int | None = None, env: dict | None = No
 
 def add_args(p: argparse.ArgumentParser) -> None:
     """The condition flags every step-timing bench takes alike."""
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=_at_least_one, default=None,
                    help="torch threads per process (default: this machine's cores shared evenly by the processes); "
                         "both sides of a comparison must run with the same")
     p.add_argument("--bf16", action="store_true", help="bf16 compute (default: fp32)")
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: at least 1 thread per process")
+    return value
 
 
 def differences(a: dict | None, b: dict | None, by_design: tuple[str, ...] = ()) -> list[str]:
