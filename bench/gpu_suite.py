@@ -1,5 +1,5 @@
-"""Everything of the GPU path, checked and timed in one command on a CUDA machine: one device call of at most
-9 minutes, the machine's start included.
+"""Everything of the GPU path, checked and timed in one command on a CUDA machine: at most 9 minutes on a
+freshly started GPU machine, its start included.
 
     python bench/prepare_gpu_wheels.py             # with network: the wheels a machine without it lacks
     python bench/gpu_suite.py --wheels .gpu_wheels --out DIR           # on the GPU machine: everything
@@ -64,8 +64,8 @@ BENCH = ROOT / "bench"
 sys.path.insert(1, str(ROOT))  # megatron_snip, where it is not installed (a GPU machine's checkout)
 
 CUDA_MARK = "pytest.mark.cuda"
-CALL_S = 540  # one device call: the machine's start and the suite, 9 minutes
-DEVICE_START_S = 90  # a fresh device machine's start before the suite runs ("a minute or more"; estimated)
+CALL_S = 540  # a freshly started GPU machine's session: its start and the suite, 9 minutes
+DEVICE_START_S = 90  # that machine's start before the suite runs (a minute or more; estimated)
 BUDGET_S = CALL_S - DEVICE_START_S  # the suite's own wall time
 SUITE_S = 20  # the suite's own work beside its steps: its start (torch's import), the reports, the bundle
 TEST_DEADLINE_S = 60  # per test (bench/pytest_deadline.py): the longest, a one-GPU training launch, takes ~25 s
@@ -264,7 +264,7 @@ def print_plan(steps: list[Step], budget: float) -> None:
     planned = sum(s.budget_s or s.cap_s for s in steps if not s.fill)
     print(f"budgeted {planned:.0f} s of --budget {budget:.0f} s (a step without a budget counts its cap); every "
           f"step at its cap: {worst_case(steps):.0f} s with the suite's own {SUITE_S} s (the last step takes what "
-          f"is left); with a device machine's start ({DEVICE_START_S} s) the call takes at most "
+          f"is left); with a fresh machine's start ({DEVICE_START_S} s) the session takes at most "
           f"{budget + DEVICE_START_S:.0f} s")
 
 
@@ -274,7 +274,7 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "runs" / "gpu_suite")),
                    help="report folder (default $OUT, else runs/gpu_suite)")
     p.add_argument("--budget", type=float, default=None,
-                   help=f"seconds for the whole suite (default {BUDGET_S}: with a device machine's start, "
+                   help=f"seconds for the whole suite (default {BUDGET_S}: with a fresh machine's start, "
                         f"{CALL_S} s; --tiny: {TINY_CAP_FACTOR}x that)")
     p.add_argument("--only", nargs="+", metavar="STEP", help="run only these steps (names as --dry-run lists them; "
                                                              "the extra steps too)")

@@ -58,13 +58,13 @@ def test_without_cuda_the_suite_says_what_it_would_run_within_9_minutes_and_exit
     assert proc.returncode == 0, proc.stderr
     steps = listed(proc.stdout)
     assert list(steps) == DEFAULT_STEPS
-    # One device call: the machine's start and the suite within 9 minutes; every step but the last (the tests,
+    # A fresh GPU machine's start and the suite within 9 minutes; every step but the last (the tests,
     # which take what is left) inside the suite's budget even when each runs to its cap.
     assert gpu_suite.BUDGET_S + gpu_suite.DEVICE_START_S <= 540
     measuring = [(budget, cap) for name, (budget, cap, _) in steps.items() if name != "tests"]
     assert sum(budget for budget, _ in measuring) < gpu_suite.SUITE_S + sum(cap for _, cap in measuring) <= 450
     assert all(budget < cap for budget, cap in measuring)
-    assert re.search(r"^budgeted \d+ s of --budget 450 s\b.*every step at its cap: (\d+) s.*the call takes at most "
+    assert re.search(r"^budgeted \d+ s of --budget 450 s\b.*every step at its cap: (\d+) s.*the session takes at most "
                      r"540 s", proc.stdout, re.M)
     assert [s.name for s in gpu_suite.plan(None, tmp_path) if s.fill] == ["tests"] and steps["tests"][1] == 150
     assert ("extra steps (--only NAME): tests_all, attention, snip_cycle, snip_cycle_fisher, fp8_step_tinyllama, "
