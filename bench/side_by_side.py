@@ -1,7 +1,8 @@
 """Our trainer beside the plain-PyTorch peer, shape by shape: the ratios the speed goals are set on.
 
-    python bench/side_by_side.py --preset tinyllama-1.1b --num-layers 1 --seq-length 128 \\
-        --num-microbatches 2 --iters 4 --warmup 1          # anywhere (a CPU: fp32, ~1 minute on 2 cores)
+    python bench/side_by_side.py --preset tiny --num-layers 1 --hidden-size 1024 --ffn-hidden-size 2816 \\
+        --num-attention-heads 8 --num-query-groups 4 --seq-length 64 --num-microbatches 4 \\
+        --threads 1                 # anywhere: the same work on both sides (a CPU: fp32, ~30 s on 2 cores)
     python bench/side_by_side.py --preset tinyllama-1.1b --bf16   # a GPU: both sides at the suite's shape
 
 Both sides run under one definition of the run's conditions (:class:`Run`: the shape, the batch,
