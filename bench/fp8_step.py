@@ -18,14 +18,15 @@ that table predicts: the bf16 step minus the GEMM time fp8 saves by the table (i
 micro-batch of each module type, times the layers on this rank and the micro-batches per step).
 ``prediction error`` is that prediction against the measured fp8 step: the check that a plan's
 reported GEMM time ratio holds on the step (goal: within 10%; on CPU, where the GEMMs are most of
-the step, the relation is tight; on a GPU the rest of the step dilutes it).
+the step, the relation is tight; on a GPU the rest of the step dilutes it). Each process runs
+``--threads`` torch threads (default: the cores shared evenly by ``--nproc``); the JSON records the
+conditions the steps ran under (bench/conditions.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -44,7 +45,7 @@ RECIPES = ("tensorwise", "rowwise")
 
 def worker(plan_file: str, argv: list[str]) -> None:
     """Inside torchrun: the phases on this rank; rank 0 writes what it measured."""
-    from step_time import stamped_trainer
+    from step_time import run_conditions, stamped_trainer
 
     run, trainer, clock = stamped_trainer(plan_file, argv)
     from dataclasses import replace
@@ -61,7 +62,8 @@ def worker(plan_file: str, argv: list[str]) -> None:
     shapes = linear_shapes(config, trainer.linear_dims)
     layers = len(trainer.precision.module_names()) // 4  # this rank's layers (4 linears each)
     model = trainer.speed_model
-    result = {"device": device_name(), "speed_model": model.describe(), "phases": {}, "recipes": {},
+    result = {"device": device_name(), "conditions": run_conditions(trainer).to_dict(),
+              "speed_model": model.describe(), "phases": {}, "recipes": {},
               "modules": {m: {p: list(v) for p, v in row.items()} for m, row in (model.module_speeds() or {}).items()},
               "micro_batches": config.training.num_microbatches, "layers_on_rank": layers}
     for name, recipe in [("bf16", None)] + [(f"fp8-{r}", r) for r in run["recipes"]]:
@@ -69,7 +71,7 @@ def worker(plan_file: str, argv: list[str]) -> None:
         fp8_recipe = replace(base, fp8_recipe=recipe) if recipe else base
         trainer.precision.set_recipe(fp8_recipe)
         trainer.set_plan(PrecisionPlan.uniform("fp8" if recipe else "bf16"))
-        clock.stamps.clear()
+        clock.clear()
         trainer.train(until=trainer.state.iteration + run["iters"])
         result["phases"][name] = statistics.median(clock.intervals(run["warmup"]))
         if recipe:  # the table's GEMM seconds for one micro-batch, this recipe against bf16
@@ -93,7 +95,7 @@ def summarise(measured: dict) -> tuple[list[str], dict]:
     for module, row in measured["modules"].items():
         lines.append(f"  {module:28s} " + "  ".join(f"{p} fwd {f:.3g} bwd {b:.3g}" for p, (f, b) in row.items()))
     lines.append(f"our bf16 step: {bf16 * 1e3:.1f} ms")
-    summary = {"bf16_ms": bf16 * 1e3, "recipes": {}}
+    summary = {"bf16_ms": bf16 * 1e3, "recipes": {}, "conditions": measured.get("conditions")}
     for recipe, gemm in measured["recipes"].items():
         step = measured["phases"][f"fp8-{recipe}"]
         predicted = bf16 - gemm["bf16"] + gemm["fp8"]
@@ -116,6 +118,7 @@ def summarise(measured: dict) -> tuple[list[str], dict]:
 
 def main() -> None:
     sys.path.insert(0, str(ROOT / "bench"))
+    import conditions
     from step_time import add_layout_args, build_data, training_args
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -128,12 +131,12 @@ def main() -> None:
     opts, extra = p.parse_known_args()
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        data = build_data(workdir)
+        data = build_data(workdir, opts.data_dir)
         argv = training_args(opts, *data, (1 + len(opts.recipes)) * opts.iters) + extra
         out, plan = workdir / "measured.json", workdir / "phases.json"
         plan.write_text(json.dumps({"recipes": opts.recipes, "iters": opts.iters, "warmup": opts.warmup,
                                     "out": str(out)}))
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGATRON_SNIP_CACHE": str(workdir / "cache")}
+        env = {**conditions.worker_env(opts.nproc, opts.threads), "MEGATRON_SNIP_CACHE": str(workdir / "cache")}
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(opts.nproc),
                         __file__, WORKER, str(plan), *argv], check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
         measured = json.loads(out.read_text())

@@ -8,9 +8,10 @@ What our trainer's step is measured against (bench/gpu_suite.py prints the ratio
 Llama (RMSNorm, rotary embeddings, SDPA with the key/value heads repeated for GQA, SwiGLU, no
 biases, untied output layer) at the same shape and batch as ``bench/step_time.py`` (a
 ``--preset`` with its shape overrides, the bench's 2048-piece vocabulary, ``--num-microbatches``
-micro-batches of ``--micro-batch-size`` per iteration), fp32 master weights, BF16 autocast on
-CUDA, AdamW (fused where torch has it for the device), the loss read once per iteration. Each
-``--variants`` entry builds the model afresh (same seed) and times it:
+micro-batches of ``--micro-batch-size`` per iteration), fp32 master weights, BF16 autocast with
+``--bf16`` (fp32 without), gradients clipped to norm 1 (torchtitan's default ``max_norm``; our
+trainer clips alike), AdamW (fused where torch has it for the device), the loss read once per
+iteration. Each ``--variants`` entry builds the model afresh (same seed) and times it:
 
 - ``eager``: as written;
 - ``compiled``: ``torch.compile`` of each transformer block (torchtitan's per-block compile);
@@ -22,6 +23,11 @@ CUDA, AdamW (fused where torch has it for the device), the loss read once per it
 Time per iteration is start-to-start of consecutive iterations after ``--warmup`` untimed ones
 (the compile happens there), median; TFLOP/s and MFU use the project's FLOP formula
 (``megatron_snip.model.llama.flops_per_token``) and its table of peak dense BF16 TFLOP/s.
+``--profile VARIANT`` runs ``--profile-steps`` more iterations of that variant under
+torch.profiler (its top operators go into the JSON). The process runs ``--threads`` torch threads
+(default: all cores, as bench/step_time.py gives one process) and every variant's JSON entry
+records the conditions it ran under (bench/conditions.py), which bench/side_by_side.py checks
+against our trainer's before it sets the two side by side.
 A yardstick, not a second trainer: no data loader, no parallelism, random tokens.
 """
 
@@ -34,36 +40,45 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, replace
 
+import conditions
 import torch
 import torch.nn.functional as F
 from results import write_json
 from step_time import BENCH_VOCAB
-from timing import StepClock, device_name, peak_memory_gib, peak_memory_reset
+from timing import StepClock, device_name, peak_memory_gib, peak_memory_reset, profiled
 from torch import nn
 
 from megatron_snip.model.presets import PRESETS, LlamaShape
 
 VARIANTS = ("eager", "compiled", "float8-tensorwise", "float8-rowwise")
 FP8_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada, Hopper and later
+# The shape flags that override a preset's, as pretrain_llama.py's do (bench/side_by_side.py passes them to both).
+SHAPE_OVERRIDES = ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups")
+MAX_NORM = 1.0  # gradient clipping, torchtitan's default (and Megatron-LM's --clip-grad)
 
 
 @dataclass(frozen=True)
 class PeerConfig:
-    """The model (a preset's shape) and the batch: ``num_microbatches`` of ``micro_batch_size`` sequences."""
+    """The model (a preset's shape), the batch (``num_microbatches`` of ``micro_batch_size`` sequences)
+    and the compute dtype (``bf16``: autocast to bf16, else fp32)."""
 
     shape: LlamaShape
     vocab_size: int = BENCH_VOCAB
     micro_batch_size: int = 1
     num_microbatches: int = 8
+    bf16: bool = False
 
     @classmethod
     def from_preset(cls, name: str, num_layers: int | None = None, seq_length: int | None = None,
-                    **batch) -> PeerConfig:
-        """A ``megatron_snip.model.presets`` shape, with its layers and sequence length overridden where given."""
-        shape = PRESETS[name]
-        shape = replace(shape, num_layers=num_layers or shape.num_layers, seq_length=seq_length or shape.seq_length,
-                        max_position_embeddings=seq_length or shape.max_position_embeddings)
-        return cls(shape, **batch)
+                    **overrides) -> PeerConfig:
+        """A ``megatron_snip.model.presets`` shape, with its fields overridden where given (not None):
+        ``num_layers``, ``seq_length`` (and the position embeddings with it), and any of SHAPE_OVERRIDES;
+        the other ``overrides`` are this class's fields."""
+        shape = {k: v for k in SHAPE_OVERRIDES if (v := overrides.pop(k, None)) is not None}
+        if seq_length:
+            shape.update(seq_length=seq_length, max_position_embeddings=seq_length)
+        return cls(replace(PRESETS[name], **shape, **({"num_layers": num_layers} if num_layers else {})),
+                   **overrides)
 
     def flops_per_iteration(self) -> float:
         """Model FLOPs of one iteration by the project's formula (the trainer bench's figure)."""
@@ -75,6 +90,18 @@ class PeerConfig:
                             num_attention_heads=s.num_attention_heads, num_query_groups=s.num_query_groups,
                             seq_length=s.seq_length)
         return flops_per_token(model, self.vocab_size) * self.micro_batch_size * self.num_microbatches * s.seq_length
+
+    def run_conditions(self, variant: str, backend: str) -> conditions.Conditions:
+        """What ``variant`` runs under in this process (its torch threads as set now)."""
+        s = self.shape
+        return conditions.Conditions(
+            device=conditions.device_label(), processes=1, threads_per_process=torch.get_num_threads(),
+            dtype="fp8" if variant.startswith("float8-") else "bf16" if self.bf16 else "fp32",
+            compile=conditions.COMPILE_EAGER if variant == "eager" else backend, recompute="none",
+            model=conditions.model_label(s.num_layers, s.hidden_size, s.ffn_hidden_size, s.num_attention_heads,
+                                         s.num_query_groups, self.vocab_size),
+            seq_length=s.seq_length, micro_batch_size=self.micro_batch_size, num_microbatches=self.num_microbatches,
+            flops_per_iteration=self.flops_per_iteration())
 
 
 # -- the model (torchtitan's llama3 model, trimmed) ------------------------------------------------
@@ -212,17 +239,20 @@ def build(config: PeerConfig, variant: str, device: torch.device, backend: str =
     return model, optimizer
 
 
-def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batches: list[torch.Tensor]) -> torch.Tensor:
+def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batches: list[torch.Tensor],
+               bf16: bool = False) -> torch.Tensor:
     """One iteration: forward + backward of every micro-batch ([batch, seq + 1] tokens; loss averaged
-    over them), then the optimizer step. Returns the loss as a 0-d tensor (not read: no sync)."""
+    over them; under bf16 autocast with ``bf16``), the gradients clipped to norm MAX_NORM, then the
+    optimizer step. Returns the loss as a 0-d tensor (not read: no sync)."""
     device = batches[0].device
     total = torch.zeros((), device=device)
     for tokens in batches:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten(0, 1)) / len(batches)
         loss.backward()
         total += loss.detach()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, foreach=True)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return total
@@ -235,9 +265,10 @@ def random_batches(config: PeerConfig, device: torch.device, seed: int = 0) -> l
 
 
 def run_variant(config: PeerConfig, variant: str, device: torch.device, iters: int, warmup: int,
-                backend: str = "inductor") -> dict:
+                backend: str = "inductor", profile_steps: int = 0) -> dict:
     """Build, warm up (compile) and time one variant: seconds per iteration (median), the losses, the
-    warm-up's seconds and the peak memory (GiB, CUDA)."""
+    warm-up's seconds, the peak memory (GiB, CUDA) and the conditions it ran under; with
+    ``profile_steps``, that many more iterations under torch.profiler (``profile``: its table)."""
     model, optimizer = build(config, variant, device, backend)
     batches = random_batches(config, device)
     clock, losses = StepClock(), []
@@ -247,10 +278,15 @@ def run_variant(config: PeerConfig, variant: str, device: torch.device, iters: i
         if i == warmup:
             warmup_seconds = time.perf_counter() - start
         clock.stamp()
-        losses.append(train_step(model, optimizer, batches).item())  # one sync per iteration, as a log line
+        losses.append(train_step(model, optimizer, batches, config.bf16).item())  # one sync per iteration
     clock.stamp()
     result = {"seconds": statistics.median(clock.intervals(warmup)), "warmup_seconds": warmup_seconds,
-              "losses": losses, "peak_gib": peak_memory_gib()}
+              "cpu_seconds": statistics.median(clock.intervals(warmup, cpu=True)),
+              "losses": losses, "peak_gib": peak_memory_gib(),
+              "conditions": config.run_conditions(variant, backend).to_dict()}
+    if profile_steps:  # after the timing, which it would slow
+        result["profile"] = profiled(lambda m=model, o=optimizer: [train_step(m, o, batches, config.bf16).item()
+                                                                   for _ in range(profile_steps)])
     del model, optimizer
     release(device)
     return result
@@ -299,6 +335,8 @@ def main() -> None:
     p.add_argument("--preset", default="tinyllama-1.1b", choices=sorted(PRESETS))
     p.add_argument("--num-layers", type=int, help="override the preset's (e.g. 4 layers of Llama-3-8B)")
     p.add_argument("--seq-length", type=int, help="override the preset's")
+    for name in SHAPE_OVERRIDES:
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, help="override the preset's")
     p.add_argument("--vocab-size", type=int, default=BENCH_VOCAB, help="default: the trainer bench's tokenizer's")
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--num-microbatches", type=int, default=8)
@@ -306,29 +344,45 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=8, help="iterations per variant, warm-up included")
     p.add_argument("--warmup", type=int, default=3, help="untimed first iterations (the compile happens there)")
     p.add_argument("--backend", default="inductor", help="torch.compile backend (aot_eager: a quick CPU check)")
+    p.add_argument("--profile", nargs="+", default=[], choices=VARIANTS, metavar="VARIANT",
+                   help="after timing these variants, run --profile-steps more iterations of each under "
+                        "torch.profiler: its top operators (printed, and in the JSON)")
+    p.add_argument("--profile-steps", type=int, default=1, help="iterations profiled per --profile variant")
+    conditions.add_args(p)
     p.add_argument("--peak-tflops", type=float, help="the device's peak dense BF16 TFLOP/s (default: the "
                                                      "project's table for known GPUs)")
     p.add_argument("--json", help="also write the results here (for bench/gpu_suite.py)")
     opts = p.parse_args()
     if opts.iters <= opts.warmup + 1:
         p.error(f"--iters {opts.iters} must exceed --warmup {opts.warmup} + 1 (time at least two iterations)")
+    if set(opts.profile) - set(opts.variants):
+        p.error(f"--profile {' '.join(sorted(set(opts.profile) - set(opts.variants)))}: not among --variants")
+    torch.set_num_threads(conditions.threads_per_process(1, opts.threads))
     config = PeerConfig.from_preset(opts.preset, opts.num_layers, opts.seq_length, vocab_size=opts.vocab_size,
-                                    micro_batch_size=opts.micro_batch_size, num_microbatches=opts.num_microbatches)
+                                    micro_batch_size=opts.micro_batch_size, num_microbatches=opts.num_microbatches,
+                                    bf16=opts.bf16, **{k: getattr(opts, k) for k in SHAPE_OVERRIDES})
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shape = config.shape
     print(f"peer: preset {opts.preset}, {shape.num_layers} layers x {shape.hidden_size}, seq {shape.seq_length}, "
-          f"vocab {config.vocab_size}, {config.num_microbatches} micro-batches of {config.micro_batch_size}; "
-          f"{device_name()}; torch {torch.__version__}; {opts.iters - opts.warmup} timed iterations", flush=True)
+          f"vocab {config.vocab_size}, {config.num_microbatches} micro-batches of {config.micro_batch_size}, "
+          f"{'bf16' if opts.bf16 else 'fp32'}; {device_name()}; torch {torch.__version__}; "
+          f"{opts.iters - opts.warmup} timed iterations", flush=True)
     measured = {}
     for variant in opts.variants:
         why = float8_available(device) if variant.startswith("float8-") else None
-        measured[variant] = {"skipped": why} if why else run_variant(config, variant, device, opts.iters,
-                                                                     opts.warmup, opts.backend)
+        measured[variant] = {"skipped": why} if why else run_variant(
+            config, variant, device, opts.iters, opts.warmup, opts.backend,
+            opts.profile_steps if variant in opts.profile else 0)
         print(f"  {variant}: done", flush=True)
-    lines, figures = summarise(config, measured, peak_tflops(opts.peak_tflops))
+        # Rewritten after every variant: a run stopped at its time cap (bench/gpu_suite.py) keeps what it timed.
+        lines, figures = summarise(config, measured, peak_tflops(opts.peak_tflops))
+        write_json(opts.json, {"benchmark": "peer_step", "device": device_name(), "preset": opts.preset,
+                               "config": asdict(config), "complete": variant == opts.variants[-1], **figures})
     print("\n".join(lines))
-    write_json(opts.json, {"benchmark": "peer_step", "device": device_name(), "preset": opts.preset,
-                           "config": asdict(config), **figures})
+    for variant, m in measured.items():
+        if "profile" in m:
+            print(f"\n--- profile: peer {variant} ({opts.profile_steps} iteration(s) after the timed ones) ---\n"
+                  f"{m['profile']}")
 
 
 if __name__ == "__main__":

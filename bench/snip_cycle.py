@@ -8,14 +8,14 @@ Runs pretrain_llama.py with ``--snip`` re-planning once, then reads TensorBoard:
 the cycle's wall time (probe passes, statistics, gather, solve, broadcast) over
 the median seconds per training iteration before the cycle (the warm-up plan,
 bf16) and after it (the new plan), and its share of the wall time at one cycle per 1000 iterations.
-Goals: a cycle costs <= ~10 iterations; on a GPU, <= 1% of 1000 iterations. Options this script
-does not know pass through to pretrain_llama.py.
+Goals: a cycle costs <= ~10 iterations; on a GPU, <= 1% of 1000 iterations. Each process runs
+``--threads`` torch threads (default: the cores shared evenly by ``--nproc``, bench/conditions.py).
+Options this script does not know pass through to pretrain_llama.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
+    import conditions
     from step_time import add_layout_args, build_data, shape_args
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -53,7 +54,7 @@ def main() -> None:
                "--snip-probe-passes", str(opts.probe_passes), "--snip-curvature", opts.curvature,
                "--tensorboard-dir", str(work / "tb"),
                *(["--bf16"] if opts.bf16 else []), *rest]
-        subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        subprocess.run(cmd, check=True, cwd=ROOT, env=conditions.worker_env(opts.nproc, opts.threads),
                        stdout=subprocess.DEVNULL)
         acc = EventAccumulator(str(next((work / "tb").glob("**/events.out.tfevents.*"))), size_guidance={"scalars": 0})
         acc.Reload()

@@ -34,7 +34,8 @@ One ``torchrun`` launch builds the model once; every rank then runs these phases
   (passed through) also the plan's step over the bf16 step (goal <= T + 0.02) and how far the
   time ratio it logged is from that measurement (goal <= 10%).
 - ``--profile NAME ...``: after the timed phases, ``--warmup`` steps of each named one and then
-  ``--profile-steps`` steps under torch.profiler (``--repeats 0``: the profiles alone).
+  ``--profile-steps`` steps under torch.profiler (``--repeats 0``: the profiles alone; ``snip``: under
+  the plan the SNIP phase's cycle chose). Their tables go into the JSON too.
 
 ``--compare-attention SEQ [SEQ ...]`` asks another question and runs alone: at each sequence
 length, (a) forward+backward of the core attention alone (batch 2, 8 heads of 64, causal, fp32 or
@@ -50,14 +51,18 @@ Also printed: MFU of the bf16 step (model FLOPs per second over the peak assumed
 GPU, named; ``--peak-tflops`` overrides) and, on a GPU, the peak memory allocated in each
 phase. ``--preset`` with ``--num-layers`` / ``--seq-length`` sets the shape; ``--data-dir`` keeps the
 bench's data (corpus, 2048-piece tokenizer, indexed dataset) for the next run. Options this
-script does not know pass through to pretrain_llama.py (e.g. ``--num-workers 0``).
+script does not know pass through to pretrain_llama.py (e.g. ``--num-workers 0``, or ``--hidden-size``
+to override more of the preset's shape). Each process runs ``--threads`` torch threads (default: the
+machine's cores shared evenly by ``--nproc``), and the JSON records the conditions the steps ran under
+(bench/conditions.py: what bench/side_by_side.py checks before it sets them beside the peer's), and each
+phase's process CPU time beside its wall time. Interrupted (Ctrl-C, or bench/gpu_suite.py's SIGINT at a
+step's cap), it still prints and writes the figures of the phases it finished.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -65,8 +70,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import conditions
 from results import goal, write_json
-from timing import StepClock, device_name, peak_memory_gib, peak_memory_reset, synchronize
+from timing import StepClock, device_name, peak_memory_gib, peak_memory_reset, profiled, synchronize
 
 from megatron_snip.numerics.registry import FP8_RECIPE_SCHEMES
 
@@ -169,12 +175,14 @@ def worker(plan_file: str, argv: list[str]) -> None:
     timed_health = any(name == "health-on" for name, *_ in run["phases"]) and not has_cuda()
     health_clock = time_health_code(trainer) if timed_health else None
     result = {"phases": {}, "flops_per_iteration": trainer.flops_per_iteration, "world_size": dist.get_world_size(),
-              "peak_tflops": peak_tflops(config.logging.peak_tflops), "fp8_recipe": config.precision.fp8_recipe}
+              "peak_tflops": peak_tflops(config.logging.peak_tflops), "fp8_recipe": config.precision.fp8_recipe,
+              "conditions": run_conditions(trainer).to_dict()}
     recipe = config.precision.recipe()
+    snip_plan = None  # the plan the SNIP phase's cycle chose (a profiled "snip" phase runs under it)
     for name, loop, precision, attention, fp8_recipe in run["phases"]:
         trainer.set_plan(PrecisionPlan.uniform("bf16"))  # the recipe changes under bf16 modules only
         trainer.precision.set_recipe(replace(recipe, fp8_recipe=fp8_recipe or recipe.fp8_recipe))
-        trainer.set_plan(PrecisionPlan.uniform(precision))
+        trainer.set_plan(snip_plan if precision == "snip" else PrecisionPlan.uniform(precision))
         if attention is not None:
             use_core_attention(trainer.model, attention)
         health = name.startswith("health-")
@@ -195,26 +203,49 @@ def worker(plan_file: str, argv: list[str]) -> None:
             result["snip_plan"] = {"fp4": report.fp4_fraction, "time_ratio": report.time_ratio,
                                    "time_target": report.time_target,
                                    "time_target_given": config.snip.snip_time_target is not None}
+            snip_plan = report.plan
             peak_memory_reset()
-        clock.stamps.clear()
+        clock.clear()
         if health_clock is not None:
             health_clock[0] = 0.0
         if name.startswith(PROFILED):  # warm-up steps first, then the profiled ones alone
             run_loop(trainer, loop, run["warmup"], clock)
             result.setdefault("profiles", {})[name[len(PROFILED):]] = profiled(
                 lambda: run_loop(trainer, loop, run["profile_steps"], clock))
-            continue
-        run_loop(trainer, loop, run["iters"], clock)
-        phase = result["phases"].setdefault(name, {"medians": [], "means": [], "peak_gib": None})
-        phase["medians"].append(statistics.median(clock.intervals(run["warmup"])))
-        phase["means"].append(statistics.fmean(clock.intervals(run["warmup"])))
-        if health_clock is not None and name == "health-on":
-            phase.setdefault("health_share", []).append(health_clock[0] / (clock.stamps[-1] - clock.stamps[0]))
-        peak = peak_memory_gib()
-        phase["peak_gib"] = peak if phase["peak_gib"] is None else max(phase["peak_gib"], peak)
-    if dist.get_rank() == 0:
-        Path(run["out"]).write_text(json.dumps(result))
+        else:
+            run_loop(trainer, loop, run["iters"], clock)
+            if len(clock.stamps) <= run["iters"]:  # the trainer stopped early (a SIGTERM): a phase cut short
+                break
+            phase = result["phases"].setdefault(name, {"medians": [], "means": [], "cpu_medians": [],
+                                                       "peak_gib": None})
+            phase["medians"].append(statistics.median(clock.intervals(run["warmup"])))
+            phase["cpu_medians"].append(statistics.median(clock.intervals(run["warmup"], cpu=True)))
+            phase["means"].append(statistics.fmean(clock.intervals(run["warmup"])))
+            if health_clock is not None and name == "health-on":
+                phase.setdefault("health_share", []).append(health_clock[0] / (clock.stamps[-1] - clock.stamps[0]))
+            peak = peak_memory_gib()
+            phase["peak_gib"] = peak if phase["peak_gib"] is None else max(phase["peak_gib"], peak)
+        if dist.get_rank() == 0:  # after every phase: a launch stopped at its time cap keeps what it measured
+            write_json(run["out"], result)
     dist.destroy_process_group()
+
+
+def run_conditions(trainer) -> conditions.Conditions:
+    """What the trainer's steps run under in this process (bench/conditions.py)."""
+    import torch
+    import torch.distributed as dist
+
+    c = trainer.config
+    m = c.model
+    return conditions.Conditions(
+        device=conditions.device_label(), processes=dist.get_world_size(), threads_per_process=torch.get_num_threads(),
+        dtype="bf16" if m.bf16 else "fp32",
+        compile=m.torch_compile_backend if m.torch_compile else conditions.COMPILE_EAGER,
+        recompute=m.recompute_granularity or "none",
+        model=conditions.model_label(m.num_layers, m.hidden_size, m.ffn_hidden_size, m.num_attention_heads,
+                                     m.num_query_groups or m.num_attention_heads, trainer.tokenizer.vocab_size),
+        seq_length=m.seq_length, micro_batch_size=c.training.micro_batch_size,
+        num_microbatches=c.training.num_microbatches, flops_per_iteration=trainer.flops_per_iteration)
 
 
 def run_loop(trainer, loop: str, iters: int, clock: StepClock) -> None:
@@ -225,29 +256,6 @@ def run_loop(trainer, loop: str, iters: int, clock: StepClock) -> None:
         trainer.train(until=trainer.state.iteration + iters)
         synchronize()
         clock.stamp()
-
-
-def profiled(fn, rows: int = 30) -> str:
-    """``fn()`` under torch.profiler: the ops that took the most device time (CPU time without a
-    GPU), and the host's busy time against the wall time (a step whose host time nears its wall
-    time is launch-bound: the GPU waits for Python)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = torch.cuda.is_available()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    start = time.perf_counter()
-    with profile(activities=activities) as prof:
-        fn()
-    wall = time.perf_counter() - start
-    averages = prof.key_averages()
-    sort = "self_device_time_total" if cuda else "self_cpu_time_total"
-    host = sum(e.self_cpu_time_total for e in averages) / 1e6
-    device = sum(e.self_device_time_total for e in averages) / 1e6 if cuda else None
-    calls = sum(e.count for e in averages)
-    head = (f"wall {wall:.3f} s, host busy {host:.3f} s" + (f", device busy {device:.3f} s" if cuda else "")
-            + f", {calls} op calls")
-    return head + "\n" + averages.table(sort_by=sort, row_limit=rows)
 
 
 def use_core_attention(chunks, backend: str) -> None:
@@ -324,15 +332,22 @@ def plain_loop(trainer, iters: int, clock: StepClock) -> None:
 
 
 def summarise(measured: dict) -> tuple[list[str], dict]:
-    """Printed lines and the JSON figures (with the goals) of one run's measurements."""
+    """Printed lines and the JSON figures (with the goals) of one run's measurements (of the phases it
+    finished, when it was stopped: nothing without both bf16 phases)."""
     best = {name: min(p["medians"]) for name, p in measured["phases"].items()}
     peaks = {name: p["peak_gib"] for name, p in measured["phases"].items()}
+    figures = {"seconds_per_iteration": best, "peak_memory_gib": peaks, "conditions": measured.get("conditions"),
+               "profiles": measured.get("profiles", {}),
+               "cpu_seconds_per_iteration": {name: min(p["cpu_medians"]) for name, p in measured["phases"].items()
+                                             if p.get("cpu_medians")}}
+    if "ours" not in best or "plain" not in best:
+        return ["stopped before the bf16 phases (plain, ours) ended: no figures"], {**figures, "goals": []}
     bf16 = best["ours"]
     lines = [f"plain megatron-core loop : {best['plain'] * 1e3:9.1f} ms/iteration",
              f"megatron-snip trainer    : {bf16 * 1e3:9.1f} ms/iteration",
              f"ratio ours / plain       : {bf16 / best['plain']:9.3f}   (goal <= {OVERHEAD_GOAL})"]
-    goals = [goal("trainer step / plain megatron-core step (bf16)", bf16 / best["plain"], at_most=OVERHEAD_GOAL)]
-    figures = {"seconds_per_iteration": best, "peak_memory_gib": peaks}
+    goals = [goal("trainer step / plain megatron-core step (bf16)", bf16 / best["plain"], at_most=OVERHEAD_GOAL,
+                  profiles=("ours", "plain"))]
     tflops = measured["flops_per_iteration"] / bf16 / measured["world_size"] / 1e12
     peak = measured["peak_tflops"]
     figures["bf16_tflops_per_device"] = tflops
@@ -365,17 +380,20 @@ def summarise(measured: dict) -> tuple[list[str], dict]:
         lines.append(f"uniform {label:<17}: {best[name] * 1e3:9.1f} ms/iteration, "
                      f"ratio to bf16 {best[name] / bf16:.3f}")
     figures["fp8_vs_bf16"] = {recipes[name]: best[name] / bf16 for name in recipes}
-    if "snip" in measured["phases"]:
-        cycle, after = measured["snip_cycle_seconds"], best["snip"]
+    if "snip_cycle_seconds" in measured:  # the cycle ran (the phase under its plan may not have: stopped)
+        cycle, after = measured["snip_cycle_seconds"], best.get("snip")
         plan = measured["snip_plan"]
         lines.append(f"SNIP cycle               : {cycle:9.2f} s = {cycle / bf16:.1f} bf16 iterations "
-                     f"(goal <= {SNIP_CYCLE_GOAL:g}), {cycle / after:.1f} iterations of the plan it chose "
-                     f"({plan['fp4']:.1%} FP4 FLOPs, {after * 1e3:.1f} ms/iteration)")
+                     f"(goal <= {SNIP_CYCLE_GOAL:g}), " + (
+                         "stopped before the plan it chose was timed" if after is None else
+                         f"{cycle / after:.1f} iterations of the plan it chose ({plan['fp4']:.1%} FP4 FLOPs, "
+                         f"{after * 1e3:.1f} ms/iteration)"))
         figures.update(snip_cycle_seconds=cycle, snip_cycle_bf16_iterations=cycle / bf16,
-                       snip_cycle_iterations=cycle / after, snip_plan=plan,
+                       snip_cycle_iterations=None if after is None else cycle / after, snip_plan=plan,
                        snip_cycle_peak_gib=measured["snip_cycle_peak_gib"])
         goals.append(goal("SNIP cycle in bf16 iterations", cycle / bf16, at_most=SNIP_CYCLE_GOAL))
-        if plan.get("time_target_given"):  # a --snip-time-target plan: its step against the target it was held to
+        # A --snip-time-target plan: its step against the target it was held to.
+        if plan.get("time_target_given") and after is not None:
             measured_ratio = after / bf16
             logged_error = abs(plan["time_ratio"] - measured_ratio) / measured_ratio
             lines.append(f"SNIP --snip-time-target {plan['time_target']:g} plan: step / bf16 step "
@@ -384,11 +402,11 @@ def summarise(measured: dict) -> tuple[list[str], dict]:
                          f"<= {TIME_RATIO_ERROR_GOAL:.0%})")
             figures.update(snip_step_vs_bf16=measured_ratio, snip_logged_time_ratio_error=logged_error)
             goals += [goal(f"SNIP --snip-time-target {plan['time_target']:g} plan step / bf16 step", measured_ratio,
-                           at_most=plan["time_target"] + TIME_TARGET_SLACK),
+                           at_most=plan["time_target"] + TIME_TARGET_SLACK, profiles=("snip", "ours")),
                       goal("SNIP plan's logged time ratio, relative error against its measured step ratio",
-                           logged_error, at_most=TIME_RATIO_ERROR_GOAL)]
+                           logged_error, at_most=TIME_RATIO_ERROR_GOAL, profiles=("snip",))]
     if all(v is not None for v in peaks.values()):
-        extra = ({"snip cycle": measured["snip_cycle_peak_gib"]} if "snip" in measured["phases"] else {})
+        extra = ({"snip cycle": measured["snip_cycle_peak_gib"]} if "snip_cycle_peak_gib" in measured else {})
         lines.append("peak memory allocated, GiB: " + ", ".join(
             f"{k} {v:.2f}" for k, v in {**peaks, **extra}.items()))
         if extra:
@@ -547,15 +565,22 @@ def build_data(workdir: Path, cache: Path | None = None) -> tuple[str, str]:
 
 def launch(opts, workdir: Path, data: tuple[str, str], extra: list[str]) -> dict:
     """One torchrun launch running ``phases(opts)`` on one model (``extra``: more pretrain_llama.py
-    flags); what rank 0 measured."""
+    flags), each process with the threads bench/conditions.py gives it; what rank 0 measured (when
+    interrupted, by Ctrl-C or bench/gpu_suite.py's time cap, what it had measured by its last whole
+    phase, marked ``stopped``)."""
     training_iters = sum(loop == "ours" for _, loop, *_ in phases(opts)) * opts.iters
     argv = training_args(opts, *data, training_iters) + extra
     out, plan = workdir / "measured.json", workdir / "phases.json"
     plan.write_text(json.dumps({"phases": phases(opts), "iters": opts.iters, "warmup": opts.warmup,
                                 "profile_steps": opts.profile_steps, "out": str(out)}))
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(opts.nproc),
-                    __file__, WORKER, str(plan), *argv],
-                   check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL)
+    try:
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(opts.nproc),
+                        __file__, WORKER, str(plan), *argv], check=True, cwd=ROOT,
+                       env=conditions.worker_env(opts.nproc, opts.threads), stdout=subprocess.DEVNULL)
+    except KeyboardInterrupt:
+        if not out.exists():
+            raise
+        return {**json.loads(out.read_text()), "stopped": True}
     return json.loads(out.read_text())
 
 
@@ -571,7 +596,7 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
                                                  "temporary folder per run)")
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--global-batch-size", type=int, default=16)
-    p.add_argument("--bf16", action="store_true")
+    conditions.add_args(p)  # --threads, --bf16
 
 
 def main() -> None:
@@ -591,9 +616,10 @@ def main() -> None:
     p.add_argument("--compare-attention", nargs="+", type=int, default=[], metavar="SEQ",
                    help="instead: at each sequence length, megatron-core's DotProductAttention against the SDPA "
                         "core attention, alone and in the training step (runs without the other phases)")
-    p.add_argument("--profile", nargs="+", default=[], choices=["plain", "ours", "fp8", "nvfp4", "mxfp4"],
+    p.add_argument("--profile", nargs="+", default=[], choices=["plain", "ours", "fp8", "nvfp4", "mxfp4", "snip"],
                    help="also run these phases once more under torch.profiler (after the timed ones, timing "
-                        "nothing) and print each one's top operators by device time, and the host's busy time")
+                        "nothing) and print each one's top operators by device time, and the host's busy time "
+                        "(also in the JSON); snip: under the plan --snip-cycle's cycle chose")
     p.add_argument("--profile-steps", type=int, default=1, help="steps profiled per --profile phase, after "
                                                                "--warmup unprofiled ones")
     p.add_argument("--json", help="also write the results here (for bench/gpu_suite.py)")
@@ -608,6 +634,8 @@ def main() -> None:
     if opts.compare_attention and (opts.compare_precision or opts.snip_cycle or opts.health_overhead or opts.profile):
         p.error("--compare-attention runs alone: drop --compare-precision, --snip-cycle, --health-overhead and "
                 "--profile")
+    if "snip" in opts.profile and not opts.snip_cycle:
+        p.error("--profile snip profiles the plan of --snip-cycle's cycle: add --snip-cycle")
 
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
@@ -624,12 +652,15 @@ def main() -> None:
           f"{' ' + shape if shape else ''}, "
           f"global batch {opts.global_batch_size}, phases of {opts.iters - opts.warmup} timed iterations, "
           f"{'dot-product/sdpa' if opts.compare_attention else 'plain/ours'} x {opts.repeats}")
+    stopped = not opts.compare_attention and measured.get("stopped", False)
     if opts.compare_attention:
         lines, figures = summarise_attention(attention_alone(opts.compare_attention, opts.bf16), steps, opts.bf16)
     elif opts.repeats:
         lines, figures = summarise(measured)
     else:  # profiles alone
-        lines, figures = [], {}
+        lines, figures = [], {"conditions": measured.get("conditions"), "profiles": measured.get("profiles", {})}
+    if stopped:
+        lines.insert(0, "INTERRUPTED before the last phase ended: the figures of the phases it finished")
     print("\n".join(lines))
     for name, table in ({} if opts.compare_attention else measured.get("profiles", {})).items():
         print(f"\n--- profile: {name} ({opts.profile_steps} step{'s' if opts.profile_steps > 1 else ''} after "
@@ -637,7 +668,9 @@ def main() -> None:
     write_json(opts.json, {"benchmark": "step_time", "layout": {"tp": opts.tp, "pp": opts.pp, "nproc": opts.nproc,
                                                                 "preset": opts.preset, "num_layers": opts.num_layers,
                                                                 "seq_length": opts.seq_length, "bf16": opts.bf16},
-                           **figures})
+                           "complete": not stopped, **figures})
+    if stopped:
+        sys.exit(3)
 
 
 if __name__ == "__main__":

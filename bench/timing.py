@@ -46,20 +46,30 @@ def median_seconds(fn: Callable[[], object], device: torch.device | str, reps: i
 
 
 class StepClock:
-    """Start-to-start wall time of consecutive steps (a training step syncs itself by reading its loss).
+    """Start-to-start wall time of consecutive steps (a training step syncs itself by reading its loss),
+    and this process's CPU time over the same intervals (all its threads: on a CPU, the work the step did,
+    which other jobs on the machine do not stretch as they stretch the wall time).
 
     ``stamp()`` at the start of every step and once after the last; ``intervals(skip)``
-    gives the step times without the first ``skip`` (warm-up) steps.
+    gives the step times without the first ``skip`` (warm-up) steps, ``intervals(skip, cpu=True)``
+    their CPU seconds.
     """
 
     def __init__(self) -> None:
         self.stamps: list[float] = []
+        self.cpu_stamps: list[float] = []
 
     def stamp(self) -> None:
         self.stamps.append(time.perf_counter())
+        self.cpu_stamps.append(time.process_time())
 
-    def intervals(self, skip: int = 0) -> list[float]:
-        return [b - a for a, b in zip(self.stamps, self.stamps[1:])][skip:]
+    def clear(self) -> None:
+        self.stamps.clear()
+        self.cpu_stamps.clear()
+
+    def intervals(self, skip: int = 0, cpu: bool = False) -> list[float]:
+        stamps = self.cpu_stamps if cpu else self.stamps
+        return [b - a for a, b in zip(stamps, stamps[1:])][skip:]
 
 
 def peak_memory_reset() -> None:
@@ -77,3 +87,25 @@ def device_name() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
     return f"cpu, {torch.get_num_threads()} threads"
+
+
+def profiled(fn, rows: int = 30) -> str:
+    """``fn()`` under torch.profiler: the ops that took the most device time (CPU time without a
+    GPU), and the host's busy time against the wall time (a step whose host time nears its wall
+    time is launch-bound: the GPU waits for Python)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        fn()
+    wall = time.perf_counter() - start
+    averages = prof.key_averages()
+    sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+    host = sum(e.self_cpu_time_total for e in averages) / 1e6
+    device = sum(e.self_device_time_total for e in averages) / 1e6 if cuda else None
+    calls = sum(e.count for e in averages)
+    head = (f"wall {wall:.3f} s, host busy {host:.3f} s" + (f", device busy {device:.3f} s" if cuda else "")
+            + f", {calls} op calls")
+    return head + "\n" + averages.table(sort_by=sort, row_limit=rows)

@@ -1,6 +1,7 @@
 """bench/gpu_suite.py and what it carries: its CPU mode and plan (steps, budgets, caps), its step runner
-and report, the benchmarks' figures it reports side by side, the CUDA test selection and its per-test
-deadline, and the pinned wheels (bench/prepare_gpu_wheels.py)."""
+(bench/suite_run.py) and report (bench/suite_report.py), the benchmarks' figures it reports side by side
+and the conditions both sides ran under, the CUDA test selection and its per-test deadline, and the pinned
+wheels (bench/prepare_gpu_wheels.py)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,11 @@ from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "bench"))
 
+import conditions
 import gpu_suite
 import prepare_gpu_wheels as wheels
+import suite_report
+import suite_run
 from side_by_side import side_by_side
 
 CUDA_FILES = {"tests/test_triton_qdq.py", "tests/test_fp8_gemm.py", "tests/test_fp8_linear.py",
@@ -33,15 +37,16 @@ def suite(*args: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
-DEFAULT_STEPS = ["install", "peer_tinyllama", "ours_tinyllama", "peer_llama3_8b_4l", "ours_llama3_8b_4l", "profile",
-                 "gemm", "quantize", "tests"]
+DEFAULT_STEPS = ["install", "peer_tinyllama", "ours_tinyllama", "peer_llama3_8b_4l", "ours_llama3_8b_4l", "gemm",
+                 "quantize", "tests"]
 TINYLLAMA = "--preset tinyllama-1.1b"
 LLAMA3_8B_4L = "--preset llama3-8b --num-layers 4 --seq-length 4096"
 
 
 def listed(stdout: str) -> dict[str, tuple[int | None, int, str]]:
     """The dry run's steps: name -> (budget, cap, command)."""
-    found = re.findall(r"^  (\w+) +\((?:budget (\d+) s, )?cap (\d+) s\) .*\n +(.*)$", stdout, re.M)
+    found = re.findall(r"^  (\w+) +\((?:budget (\d+) s, )?cap (?:the time left, at most )?(\d+) s\) .*\n +(.*)$",
+                       stdout, re.M)
     return {name: (int(budget) if budget else None, int(cap), cmd) for name, budget, cap, cmd in found}
 
 
@@ -53,20 +58,29 @@ def test_without_cuda_the_suite_says_what_it_would_run_within_9_minutes_and_exit
     assert proc.returncode == 0, proc.stderr
     steps = listed(proc.stdout)
     assert list(steps) == DEFAULT_STEPS
-    assert sum(budget for budget, _, _ in steps.values()) <= gpu_suite.BUDGET_S == 540
-    assert re.search(r"^budgeted \d+ s of --budget 540 s", proc.stdout, re.M)
-    assert all(budget <= cap for budget, cap, _ in steps.values())
+    # A fresh GPU machine's start and the suite within 9 minutes; every step but the last (the tests,
+    # which take what is left) inside the suite's budget even when each runs to its cap.
+    assert gpu_suite.BUDGET_S + gpu_suite.DEVICE_START_S <= 540
+    measuring = [(budget, cap) for name, (budget, cap, _) in steps.items() if name != "tests"]
+    assert sum(budget for budget, _ in measuring) < gpu_suite.SUITE_S + sum(cap for _, cap in measuring) <= 450
+    assert all(budget < cap for budget, cap in measuring)
+    assert re.search(r"^budgeted \d+ s of --budget 450 s\b.*every step at its cap: (\d+) s.*the session takes at most "
+                     r"540 s", proc.stdout, re.M)
+    assert [s.name for s in gpu_suite.plan(None, tmp_path) if s.fill] == ["tests"] and steps["tests"][1] == 150
     assert ("extra steps (--only NAME): tests_all, attention, snip_cycle, snip_cycle_fisher, fp8_step_tinyllama, "
             "fp8_step_llama3_8b_4l, health_overhead") in proc.stdout
     assert f"gpu_suite.py --install {tmp_path / 'wheels'}" in steps["install"][2]
+    threads = f"--threads {conditions.threads_per_process(1)}"
     for shape, flags in (("tinyllama", TINYLLAMA), ("llama3_8b_4l", LLAMA3_8B_4L)):
         peer, ours = steps[f"peer_{shape}"][2], steps[f"ours_{shape}"][2]
-        assert "peer_step.py " + flags in peer and "--micro-batch-size 1 --num-microbatches 8" in peer
-        assert "step_time.py " + flags in ours and "--micro-batch-size 1 --global-batch-size 8" in ours
+        # Both sides take the same conditions: shape, batch, threads, dtype, timing.
+        same = f"{flags} --micro-batch-size 1 {threads} --iters 5 --warmup 2 --bf16"
+        assert "peer_step.py " + same + " --num-microbatches 8" in peer
+        assert "step_time.py " + same + " --nproc 1 --tp 1 --pp 1 --global-batch-size 8" in ours
         assert "--compare-precision fp8:tensorwise fp8:rowwise fp8:blockwise" in ours and "--snip-cycle" in ours
         assert ("--snip-time-target 0.85" in ours) == (shape == "llama3_8b_4l")
-    profile = steps["profile"][2]
-    assert "step_time.py " + TINYLLAMA in profile and "--repeats 0 --profile ours --profile-steps 1" in profile
+        assert ours.endswith("--profile ours fp8" + (" snip" if shape == "llama3_8b_4l" else ""))
+        assert "--variants eager compiled" in peer and peer.endswith("--profile compiled")
     tests = steps["tests"][2]
     assert "-m pytest -v -m cuda" in tests and all(f in tests for f in CUDA_FILES)
     assert "-p pytest_deadline --test-deadline 60 --durations 15" in tests
@@ -80,12 +94,12 @@ def test_without_cuda_the_suite_says_what_it_would_run_within_9_minutes_and_exit
 
 @pytest.mark.integration
 def test_only_runs_the_steps_named_extras_included_and_trainer_args_reach_every_trainer_command():
-    proc = suite("--dry-run", "--only", "snip_cycle", "profile", "ours_tinyllama", "peer_tinyllama",
+    proc = suite("--dry-run", "--only", "snip_cycle", "tests", "ours_tinyllama", "peer_tinyllama",
                  "--trainer-args=--num-workers 0")
     assert proc.returncode == 0, proc.stderr
     steps = listed(proc.stdout)
-    assert list(steps) == ["peer_tinyllama", "ours_tinyllama", "profile", "snip_cycle"]  # the plan's order
-    for name in ("ours_tinyllama", "profile", "snip_cycle"):
+    assert list(steps) == ["peer_tinyllama", "ours_tinyllama", "tests", "snip_cycle"]  # the plan's order
+    for name in ("ours_tinyllama", "snip_cycle"):
         assert steps[name][2].endswith("--num-workers 0"), name
     assert "--num-workers" not in steps["peer_tinyllama"][2]
     assert "snip_cycle.py " + TINYLLAMA in steps["snip_cycle"][2]
@@ -127,30 +141,45 @@ def running(pid: int) -> bool:
 @pytest.mark.integration
 def test_steps_that_fail_hang_or_find_no_time_are_recorded_and_the_report_still_written(tmp_path):
     py = sys.executable
-    child = tmp_path / "child.pid"
-    hang = ("import subprocess, sys, time; "
-            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
-            f"open({str(child)!r}, 'w').write(str(p.pid)); time.sleep(120)")
+    child, result = tmp_path / "child.pid", tmp_path / "hangs.json"
+    # A benchmark that has measured something, then hangs, with a child in a session of its own (as torchrun
+    # starts its workers): at its cap SIGINT lets it write what it has, then everything of it is killed.
+    hang = ("import json, subprocess, sys, time; "
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True); "
+            f"open({str(child)!r}, 'w').write(str(p.pid)); open({str(result)!r}, 'w').write('{{}}')\n"
+            "try:\n    time.sleep(120)\n"
+            f"except KeyboardInterrupt:\n    open({str(result)!r}, 'w').write(json.dumps({{'stopped': True}}))\n"
+            "    time.sleep(120)\n")
     steps = [gpu_suite.Step("ok", "prints", [py, "-c", "print('fine')"], 30),
              gpu_suite.Step("broken", "fails", [py, "-c", "import sys; print('boom'); sys.exit(3)"], 30),
-             gpu_suite.Step("hangs", "sleeps with a child", [py, "-c", hang], 12)]
+             gpu_suite.Step("raises", "raises", [py, "-c", "print('before')\ndef f():\n"
+                                                  "    raise ValueError('bad shape')\nf()\n"], 30),
+             gpu_suite.Step("hangs", "sleeps with a child", [py, "-c", hang], 12, result="hangs.json")]
     deadline = time.monotonic() + 60
     start = time.monotonic()
     records = [gpu_suite.run_step(s, tmp_path, deadline, dict(os.environ)) for s in steps]
     assert time.monotonic() - start < 40
-    ok, broken, hung = records
-    assert (ok.status, ok.returncode, ok.output_tail) == ("passed", 0, ["fine"])
+    ok, broken, raised, hung = records
+    assert (ok.status, ok.returncode, ok.output_tail, ok.error) == ("passed", 0, ["fine"], [])
     assert (broken.status, broken.returncode, broken.output_tail) == ("failed", 3, ["boom"])
-    assert hung.status == "timeout" and hung.returncode is None
-    assert not running(int(child.read_text())), "the step's whole process group is killed"
+    assert raised.status == "failed" and raised.error[0] == suite_run.TRACEBACK
+    assert raised.error[-1] == "ValueError: bad shape" and "before" not in raised.error
+    assert hung.status == "timeout" and hung.returncode is None and "cap, 12 s" in hung.note
+    assert hung.result == {"stopped": True}, "SIGINT first: what a stopped benchmark measured is kept"
+    assert not running(int(child.read_text())), "the step's whole process tree is killed"
     late = gpu_suite.run_step(steps[0], tmp_path, time.monotonic() + 8, dict(os.environ))
     assert late.status == "skipped" and "budget" in late.note
-    summary = gpu_suite.write_report(tmp_path, {"date": "d", "device": "dev", "command": "c"}, [*records, late])
-    for line in ("| ok | passed |", "| broken | failed |", "| hangs | timeout |", "| ok | skipped |"):
+    summary = gpu_suite.write_report(tmp_path, {"date": "d", "device": "dev", "command": "c", "budget": 60,
+                                                "wall_s": 30.0}, [*records, late])
+    for line in ("| ok | passed |", "| broken | failed |", "| raises | failed |", "| hangs | timeout |",
+                 "| ok | skipped |", "| suite: steps stopped at their cap | 1.000 | <= 0 | **no** |",
+                 "| suite: wall seconds (--budget 60) | 30.000 | <= 60 | yes |"):
         assert line in summary
     report = json.loads((tmp_path / "report.json").read_text())
-    assert [s["status"] for s in report["steps"]] == ["passed", "failed", "timeout", "skipped"]
-    assert "boom" in (tmp_path / "report.md").read_text()
+    assert [s["status"] for s in report["steps"]] == ["passed", "failed", "failed", "timeout", "skipped"]
+    md = (tmp_path / "report.md").read_text()
+    assert "boom" in md
+    assert "First error in its log:\n\n```text\nTraceback (most recent call last):\n" in md
     assert (tmp_path / "logs" / "broken.log").read_text() == "boom\n"
 
 
@@ -235,28 +264,153 @@ def test_step_time_ratios_are_against_the_same_runs_baseline():
     assert goals["SNIP plan's logged time ratio, relative error against its measured step ratio"] == (
         round(0.05 / 0.85, 6), True)
 
+    # Stopped at the suite's cap (bench/suite_run.py) after the cycle, before the phase under its plan ended:
+    # the cycle's figures against bf16, nothing of the plan's step; before the bf16 phases ended: no figures.
+    del measured["phases"]["snip"]
+    lines, figures = summarise(measured)
+    assert "9.0 bf16 iterations (goal <= 10), stopped before the plan it chose was timed" in "\n".join(lines)
+    assert [g["name"] for g in figures["goals"] if "SNIP" in g["name"]] == [
+        "SNIP cycle in bf16 iterations", "SNIP cycle peak memory / bf16 step peak"]
+    lines, figures = summarise({**measured, "phases": {"plain": measured["phases"]["plain"]}})
+    assert lines == ["stopped before the bf16 phases (plain, ours) ended: no figures"] and figures["goals"] == []
+
+
+H200 = {"device": "NVIDIA H200", "processes": 1, "threads_per_process": 16, "dtype": "bf16", "compile": "eager",
+        "recompute": "none", "model": "22 layers x 2048, ffn 5632, 32 heads / 4 groups, vocab 2048", "seq_length": 2048,
+        "micro_batch_size": 1, "num_microbatches": 8, "flops_per_iteration": 1.1e14}
+
 
 def test_side_by_side_sets_our_trainer_against_the_peer_at_each_shape():
-    peer = {"variants": {"eager": {"seconds": 0.515, "tflops": 221.0, "mfu": 0.223},
-                         "compiled": {"seconds": 0.338, "tflops": 337.0, "mfu": 0.341},
+    peer = {"variants": {"eager": {"seconds": 0.515, "tflops": 221.0, "mfu": 0.223, "conditions": H200},
+                         "compiled": {"seconds": 0.338, "tflops": 337.0, "mfu": 0.341,
+                                      "conditions": {**H200, "compile": "inductor"}},
                          "float8-tensorwise": {"seconds": 0.522, "tflops": 218.0, "mfu": 0.22},
                          "float8-rowwise": {"skipped": "torchao does not import"}}}
     ours = {"seconds_per_iteration": {"plain": 0.604, "ours": 0.632}, "bf16_tflops_per_device": 180.0,
-            "mfu_bf16": 0.182, "fp8_vs_bf16": {"tensorwise": 2.93, "blockwise": 1.1}}
+            "mfu_bf16": 0.182, "fp8_vs_bf16": {"tensorwise": 2.93, "blockwise": 1.1}, "conditions": H200}
     ours_8b = {**ours, "fp8_vs_bf16": {"tensorwise": 0.8}}
     lines, goals = side_by_side({"peer_tinyllama": peer, "ours_tinyllama": ours, "ours_llama3_8b_4l": ours_8b,
                                  "gemm": {"goals": []}})
     assert {g["name"]: (round(g["value"], 4), g["met"]) for g in goals} == {
         "tinyllama: our best fp8 step / our bf16 step": (1.1, True),
+        "tinyllama: conditions that differ between our step and the peer's eager step": (0, True),
         "tinyllama: our bf16 step / the peer's compiled step": (round(0.632 / 0.338, 4), False),
         "llama3_8b_4l: our fp8 tensorwise speed-up over our bf16": (1.25, True)}
+    profiles = {g["name"]: g.get("profiles") for g in goals}
+    assert profiles["tinyllama: our bf16 step / the peer's compiled step"] == ["ours_tinyllama/ours",
+                                                                             "peer_tinyllama/compiled"]
+    assert profiles["llama3_8b_4l: our fp8 tensorwise speed-up over our bf16"] == ["ours_llama3_8b_4l/fp8",
+                                                                                 "ours_llama3_8b_4l/ours"]
     text = "\n".join(lines)
-    assert "ours bf16 / peer compiled: 1.870 (goal <= 1.1); / peer eager 1.227" in text
+    assert "ours bf16 / peer eager: 1.227 (same conditions)" in text
+    assert ("ours bf16 / peer compiled (goal <= 1.1): 1.870 (same conditions, compile: ours eager / peer "
+            "inductor)") in text
+    assert ("conditions, ours: NVIDIA H200, 1 process(es) x 16 threads, bf16, eager, recompute none, 22 layers x "
+            "2048, ffn 5632, 32 heads / 4 groups, vocab 2048, seq 2048, 8 micro-batches of 1, 110 TFLOP per "
+            "iteration") in text
     assert "peer torchao float8-tensorwise speed-up over its compiled bf16: 0.648x" in text
     assert "peer float8-rowwise       skipped: torchao does not import" in text
     assert "/ plain loop 1.046" in text and "MFU 0.182" in text
     assert "4 Llama-3-8B layers" in text  # a shape with one of the two results is shown
     assert side_by_side({}) == ([], [])
+
+
+def test_side_by_side_refuses_a_ratio_whose_sides_ran_under_different_conditions():
+    """On a 2-core CPU our workers ran on 1 thread each, the peer on 2: our step looked 1.69x the peer's at equal
+    work. Such a ratio is not given: the report names what differs instead."""
+    peer = {"variants": {"eager": {"seconds": 25.9, "tflops": 0.1, "mfu": None, "conditions": {
+        **H200, "device": "cpu", "threads_per_process": 2}}}}
+    ours = {"seconds_per_iteration": {"plain": 43.0, "ours": 43.7}, "bf16_tflops_per_device": 0.1, "mfu_bf16": None,
+            "conditions": {**H200, "device": "cpu", "threads_per_process": 1}}
+    lines, goals = side_by_side({"peer_tinyllama": peer, "ours_tinyllama": ours})
+    text = "\n".join(lines)
+    assert ("ours bf16 / peer eager: REFUSED, the two sides ran under different conditions: "
+            "threads_per_process: 1 vs 2") in text
+    assert "1.687" not in text and "ours bf16 / peer compiled (goal <= 1.1): no peer figure (not run)" in text
+    by_name = {g["name"]: g for g in goals}
+    differ = by_name["tinyllama: conditions that differ between our step and the peer's eager step"]
+    assert (differ["value"], differ["met"], differ["note"]) == (1, False, "threads_per_process: 1 vs 2")
+    # A result without its conditions (an older benchmark's) is refused alike.
+    del ours["conditions"]
+    text = "\n".join(side_by_side({"peer_tinyllama": peer, "ours_tinyllama": ours})[0])
+    assert "REFUSED, the two sides ran under different conditions: conditions not recorded by the first side" in text
+
+
+def test_conditions_differ_field_by_field_except_what_a_comparison_names():
+    a = {**H200}
+    assert conditions.differences(a, dict(a)) == []
+    b = {**H200, "compile": "inductor", "dtype": "fp32", "flops_per_iteration": 1.2e14}
+    assert conditions.differences(a, b) == ["dtype: 'bf16' vs 'fp32'", "compile: 'eager' vs 'inductor'",
+                                            "flops_per_iteration: 1.1e+14 vs 1.2e+14"]
+    assert conditions.differences(a, b, by_design=("compile",)) == ["dtype: 'bf16' vs 'fp32'",
+                                                                    "flops_per_iteration: 1.1e+14 vs 1.2e+14"]
+    assert conditions.differences(None, None) == ["conditions not recorded by either side"]
+    assert conditions.differences(a, {}) == ["conditions not recorded by the second side"]
+    assert set(H200) == set(conditions.FIELDS)  # every field of the dataclass, and no other
+    # N processes on C cores: C / N threads each (at least 1), unless --threads says
+    cores = conditions.cores()
+    assert conditions.threads_per_process(1) == cores and conditions.threads_per_process(2 * cores) == 1
+    assert conditions.threads_per_process(4, threads=3) == 3
+    assert conditions.worker_env(1, env={"OMP_NUM_THREADS": "1"})["OMP_NUM_THREADS"] == str(cores)
+
+
+def test_tiny_mode_runs_every_flag_of_the_gpu_commands_at_tiny_sizes(tmp_path):
+    """--tiny checks on a CPU the commands a GPU run gives: every step's, each with every flag it has there."""
+    gpu = gpu_suite.plan(tmp_path / "wheels", tmp_path)
+    tiny = gpu_suite.plan(tmp_path / "wheels", tmp_path, tiny=True)
+    assert [s.name for s in gpu][1:] == [s.name for s in tiny][1:] and tiny[0].name == "environment"
+
+    def flags(step):
+        return {a for a in step.cmd if a.startswith("--")}
+
+    for g, t in zip(gpu[1:], tiny[1:]):
+        assert flags(g) <= flags(t), (g.name, flags(g) - flags(t))
+        assert (t.cap_s, t.extra, t.fill, t.result) == (g.cap_s * gpu_suite.TINY_CAP_FACTOR, g.extra, g.fill, g.result)
+    ours = next(s for s in tiny if s.name == "ours_llama3_8b_4l").cmd
+    assert " ".join(gpu_suite.TINY_SHAPE) in " ".join(ours) and "--gemm-speed-model blackwell" in " ".join(ours)
+
+
+def test_a_missed_goal_is_reported_with_the_profiles_of_what_it_measures(tmp_path):
+    table = "wall 1.000 s, host busy 0.900 s\n--- header ---\n" + "\n".join(f"op{i} {100 - i}" for i in range(40))
+    ours = {"seconds_per_iteration": {"plain": 0.5, "ours": 0.6}, "bf16_tflops_per_device": 180.0, "mfu_bf16": 0.18,
+            "fp8_vs_bf16": {"tensorwise": 2.0}, "conditions": H200,
+            "profiles": {"ours": table.replace("op", "ours_op")},
+            "goals": [{"name": "trainer step / plain megatron-core step (bf16)", "value": 1.2, "goal": "<= 1.03",
+                       "met": False, "profiles": ["ours", "plain"]}]}
+    peer = {"variants": {"eager": {"seconds": 0.55, "tflops": 200.0, "mfu": 0.2, "conditions": H200},
+                         "compiled": {"seconds": 0.3, "tflops": 300.0, "mfu": 0.3, "conditions": {
+                             **H200, "compile": "inductor"}, "profile": table.replace("op", "peer_op")}}}
+    records = [suite_run.Record("peer_tinyllama", "peer", [], 50, status="passed", seconds=30.0, result=peer),
+               suite_run.Record("ours_tinyllama", "ours", [], 130, status="passed", seconds=90.0, result=ours)]
+    suite_report.write_report(tmp_path, {"date": "d", "device": "dev", "command": "c", "budget": 450, "wall_s": 125},
+                              records)
+    md = (tmp_path / "report.md").read_text()
+    missed = md[md.index("## Missed goals: where the time went"):md.index("## peer_tinyllama")]
+    sections = {part.split(":")[0] + ":" + part.split(":")[1]: part for part in missed.split("\n### ")[1:]}
+    assert list(sections) == ["tinyllama: our best fp8 step / our bf16 step",
+                              "tinyllama: our bf16 step / the peer's compiled step",
+                              "ours_tinyllama: trainer step / plain megatron-core step (bf16)"]  # met ones left out
+    overhead = sections["ours_tinyllama: trainer step / plain megatron-core step (bf16)"]
+    assert overhead.startswith("ours_tinyllama: trainer step / plain megatron-core step (bf16): 1.200 (goal <= 1.03)")
+    assert "`ours_tinyllama/ours`, top operators:" in overhead and "ours_op0 100" in overhead
+    assert "ours_op30" not in overhead, "the table's top rows only"
+    assert "`ours_tinyllama/plain`: not profiled" in overhead
+    against_peer = sections["tinyllama: our bf16 step / the peer's compiled step"]
+    assert "ours_op0 100" in against_peer and "peer_op0 100" in against_peer
+    fp8 = sections["tinyllama: our best fp8 step / our bf16 step"]
+    assert "`ours_tinyllama/fp8`: not profiled" in fp8 and "ours_op0" in fp8  # ours/ours is there
+
+
+def test_the_report_is_written_whatever_a_result_holds(tmp_path):
+    """A result of an unforeseen shape (a benchmark changed, a stopped one's partial figures) leaves the
+    comparison said to have failed, and everything else reported."""
+    records = [suite_run.Record("ours_tinyllama", "ours", [], 130, status="passed", seconds=9.0,
+                                result={"seconds_per_iteration": {"ours": 0.6}, "goals": []}),
+               suite_run.Record("gemm", "gemm", [], 15, status="running")]
+    summary = suite_report.write_report(tmp_path, {"date": "d", "device": "dev", "command": "c"}, records)
+    assert "the side-by-side comparison failed:" in summary and "KeyError: 'plain'" in summary
+    assert "| gemm | running |" in summary
+    assert json.loads((tmp_path / "report.json").read_text())["steps"][1]["status"] == "running"
 
 
 def test_wheels_are_pinned_to_the_cpu_environments_versions(tmp_path):
@@ -354,7 +508,7 @@ def test_a_test_past_its_deadline_fails_and_the_run_goes_on(tmp_path):
                           timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT / "bench")})
     assert time.monotonic() - start < 40
     assert proc.returncode == 1, proc.stdout
-    summary = gpu_suite.junit_summary(tmp_path / "pytest.xml")
+    summary = suite_run.junit_summary(tmp_path / "pytest.xml")
     assert (summary["passed"], summary["failures"]) == (1, 1)
     assert "test_hangs: Failed: still running after the 2 s per-test deadline" in summary["failed"][0]
     assert summary["slowest"][0][0].endswith("test_hangs") and 2 <= summary["slowest"][0][1] < 10

@@ -1,12 +1,11 @@
 """bench/peer_step.py, the plain-PyTorch yardstick: its model is the trainer's Llama (same parameters, same
 FLOP count), its pieces compute what they claim, and it trains, eager, compiled and in torchao's float8
-alike (on CPU: tiny shapes, the aot_eager backend)."""
+alike (on CPU: tiny shapes, the aot_eager backend), recording the conditions it ran under. The script itself
+runs in tests/test_bench_steps.py, beside our trainer's."""
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
 import sys
 
 import pytest
@@ -113,6 +112,39 @@ def test_torchao_float8_converts_every_linear_but_the_output_layer_and_trains():
     assert peer_step.float8_available(CPU) == "no FP8 tensor cores on this device (CUDA capability >= 8.9 needed)"
 
 
+def test_shape_overrides_and_the_conditions_a_variant_runs_under():
+    """The preset's fields overridden as pretrain_llama.py's flags override them, and each variant's conditions
+    in the form bench/side_by_side.py compares with our trainer's."""
+    config = PeerConfig.from_preset("tiny", 1, 64, hidden_size=1024, ffn_hidden_size=2816, num_attention_heads=8,
+                                    num_query_groups=4, num_microbatches=4, bf16=True)
+    s = config.shape
+    assert (s.num_layers, s.hidden_size, s.ffn_hidden_size, s.num_attention_heads, s.num_query_groups,
+            s.seq_length, s.max_position_embeddings) == (1, 1024, 2816, 8, 4, 64, 64)
+    assert (config.num_microbatches, config.bf16, config.vocab_size) == (4, True, 2048)
+    assert PeerConfig.from_preset("tiny", hidden_size=None).shape == peer_step.PRESETS["tiny"]
+    threads = torch.get_num_threads()
+    eager = config.run_conditions("eager", "inductor").to_dict()
+    assert eager == {"device": "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name(),
+                     "processes": 1, "threads_per_process": threads, "dtype": "bf16", "compile": "eager",
+                     "recompute": "none", "model": "1 layers x 1024, ffn 2816, 8 heads / 4 groups, vocab 2048",
+                     "seq_length": 64, "micro_batch_size": 1, "num_microbatches": 4,
+                     "flops_per_iteration": config.flops_per_iteration()}
+    assert config.run_conditions("compiled", "inductor").compile == "inductor"
+    assert config.run_conditions("float8-rowwise", "inductor").dtype == "fp8"
+
+
+def test_gradients_are_clipped_to_norm_one_as_torchtitan_and_our_trainer_clip():
+    model, optimizer = peer_step.build(TINY, "eager", CPU)
+    batches = peer_step.random_batches(TINY, CPU)
+    seen = []
+    optimizer.register_step_pre_hook(lambda *_: seen.append(
+        torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item()))
+    for p in model.parameters():  # gradients far above norm 1
+        p.register_hook(lambda g: g * 1e3)
+    peer_step.train_step(model, optimizer, batches)
+    assert seen == [pytest.approx(peer_step.MAX_NORM, rel=1e-5)]
+
+
 def test_summary_gives_tflops_mfu_and_the_float8_speedup_over_compiled():
     config = PeerConfig.from_preset("tinyllama-1.1b")
     flops = config.flops_per_iteration()
@@ -126,17 +158,3 @@ def test_summary_gives_tflops_mfu_and_the_float8_speedup_over_compiled():
     text = "\n".join(lines)
     assert "peer float8-rowwise    : skipped (torchao does not import)" in text
     assert "float8-tensorwise speed-up over compiled bf16: 1.250x" in text
-
-
-@pytest.mark.integration
-def test_the_script_runs_and_writes_its_figures(tmp_path):
-    out = tmp_path / "peer.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "peer_step.py"), "--preset", "tiny", "--num-layers",
-                           "2", "--seq-length", "32", "--num-microbatches", "2", "--iters", "3", "--warmup", "1",
-                           "--variants", "eager", "--json", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
-    assert set(result["variants"]) == {"eager"} and result["config"]["shape"]["num_layers"] == 2
-    assert all(v["seconds"] > 0 and len(v["losses"]) == 3 for v in result["variants"].values())
-    assert "peer eager" in proc.stdout
