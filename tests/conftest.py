@@ -110,7 +110,7 @@ TINY_MEGATRON = ["--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size"
 def train_args(data: TinyData, *extra: str, iters: int = 6, model: list[str] = TINY_MODEL) -> list[str]:
     """Arguments of a short deterministic run of ``model`` on ``data`` (logs every iteration)."""
     return [*model, "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(iters),
-            "--lr", "1e-2", "--lr-warmup-iters", "1", "--seed", "7",
+            "--lr", "1e-2", "--lr-warmup-iters", "1", "--lr-decay-style", "cosine", "--seed", "7",
             "--data-path", data.prefix, "--split", "90,10,0", "--tokenizer-model", data.tokenizer_model,
             "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "2", *extra]
 

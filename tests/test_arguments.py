@@ -293,7 +293,8 @@ def test_accepted_megatron_flags_take_megatrons_meaning(tiny_data):
     (("--no-fp8-wgrad",), "--no-fp8-wgrad: a plan gives each module one precision for both backward GEMMs"),
     (("--manual-gc-interval", "-1"), "--manual-gc-interval must be >= 0"),
     (("--train-samples", "48"), "give --train-iters or --train-samples, not both"),
-    (("--lr-decay-samples", "48"), "--lr-decay-samples and --lr-warmup-samples go with --train-samples"),
+    (("--lr-decay-samples", "48"), "--lr-decay-samples, --lr-warmup-samples and --lr-wsd-decay-samples go with "
+                                   "--train-samples"),
 ])
 def test_refused_megatron_flags_say_why(tiny_data, extra, message):
     with pytest.raises(ArgumentError, match=re.escape(message)):

@@ -56,6 +56,7 @@ def wgrad_accumulation_fusion(model: ModelConfig) -> bool:
 def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> TransformerConfig:
     """The megatron-core config of a Llama model in a parallel layout."""
     cuda = has_cuda()
+    overlap_p2p = parallel.overlap_p2p_comm and parallel.virtual_pipeline_model_parallel_size is not None
     return TransformerConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -83,17 +84,21 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Transfor
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
-        # Interleaved schedule: unbatched p2p. Batched p2p mis-pairs messages at PP=2 over gloo (the
-        # previous and the next rank are the same peer; an activation and a gradient sent to it in
-        # one batch arrive in the other order from the one the receiver posted; same shape, no error).
-        batch_p2p_comm=parallel.virtual_pipeline_model_parallel_size is None,
+        num_layers_in_first_pipeline_stage=parallel.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=parallel.decoder_last_pipeline_num_layers,
+        # Megatron-LM's: the interleaved schedule overlaps its p2p messages with computation unless
+        # --no-overlap-p2p-communication, which batches them (PP > 2 then: at PP 2 the previous and next rank
+        # are one peer, and batched messages to it can pair up wrongly).
+        overlap_p2p_comm=overlap_p2p,
+        batch_p2p_comm=not overlap_p2p,
         sequence_parallel=parallel.sequence_parallel,
         pipeline_dtype=model.params_dtype,
         params_dtype=model.params_dtype,
         bf16=model.bf16,
         # On CPU, initialise the full weight and slice it, so every TP layout
-        # starts from the same weights (TP parity); on GPU initialise in place.
-        use_cpu_initialization=not cuda,
+        # starts from the same weights (TP parity); on GPU in place unless --use-cpu-initialization.
+        use_cpu_initialization=model.use_cpu_initialization or not cuda,
+        deterministic_mode=model.deterministic_mode,
         # Fusions that need CUDA kernels stay off without a GPU; the softmax one also without its kernels.
         bias_dropout_fusion=model.bias_dropout_fusion and cuda,
         masked_softmax_fusion=model.masked_softmax_fusion and cuda and fused_softmax_available(),

@@ -78,12 +78,15 @@ class Trainer:
             c.data, self.tokenizer, seq_length=c.model.seq_length, seed=c.training.seed,
             num_samples=megatron_num_samples(max(c.training.train_iters, 1), c.logging.eval_iters,
                                              c.logging.eval_interval, c.training.global_batch_size))
+        if c.model.deterministic_mode:  # as Megatron-LM: deterministic kernels for everything torch runs
+            torch.use_deterministic_algorithms(True)
         self.transformer_config = transformer_config(c.model, c.parallel)
         recipe = c.precision.recipe()
         if c.model.transformer_impl == "transformer_engine":
             prepare_te_environment(recipe)
         self.model = wrap_ddp(c.parallel, self.transformer_config,
-                              build_model(c.model, c.parallel, self.transformer_config, self.tokenizer.vocab_size))
+                              build_model(c.model, c.parallel, self.transformer_config, self.tokenizer.vocab_size),
+                              check_for_large_grads=c.safety.check_for_large_grads)
         self.precision = PrecisionController(self.model, recipe=recipe, seed=c.training.seed)
         self.linear_dims = LlamaLinearDims.from_config(self.transformer_config)
         self.speed_model = speed_model(c, self.linear_dims)
