@@ -56,6 +56,17 @@ def test_layout_matches_single_process(tiny_data, init_ckpt, baseline, tmp_path,
     assert_close(losses, baseline, rel=2e-5)
 
 
+def test_uneven_pipeline_stages_match_single_process(tiny_data, init_ckpt, baseline, tmp_path):
+    """--decoder-first-pipeline-num-layers 1 --decoder-last-pipeline-num-layers 3: megatron-core builds 1 and 3
+    layers, the initial weights load into them by their global layer numbers, and the run trains as TP1 does."""
+    tb = tmp_path / "tb"
+    proc = launch(2, train_args(tiny_data, "--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers",
+                                "1", "--decoder-last-pipeline-num-layers", "3", "--load", str(init_ckpt),
+                                "--no-load-optim", "--no-load-rng", "--tensorboard-dir", str(tb)))
+    assert "PP=2 (layers per stage 1, 3)" in proc.stdout
+    assert_close(scalars(tb, LOSS), baseline, rel=2e-5)
+
+
 def losses_and_grads(tiny_data, init_ckpt, tmp_path, nproc, *layout, iters=4):
     """Losses of ``iters`` steps from the initial weights, and the unsharded gradients of the next
     batch (tests/drivers/dump_grads.py)."""

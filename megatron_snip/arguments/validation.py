@@ -206,6 +206,12 @@ def _validate_backend(args: argparse.Namespace, cuda: bool) -> None:
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if cuda else "gloo"
     nccl = args.distributed_backend == "nccl"
+    if not nccl and args.overlap_p2p_comm and args.pipeline_model_parallel_size == 2:  # interleaved (else False)
+        args.overlap_p2p_comm = False
+        args.notices.append("the interleaved schedule's pipeline messages are not overlapped with computation at "
+                            "--pipeline-model-parallel-size 2 over gloo (overlapped, an activation and a gradient "
+                            "sent to the one peer can be received in each other's place); each completes before "
+                            "the next, the same values")
     require(not nccl or cuda, "--distributed-backend nccl needs CUDA; use --distributed-backend gloo on CPU")
     require(nccl or not args.ddp_average_in_collective,
             "--ddp-average-in-collective averages with ReduceOp.AVG, which NCCL has and gloo has not; drop it with "
