@@ -49,6 +49,10 @@ def test_losses_fall(baseline):
     (("--tensor-model-parallel-size", "2"), 2),
     (("--pipeline-model-parallel-size", "2"), 2),
     ((), 2),  # DP=2 with the same global batch: 2 micro-batches per rank instead of 4
+    # DP=2 with Megatron-LM's DDP and determinism flags: small buckets reduced as the backward goes, fp32
+    # accumulation in the reduce-scatter, the gradient-size check, deterministic kernels
+    (("--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "5000",
+      "--ddp-reduce-scatter-with-fp32-accumulation", "--check-for-large-grads", "--deterministic-mode"), 2),
 ])
 def test_layout_matches_single_process(tiny_data, init_ckpt, baseline, tmp_path, layout, nproc):
     losses = run_from_init(tiny_data, init_ckpt, tmp_path, nproc, *layout)

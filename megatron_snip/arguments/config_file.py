@@ -91,6 +91,6 @@ def read_yaml_cfg(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
                             "such as num_layers; see --help)")
     out = {dest: _convert(actions[dest], value, f"--yaml-cfg {path}: {dest}") for dest, value in values.items()
            if dest in actions}
-    out[GIVEN] = {dest: (answered[dest], answered[dest].spelling_of(value), value) for dest, value in values.items()
+    out[GIVEN] = {dest: (answered[dest], answered[dest].shown(value), value) for dest, value in values.items()
                   if dest in answered}
     return out

@@ -66,6 +66,29 @@ class MegatronLMFlags:
         "it runs on.")
 
 
+# Flags both programs have whose default here is not Megatron-LM's (dest -> why; docs/megatron_compat.md).
+DIFFERENT_DEFAULTS = {
+    "transformer_impl": "local here, transformer_engine there: SNIP, the precision plans and the quantization "
+                        "health numbers are complete on megatron-core's local layers, which also run without a GPU; "
+                        "a GPU launch that relies on the default gets a start-up notice",
+    "fp8_recipe": "tensorwise here, delayed there: stateless scaling is right from the first step of a module a plan "
+                  "switches to FP8; a launch whose FP8 flags mean delayed scaling there gets a start-up notice",
+    "micro_batch_size": "Megatron-LM has no default (it requires the flag); 4 here",
+    "lr": "Megatron-LM has no default (its scheduler fails without one); 3e-4 here",
+    "eval_interval": "Megatron-LM has no default (it fails without one when it evaluates); 1000 here",
+    "tokenizer_type": "Megatron-LM has no default (it requires the flag); SentencePieceTokenizer here",
+}
+# Flags left None by the parser and filled by validation with Megatron-LM's default, or a preset's, a checkpoint's
+# or the machine's where Megatron-LM's cannot apply (docs/megatron_compat.md says which).
+FILLED_DEFAULTS = (
+    "num_query_groups", "hidden_dropout", "attention_dropout", "norm_epsilon", "apply_layernorm_1p",
+    "disable_bias_linear", "normalization", "group_query_attention", "position_embedding_type", "rotary_base",
+    "use_rope_scaling", "rope_scaling_factor", "swiglu", "untie_embeddings_and_output_weights", "fp8_margin",
+    "fp8_amax_history_len", "fp8_amax_compute_algo", "fp4_recipe", "distributed_backend", "num_workers",
+    "local_rank",
+)
+
+
 def _samples_to_iters(option: str, samples: int, global_batch_size: int) -> int:
     """Megatron-LM's sample-based length ``samples`` in iterations of ``global_batch_size`` samples."""
     require(samples >= 0 and samples % global_batch_size == 0,
@@ -77,8 +100,8 @@ def _samples_to_iters(option: str, samples: int, global_batch_size: int) -> int:
 def refuse_megatron_lm(args: argparse.Namespace) -> None:
     """Megatron-LM's flags that need nothing else resolved: each refusal a problem of its own, and a notice
     (``args.notices``) for each flag accepted that changes only speed, memory or diagnostics here."""
-    for option, spelling, value in (getattr(args, GIVEN) or {}).values():
-        kind, line = answer(option, option.shown(spelling, value), value)
+    for option, shown, value in (getattr(args, GIVEN) or {}).values():
+        kind, line = answer(option, shown, value)
         require(kind != "refused", line)
         if kind == "notice":
             args.notices.append(line)

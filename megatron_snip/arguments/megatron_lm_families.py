@@ -53,12 +53,11 @@ class MegatronOption(NamedTuple):
         except ValueError:
             return values
 
-    def spelling_of(self, value: Any) -> str:
-        """The spelling that gives ``value`` (a --no- one for False where there is one)."""
-        return self.spellings[-1] if self.action == "boolean_optional" and value is False else self.spellings[0]
-
-    def shown(self, spelling: str, value: Any) -> str:
-        """The option as given on the command line (``--exit-signal SIGINT``)."""
+    def shown(self, value: Any, spelling: str | None = None) -> str:
+        """The option as a command line gives ``value`` (``--exit-signal SIGINT``); ``spelling``: the one used
+        (default: the one that gives ``value``, a --no- one for False where there is one)."""
+        if spelling is None:
+            spelling = self.spellings[-1] if self.action == "boolean_optional" and value is False else self.spellings[0]
         if self.nargs == 0:
             return spelling
         return " ".join([spelling, *map(str, value if isinstance(value, list) else [value])])
@@ -413,7 +412,7 @@ def answer(option: MegatronOption, shown: str, value: Any) -> tuple[str, str]:
     return "refused", f"{shown}: {family.reason}; drop Megatron-LM's {family.name} flags"
 
 
-GIVEN = "megatron_lm_given"  # the namespace key of the options given: {dest: (option, spelling as given, value)}
+GIVEN = "megatron_lm_given"  # the namespace key of the options given: {dest: (option, as given, value)}
 
 
 class Given(argparse.Action):
@@ -425,7 +424,8 @@ class Given(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         given = dict(getattr(namespace, GIVEN) or {})
-        given[self.option.dest] = (self.option, option_string, self.option.value(option_string, values))
+        given[self.option.dest] = (self.option, self.option.shown(values, option_string),
+                                   self.option.value(option_string, values))
         setattr(namespace, GIVEN, given)
 
 

@@ -291,6 +291,12 @@ def _validate_ddp_buckets(args: argparse.Namespace) -> None:
 def _validate_training(args: argparse.Namespace, cuda: bool) -> None:
     """The backend, recompute, the LR and weight-decay schedules (``--train-iters`` already derived)."""
     require(args.train_iters >= 0, "--train-iters must be >= 0")
+    if args.transformer_impl is None:
+        args.transformer_impl = "local"
+        if cuda:
+            args.notices.append("--transformer-impl not given: megatron-core's local layers run (this program's "
+                                "default; Megatron-LM's is transformer_engine); pass --transformer-impl "
+                                "transformer_engine for Transformer Engine's layers")
     require(args.transformer_impl == "local" or cuda,
             "--transformer-impl transformer_engine needs a GPU with Transformer Engine; use --transformer-impl local")
     _validate_compile(args)

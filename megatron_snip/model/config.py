@@ -84,8 +84,10 @@ class ModelConfig:
         "dropout).")
     hidden_dropout: float | None = flag(None, "Dropout on the residual branches. Default: as --attention-dropout.")
     make_vocab_size_divisible_by: int = flag(128, "Pad the vocabulary (embedding rows) to a multiple of this x TP.")
-    transformer_impl: str = flag(
-        "local", "Layer implementation: megatron-core's own modules or Transformer Engine's.",
+    transformer_impl: str | None = flag(
+        None, "Layer implementation: megatron-core's own modules or Transformer Engine's. Default: local "
+        "(Megatron-LM's is transformer_engine; a GPU launch that relies on it gets a start-up notice): SNIP, the "
+        "precision plans and the quantization health numbers are complete on the local layers.",
         choices=("local", "transformer_engine"))
     # Not part of the checkpoint's shape (no weights), so a run may resume with another.
     attention_backend: str = flag(
