@@ -234,12 +234,13 @@ def test_pipeline_ddp_and_data_flags_reach_megatron_core():
     interleaved = run_config("--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
                              "--global-batch-size", "8", world_size=2)
     assert interleaved.parallel.virtual_pipeline_model_parallel_size == 2
-    # over gloo at PP 2 the messages are neither overlapped nor batched (said at start-up)
-    assert not interleaved.parallel.overlap_p2p_comm and "not overlapped" in interleaved.logging.notices[0]
+    # over gloo at PP 2 the messages are neither overlapped nor batched (said at start-up); over NCCL overlapped
+    assert "not overlapped" in interleaved.logging.notices[0]
     core = transformer_config(interleaved.model, interleaved.parallel)
     assert (core.overlap_p2p_comm, core.batch_p2p_comm) == (False, False)
-    overlapped = dataclasses.replace(interleaved.parallel, overlap_p2p_comm=True)  # as over NCCL
-    assert transformer_config(interleaved.model, overlapped).overlap_p2p_comm
+    nccl = dataclasses.replace(interleaved.parallel, distributed_backend="nccl")
+    assert (transformer_config(interleaved.model, nccl).overlap_p2p_comm,
+            transformer_config(interleaved.model, nccl).batch_p2p_comm) == (True, False)
     ddp = run_config("--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-num-buckets", "4",
                      "--ddp-pad-buckets-for-high-nccl-busbw", "--ddp-reduce-scatter-with-fp32-accumulation",
                      "--check-for-large-grads", world_size=2)

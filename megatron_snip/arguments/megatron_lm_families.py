@@ -178,7 +178,7 @@ ACCEPTED = {
     "tiktoken_special_tokens": "read only by TikTokenizer (refused)",
     "vocab_file": "read only by GPT2BPETokenizer and the BERT tokenizers (refused)",
     "merge_file": "read only by GPT2BPETokenizer (refused)",
-    "legacy_tokenizer": "the tokenizer types read here give Megatron-LM's ids with either of its tokenizer systems",
+    "legacy_tokenizer": "each tokenizer type read here has one implementation (its ids: Data and tokenizers, above)",
     "tokenizer_hf_use_fast": "the HuggingFaceTokenizer here is the tokenizers library's fast tokenizer",
     "trust_remote_code": "a tokenizer.json runs no code",
     "use_tokenizer_model_from_checkpoint_args": "the tokenizer always comes from --tokenizer-model here",

@@ -206,8 +206,9 @@ def _validate_backend(args: argparse.Namespace, cuda: bool) -> None:
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if cuda else "gloo"
     nccl = args.distributed_backend == "nccl"
-    if not nccl and args.overlap_p2p_comm and args.pipeline_model_parallel_size == 2:  # interleaved (else False)
-        args.overlap_p2p_comm = False
+    interleaved = args.virtual_pipeline_model_parallel_size is not None
+    if not nccl and interleaved and args.overlap_p2p_comm and args.pipeline_model_parallel_size == 2:
+        # model/llama.py keeps them apart
         args.notices.append("the interleaved schedule's pipeline messages are not overlapped with computation at "
                             "--pipeline-model-parallel-size 2 over gloo (overlapped, an activation and a gradient "
                             "sent to the one peer can be received in each other's place); each completes before "
@@ -399,7 +400,8 @@ def _start_point(config: RunConfig, resumed: CheckpointRecord | None, check_file
 def _validate_pipeline(args: argparse.Namespace) -> None:
     """The layers of each pipeline stage and the interleaved schedule, as Megatron-LM and megatron-core check them:
     set ``virtual_pipeline_model_parallel_size`` (None: no interleaving) from either of its flags (the
-    configuration keeps that one), and Megatron-LM's p2p-overlap and param-gather alignment rules."""
+    configuration keeps that one). The p2p overlap and the param-gather alignment apply to the interleaved
+    schedule only (model/llama.py, training/setup.py)."""
     layers, vpp = args.num_layers_per_virtual_pipeline_stage, args.virtual_pipeline_model_parallel_size
     pp, uneven = args.pipeline_model_parallel_size, (args.decoder_first_pipeline_num_layers is not None
                                                      or args.decoder_last_pipeline_num_layers is not None)
@@ -433,8 +435,6 @@ def _validate_pipeline(args: argparse.Namespace) -> None:
                 f"--no-overlap-p2p-communication batches the interleaved schedule's messages, which needs "
                 f"--pipeline-model-parallel-size > 2 (at {pp} the previous and next stage are one peer; as in "
                 f"Megatron-LM); drop the flag")
-    else:  # Megatron-LM's rule: neither applies to the non-interleaved schedule
-        args.overlap_p2p_comm = args.align_param_gather = False
     args.virtual_pipeline_model_parallel_size = vpp
     args.num_layers_per_virtual_pipeline_stage = None
 

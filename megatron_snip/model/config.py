@@ -185,7 +185,8 @@ class ParallelConfig:
         option="--num-virtual-stages-per-pipeline-rank", aliases=("--virtual-pipeline-model-parallel-size",))
     overlap_p2p_comm: bool = flag(
         True, "Interleaved schedule: send and receive pipeline messages in batches, waiting for each, instead of "
-        "overlapping them with computation (then --pipeline-model-parallel-size must be > 2, as in Megatron-LM).",
+        "overlapping them with computation (then --pipeline-model-parallel-size must be > 2, as in Megatron-LM). At "
+        "PP 2 over gloo they are neither overlapped nor batched (a start-up notice says so).",
         option="--no-overlap-p2p-communication")
     sequence_parallel: bool = flag(False, "Shard the norm/dropout activations along the sequence over TP ranks (off "
                                    "at TP 1, as in Megatron-LM).")

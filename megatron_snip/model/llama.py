@@ -58,7 +58,9 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Transfor
     """The megatron-core config of a Llama model in a parallel layout."""
     cuda = has_cuda()
     interleaved = parallel.virtual_pipeline_model_parallel_size is not None
-    overlap_p2p = parallel.overlap_p2p_comm and interleaved
+    same_peer = interleaved and parallel.pipeline_model_parallel_size == 2
+    gloo = parallel.distributed_backend == "gloo"
+    overlap_p2p = parallel.overlap_p2p_comm and interleaved and not (same_peer and gloo)
     return TransformerConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -92,9 +94,9 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Transfor
         # --no-overlap-p2p-communication, which batches them (PP > 2 then). At PP 2 the previous and the next
         # rank are one peer, and messages to it that are batched, or over gloo overlapped, can pair up wrongly
         # (an activation and a gradient of one shape, received in the other order from the one sent: no error);
-        # there, over gloo, each send and receive completes before the next (validation turns the overlap off).
+        # there, over gloo, each send and receive completes before the next (a start-up notice says so).
         overlap_p2p_comm=overlap_p2p,
-        batch_p2p_comm=not overlap_p2p and not (interleaved and parallel.pipeline_model_parallel_size == 2),
+        batch_p2p_comm=not overlap_p2p and not same_peer,
         sequence_parallel=parallel.sequence_parallel,
         pipeline_dtype=model.params_dtype,
         params_dtype=model.params_dtype,

@@ -56,7 +56,8 @@ def ddp_config(parallel: ParallelConfig, num_parameters: int, check_for_large_gr
         grad_reduce_in_fp32=not parallel.grad_reduce_in_bf16,
         overlap_grad_reduce=parallel.overlap_grad_reduce,
         overlap_param_gather=parallel.overlap_param_gather,
-        align_param_gather=parallel.align_param_gather,
+        # Megatron-LM's rule: the all-gathers are aligned only under the interleaved schedule
+        align_param_gather=parallel.align_param_gather and parallel.virtual_pipeline_model_parallel_size is not None,
         use_distributed_optimizer=parallel.use_distributed_optimizer,
         check_for_large_grads=check_for_large_grads,
         bucket_size=bucket_size,  # None: megatron-core's default (one bucket without --overlap-grad-reduce)
@@ -87,7 +88,7 @@ def wrap_ddp(parallel: ParallelConfig, config: TransformerConfig, chunks: list[t
     config.no_sync_func = per_chunk("no_sync")
     if parallel.overlap_grad_reduce and parallel.align_grad_reduce:
         config.grad_sync_func = per_chunk("start_grad_sync")
-    if parallel.overlap_param_gather and parallel.align_param_gather:
+    if parallel.overlap_param_gather and settings.align_param_gather:
         config.param_sync_func = per_chunk("start_param_sync")
     return ddps
 
