@@ -168,9 +168,10 @@ def test_defaults_filled_by_validation_are_megatron_lms():
     """A launch that states its architecture with Megatron-LM's flags (no preset, no checkpoint) and leaves the
     rest to the defaults resolves to Megatron-LM's default of every flag filled at validation (those that depend
     on the machine aside: the backend, the data-loader workers, the local rank)."""
-    config = resolve(parse_args([*TINY_MEGATRON, "--train-iters", "1"]), world_size=1, cuda=False, check_files=False)
+    argv = TINY_MEGATRON[:TINY_MEGATRON.index("--attention-dropout")]  # dropout left to its default too
+    config = resolve(parse_args([*argv, "--train-iters", "1"]), world_size=1, cuda=False, check_files=False)
     values, ours = config.to_flags(), _ours()
-    given = {s for s in TINY_MEGATRON if s.startswith("--")}
+    given = {s for s in argv if s.startswith("--")}
     checked = 0
     for option in MEGATRON_LM_OPTIONS:
         action = ours.get(option.spellings[0])
@@ -258,3 +259,22 @@ def test_pipeline_ddp_and_data_flags_reach_megatron_core():
     samples = resolve(parse_args([*TINY_MODEL, "--train-samples", "16", "--lr-wsd-decay-samples", "8",
                                   "--lr-decay-style", "WSD"]), world_size=1, cuda=False, check_files=False).training
     assert (samples.global_batch_size, samples.train_iters, samples.lr_wsd_decay_iters) == (4, 4, 2)
+
+
+def test_local_rank_is_the_launchers(monkeypatch):
+    """torch.distributed.launch passes --local-rank (and sets $LOCAL_RANK): they must agree; the GPU follows it."""
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert run_config("--local-rank", "1").parallel.tensor_model_parallel_size == 1
+    with pytest.raises(ArgumentError, match=r"^--local-rank 0 differs from \$LOCAL_RANK 1, which the launcher set"):
+        run_config("--local-rank", "0")
+
+
+def test_cpu_initialization_on_a_gpu_is_the_flags(monkeypatch):
+    """Without CUDA weights are always initialised on the CPU (TP-invariant); with CUDA only with the flag."""
+    from megatron_snip.model import llama
+
+    monkeypatch.setattr(llama, "has_cuda", lambda: True)  # only the config is built: no GPU is touched
+    off = ("--no-gradient-accumulation-fusion", "--no-rope-fusion")
+    assert not llama.transformer_config(run_config(*off).model, run_config(*off).parallel).use_cpu_initialization
+    on = run_config(*off, "--use-cpu-initialization")
+    assert llama.transformer_config(on.model, on.parallel).use_cpu_initialization
