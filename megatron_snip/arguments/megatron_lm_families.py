@@ -182,6 +182,8 @@ ACCEPTED = {
     "tokenizer_hf_use_fast": "the HuggingFaceTokenizer here is the tokenizers library's fast tokenizer",
     "trust_remote_code": "a tokenizer.json runs no code",
     "use_tokenizer_model_from_checkpoint_args": "the tokenizer always comes from --tokenizer-model here",
+    "use_checkpoint_opt_param_scheduler": "a resumed run continues the checkpoint's LR and weight-decay schedule "
+                                          "here, whatever its schedule flags say",
     "async_tensor_model_parallel_allreduce": "deprecated in megatron-core, which ignores it",
     "no_persist_layer_norm": "the persistent kernel is apex's LayerNorm's; the RMSNorm here never uses it",
     "bias_gelu_fusion": "there is no GELU to fuse (SwiGLU)",
@@ -200,6 +202,7 @@ ACCEPTED = {
     "tp_comm_overlap_rs": "a part of tensor-parallel communication overlap, which does not run here",
     "tp_comm_split_ag": "a part of tensor-parallel communication overlap, which does not run here",
     "tp_comm_split_rs": "a part of tensor-parallel communication overlap, which does not run here",
+    "barrier_with_L1_time": "the timers here take no barrier (each rank times its own work)",
     "pin_cpu_grads": "only with optimizer offloading (refused)",
     "pin_cpu_params": "only with optimizer offloading (refused)",
 }
@@ -235,7 +238,6 @@ NOTICED = {
                       "than Transformer Engine's tracker)",
     "use_te_activation_func": "megatron-core's SwiGLU runs (the same values); Transformer Engine's activation "
                               "modules are not used",
-    "disable_bf16_reduced_precision_matmul": "bf16 GEMMs keep torch's default reductions",
     "high_priority_stream_groups": "collectives run on torch's default streams",
     "symmetric_ar_type": "all-reduces use torch.distributed's default algorithm",
     "disable_jit_fuser": "the fused kernels here are switched by --no-bias-swiglu-fusion and --no-rope-fusion; "
@@ -269,7 +271,6 @@ NOTICED = {
     "log_max_attention_logit": f"the largest attention logit {_DIAGNOSTICS}",
     "log_energy": f"the energy used {_DIAGNOSTICS}",
     "logging_level": "Python logging keeps its level (warnings and errors)",
-    "barrier_with_L1_time": "the timers here take no barrier",
     "log_straggler": f"straggler detection {_DIAGNOSTICS}",
     "straggler_ctrlr_port": f"straggler detection {_DIAGNOSTICS}",
     "straggler_minmax_count": f"straggler detection {_DIAGNOSTICS}",
@@ -320,6 +321,8 @@ REFUSED = {
     "cross_entropy_fusion_impl": "the fused cross entropy is megatron-core's native one here "
                                  "(--cross-entropy-fusion-impl native)",
     "batch_invariant_mode": "batch-invariant kernels are not used here",
+    "disable_bf16_reduced_precision_matmul": "bf16 GEMMs keep torch's default (reduced-precision reductions "
+                                             "allowed); not supported",
     "data_parallel_random_init": "every data-parallel replica starts from the same weights here (Megatron-LM's "
                                  "default)",
     "init_method_xavier_uniform": "weights are initialised from normal(0, --init-method-std) here (Megatron-LM's "
@@ -336,10 +339,8 @@ REFUSED = {
     "model_parallel_size": "no longer valid in Megatron-LM: use --tensor-model-parallel-size",
     "warmup": "Megatron-LM's old flag: use --lr-warmup-iters or --lr-warmup-fraction",
     "lr_warmup_init": "the warm-up starts at a learning rate of 0 here (Megatron-LM's default); drop it",
-    "override_opt_param_scheduler": f"{_PENDING}: a resumed run takes the schedule of its flags, which must equal "
-                                    f"the checkpoint's (Megatron-LM's default)",
-    "use_checkpoint_opt_param_scheduler": f"{_PENDING}: a resumed run takes the schedule of its flags, which must "
-                                          f"equal the checkpoint's (Megatron-LM's default)",
+    "override_opt_param_scheduler": f"{_PENDING}: a resumed run continues the checkpoint's LR and weight-decay "
+                                    f"schedule (as with --use-checkpoint-opt-param-scheduler)",
     "load_main_params_from_ckpt": f"{_PENDING}; drop it",
     "pretrained_checkpoint": f"{_PENDING}: use --load DIR --finetune to start from a checkpoint's weights",
     "ckpt_step": f"{_PENDING}: --load loads the iteration its tracker file names",
