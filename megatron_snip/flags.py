@@ -27,7 +27,8 @@ T = TypeVar("T")
 
 
 def flag(default: Any = None, help: str = "", *, choices: typing.Sequence | None = None, dest: str | None = None,
-         option: str | None = None, metavar: str | None = None, negatable: bool = False, ours: bool = False) -> Any:
+         option: str | None = None, aliases: tuple[str, ...] = (), metavar: str | None = None, negatable: bool = False,
+         ours: bool = False) -> Any:
     """A dataclass field that is a command-line flag.
 
     Args:
@@ -36,12 +37,13 @@ def flag(default: Any = None, help: str = "", *, choices: typing.Sequence | None
         choices: the values the flag accepts.
         dest: the key in flat flag values when it differs from the field name (``snip`` for ``enabled``).
         option: the option string when it is not ``--`` + dest with dashes (``--no-mmap-bin-files``).
+        aliases: more option strings of the same flag (Megatron-LM's ``--disable-...`` spellings).
         metavar: argparse's metavar.
         negatable: a bool flag with a ``--no-`` form (argparse's ``BooleanOptionalAction``).
         ours: not a Megatron-LM flag (this program's own; marked in the flag table).
     """
     meta = {"flag": True, "help": help, "choices": tuple(choices) if choices is not None else None, "dest": dest,
-            "option": option, "metavar": metavar, "negatable": negatable, "ours": ours}
+            "option": option, "aliases": tuple(aliases), "metavar": metavar, "negatable": negatable, "ours": ours}
     if isinstance(default, list):
         raise TypeError("flag defaults must be immutable (a tuple, not a list)")
     return dataclasses.field(default=default, metadata=meta)
@@ -115,7 +117,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
     group = parser.add_argument_group(title)
     hints = typing.get_type_hints(cls)
     for f in flag_fields(cls):
-        group.add_argument(option_of(f), **argparse_kwargs(f, hints[f.name]))
+        group.add_argument(option_of(f), *f.metadata["aliases"], **argparse_kwargs(f, hints[f.name]))
 
 
 def defaults(cls: type) -> dict[str, Any]:
@@ -156,7 +158,10 @@ def flag_rows(cls: type) -> list[tuple[str, str, str, bool]]:
             shown = " ".join(map(str, default))
         else:
             shown = str(default)
-        rows.append((option_of(f), shown, (f.metadata["help"] or "").replace("%%", "%"), not f.metadata["ours"]))
+        text = (f.metadata["help"] or "").replace("%%", "%")
+        if f.metadata["aliases"]:
+            text += f" Also spelled {', '.join(f.metadata['aliases'])}."
+        rows.append((option_of(f), shown, text, not f.metadata["ours"]))
     return rows
 
 

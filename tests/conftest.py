@@ -107,17 +107,17 @@ TINY_MODEL = ["--model-preset", "tiny", "--num-layers", "4", "--hidden-size", "6
 
 
 # The same model as a Megatron-LM script describes it, without a preset: Megatron-LM's meaning, so the
-# output layer is tied to the embedding.
+# output layer is tied to the embedding; without dropout, as Megatron-LM's Llama scripts say (its default is 0.1).
 TINY_MEGATRON = ["--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "192", "--num-attention-heads", "4",
                  "--group-query-attention", "--num-query-groups", "2", "--seq-length", "64",
                  "--max-position-embeddings", "64", "--swiglu", "--disable-bias-linear", "--normalization", "RMSNorm",
-                 "--position-embedding-type", "rope"]
+                 "--position-embedding-type", "rope", "--attention-dropout", "0", "--hidden-dropout", "0"]
 
 
 def train_args(data: TinyData, *extra: str, iters: int = 6, model: list[str] = TINY_MODEL) -> list[str]:
     """Arguments of a short deterministic run of ``model`` on ``data`` (logs every iteration)."""
     return [*model, "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(iters),
-            "--lr", "1e-2", "--lr-warmup-iters", "1", "--seed", "7",
+            "--lr", "1e-2", "--lr-warmup-iters", "1", "--lr-decay-style", "cosine", "--seed", "7",
             "--data-path", data.prefix, "--split", "90,10,0", "--tokenizer-model", data.tokenizer_model,
             "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "2", *extra]
 

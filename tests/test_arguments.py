@@ -293,7 +293,8 @@ def test_accepted_megatron_flags_take_megatrons_meaning(tiny_data):
     (("--no-fp8-wgrad",), "--no-fp8-wgrad: a plan gives each module one precision for both backward GEMMs"),
     (("--manual-gc-interval", "-1"), "--manual-gc-interval must be >= 0"),
     (("--train-samples", "48"), "give --train-iters or --train-samples, not both"),
-    (("--lr-decay-samples", "48"), "--lr-decay-samples and --lr-warmup-samples go with --train-samples"),
+    (("--lr-decay-samples", "48"), "--lr-decay-samples, --lr-warmup-samples and --lr-wsd-decay-samples go with "
+                                   "--train-samples"),
 ])
 def test_refused_megatron_flags_say_why(tiny_data, extra, message):
     with pytest.raises(ArgumentError, match=re.escape(message)):
@@ -359,9 +360,10 @@ def test_load_of_a_hugging_face_directory_names_the_converter(tiny_data, tmp_pat
 
 @pytest.mark.integration
 def test_help_and_flag_errors_import_no_megatron_core_or_torch():
-    """--help and argparse's errors are answered before torch's and megatron-core's seconds of imports (the
-    modules a process imported, read from -X importtime: the same as its sys.modules after parsing)."""
-    for argv, code in ((["--help"], 0), (["--no-such-flag"], 2)):
+    """--help and flag errors (one line, exit 78, a refused Megatron-LM flag among them) are answered before torch's
+    and megatron-core's seconds of imports (the modules a process imported, read from -X importtime: the same as
+    its sys.modules after parsing)."""
+    for argv, code in ((["--help"], 0), (["--no-such-flag"], 78), (["--moe-router-topk", "2", "--lr", "x"], 78)):
         proc = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / "pretrain_llama.py"), *argv],
                               capture_output=True, text=True, cwd=ROOT, timeout=120)
         assert proc.returncode == code, proc.stderr[-2000:]

@@ -123,7 +123,7 @@ def test_compile_flags_are_validated():
     assert config.model.torch_compile and config.model.torch_compile_backend == "inductor"
     with pytest.raises(ArgumentError, match="--torch-compile with dropout"):
         run_config("--torch-compile", "--hidden-dropout", "0.1")
-    with pytest.raises(SystemExit):  # argparse: not one of the choices
+    with pytest.raises(ArgumentError, match="^--torch-compile-backend 'eager': expected one of 'inductor', "):
         run_config("--torch-compile", "--torch-compile-backend", "eager")
 
 

@@ -10,6 +10,7 @@ from conftest import train_args
 
 from megatron_snip.arguments import ArgumentError, build_parser, parse_args, parse_config
 from megatron_snip.arguments.megatron_lm import MegatronLMFlags
+from megatron_snip.arguments.megatron_lm_families import GIVEN
 from megatron_snip.flags import dest_of, flag_fields, option_of
 from megatron_snip.training.config import SECTIONS
 
@@ -23,7 +24,7 @@ def test_every_flag_field_is_one_flag_with_its_default():
     actions = {a.dest: a for a in parser._actions if a.option_strings}
     dests = [dest_of(f) for cls in _sections() for f in flag_fields(cls)]
     assert len(dests) == len(set(dests)), "two fields claim one flag"
-    assert set(actions) == {*dests, "help", "yaml_cfg"}
+    assert set(actions) == {*dests, "help", "yaml_cfg", GIVEN}  # GIVEN: Megatron-LM's other options
     empty = vars(parse_args([]))
     for cls in _sections():
         for f in flag_fields(cls):

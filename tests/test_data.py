@@ -377,6 +377,23 @@ def test_blend_weights_are_respected(tmp_path, tokenizer):
     assert from_a / len(train) == pytest.approx(0.8, abs=0.02)
 
 
+def test_per_split_data_paths_put_each_files_documents_in_its_split(tmp_path, tokenizer):
+    """--train-data-path / --valid-data-path (megatron-core's blend_per_split): every training sample comes from
+    the training files (a blend of two), every validation sample from the validation file; no test path, no test
+    split."""
+    a = write_indexed(tmp_path / "a", [[10] * 40 + [3]] * 30)
+    b = write_indexed(tmp_path / "b", [[20] * 40 + [3]] * 30)
+    v = write_indexed(tmp_path / "v", [[30] * 40 + [3]] * 30)
+    config = GPTDataConfig(data_path=None, seq_length=16, split=None, split_paths=(("0.5", a, "0.5", b), (v,), None),
+                           path_to_cache=str(tmp_path / "cache"))
+    train, valid, test = build_gpt_datasets(config, tokenizer, (400, 50, 0))
+    train_ids = [set(train[i]["tokens"].tolist()) - {3} for i in range(len(train))]
+    assert len(train) >= 400 and all(ids in ({10}, {20}) for ids in train_ids)
+    assert {10} in train_ids and {20} in train_ids
+    assert len(valid) >= 50 and all(set(valid[i]["tokens"].tolist()) <= {30, 3} for i in range(len(valid)))
+    assert test is None
+
+
 def test_gpt_dataset_errors(tmp_path, tokenizer, eod_prefix):
     def build(*data_path, split="90,10,0", samples=(10, 10, 0)):
         config = GPTDataConfig(data_path=data_path, seq_length=16, split=split,

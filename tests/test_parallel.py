@@ -49,11 +49,26 @@ def test_losses_fall(baseline):
     (("--tensor-model-parallel-size", "2"), 2),
     (("--pipeline-model-parallel-size", "2"), 2),
     ((), 2),  # DP=2 with the same global batch: 2 micro-batches per rank instead of 4
+    # DP=2 with Megatron-LM's DDP and determinism flags: small buckets reduced as the backward goes, fp32
+    # accumulation in the reduce-scatter, the gradient-size check, deterministic kernels
+    (("--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "5000",
+      "--ddp-reduce-scatter-with-fp32-accumulation", "--check-for-large-grads", "--deterministic-mode"), 2),
 ])
 def test_layout_matches_single_process(tiny_data, init_ckpt, baseline, tmp_path, layout, nproc):
     losses = run_from_init(tiny_data, init_ckpt, tmp_path, nproc, *layout)
     # Only the order of floating-point reductions differs between layouts.
     assert_close(losses, baseline, rel=2e-5)
+
+
+def test_uneven_pipeline_stages_match_single_process(tiny_data, init_ckpt, baseline, tmp_path):
+    """--decoder-first-pipeline-num-layers 1 --decoder-last-pipeline-num-layers 3: megatron-core builds 1 and 3
+    layers, the initial weights load into them by their global layer numbers, and the run trains as TP1 does."""
+    tb = tmp_path / "tb"
+    proc = launch(2, train_args(tiny_data, "--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers",
+                                "1", "--decoder-last-pipeline-num-layers", "3", "--load", str(init_ckpt),
+                                "--no-load-optim", "--no-load-rng", "--tensorboard-dir", str(tb)))
+    assert "PP=2 (layers per stage 1, 3)" in proc.stdout
+    assert_close(scalars(tb, LOSS), baseline, rel=2e-5)
 
 
 def losses_and_grads(tiny_data, init_ckpt, tmp_path, nproc, *layout, iters=4):

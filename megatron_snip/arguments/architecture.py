@@ -25,6 +25,10 @@ _MEGATRON_DEFAULTS = {"rotary_base": 10000, "norm_epsilon": 1e-5, "use_rope_scal
 FROM_FLAGS = "megatron-flags"
 # What a preset or a checkpoint implies (every model here is a Llama).
 _LLAMA = {"swiglu": True, "disable_bias_linear": True, "normalization": "RMSNorm", "position_embedding_type": "rope"}
+# Dropout: Megatron-LM's default for an architecture its flags describe (and checkpoints of one); a Llama named by
+# a preset or imported from Hugging Face trains without dropout.
+_MEGATRON_DROPOUT = {"hidden_dropout": 0.1, "attention_dropout": 0.1}
+_LLAMA_DROPOUT = {"hidden_dropout": 0.0, "attention_dropout": 0.0}
 
 
 def resolve_architecture(args: argparse.Namespace) -> None:
@@ -55,6 +59,7 @@ def _from_preset(args: argparse.Namespace) -> None:
     whether it is tied is untied: every run before the flag had Megatron-LM's meaning was."""
     _fill(args, PRESETS[args.model_preset].as_args() if args.model_preset in PRESETS else {})
     _fill(args, {**_MEGATRON_DEFAULTS, **_LLAMA, "share_embeddings_and_output_weights": False})
+    _fill(args, _MEGATRON_DROPOUT if args.model_preset == FROM_FLAGS else _LLAMA_DROPOUT)
     require(not (args.untie_embeddings_and_output_weights and args.share_embeddings_and_output_weights),
             f"--untie-embeddings-and-output-weights: the checkpoint in --load {args.load} ties the output layer to "
             f"the embedding (one weight); drop the flag (the checkpoint defines the model)")
@@ -66,7 +71,8 @@ def _from_megatron_flags(args: argparse.Namespace) -> None:
         require(getattr(args, key) is not None,
                 f"--{key.replace('_', '-')} is required (as in Megatron-LM), or give --model-preset NAME for a "
                 f"named Llama architecture, or --load a checkpoint")
-    _fill(args, {**_MEGATRON_DEFAULTS, "normalization": "LayerNorm", "position_embedding_type": "learned_absolute"})
+    _fill(args, {**_MEGATRON_DEFAULTS, **_MEGATRON_DROPOUT, "normalization": "LayerNorm",
+                 "position_embedding_type": "learned_absolute"})
     if args.ffn_hidden_size is None:  # Megatron-LM's: SwiGLU keeps the parameter count of a 4h GELU MLP
         hidden = args.hidden_size
         args.ffn_hidden_size = int((4 * hidden * 2 / 3) / 64) * 64 if args.swiglu else 4 * hidden

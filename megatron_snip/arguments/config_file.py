@@ -4,7 +4,8 @@ Keys are flag names, underscored or dashed (``num_layers``, ``num-layers``), at 
 level down in sections: the ``run_config.yaml`` each checkpoint holds (``RunConfig.to_yaml``) has
 one section per concern, Megatron-LM's YAML configs have ``language_model`` and ``model_parallel``.
 ``null`` means "the flag's default", as in Megatron-LM's files. Values are checked as the command
-line checks them (type, choices); a key that is no flag is refused, with the nearest flag names.
+line checks them (type, choices); a key of Megatron-LM's other options is answered as on the command line
+(:mod:`.megatron_lm_families`); a key that is no flag is refused, with the nearest flag names.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .errors import ArgumentError, require
+from .megatron_lm_families import GIVEN, Given
 
 # Megatron-LM's YAML names (megatron-core TransformerConfig fields) that differ from the flags'.
 _ALIASES = {"layernorm_epsilon": "norm_epsilon", "fp8": "fp8_format", "fp4": "fp4_format"}
@@ -77,13 +79,18 @@ def read_yaml_cfg(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
     except yaml.YAMLError as e:
         raise ArgumentError(f"--yaml-cfg {path} is not valid YAML: {' '.join(str(e).split())}") from None
     require(isinstance(doc, Mapping), f"--yaml-cfg {path}: expected a mapping of flag names to values at the top")
-    actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest not in ("help", "yaml_cfg")}
+    actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest not in ("help", "yaml_cfg", GIVEN)}
+    answered = {a.option.dest: a.option for a in parser._actions if isinstance(a, Given)}  # Megatron-LM's others
     values = _flatten(doc, path)
-    unknown = sorted(set(values) - set(actions))
+    unknown = sorted(set(values) - set(actions) - set(answered))
     if unknown:
         hints = [f"{k} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(k, actions, 1)) else k
                  for k in unknown]
         verb = "is not a flag" if len(unknown) == 1 else "are not flags"
         raise ArgumentError(f"--yaml-cfg {path}: {', '.join(hints)} {verb} of pretrain_llama.py (keys are flag names "
                             "such as num_layers; see --help)")
-    return {dest: _convert(actions[dest], value, f"--yaml-cfg {path}: {dest}") for dest, value in values.items()}
+    out = {dest: _convert(actions[dest], value, f"--yaml-cfg {path}: {dest}") for dest, value in values.items()
+           if dest in actions}
+    out[GIVEN] = {dest: (answered[dest], answered[dest].shown(value), value) for dest, value in values.items()
+                  if dest in answered}
+    return out

@@ -1,8 +1,10 @@
 """The flag documentation, generated from the configuration sections (the one source of truth):
-a compact table in README.md and the full reference in docs/flags.md.
+a compact table in README.md, the full reference in docs/flags.md, and in docs/megatron_compat.md the
+answer to each of Megatron-LM's other options and the defaults that differ (from :mod:`.megatron_lm_families`
+and :mod:`.megatron_lm`).
 
-    python -m megatron_snip.arguments.flag_docs --write    # regenerate both
-    python -m megatron_snip.arguments.flag_docs            # exit 1 if either is out of date
+    python -m megatron_snip.arguments.flag_docs --write    # regenerate them
+    python -m megatron_snip.arguments.flag_docs            # exit 1 if one is out of date
 
 ``tests/test_config_file.py`` keeps them in sync.
 """
@@ -16,12 +18,15 @@ from pathlib import Path
 from megatron_snip.flags import flag_rows
 from megatron_snip.training.config import SECTIONS
 
-from .megatron_lm import MegatronLMFlags
-from .parser import SCRIPT_FLAGS_TITLE, TITLES
+from .megatron_lm import DIFFERENT_DEFAULTS, MegatronLMFlags
+from .megatron_lm_families import ACCEPTED, FAMILIES, MEGATRON_LM_OPTIONS, NOTICED, REFUSED, Given
+from .parser import SCRIPT_FLAGS_TITLE, TITLES, build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
-README, REFERENCE = ROOT / "README.md", ROOT / "docs" / "flags.md"
+README, REFERENCE, COMPAT = ROOT / "README.md", ROOT / "docs" / "flags.md", ROOT / "docs" / "megatron_compat.md"
 BEGIN, END = "<!-- flag-table:begin -->", "<!-- flag-table:end -->"
+ANSWERS = "<!-- megatron-lm-answers:begin -->", "<!-- megatron-lm-answers:end -->"
+DEFAULTS = "<!-- megatron-lm-defaults:begin -->", "<!-- megatron-lm-defaults:end -->"
 
 
 def _sections() -> list[tuple[str, str, type]]:
@@ -58,20 +63,69 @@ def reference() -> str:
     return "\n".join(out)
 
 
+def _options(dests) -> str:
+    return ", ".join(f"`{s}`" for o in MEGATRON_LM_OPTIONS if o.dest in dests for s in o.spellings)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def megatron_lm_answers() -> str:
+    """docs/megatron_compat.md's tables of how each of Megatron-LM's options without a flag here is answered."""
+    actions = [a for a in build_parser()._actions if a.option_strings and not isinstance(a, Given)]
+    ours = {s: a for a in actions for s in a.option_strings}
+    implemented = sum(o.spellings[0] in ours for o in MEGATRON_LM_OPTIONS)
+    by_family = {f.name: {o.dest for o in MEGATRON_LM_OPTIONS if f.holds(o)} for f in FAMILIES}
+    in_families = sum(any(f.holds(o) for f in FAMILIES) for o in MEGATRON_LM_OPTIONS)
+    out = [f"Of Megatron-LM 0.16.1's {len(MEGATRON_LM_OPTIONS)} options, {implemented} are flags here "
+           f"([flags.md](flags.md)); {len(ACCEPTED)} are accepted, {len(NOTICED)} accepted with a notice, "
+           f"{len(REFUSED)} refused by themselves and {in_families} with their family.", "",
+           "Accepted without a word (what they ask for is what runs here):", "", "| option | why |", "|---|---|"]
+    out += [f"| {_options({dest})} | {_cell(why)} |" for dest, why in ACCEPTED.items()]
+    out += ["", "Accepted with a start-up `notice:` line (they change speed, memory or diagnostics only):", "",
+            "| option | what runs here |", "|---|---|"]
+    out += [f"| {_options({dest})} | {_cell(what)} |" for dest, what in NOTICED.items()]
+    out += ["", "Refused by themselves:", "", "| option | why, and what to do |", "|---|---|"]
+    out += [f"| {_options({dest})} | {_cell(why)} |" for dest, why in REFUSED.items()]
+    out += ["", "Refused with their family:", "", "| family | why | options |", "|---|---|---|"]
+    out += [f"| {f.name} | {_cell(f.reason)} | {_options(by_family[f.name])} |" for f in FAMILIES]
+    return "\n".join(out)
+
+
+def megatron_lm_defaults() -> str:
+    """docs/megatron_compat.md's table of the flags whose default differs from Megatron-LM's."""
+    actions = [a for a in build_parser()._actions if a.option_strings and not isinstance(a, Given)]
+    out = ["| flag | Megatron-LM's default | here, and why |", "|---|---|---|"]
+    for dest, why in DIFFERENT_DEFAULTS.items():
+        option = next(a.option_strings[0] for a in actions if a.dest == dest)
+        theirs = next(o.default for o in MEGATRON_LM_OPTIONS if option in o.spellings)
+        out.append(f"| `{option}` | {'none' if theirs is None else f'`{theirs}`'} | {_cell(why)} |")
+    return "\n".join(out)
+
+
+def with_section(text: str, markers: tuple[str, str], section: str, name: str) -> str:
+    """``text`` with ``section`` between its ``markers``; ValueError if they are missing."""
+    begin, end = markers
+    if begin not in text or end not in text:
+        raise ValueError(f"{name} lacks the {begin} / {end} markers")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{begin}\n{section}\n{end}{tail}"
+
+
 def readme_with_table(readme: str) -> str:
     """``readme`` with the compact table between its markers; ValueError if they are missing."""
-    if BEGIN not in readme or END not in readme:
-        raise ValueError(f"README.md lacks the {BEGIN} / {END} markers of the flag table")
-    head, rest = readme.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{BEGIN}\n{compact_table()}\n{END}{tail}"
+    return with_section(readme, (BEGIN, END), compact_table(), "README.md")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--write", action="store_true", help="regenerate README.md's table and docs/flags.md")
     args = parser.parse_args(argv)
-    wanted = {README: readme_with_table(README.read_text()), REFERENCE: reference()}
+    compat = with_section(COMPAT.read_text(), ANSWERS, megatron_lm_answers(), "docs/megatron_compat.md")
+    wanted = {README: readme_with_table(README.read_text()), REFERENCE: reference(),
+              COMPAT: with_section(compat, DEFAULTS, megatron_lm_defaults(), "docs/megatron_compat.md")}
     stale = [path for path, text in wanted.items() if not path.exists() or path.read_text() != text]
     if args.write:
         for path in stale:

@@ -1,19 +1,22 @@
-"""Flags of Megatron-LM's Llama scripts that configure nothing here by themselves: lengths in samples
-(converted to iterations), architecture switches Llama fixes, features that change only speed or memory
-elsewhere (accepted with a start-up notice), and features refused with the reason.
+"""Megatron-LM's flags that configure nothing here by themselves, and the answer to every other one.
 
-They are parsed like every other flag (``flags.flag`` fields) so that a Megatron-LM script runs
-unchanged, checked by :func:`validate_megatron_lm`, and not kept in the run's configuration.
+:class:`MegatronLMFlags` holds the flags of Megatron-LM's Llama scripts that are implemented through other
+settings (lengths in samples converted to iterations, deprecated spellings, switches Llama fixes) or checked
+against them; they are parsed like every other flag (``flags.flag`` fields) and not kept in the run's
+configuration. Megatron-LM's remaining options (:mod:`.megatron_lm_families`) are parsed too and answered by
+:func:`refuse_megatron_lm`: accepted, accepted with a start-up notice, or refused with the reason.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 
 from megatron_snip.flags import flag
 
 from .errors import require
+from .megatron_lm_families import GIVEN, answer
 
 
 @dataclass(frozen=True)
@@ -46,13 +49,6 @@ class MegatronLMFlags:
     use_checkpoint_args: bool = flag(False, "Accepted: the model's shape always comes from the checkpoint in --load.")
     ckpt_format: str = flag("torch_dist", "Only torch_dist (megatron-core dist_checkpointing) is written and read.",
                             choices=("torch", "torch_dist", "torch_dcp", "fsdp_dtensor"))
-    ckpt_fully_parallel_save_deprecated: bool = flag(
-        False, "Megatron-LM's deprecated flag, without effect there and here: saves are spread over data-parallel "
-        "ranks unless --no-ckpt-fully-parallel-save.", option="--ckpt-fully-parallel-save")
-    use_mcore_models: bool = flag(False, "Accepted (deprecated in Megatron-LM): megatron-core models are the only "
-                                  "ones, there and here.")
-    use_flash_attn: bool = flag(False, "Accepted: Megatron-LM parses and ignores it; choose the kernel with "
-                                "--attention-backend.")
     accumulate_allreduce_grads_in_fp32: bool = flag(
         False, "Accepted: gradients accumulate and all-reduce in fp32 here (Megatron-LM's default with --bf16) unless "
         "--grad-reduce-in-bf16.")
@@ -62,41 +58,35 @@ class MegatronLMFlags:
     dataloader_type: str | None = flag(None, "single (Megatron-LM's default): each sample once per pass, in order of "
                                        "consumed samples; cyclic and external are refused.",
                                        choices=("single", "cyclic", "external"))
-    tiktoken_pattern: str | None = flag(None, "Accepted, unused: only --tokenizer-type TikTokenizer (refused) reads "
-                                        "it.", choices=("v1", "v2"))
-    async_save: bool = flag(False, "Accepted with a start-up notice: checkpoints are saved synchronously here (the "
-                            "same files; only the time training waits differs).")
-    no_fp8_wgrad: bool = flag(False, "Refused: wgrad runs in the backward's precision.")
-    fp8_param_gather: bool = flag(
-        False, "Accepted with a start-up notice: parameters stay in their own dtype and each GEMM quantizes its weight "
-        "(the values an FP8 parameter would hold); the memory and all-gather savings need Transformer Engine's FP8 "
-        "parameters.")
-    fp16: bool = flag(False, "Refused: fp16 needs loss scaling; use --bf16.")
-    use_torch_fsdp2: bool = flag(False, "Refused: megatron-core DDP only.")
-    use_megatron_fsdp: bool = flag(False, "Refused: megatron-core DDP only.")
+    lr_wsd_decay_samples: int | None = flag(
+        None, "With --train-samples: --lr-wsd-decay-iters in samples (a multiple of --global-batch-size).")
+    encoder_seq_length: int | None = flag(None, "Megatron-LM's other spelling of --seq-length.")
+    local_rank: int | None = flag(
+        None, "The process's rank on its node, as torch.distributed.launch passes it (default: $LOCAL_RANK): the GPU "
+        "it runs on.")
 
 
-# Megatron-LM flags that change only speed or memory on a backend this program does not run: accepted,
-# with a start-up notice saying what they do here (dest -> notice).
-_NOTICED = {
-    "async_save": "--async-save: checkpoints are saved synchronously here (written to iter_N.tmp and renamed once "
-                  "every rank has finished): the same checkpoints, training waits for each save",
-    "fp8_param_gather": "--fp8-param-gather: parameters stay in their own dtype here and each FP8 GEMM quantizes its "
-                        "weight, the values an FP8 parameter would hold; the memory and all-gather savings need "
-                        "Transformer Engine's FP8 parameters, which this program does not use",
+# Flags both programs have whose default here is not Megatron-LM's (dest -> why; docs/megatron_compat.md).
+DIFFERENT_DEFAULTS = {
+    "transformer_impl": "local here, transformer_engine there: SNIP, the precision plans and the quantization "
+                        "health numbers are complete on megatron-core's local layers, which also run without a GPU; "
+                        "a GPU launch that relies on the default gets a start-up notice",
+    "fp8_recipe": "tensorwise here, delayed there: stateless scaling is right from the first step of a module a plan "
+                  "switches to FP8; a launch whose FP8 flags mean delayed scaling there gets a start-up notice",
+    "micro_batch_size": "Megatron-LM has no default (it requires the flag); 4 here",
+    "lr": "Megatron-LM has no default (its scheduler fails without one); 3e-4 here",
+    "eval_interval": "Megatron-LM has no default (it fails without one when it evaluates); 1000 here",
+    "tokenizer_type": "Megatron-LM has no default (it requires the flag); SentencePieceTokenizer here",
 }
-
-
-# Megatron-LM flags refused with the reason and what to do instead (dest -> message).
-_REFUSED = {
-    "no_fp8_wgrad": "--no-fp8-wgrad: a plan gives each module one precision for both backward GEMMs (dgrad and "
-                    "wgrad); keep the backward out of fp8 with --precision-schedule bwd=bf16@1, or drop the flag",
-    "fp16": "--fp16: fp16 training needs loss scaling, which this program does not set up; use --bf16",
-    "use_torch_fsdp2": "--use-torch-fsdp2: FSDP is not supported (megatron-core DDP only); shard the optimizer state "
-                       "with --use-distributed-optimizer instead",
-    "use_megatron_fsdp": "--use-megatron-fsdp: FSDP is not supported (megatron-core DDP only); shard the optimizer "
-                         "state with --use-distributed-optimizer instead",
-}
+# Flags left None by the parser and filled by validation with Megatron-LM's default, or a preset's, a checkpoint's
+# or the machine's where Megatron-LM's cannot apply (docs/megatron_compat.md says which).
+FILLED_DEFAULTS = (
+    "num_query_groups", "hidden_dropout", "attention_dropout", "norm_epsilon", "apply_layernorm_1p",
+    "disable_bias_linear", "normalization", "group_query_attention", "position_embedding_type", "rotary_base",
+    "use_rope_scaling", "rope_scaling_factor", "swiglu", "untie_embeddings_and_output_weights", "fp8_margin",
+    "fp8_amax_history_len", "fp8_amax_compute_algo", "fp4_recipe", "distributed_backend", "num_workers",
+    "local_rank",
+)
 
 
 def _samples_to_iters(option: str, samples: int, global_batch_size: int) -> int:
@@ -109,10 +99,12 @@ def _samples_to_iters(option: str, samples: int, global_batch_size: int) -> int:
 
 def refuse_megatron_lm(args: argparse.Namespace) -> None:
     """Megatron-LM's flags that need nothing else resolved: each refusal a problem of its own, and a notice
-    (``args.notices``) for each flag accepted that changes nothing here."""
-    for key, message in _REFUSED.items():
-        require(not getattr(args, key), message)
-    args.notices += [notice for key, notice in _NOTICED.items() if getattr(args, key)]
+    (``args.notices``) for each flag accepted that changes only speed, memory or diagnostics here."""
+    for option, shown, value in (getattr(args, GIVEN) or {}).values():
+        kind, line = answer(option, shown, value)
+        require(kind != "refused", line)
+        if kind == "notice":
+            args.notices.append(line)
     require(args.ckpt_format == "torch_dist", f"--ckpt-format {args.ckpt_format}: checkpoints are megatron-core "
             "dist_checkpointing (torch_dist) only; use --ckpt-format torch_dist (Megatron-LM's default)")
     require(args.dataloader_type in (None, "single"), f"--dataloader-type {args.dataloader_type}: samples are read "
@@ -125,6 +117,14 @@ def refuse_megatron_lm(args: argparse.Namespace) -> None:
     require(args.rotary_percent == 1.0, f"--rotary-percent {args.rotary_percent}: Llama rotates every head "
             "dimension; only --rotary-percent 1.0 is supported")
     require(args.manual_gc_interval >= 0, "--manual-gc-interval must be >= 0")
+    if args.encoder_seq_length is not None:  # Megatron-LM's older spelling
+        require(args.seq_length in (None, args.encoder_seq_length), f"--encoder-seq-length {args.encoder_seq_length} "
+                f"and --seq-length {args.seq_length} disagree; give one of them")
+        args.seq_length = args.encoder_seq_length
+    launcher = os.environ.get("LOCAL_RANK")
+    require(args.local_rank is None or launcher in (None, str(args.local_rank)),
+            f"--local-rank {args.local_rank} differs from $LOCAL_RANK {launcher}, which the launcher set; drop "
+            f"--local-rank (the launcher's value chooses the GPU)")
 
 
 def validate_megatron_lm(args: argparse.Namespace) -> None:
@@ -139,16 +139,19 @@ def validate_megatron_lm(args: argparse.Namespace) -> None:
         args.recompute_granularity = "selective"  # Megatron-LM's meaning, whatever --recompute-granularity says
     if args.train_samples is None:
         require(args.train_iters is not None, "--train-iters N (or Megatron-LM's --train-samples N) is required")
-        require(args.lr_decay_samples is None and args.lr_warmup_samples == 0,
-                "--lr-decay-samples and --lr-warmup-samples go with --train-samples; with --train-iters use "
-                "--lr-decay-iters and --lr-warmup-iters")
+        require(args.lr_decay_samples is None and args.lr_warmup_samples == 0 and args.lr_wsd_decay_samples is None,
+                "--lr-decay-samples, --lr-warmup-samples and --lr-wsd-decay-samples go with --train-samples; with "
+                "--train-iters use --lr-decay-iters, --lr-warmup-iters and --lr-wsd-decay-iters")
         return
     require(args.train_iters is None, "give --train-iters or --train-samples, not both")
-    require(args.lr_decay_iters is None and args.lr_warmup_iters == 0,
-            "with --train-samples give the LR schedule in samples (--lr-decay-samples, --lr-warmup-samples), as "
-            "Megatron-LM expects, not --lr-decay-iters / --lr-warmup-iters")
+    require(args.lr_decay_iters is None and args.lr_warmup_iters == 0 and args.lr_wsd_decay_iters is None,
+            "with --train-samples give the LR schedule in samples (--lr-decay-samples, --lr-warmup-samples, "
+            "--lr-wsd-decay-samples), as Megatron-LM expects, not --lr-decay-iters / --lr-warmup-iters / "
+            "--lr-wsd-decay-iters")
     gbs = args.global_batch_size
     args.train_iters = _samples_to_iters("--train-samples", args.train_samples, gbs)
     if args.lr_decay_samples is not None:
         args.lr_decay_iters = _samples_to_iters("--lr-decay-samples", args.lr_decay_samples, gbs)
     args.lr_warmup_iters = _samples_to_iters("--lr-warmup-samples", args.lr_warmup_samples, gbs)
+    if args.lr_wsd_decay_samples is not None:
+        args.lr_wsd_decay_iters = _samples_to_iters("--lr-wsd-decay-samples", args.lr_wsd_decay_samples, gbs)

@@ -31,6 +31,7 @@ from .architecture import resolve_architecture
 from .errors import ArgumentError, HostProblem, Problems, require
 from .megatron_lm import refuse_megatron_lm, validate_megatron_lm
 from .parser import parse_args
+from .pipeline import validate_pipeline
 
 if TYPE_CHECKING:  # imported where used: --help and flag errors need no megatron-core (seconds of imports)
     from megatron_snip.training.checkpoint_record import CheckpointRecord
@@ -163,7 +164,7 @@ def resolve(parsed: argparse.Namespace, world_size: int | None = None, cuda: boo
         resolve_architecture(args)
     with problems.step():
         _validate_layout(args, world_size)
-        _validate_virtual_pipeline(args)
+        validate_pipeline(args)
     with problems.step():
         validate_megatron_lm(args)
     with problems.step():
@@ -191,10 +192,7 @@ def resolve(parsed: argparse.Namespace, world_size: int | None = None, cuda: boo
         with problems.step():
             _validate_output_folders(args)
     with problems.step():
-        if args.distributed_backend is None:
-            args.distributed_backend = "nccl" if cuda else "gloo"
-        require(args.distributed_backend == "gloo" or cuda,
-                "--distributed-backend nccl needs CUDA; use --distributed-backend gloo on CPU")
+        _validate_backend(args, cuda)
     problems.raise_if_any()
     args.precision_notes = tuple(args.precision_notes)
     args.notices = tuple(args.notices)
@@ -202,6 +200,34 @@ def resolve(parsed: argparse.Namespace, world_size: int | None = None, cuda: boo
 
     config = RunConfig.from_flags(vars(args))
     return dataclasses.replace(config, start=_start_point(config, resumed, check_files))
+
+
+def _validate_backend(args: argparse.Namespace, cuda: bool) -> None:
+    """The collectives' backend (default nccl with CUDA, gloo without) and what needs NCCL."""
+    if args.distributed_backend is None:
+        args.distributed_backend = "nccl" if cuda else "gloo"
+    nccl = args.distributed_backend == "nccl"
+    interleaved = args.virtual_pipeline_model_parallel_size is not None
+    if not nccl and interleaved and args.overlap_p2p_comm and args.pipeline_model_parallel_size == 2:
+        # model/llama.py keeps them apart
+        args.notices.append("the interleaved schedule's pipeline messages are not overlapped with computation at "
+                            "--pipeline-model-parallel-size 2 over gloo (overlapped, an activation and a gradient "
+                            "sent to the one peer can be received in each other's place); each completes before "
+                            "the next, the same values")
+    require(not nccl or cuda, "--distributed-backend nccl needs CUDA; use --distributed-backend gloo on CPU")
+    require(nccl or not args.ddp_average_in_collective,
+            "--ddp-average-in-collective averages with ReduceOp.AVG, which NCCL has and gloo has not; drop it with "
+            "--distributed-backend gloo")
+    if args.deterministic_mode:
+        require(not args.cross_entropy_loss_fusion, "--deterministic-mode with --cross-entropy-loss-fusion: the fused "
+                "cross entropy is not deterministic (as in Megatron-LM); drop one of them")
+        algorithms = ("Tree", "Ring", "CollnetDirect", "CollnetChain", "^NVLS")
+        require(not nccl or os.environ.get("NCCL_ALGO") in algorithms,
+                f"--deterministic-mode with NCCL needs NCCL_ALGO set to one of {', '.join(algorithms)} (as in "
+                f"Megatron-LM): NCCL's other algorithms reduce in a varying order")
+        require(not cuda or os.environ.get("CUBLAS_WORKSPACE_CONFIG") in (":4096:8", ":16:8"),
+                "--deterministic-mode on a GPU needs CUBLAS_WORKSPACE_CONFIG=:4096:8 (or :16:8) in the environment "
+                "(torch.use_deterministic_algorithms refuses cuBLAS without it)")
 
 
 def _validate_layout(args: argparse.Namespace, world_size: int) -> None:
@@ -226,9 +252,6 @@ def _validate_layout(args: argparse.Namespace, world_size: int) -> None:
             f"the checkpoint's vocabulary of {args.padded_vocab_size} rows (padded) is not divisible by "
             f"--tensor-model-parallel-size {tp}; re-import it with --make-vocab-size-divisible-by a multiple "
             f"of {tp}, or choose a TP size that divides {args.padded_vocab_size}")
-    require(args.num_layers % pp == 0,
-            f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}; "
-            f"choose a PP size that divides the layer count")
     require(args.hidden_size % args.num_attention_heads == 0,
             f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {args.num_attention_heads}")
     require(args.seq_length <= args.max_position_embeddings,
@@ -244,6 +267,10 @@ def _validate_layout(args: argparse.Namespace, world_size: int) -> None:
     require(not args.overlap_param_gather or args.use_distributed_optimizer,
             "--overlap-param-gather needs --use-distributed-optimizer (it overlaps the all-gather of the "
             "optimizer's parameter shards); add it, or drop --overlap-param-gather")
+    require(not args.overlap_param_gather or args.overlap_grad_reduce,
+            "--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM); add it, or drop "
+            "--overlap-param-gather")
+    _validate_ddp_buckets(args)
     require(args.context_parallel_size == 1,
             f"--context-parallel-size {args.context_parallel_size}: context parallelism is not supported (the local "
             "layers' attention has no ring attention, and SNIP's probes measure whole sequences per rank); "
@@ -252,9 +279,26 @@ def _validate_layout(args: argparse.Namespace, world_size: int) -> None:
         args.sequence_parallel = False  # Megatron-LM's rule: nothing to shard over, so no change in numerics
 
 
+def _validate_ddp_buckets(args: argparse.Namespace) -> None:
+    """Megatron-LM's DDP bucket flags (the averaging collective is checked with the backend)."""
+    require(args.ddp_bucket_size is None or args.ddp_num_buckets is None,
+            "give --ddp-bucket-size or --ddp-num-buckets, not both (as in Megatron-LM)")
+    require(args.ddp_bucket_size is None or args.ddp_bucket_size >= 1, "--ddp-bucket-size must be >= 1")
+    require(args.ddp_num_buckets is None or args.ddp_num_buckets >= 1, "--ddp-num-buckets must be >= 1")
+    require(not args.ddp_reduce_scatter_with_fp32_accumulation or args.use_distributed_optimizer,
+            "--ddp-reduce-scatter-with-fp32-accumulation changes the distributed optimizer's reduce-scatter; add "
+            "--use-distributed-optimizer, or drop it")
+
+
 def _validate_training(args: argparse.Namespace, cuda: bool) -> None:
     """The backend, recompute, the LR and weight-decay schedules (``--train-iters`` already derived)."""
     require(args.train_iters >= 0, "--train-iters must be >= 0")
+    if args.transformer_impl is None:
+        args.transformer_impl = "local"
+        if cuda:
+            args.notices.append("--transformer-impl not given: megatron-core's local layers run (this program's "
+                                "default; Megatron-LM's is transformer_engine); pass --transformer-impl "
+                                "transformer_engine for Transformer Engine's layers")
     require(args.transformer_impl == "local" or cuda,
             "--transformer-impl transformer_engine needs a GPU with Transformer Engine; use --transformer-impl local")
     _validate_compile(args)
@@ -352,32 +396,6 @@ def _start_point(config: RunConfig, resumed: CheckpointRecord | None, check_file
     except (FileNotFoundError, PlanError) as e:
         raise ArgumentError(str(e)) from e
     return StartPoint(resumed, plan, plan_source, schedule, schedule_source, *pins)
-
-
-def _validate_virtual_pipeline(args: argparse.Namespace) -> None:
-    """Set ``virtual_pipeline_model_parallel_size`` (None: no interleaving) from either flag; the
-    configuration keeps that one (``num_layers_per_virtual_pipeline_stage`` becomes None)."""
-    layers, vpp = args.num_layers_per_virtual_pipeline_stage, args.virtual_pipeline_model_parallel_size
-    if layers is None and vpp is None:
-        return
-    pp = args.pipeline_model_parallel_size
-    require(layers is None or vpp is None, "give --num-layers-per-virtual-pipeline-stage or "
-            "--virtual-pipeline-model-parallel-size, not both")
-    require(pp > 1, "virtual pipeline stages need --pipeline-model-parallel-size > 1")
-    if layers is not None:
-        require(layers >= 1 and args.num_layers % (pp * layers) == 0,
-                f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
-                f"--num-layers-per-virtual-pipeline-stage {layers}")
-        vpp = args.num_layers // (pp * layers)
-    require(vpp >= 1 and args.num_layers % (pp * vpp) == 0,
-            f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
-            f"--virtual-pipeline-model-parallel-size {vpp}")
-    require(args.num_microbatches % pp == 0,
-            f"the interleaved schedule runs micro-batches in groups of --pipeline-model-parallel-size {pp}, "
-            f"but there are {args.num_microbatches} per step; make --global-batch-size / (--micro-batch-size x "
-            f"data-parallel size) a multiple of {pp}")
-    args.virtual_pipeline_model_parallel_size = vpp if vpp > 1 else None
-    args.num_layers_per_virtual_pipeline_stage = None
 
 
 def _validate_precision(args: argparse.Namespace, cuda: bool, resumed: CheckpointRecord | None) -> None:
@@ -544,13 +562,25 @@ def _te_snip_candidates(args: argparse.Namespace) -> None:
                                     "recipe covers a module's forward and backward GEMMs): SNIP plans them together")
 
 
+_PER_SPLIT = ("train_data_path", "valid_data_path", "test_data_path")
+
+
 def _validate_data_source(args: argparse.Namespace) -> None:
-    """One data source (--data-path or --mock-data, as in Megatron-LM), a tokenizer type read here,
-    and NullTokenizer's size."""
+    """One data source (--data-path, the per-split paths or --mock-data, as in Megatron-LM), a tokenizer type
+    read here, and NullTokenizer's size."""
     refused = REFUSED_TOKENIZER_TYPES.get(args.tokenizer_type)
     require(refused is None, f"--tokenizer-type {args.tokenizer_type} is not supported: {refused}")
-    require(not (args.mock_data and args.data_path),
-            "--mock-data and --data-path: give one data source (as Megatron-LM requires)")
+    per_split = [f"--{key.replace('_', '-')}" for key in _PER_SPLIT if getattr(args, key) is not None]
+    sources = ["--mock-data"] * args.mock_data + ["--data-path"] * (args.data_path is not None) + per_split[:1]
+    require(len(sources) <= 1, f"{' and '.join(sources)}: give one data source (--data-path, the per-split "
+            f"--train-data-path / --valid-data-path / --test-data-path, or --mock-data)")
+    if per_split:
+        require(args.split is None, f"--split {args.split} divides --data-path's documents; with {per_split[0]} "
+                "each split has its own data: drop --split (as Megatron-LM requires)")
+        require(args.train_data_path is not None or args.skip_train or args.train_iters == 0,
+                f"{per_split[0]} without --train-data-path: give the training data too")
+        if args.valid_data_path is None:
+            args.eval_iters = 0  # as in Megatron-LM: no validation dataset, no evaluation
     if args.tokenizer_type == NULL_TOKENIZER:
         require(args.vocab_size is not None and args.vocab_size >= 2,
                 f"--tokenizer-type NullTokenizer needs --vocab-size N >= 2 (ids 0..N-1, the last the end-of-document "
@@ -560,8 +590,10 @@ def _validate_data_source(args: argparse.Namespace) -> None:
 def _validate_split(args: argparse.Namespace) -> None:
     """``--split`` parsed as megatron-core parses it; as in Megatron-LM, no validation share means no
     evaluation (``--eval-iters`` becomes 0). Mock data ignores it (megatron-core splits it 1,1,1)."""
-    if args.mock_data:
+    if args.mock_data or any(getattr(args, key) is not None for key in _PER_SPLIT):
         return
+    if args.split is None:
+        args.split = "969,30,1"  # Megatron-LM's default (its 'legacy' one) with --data-path
     from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
 
     try:
@@ -588,9 +620,10 @@ def _validate_solver(args: argparse.Namespace) -> None:
 
 def _validate_files(args: argparse.Namespace, from_checkpoint: bool, read: bool) -> None:
     """The data, the tokenizer and --load's checkpoint (``read``: its record was read, or there is none)."""
-    require(args.data_path is not None or args.mock_data,
+    require(args.data_path is not None or args.mock_data or args.train_data_path is not None,
             "--data-path is required: the prefix of a preprocessed dataset (tools/preprocess_data.py), or "
-            "--mock-data for megatron-core's synthetic data")
+            "--train-data-path (with --valid-data-path, --test-data-path), or --mock-data for megatron-core's "
+            "synthetic data")
     require(args.tokenizer_model is not None or args.tokenizer_type == NULL_TOKENIZER,
             "--tokenizer-model is required: a sentencepiece .model file (tools/train_tokenizer.py) or, with "
             "--tokenizer-type HuggingFaceTokenizer, a tokenizer.json or the model directory holding it")
@@ -640,9 +673,10 @@ def _validate_data_files(args: argparse.Namespace) -> int:
     )
     from megatron_snip.data.tokenizer import build_tokenizer
 
-    prefixes = [] if args.mock_data else parse_data_path(args.data_path)[0]
+    paths = [args.data_path] if args.data_path is not None else [getattr(args, key) for key in _PER_SPLIT]
+    prefixes = [prefix for path in paths if path is not None for prefix in parse_data_path(path)[0]]
     check_data_prefixes(prefixes)
-    if prefixes:  # mock data ignores --split
+    if args.data_path is not None:  # mock data ignores --split; per-split data has none
         check_splits_have_documents(prefixes, args.split)
     tokens = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size).vocab_size
     if args.tokenizer_type == NULL_TOKENIZER:

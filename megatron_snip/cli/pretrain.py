@@ -1,9 +1,9 @@
 """``pretrain_llama.py``'s main: parse the command line, set up the device, train; errors as one line.
 
-``--help`` and flag syntax errors are answered by argparse before megatron-core is imported (its
-imports take seconds); everything heavy is imported after the flags parse. Every problem of the flags,
-files and launch is printed at once, by rank 0 alone (each rank finds the same), and every rank exits
-with :data:`~megatron_snip.training.requeue.CONFIG_ERROR_STATUS`.
+``--help`` and flag errors (an unknown flag, a bad or missing value: one line each) are answered before
+megatron-core is imported (its imports take seconds); everything heavy is imported after the flags parse.
+Every problem of the flags, files and launch is printed at once, by rank 0 alone (each rank finds the
+same), and every rank exits with :data:`~megatron_snip.training.requeue.CONFIG_ERROR_STATUS`.
 """
 
 from __future__ import annotations
@@ -56,8 +56,10 @@ def _refused(e: ArgumentError, save: str | None) -> int:
 
 
 def _config(argv: list[str] | None) -> RunConfig:
-    """Parse (argparse exits on --help or a syntax error), then validate; raises ArgumentError."""
+    """Parse (argparse exits on --help), then validate; raises ArgumentError."""
     parsed = parse_args(argv)
+    if parsed.local_rank is not None:  # torch.distributed.launch's --local-rank, where it set no $LOCAL_RANK
+        os.environ.setdefault("LOCAL_RANK", str(parsed.local_rank))
     from megatron_snip.compat.cpu import silence_cpu_warnings
 
     silence_cpu_warnings()  # before megatron-core's imports (checkpoint and data checks) print them
@@ -81,8 +83,8 @@ def trainer_from_command_line(argv: list[str] | None = None) -> Trainer:
 
 
 def main(argv: list[str] | None = None, on_build: Callable[[Trainer], None] | None = None) -> int:
-    """Exit status: 0 done, 78 refused flags, files or launch (argparse's own syntax errors: 2), 1 a
-    checkpoint or numerical failure (every rank says which)."""
+    """Exit status: 0 done, 78 refused flags, files or launch, 1 a checkpoint or numerical failure (every rank
+    says which)."""
     default_to_one_process()  # started by hand, without torchrun/srun: a world of one
     try:
         config = _config(argv)

@@ -34,9 +34,16 @@ class DataConfig:
 
     # None only when launch scripts are checked without data.
     data_path: tuple[str, ...] | None = flag(
-        None, "Prefix of a .bin/.idx pair, or a blend 'W1 PREFIX1 W2 PREFIX2 ...'.")
-    split: str = flag("969,30,1", "Train,valid,test proportions. A validation share of 0 turns evaluation off (as in "
-                      "Megatron-LM: --eval-iters is then 0).")
+        None, "Prefix of a .bin/.idx pair, or a blend 'W1 PREFIX1 W2 PREFIX2 ...', split into train, valid and test "
+        "documents by --split.")
+    split: str | None = flag(
+        None, "Train,valid,test proportions of --data-path's documents (default 969,30,1, Megatron-LM's). A "
+        "validation share of 0 turns evaluation off (as in Megatron-LM: --eval-iters is then 0).")
+    train_data_path: tuple[str, ...] | None = flag(
+        None, "Instead of --data-path and --split: the training data alone (a prefix or a blend, as --data-path).")
+    valid_data_path: tuple[str, ...] | None = flag(
+        None, "With --train-data-path: the validation data (none: no evaluation, --eval-iters is then 0).")
+    test_data_path: tuple[str, ...] | None = flag(None, "With --train-data-path: the test data.")
     mock_data: bool = flag(
         False, "Synthetic data instead of --data-path: megatron-core's MockGPTDataset (documents of random length, "
         "each 1, 2, 3, ... modulo the vocabulary, then end-of-document), split 1,1,1 whatever --split says, as in "

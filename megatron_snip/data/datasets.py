@@ -389,7 +389,11 @@ class GPTDataConfig:
 
     Attributes:
         data_path: ``--data-path``: ``[prefix, ...]`` or ``[w1, prefix1, w2, prefix2, ...]``; None:
-            megatron-core's mock data (``--mock-data``), which splits 1,1,1 whatever ``split`` says.
+            ``split_paths``, else megatron-core's mock data (``--mock-data``), which splits 1,1,1 whatever
+            ``split`` says.
+        split_paths: instead of ``data_path`` and ``split``: ``--train-data-path``, ``--valid-data-path``,
+            ``--test-data-path``, each a ``data_path`` or None (no such split); megatron-core's
+            ``blend_per_split``.
         seq_length: ``--seq-length``, tokens per sample (each sample reads one extra token for
             the shifted labels).
         split: ``--split``, relative document shares of train,valid,test, e.g. ``"969,30,1"``.
@@ -406,7 +410,8 @@ class GPTDataConfig:
 
     data_path: Optional[tuple[str, ...]]
     seq_length: int
-    split: str = "969,30,1"
+    split: Optional[str] = "969,30,1"
+    split_paths: Optional[tuple[Optional[tuple[str, ...]], ...]] = None
     seed: int = 1234
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
@@ -433,6 +438,14 @@ class _Builder(BlendedMegatronDatasetBuilder):
         return BlendedMegatronDatasetBuilder.build_generic_dataset(
             cls, is_built_on_rank, synchronize_ranks, *args
         )
+
+
+def _checked_blend(data_path: Sequence[str], tokenizer) -> tuple[list[str], Optional[list[float]]]:
+    """megatron-core's blend of a ``--data-path``-like list, its files and their ids checked."""
+    prefixes, weights = parse_data_path(data_path)
+    check_data_prefixes(prefixes)
+    check_vocab_covers_data(prefixes, tokenizer.vocab_size)
+    return prefixes, weights
 
 
 def build_gpt_datasets(
@@ -462,18 +475,18 @@ def build_gpt_datasets(
         ValueError: bad blend weights, data with ids beyond the tokenizer's vocabulary, or a
             split left without documents.
     """
-    blend = None  # megatron-core's mock data: no blend (its config then sets mock and split 1,1,1)
+    blend = blend_per_split = None  # neither: megatron-core's mock data (its config sets split 1,1,1)
     if config.data_path is not None:
-        prefixes, weights = parse_data_path(config.data_path)
-        check_data_prefixes(prefixes)
-        check_vocab_covers_data(prefixes, tokenizer.vocab_size)
-        check_splits_have_documents(prefixes, config.split)
-        blend = (prefixes, weights)
+        blend = _checked_blend(config.data_path, tokenizer)
+        check_splits_have_documents(blend[0], config.split)
+    elif config.split_paths is not None:
+        blend_per_split = [None if p is None else _checked_blend(p, tokenizer) for p in config.split_paths]
     gpt_config = GPTDatasetConfig(
         random_seed=config.seed,
         sequence_length=config.seq_length,
         blend=blend,
-        split=config.split,
+        blend_per_split=blend_per_split,
+        split=None if blend_per_split else config.split,
         path_to_cache=config.path_to_cache,
         mmap_bin_files=config.mmap_bin_files,
         tokenizer=tokenizer,
@@ -482,6 +495,7 @@ def build_gpt_datasets(
         eod_mask_loss=config.eod_mask_loss,
         create_attention_mask=config.create_attention_mask,
     )
-    builder = _Builder(GPTDataset if blend else MockGPTDataset, list(num_samples), is_built_on_rank, gpt_config)
+    real = blend or blend_per_split
+    builder = _Builder(GPTDataset if real else MockGPTDataset, list(num_samples), is_built_on_rank, gpt_config)
     train, valid, test = builder.build()
     return train, valid, test

@@ -71,11 +71,23 @@ class ModelConfig:
         "and data-parallel rank) instead of averaging each micro-batch's per-token mean (megatron-core's "
         "calculate_per_token_loss): with --eod-mask-loss every token weighs the same.")
     init_method_std: float = flag(0.02, "Standard deviation of the weight initialisation.")
-    attention_dropout: float = flag(0.0, "Dropout on the attention probabilities.")
-    hidden_dropout: float = flag(0.0, "Dropout on the residual branches.")
+    use_cpu_initialization: bool = flag(
+        False, "Initialise each full weight on the CPU and give every tensor-parallel rank its slice (the same "
+        "weights at every TP size), then move it to the GPU; always so without CUDA.")
+    deterministic_mode: bool = flag(
+        False, "Deterministic kernels (torch.use_deterministic_algorithms, megatron-core's deterministic embedding "
+        "backward): the same run gives the same bits. Not with --cross-entropy-loss-fusion; with NCCL, NCCL_ALGO "
+        "must name a deterministic algorithm (Tree, Ring, ...), as in Megatron-LM.")
+    attention_dropout: float | None = flag(
+        None, "Dropout on the attention probabilities. Default: Megatron-LM's 0.1 for an architecture from its flags "
+        "(or a checkpoint of one); 0 with --model-preset or --load of another checkpoint (Llama trains without "
+        "dropout).")
+    hidden_dropout: float | None = flag(None, "Dropout on the residual branches. Default: as --attention-dropout.")
     make_vocab_size_divisible_by: int = flag(128, "Pad the vocabulary (embedding rows) to a multiple of this x TP.")
-    transformer_impl: str = flag(
-        "local", "Layer implementation: megatron-core's own modules or Transformer Engine's.",
+    transformer_impl: str | None = flag(
+        None, "Layer implementation: megatron-core's own modules or Transformer Engine's. Default: local "
+        "(Megatron-LM's is transformer_engine; a GPU launch that relies on it gets a start-up notice): SNIP, the "
+        "precision plans and the quantization health numbers are complete on the local layers.",
         choices=("local", "transformer_engine"))
     # Not part of the checkpoint's shape (no weights), so a run may resume with another.
     attention_backend: str = flag(
@@ -159,13 +171,23 @@ class ParallelConfig:
     tensor_model_parallel_size: int = flag(1, "Tensor-parallel size (TP).")
     pipeline_model_parallel_size: int = flag(1, "Pipeline-parallel size (PP).")
     data_parallel_size: int = derived(1)  # world size / (TP x PP)
+    decoder_first_pipeline_num_layers: int | None = flag(
+        None, "Uneven pipeline stages: the first stage's layers (the other stages share the rest evenly).")
+    decoder_last_pipeline_num_layers: int | None = flag(
+        None, "Uneven pipeline stages: the last stage's layers (the other stages share the rest evenly).")
     num_layers_per_virtual_pipeline_stage: int | None = flag(
         None, "Interleaved pipeline schedule: layers per virtual stage (model chunk); each pipeline rank holds "
         "num-layers / (PP x this) chunks.")
     # Model chunks per pipeline rank, from either flag; None: not interleaved.
     virtual_pipeline_model_parallel_size: int | None = flag(
-        None, "Interleaved pipeline schedule: model chunks per pipeline rank (instead of "
-        "--num-layers-per-virtual-pipeline-stage).")
+        None, "Interleaved pipeline schedule: model chunks (virtual stages) per pipeline rank (instead of "
+        "--num-layers-per-virtual-pipeline-stage; needed with uneven stages).",
+        option="--num-virtual-stages-per-pipeline-rank", aliases=("--virtual-pipeline-model-parallel-size",))
+    overlap_p2p_comm: bool = flag(
+        True, "Interleaved schedule: send and receive pipeline messages in batches, waiting for each, instead of "
+        "overlapping them with computation (then --pipeline-model-parallel-size must be > 2, as in Megatron-LM). At "
+        "PP 2 over gloo they are neither overlapped nor batched (a start-up notice says so).",
+        option="--no-overlap-p2p-communication")
     sequence_parallel: bool = flag(False, "Shard the norm/dropout activations along the sequence over TP ranks (off "
                                    "at TP 1, as in Megatron-LM).")
     context_parallel_size: int = flag(1, "Accepted for Megatron scripts; only 1 (no context parallelism) is "
@@ -173,7 +195,28 @@ class ParallelConfig:
     use_distributed_optimizer: bool = flag(False, "Shard the optimizer state over data-parallel ranks.")
     overlap_grad_reduce: bool = flag(False, "Overlap the gradient reduce-scatter/all-reduce with the backward pass.")
     overlap_param_gather: bool = flag(False, "Overlap the parameter all-gather with the forward pass (needs "
-                                      "--use-distributed-optimizer).")
+                                      "--use-distributed-optimizer and --overlap-grad-reduce).")
+    align_grad_reduce: bool = flag(
+        True, "With --overlap-grad-reduce: let each chunk's buckets reduce as their gradients are ready, instead of "
+        "launching the reductions of every pipeline stage together.", option="--no-align-grad-reduce")
+    align_param_gather: bool = flag(
+        True, "With --overlap-param-gather and the interleaved schedule: let each chunk's forward pass launch its "
+        "own all-gathers instead of launching them together on every pipeline stage.",
+        option="--no-align-param-gather")
+    ddp_bucket_size: int | None = flag(
+        None, "Parameters per gradient bucket with --overlap-grad-reduce. Default: megatron-core's, max(40M, 1M x "
+        "data-parallel size); without --overlap-grad-reduce one bucket.")
+    ddp_num_buckets: int | None = flag(
+        None, "Instead of --ddp-bucket-size: this many buckets (bucket size = this rank's parameters / N).")
+    ddp_pad_buckets_for_high_nccl_busbw: bool = flag(
+        False, "Pad each bucket to a multiple of 2^16 parameters (NCCL's bus bandwidth at large data-parallel "
+        "sizes).")
+    ddp_reduce_scatter_with_fp32_accumulation: bool = flag(
+        False, "With --use-distributed-optimizer: reduce-scatter the gradients in their own dtype but accumulate "
+        "them in fp32 (megatron-core's all-to-all implementation).")
+    ddp_average_in_collective: bool = flag(
+        False, "Average the gradients inside the collective (ReduceOp.AVG, NCCL only) instead of dividing by the "
+        "data-parallel size before summing.")
     grad_reduce_in_bf16: bool = flag(False, "With --bf16: accumulate and reduce gradients in bf16 (default: fp32, as "
                                      "Megatron-LM with --bf16).")
     distributed_backend: str | None = flag(None, "Default: nccl with CUDA, gloo without.", choices=("nccl", "gloo"))
@@ -182,3 +225,8 @@ class ParallelConfig:
     @property
     def chunks_per_stage(self) -> int:
         return self.virtual_pipeline_model_parallel_size or 1
+
+    @property
+    def uneven_stages(self) -> bool:
+        """Whether --decoder-first/last-pipeline-num-layers give some stages other layer counts."""
+        return self.decoder_first_pipeline_num_layers is not None or self.decoder_last_pipeline_num_layers is not None

@@ -13,6 +13,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_snip.compat.device import has_cuda
@@ -56,6 +57,10 @@ def wgrad_accumulation_fusion(model: ModelConfig) -> bool:
 def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> TransformerConfig:
     """The megatron-core config of a Llama model in a parallel layout."""
     cuda = has_cuda()
+    interleaved = parallel.virtual_pipeline_model_parallel_size is not None
+    same_peer = interleaved and parallel.pipeline_model_parallel_size == 2
+    gloo = parallel.distributed_backend == "gloo"
+    overlap_p2p = parallel.overlap_p2p_comm and interleaved and not (same_peer and gloo)
     return TransformerConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -83,17 +88,23 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Transfor
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
-        # Interleaved schedule: unbatched p2p. Batched p2p mis-pairs messages at PP=2 over gloo (the
-        # previous and the next rank are the same peer; an activation and a gradient sent to it in
-        # one batch arrive in the other order from the one the receiver posted; same shape, no error).
-        batch_p2p_comm=parallel.virtual_pipeline_model_parallel_size is None,
+        num_layers_in_first_pipeline_stage=parallel.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=parallel.decoder_last_pipeline_num_layers,
+        # Megatron-LM's: the interleaved schedule overlaps its p2p messages with computation unless
+        # --no-overlap-p2p-communication, which batches them (PP > 2 then). At PP 2 the previous and the next
+        # rank are one peer, and messages to it that are batched, or over gloo overlapped, can pair up wrongly
+        # (an activation and a gradient of one shape, received in the other order from the one sent: no error);
+        # there, over gloo, each send and receive completes before the next (a start-up notice says so).
+        overlap_p2p_comm=overlap_p2p,
+        batch_p2p_comm=not overlap_p2p and not same_peer,
         sequence_parallel=parallel.sequence_parallel,
         pipeline_dtype=model.params_dtype,
         params_dtype=model.params_dtype,
         bf16=model.bf16,
         # On CPU, initialise the full weight and slice it, so every TP layout
-        # starts from the same weights (TP parity); on GPU initialise in place.
-        use_cpu_initialization=not cuda,
+        # starts from the same weights (TP parity); on GPU in place unless --use-cpu-initialization.
+        use_cpu_initialization=model.use_cpu_initialization or not cuda,
+        deterministic_mode=model.deterministic_mode,
         # Fusions that need CUDA kernels stay off without a GPU; the softmax one also without its kernels.
         bias_dropout_fusion=model.bias_dropout_fusion and cuda,
         masked_softmax_fusion=model.masked_softmax_fusion and cuda and fused_softmax_available(),
@@ -182,6 +193,14 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, config: Transforme
     if model.torch_compile:
         compile_layers(chunks, model.torch_compile_backend)
     return chunks
+
+
+def layers_per_stage(config: TransformerConfig, parallel: ParallelConfig) -> list[int]:
+    """The transformer layers megatron-core builds on each pipeline stage (all its virtual stages together):
+    even, or as --decoder-first/last-pipeline-num-layers say."""
+    vpp = parallel.virtual_pipeline_model_parallel_size
+    return [sum(get_num_layers_to_build(config, vp_stage, rank) for vp_stage in (range(vpp) if vpp else [None]))
+            for rank in range(parallel.pipeline_model_parallel_size)]
 
 
 def _linear_weights_per_layer(model: ModelConfig) -> int:

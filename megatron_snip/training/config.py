@@ -51,11 +51,11 @@ class TrainingConfig:
     manual_gc_interval: int = flag(0, "With --manual-gc: iterations between collections (0: only around "
                                    "evaluations).")
     manual_gc_eval: bool = flag(True, "With --manual-gc: no collection before and after each evaluation.",
-                                option="--no-manual-gc-eval")
+                                option="--no-manual-gc-eval", aliases=("--disable-manual-gc-eval",))
     optimizer: str = flag("adam", "Optimizer (adam: AdamW with decoupled weight decay).", choices=("adam", "sgd"))
     lr: float = flag(3e-4, "Peak learning rate.")
     min_lr: float = flag(0.0, "Learning rate at the end of the decay.")
-    lr_decay_style: str = flag("cosine", "Shape of the decay after warm-up.",
+    lr_decay_style: str = flag("linear", "Shape of the decay after warm-up.",
                                choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"))
     decoupled_lr: float | None = flag(None, "Peak learning rate of the input embedding and output layer (their own "
                                       "schedule; default: --lr).")
@@ -65,7 +65,7 @@ class TrainingConfig:
     lr_warmup_fraction: float | None = flag(None, "Warm-up as a fraction of --lr-decay-iters (instead of "
                                             "--lr-warmup-iters).")
     lr_wsd_decay_iters: int | None = flag(None, "WSD: iterations of the final decay.")
-    lr_wsd_decay_style: str = flag("linear", "WSD: shape of the final decay.",
+    lr_wsd_decay_style: str = flag("exponential", "WSD: shape of the final decay.",
                                    choices=("linear", "cosine", "exponential", "minus_sqrt"))
     weight_decay: float = flag(0.01, "Decoupled weight decay.")
     start_weight_decay: float | None = flag(None, "Weight decay at the start (default: --weight-decay).")
@@ -76,6 +76,7 @@ class TrainingConfig:
     adam_beta1: float = flag(0.9, "Adam's beta1.")
     adam_beta2: float = flag(0.999, "Adam's beta2.")
     adam_eps: float = flag(1e-8, "Adam's epsilon.")
+    sgd_momentum: float = flag(0.9, "Momentum of --optimizer sgd.")
     empty_unused_memory_level: int = flag(
         0, "Release the CUDA caching allocator's unused memory: 1 after each forward-backward and evaluation step, 2 "
         "also after each optimizer step (nothing to release without CUDA).", choices=(0, 1, 2))
@@ -89,7 +90,7 @@ class CheckpointConfig:
     load: str | None = flag(
         None, "Checkpoint directory to resume from. If it equals --save and holds no checkpoint yet, training starts "
         "fresh (the resume-or-start pattern).")
-    save_interval: int | None = flag(None, "Iterations between checkpoints.")
+    save_interval: int | None = flag(None, "Iterations between checkpoints.", aliases=("--persistent-save-interval",))
     save_retain_interval: int | None = flag(
         None, "Keep only the newest checkpoint and those of iterations divisible by this (a multiple of "
         "--save-interval): once a save is complete, the checkpoint it replaces as the newest is deleted unless its "
@@ -97,7 +98,7 @@ class CheckpointConfig:
     ckpt_fully_parallel_save: bool = flag(
         True, "Write every shard from the first data-parallel rank instead of spreading the writes over the "
         "data-parallel ranks (megatron-core's fully parallel save, Megatron-LM's default).",
-        option="--no-ckpt-fully-parallel-save")
+        option="--no-ckpt-fully-parallel-save", aliases=("--disable-ckpt-fully-parallel-save",))
     ckpt_fully_parallel_load: bool = flag(False, "Spread the checkpoint reads over the data-parallel ranks and "
                                           "exchange the shards (megatron-core's fully parallel load).")
     no_load_optim: bool = flag(False, "Do not load the optimizer and LR-scheduler state.")
@@ -124,7 +125,7 @@ class LoggingConfig:
     """Evaluation, the console's progress line, TensorBoard and W&B (docs/logging.md: every tag and its flag)."""
 
     eval_interval: int = flag(1000, "Iterations between evaluations.")
-    eval_iters: int = flag(10, "Global batches per evaluation.")
+    eval_iters: int = flag(100, "Global batches per evaluation.")
     log_interval: int = flag(100, "Iterations between progress lines (and the timing scalars, quantization "
                              "health and the plan image on TensorBoard).")
     tensorboard_dir: str | None = flag(None, "Write TensorBoard events here.")
@@ -150,8 +151,9 @@ class LoggingConfig:
                                  "model-parallel ranks) and log it as params-norm.")
     log_num_zeros_in_grad: bool = flag(False, "Count the zero entries of the gradients and log them as num-zeros.")
     log_world_size_to_tensorboard: bool = flag(False, "Write the number of processes as world-size.")
-    log_loss_scale_to_tensorboard: bool = flag(True, "Write loss-scale (1.0: bf16 and fp32 need no loss scaling).",
-                                               negatable=True)
+    log_loss_scale_to_tensorboard: bool = flag(
+        True, "Do not write loss-scale (1.0: bf16 and fp32 need no loss scaling).",
+        option="--no-log-loss-scale-to-tensorboard", aliases=("--disable-log-loss-scale-to-tensorboard",))
     wandb_project: str | None = flag(None, "Log the same scalars to this Weights & Biases project (needs the wandb "
                                      "package; WANDB_MODE=offline writes the run locally).")
     wandb_exp_name: str | None = flag(None, "The W&B run's name (default: W&B's).")
@@ -185,6 +187,10 @@ class SafetyConfig:
         "and counted.", choices=("fail", "skip"), dest="non_finite_grad_policy", ours=True)
     max_consecutive_skips: int = flag(
         10, "With --non-finite-grad-policy skip: raise after this many skipped iterations in a row.", ours=True)
+    check_for_large_grads: bool = flag(
+        False, "Before each gradient reduction, every rank compares each gradient bucket's norm with the largest of "
+        "its first 100 and warns (not fatal) where it is 10x that (megatron-core's DDP check, without Megatron-LM's "
+        "rerun of the iteration).")
     check_spiky_loss: bool = flag(
         False, "Report a loss above --spiky-loss-factor x the median of the last --spiky-loss-window applied losses "
         "(not fatal, as in Megatron-LM).", dest="check_for_spiky_loss")

@@ -126,15 +126,17 @@ class TrainingLogger(MetricsLogger):
         self._logged_plan = None  # the plan the last plan image shows
 
     # -- start-up ---------------------------------------------------------
-    def model_lines(self, parameters: int, unigram_entropy: float) -> None:
-        """The model, layout and batch; the data's unigram entropy."""
+    def model_lines(self, parameters: int, unigram_entropy: float, stage_layers: list[int]) -> None:
+        """The model, layout (``stage_layers``: the layers of each pipeline stage) and batch; the data's
+        unigram entropy."""
         c = self.config
         par = c.parallel
         dtype = "bf16 (fp32 masters in the optimizer)" if c.model.bf16 else "fp32 (no --bf16)"
+        stages = f" (layers per stage {', '.join(map(str, stage_layers))})" if len(stage_layers) > 1 else ""
         self.text(f"model: {c.model.model_preset} shape, {parameters / 1e6:.2f}M "
-                  f"parameters in {dtype}; TP={par.tensor_model_parallel_size} PP={par.pipeline_model_parallel_size} "
-                  f"DP={par.data_parallel_size}; global batch {c.training.global_batch_size} x {c.model.seq_length} "
-                  f"tokens; device {'cuda' if has_cuda() else 'cpu (megatron_snip.compat.cpu)'}")
+                  f"parameters in {dtype}; TP={par.tensor_model_parallel_size} PP={par.pipeline_model_parallel_size}"
+                  f"{stages} DP={par.data_parallel_size}; global batch {c.training.global_batch_size} x "
+                  f"{c.model.seq_length} tokens; device {'cuda' if has_cuda() else 'cpu (megatron_snip.compat.cpu)'}")
         self.text(f"unigram entropy of the training data: {unigram_entropy:.4f} nats/token "
                   f"(a model without context cannot beat this)")
 

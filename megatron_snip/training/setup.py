@@ -43,21 +43,39 @@ def set_seeds(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def wrap_ddp(parallel: ParallelConfig, config: TransformerConfig,
-             chunks: list[torch.nn.Module]) -> list[DistributedDataParallel]:
-    """Wrap this rank's model chunks (one, or one per virtual pipeline stage) in megatron-core DDP
-    and hook their gradient and parameter syncs into the schedules."""
-    ddp_config = DistributedDataParallelConfig(
+def ddp_config(parallel: ParallelConfig, num_parameters: int, check_for_large_grads: bool = False
+               ) -> DistributedDataParallelConfig:
+    """megatron-core's DDP settings, as Megatron-LM derives them from its flags; ``num_parameters``: this
+    rank's (for --ddp-num-buckets)."""
+    bucket_size = parallel.ddp_bucket_size
+    if parallel.ddp_num_buckets is not None:
+        bucket_size = num_parameters // parallel.ddp_num_buckets
+    return DistributedDataParallelConfig(
         # Gradient buffers in fp32 (Megatron-LM's --accumulate-allreduce-grads-in-fp32, its default with
         # --bf16), or in the parameters' dtype with --grad-reduce-in-bf16.
         grad_reduce_in_fp32=not parallel.grad_reduce_in_bf16,
         overlap_grad_reduce=parallel.overlap_grad_reduce,
         overlap_param_gather=parallel.overlap_param_gather,
+        # Megatron-LM's rule: the all-gathers are aligned only under the interleaved schedule
+        align_param_gather=parallel.align_param_gather and parallel.virtual_pipeline_model_parallel_size is not None,
         use_distributed_optimizer=parallel.use_distributed_optimizer,
+        check_for_large_grads=check_for_large_grads,
+        bucket_size=bucket_size,  # None: megatron-core's default (one bucket without --overlap-grad-reduce)
+        pad_buckets_for_high_nccl_busbw=parallel.ddp_pad_buckets_for_high_nccl_busbw,
+        reduce_scatter_with_fp32_accumulation=parallel.ddp_reduce_scatter_with_fp32_accumulation,
+        average_in_collective=parallel.ddp_average_in_collective,
     )
+
+
+def wrap_ddp(parallel: ParallelConfig, config: TransformerConfig, chunks: list[torch.nn.Module], *,
+             check_for_large_grads: bool = False) -> list[DistributedDataParallel]:
+    """Wrap this rank's model chunks (one, or one per virtual pipeline stage) in megatron-core DDP
+    and hook their gradient and parameter syncs into the schedules, as Megatron-LM's training loop does."""
+    settings = ddp_config(parallel, sum(p.numel() for chunk in chunks for p in chunk.parameters()),
+                          check_for_large_grads)
     # As megatron.training: only the first chunk's gradients are bucketed (the interleaved schedule
     # reduces the other chunks' gradients as their last backward finishes).
-    ddps = [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
+    ddps = [DistributedDataParallel(config, settings, chunk, disable_bucketing=i > 0)
             for i, chunk in enumerate(chunks)]
 
     def per_chunk(attr: str):
@@ -68,9 +86,9 @@ def wrap_ddp(parallel: ParallelConfig, config: TransformerConfig,
     # schedules never reduce gradients across DP ranks or tied stages.
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = per_chunk("no_sync")
-    if parallel.overlap_grad_reduce:
+    if parallel.overlap_grad_reduce and parallel.align_grad_reduce:
         config.grad_sync_func = per_chunk("start_grad_sync")
-    if parallel.overlap_param_gather and parallel.use_distributed_optimizer:
+    if parallel.overlap_param_gather and settings.align_param_gather:
         config.param_sync_func = per_chunk("start_param_sync")
     return ddps
 
@@ -93,6 +111,7 @@ def build_optimizer(training: TrainingConfig, model: ModelConfig, parallel: Para
             adam_beta1=training.adam_beta1,
             adam_beta2=training.adam_beta2,
             adam_eps=training.adam_eps,
+            sgd_momentum=training.sgd_momentum,
             clip_grad=training.clip_grad,
             # Megatron-LM's --decoupled-lr: the embedding and output layer's own peak (and minimum) learning rate.
             decoupled_lr=training.decoupled_lr,

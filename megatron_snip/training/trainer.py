@@ -26,7 +26,13 @@ from megatron_snip.compat.device import has_cuda
 from megatron_snip.data.datasets import megatron_num_samples
 from megatron_snip.data.loader import micro_batches
 from megatron_snip.data.tokenizer import build_tokenizer
-from megatron_snip.model.llama import build_model, flops_per_token, num_parameters, transformer_config
+from megatron_snip.model.llama import (
+    build_model,
+    flops_per_token,
+    layers_per_stage,
+    num_parameters,
+    transformer_config,
+)
 from megatron_snip.model.quantized.controller import PrecisionController
 from megatron_snip.model.quantized.te_layers import prepare_te_environment
 from megatron_snip.model.step import forward_step, mean_loss
@@ -78,12 +84,15 @@ class Trainer:
             c.data, self.tokenizer, seq_length=c.model.seq_length, seed=c.training.seed,
             num_samples=megatron_num_samples(max(c.training.train_iters, 1), c.logging.eval_iters,
                                              c.logging.eval_interval, c.training.global_batch_size))
+        if c.model.deterministic_mode:  # as Megatron-LM: deterministic kernels for everything torch runs
+            torch.use_deterministic_algorithms(True)
         self.transformer_config = transformer_config(c.model, c.parallel)
         recipe = c.precision.recipe()
         if c.model.transformer_impl == "transformer_engine":
             prepare_te_environment(recipe)
         self.model = wrap_ddp(c.parallel, self.transformer_config,
-                              build_model(c.model, c.parallel, self.transformer_config, self.tokenizer.vocab_size))
+                              build_model(c.model, c.parallel, self.transformer_config, self.tokenizer.vocab_size),
+                              check_for_large_grads=c.safety.check_for_large_grads)
         self.precision = PrecisionController(self.model, recipe=recipe, seed=c.training.seed)
         self.linear_dims = LlamaLinearDims.from_config(self.transformer_config)
         self.speed_model = speed_model(c, self.linear_dims)
@@ -375,7 +384,8 @@ def pretrain(config: RunConfig, on_build: Callable[[Trainer], None] | None = Non
     if on_build is not None:
         on_build(trainer)
     log = trainer.logger
-    log.model_lines(num_parameters(c.model, trainer.tokenizer.vocab_size), trainer.datasets.unigram_entropy)
+    log.model_lines(num_parameters(c.model, trainer.tokenizer.vocab_size), trainer.datasets.unigram_entropy,
+                    layers_per_stage(trainer.transformer_config, c.parallel))
     if dist.get_rank() == 0:  # partial saves, a damaged checkpoint --ckpt-fallback passes over
         for line in checkpointing.tidy(c.checkpoint.save, c.checkpoint.load, c.checkpoint.load_iteration):
             print(line, flush=True)

@@ -239,7 +239,8 @@ def run_tool(out, *extra, train_args) -> subprocess.CompletedProcess:
 @pytest.mark.integration
 def test_compare_precision_branches_resume_and_report(tiny_data, tmp_path):
     train_args = [*TINY_MODEL, "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-2",
-                  "--lr-warmup-iters", "1", "--data-path", tiny_data.prefix, "--split", "90,10,0",
+                  "--lr-warmup-iters", "1", "--lr-decay-style", "cosine", "--data-path", tiny_data.prefix,
+                  "--split", "90,10,0",
                   "--tokenizer-model", tiny_data.tokenizer_model, "--log-interval", "1", "--eval-interval", "4",
                   "--eval-iters", "2"]
     out = tmp_path / "cmp"
@@ -326,7 +327,8 @@ def test_sigterm_to_the_tool_saves_the_branch_in_flight_and_a_rerun_finishes_it(
     import psutil
 
     train_args = [*TINY_MODEL, "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-2",
-                  "--lr-warmup-iters", "1", "--data-path", tiny_data.prefix, "--split", "90,10,0",
+                  "--lr-warmup-iters", "1", "--lr-decay-style", "cosine", "--data-path", tiny_data.prefix,
+                  "--split", "90,10,0",
                   "--tokenizer-model", tiny_data.tokenizer_model, "--log-interval", "1", "--eval-interval", "16",
                   "--eval-iters", "2"]
     out = tmp_path / "cmp"
