@@ -35,6 +35,81 @@ def test_chunk_layout_is_megatrons():
     assert ChunkLayout(2, 1).query_chunks(8) == [(slice(0, 4), 8), (slice(4, 8), 12)]
 
 
+# ----------------------------------------------------------------------------------------------
+# Unit tier: the flags, their refusals, the quantization blocks along tokens
+
+
+def _problems(*flags: str, world: int = 2) -> list[str]:
+    from megatron_snip.arguments import ArgumentError
+
+    try:
+        run_config(*flags, world_size=world)
+    except ArgumentError as e:
+        return e.problems
+    return []
+
+
+GQA4 = ("--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "4")
+
+
+@pytest.mark.parametrize("flags,world,message", [
+    ((), 3, "world size 3 is not divisible by --tensor-model-parallel-size 1 x --pipeline-model-parallel-size 1 "
+            "x --context-parallel-size 2 = 2; launch a multiple of 2"),
+    (("--seq-length", "66", "--max-position-embeddings", "66"), 2,
+     "--seq-length 66 is not a multiple of 2 x --context-parallel-size 2 = 4: each sequence is cut into 2 x CP equal"),
+    ((*GQA4, "--tensor-model-parallel-size", "4", "--sequence-parallel", "--seq-length", "68",
+      "--max-position-embeddings", "68"), 8, "--seq-length 68 with --sequence-parallel: each CP rank's 34 tokens are "
+                                             "split over --tensor-model-parallel-size 4 ranks; use a multiple of 8"),
+    (("--attention-backend", "unfused"), 2, "--context-parallel-size 2 runs on the SDPA attention: use "
+                                            "--transformer-impl local with --attention-backend auto/flash/fused"),
+    (("--snip", "--snip-interval", "2"), 2, "--snip with --context-parallel-size 2: SNIP's statistics are not "
+                                            "gathered over context-parallel ranks yet"),
+    (("--hierarchical-context-parallel-sizes", "4"), 2, "--hierarchical-context-parallel-sizes 4: their product 4 "
+                                                       "is not --context-parallel-size 2"),
+    (("--cp-comm-type", "p2p", "a2a", "p2p"), 2, "--cp-comm-type takes one value or one per layer (--num-layers 4), "
+                                                "got 3"),
+], ids=["world", "seq-length", "seq-parallel", "backend", "snip", "hierarchical", "comm-per-layer"])
+def test_context_parallel_refusals(flags, world, message):
+    problems = _problems("--context-parallel-size", "2", *flags, world=world)
+    assert len(problems) == 1 and problems[0].startswith(message), problems
+
+
+def test_context_parallel_layout_and_comm_types():
+    """DP is what TP x PP x CP leaves; Megatron-LM's ring and all-to-all types are accepted with one notice."""
+    run = run_config("--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                     "--cp-comm-type", "p2p", world_size=8)
+    assert (run.parallel.context_parallel_size, run.parallel.data_parallel_size) == (2, 2)
+    assert run.training.num_microbatches == 1  # the global batch (8 / mbs 2) over DP 2, not over DP x CP
+    notices = [n for n in run.logging.notices if "--cp-comm-type" in n]
+    assert notices == ["--cp-comm-type p2p: the SDPA attention all-gathers keys and values over the CP group "
+                       "whatever the type (Transformer Engine's ring and all-to-all exchanges are not used here)"]
+    quiet = run_config("--context-parallel-size", "2", "--cp-comm-type", "all_gather", world_size=2)
+    assert not [n for n in quiet.logging.notices if "--cp-comm-type" in n]
+
+
+def test_token_blocks_must_not_straddle_context_parallel_ranks(tiny_data):
+    """nvfp4's wgrad blocks are 16 tokens, mxfp4's 32: a chunk of 64 / 4 tokens x 2 samples holds 32."""
+    from conftest import train_args
+
+    from megatron_snip.arguments import ArgumentError, parse_config
+    from megatron_snip.numerics.recipes import RecipeConfig, token_block
+
+    names = ("bf16", "fp8", "fp8:rowwise", "nvfp4", "mxfp4", "fp8:mxfp8")
+    assert [token_block(n) for n in names] == [1, 1, 1, 16, 32, 32]
+    assert token_block("fp8", RecipeConfig(fp8_recipe="blockwise")) == 128
+    parse_config(train_args(tiny_data, "--context-parallel-size", "2", "--precision", "mxfp4"), world_size=2,
+                 cuda=False)
+    with pytest.raises(ArgumentError, match=r"^mxfp4 with --context-parallel-size 2: its wgrad GEMM scales blocks "
+                                            r"of 32 tokens, but each of the 2 x CP chunks of a micro-batch holds 16 "
+                                            r"\(--seq-length 64 / 4 x --micro-batch-size 1\)"):
+        parse_config(train_args(tiny_data, "--context-parallel-size", "2", "--precision", "mxfp4",
+                                "--micro-batch-size", "1"), world_size=2, cuda=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# Four processes: the attention module at CP=4 and CP=2 against full causal attention
+
+
 def _reference(q, k, v, allowed, scale):
     """Softmax attention written out, [s, b, n, hn] in and out (kv heads repeated per query group)."""
     k, v = (t.repeat_interleave(q.size(2) // t.size(2), dim=2) for t in (k, v))

@@ -20,9 +20,6 @@ from dataclasses import dataclass
 import torch
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-# --cp-comm-type values: Megatron-LM's and Transformer Engine's names. Only the all-gather runs here.
-CP_COMM_TYPES = ("all_gather", "allgather", "p2p", "a2a", "a2a+p2p")
-
 
 @dataclass(frozen=True)
 class ChunkLayout:
