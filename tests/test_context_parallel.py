@@ -175,6 +175,64 @@ def _attention_checks(config) -> dict:
     return out
 
 
+QUANT_SEQ, QUANT_BATCH, QUANT_FEATURES = 256, 4, 32  # CP4: chunks of 32 x 4 = 128 tokens, fp8 blockwise's block
+QUANT_FORMATS = ("fp8", "fp8:delayed", "fp8:rowwise", "fp8:blockwise", "nvfp4", "mxfp4")
+
+
+def _quantization_checks(config) -> dict:
+    """A quantized linear (TP1) on this CP rank's tokens against the same GEMMs on the whole batch: outputs,
+    input gradients and the CP-summed weight gradient, relative to their largest element, per format; and the
+    same without the CP amax reduction (which must differ, else the check proves nothing)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_snip.model.quantized.layers import QuantizedColumnParallelLinear
+    from megatron_snip.numerics.linear import QuantState, quantized_linear
+    from megatron_snip.numerics.recipes import Precision, RecipeConfig
+
+    g = torch.Generator().manual_seed(5)
+    # Magnitudes growing along the sequence by 2^8: each CP rank's amaxes (per tensor, per row) lie binades apart.
+    growth = (2.0 ** (8 * torch.arange(QUANT_SEQ) / QUANT_SEQ)).view(-1, 1, 1)
+    x = torch.randn(QUANT_SEQ, QUANT_BATCH, QUANT_FEATURES, generator=g) * growth
+    dy = torch.randn(QUANT_SEQ, QUANT_BATCH, QUANT_FEATURES, generator=g) * growth.flip(0)
+    weight = torch.randn(QUANT_FEATURES, QUANT_FEATURES, generator=g) / QUANT_FEATURES ** 0.5
+    recipe = RecipeConfig(fp4_stochastic_rounding=False, kernels="torch", fp8_gemm="emulated")  # Hadamard on
+    layer = QuantizedColumnParallelLinear(QUANT_FEATURES, QUANT_FEATURES, config=dataclasses.replace(
+        config, params_dtype=torch.float32), init_method=torch.nn.init.zeros_, bias=False)
+    layer.set_recipe(recipe)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+    cp = parallel_state.get_context_parallel_group()
+
+    def rel(a, b):
+        return ((a - b).abs().max() / b.abs().max()).item()
+
+    out = {}
+    for name in QUANT_FORMATS:
+        precision, state = Precision.uniform(name), QuantState()
+        for _ in range(2):  # the second step: delayed scaling's scales come from the first one's amaxes
+            want_x, want_w = x.clone().requires_grad_(), weight.clone().requires_grad_()
+            want = quantized_linear(want_x, want_w, precision, recipe, state)
+            want.backward(dy)
+        for reduced in (True, False):
+            layer.precision = precision
+            layer.quant_state = QuantState()
+            if not reduced:
+                layer.token_amax_all_reduce = lambda amax: amax  # this rank's tokens' amaxes only
+            for _ in range(2):
+                layer.weight.grad = None
+                got_x = _on_this_rank(x).requires_grad_()
+                got, _ = layer(got_x)
+                got.backward(_on_this_rank(dy))
+            if not reduced:
+                del layer.token_amax_all_reduce  # the class's method again
+            dw = layer.weight.grad.clone()
+            dist.all_reduce(dw, group=cp)
+            out[(name, reduced)] = max(rel(got.detach(), _on_this_rank(want.detach())),
+                                       rel(got_x.grad, _on_this_rank(want_x.grad)), rel(dw, want_w.grad))
+    return out
+
+
 def worker(rank: int, world: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -192,6 +250,7 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
         parallel_state.initialize_model_parallel(context_parallel_size=cp)
         config = dataclasses.replace(transformer_config(run.model, run.parallel), context_parallel_size=cp)
         results[cp] = _attention_checks(config)
+        results[cp]["quantization"] = _quantization_checks(config)
         parallel_state.destroy_model_parallel()
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
@@ -212,6 +271,23 @@ def test_attention_over_cp_ranks_equals_full_causal_attention(results, cp):
         got = per_rank[cp]
         for case in ("causal", "mask", "causal_recompute", "mask_recompute"):
             assert got[case] < EXACT, (rank, case, got[case])
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("cp", [2, 4])
+def test_a_context_parallel_linear_quantizes_as_the_whole_batch_does(results, cp):
+    """Per-tensor amaxes of X and dY (fp8 tensorwise, delayed, nvfp4's global scale) and the wgrad GEMM's per-row
+    amaxes (rowwise) reduced over the CP group, and blocks along tokens (blockwise, nvfp4 with its Hadamard
+    transform, mxfp4) within each chunk: every rank's outputs and input gradients, and the weight gradient
+    summed over the CP ranks, equal the whole batch's up to the order of fp32 sums."""
+    for rank, per_rank in enumerate(results):
+        got = per_rank[cp]["quantization"]
+        for name in QUANT_FORMATS:
+            assert got[(name, True)] < 1e-5, (rank, name, got[(name, True)])
+    for name in ("fp8", "fp8:delayed", "fp8:rowwise", "nvfp4"):  # without the reduction, some rank's scales differ
+        reduced, alone = (max(per_rank[cp]["quantization"][(name, r)] for per_rank in results) for r in (True, False))
+        # rowwise scales are powers of 2, which change only what falls below E4M3's normal range: 10x, not 100x
+        assert alone > (10 if name == "fp8:rowwise" else 100) * reduced, (name, reduced, alone)
 
 
 @pytest.mark.integration
