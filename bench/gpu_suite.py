@@ -167,6 +167,10 @@ def plan(wheels: Path | None, raw: Path, trainer_args: list[str] = ()) -> list[S
              [py, f"{bench}/step_time.py", *tinyllama.flags, *ours, "--iters", "6", "--warmup", "2",
               "--compare-attention", "2048", "--json", str(raw / "attention.json"), *trainer], 120, "attention.json",
              extra=True),
+        Step("cp_attention", "context parallelism's chunked attention (CP 2 layout) vs plain causal SDPA, "
+             "sequence 8192, Llama-3-8B heads, bf16", [py, f"{bench}/cp_attention.py", "--json",
+                                                     str(raw / "cp_attention.json")], 60, "cp_attention.json",
+             extra=True),
         Step("snip_cycle", f"one SNIP cycle of the full trainer, {tinyllama.label}, as a share of 1000 iterations",
              [py, f"{bench}/snip_cycle.py", *tinyllama.flags, *ONE_GPU, *data, "--interval", "5", *trainer], 120,
              extra=True),

@@ -103,6 +103,41 @@ def test_token_blocks_must_not_straddle_context_parallel_ranks(tiny_data):
 
 
 # ----------------------------------------------------------------------------------------------
+# One device, no process group: each CP rank's share of the attention (bench/cp_attention.py)
+
+
+def _measure(monkeypatch, **sizes) -> dict:
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    from cp_attention import measure
+
+    return measure(**sizes)
+
+
+def test_cp_attention_bench_runs_at_tiny_sizes(monkeypatch):
+    """The benchmark's measurement on this device (CPU in CI): both CP ranks' shares, timed, and their outputs and
+    gradients equal fp32 SDPA over the whole sequence."""
+    got = _measure(monkeypatch, seq=64, batch=1, heads=4, groups=2, head_dim=16, cp=2, dtype=torch.float32,
+                   device=torch.device("cpu"), reps=1, warmup=0)
+    assert len(got["ranks_s"]) == 2 and got["plain_s"] > 0 and got["speed"] > 0 and got["balance"] > 0
+    assert got["errors_vs_fp32"]["plain"] < 1e-5 and got["errors_vs_fp32"]["cp"] < 1e-5
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype,cp", [(torch.bfloat16, 2), (torch.bfloat16, 4), (torch.float32, 2)],
+                         ids=["bf16-cp2", "bf16-cp4", "fp32-cp2"])
+def test_cp_attention_runs_fused_kernels_on_one_gpu(monkeypatch, dtype, cp):
+    """On a GPU (a CP world of one, each rank's chunk layout in turn): the lower-right causal calls run flash
+    (bf16, kv heads shared) or memory-efficient attention (fp32, heads expanded), never the math kernel (the
+    measurement forbids it), and are as close to fp32 SDPA as plain causal SDPA in the same dtype is."""
+    got = _measure(monkeypatch, seq=2048, batch=2, heads=8, groups=2, head_dim=64, cp=cp, dtype=dtype,
+                   device=torch.device("cuda"), reps=3, warmup=1)
+    errors = got["errors_vs_fp32"]
+    assert errors["cp"] <= max(2 * errors["plain"], 1e-5), errors
+    print(f"\nCP{cp} {dtype}: speed {got['speed']:.3f}, balance {got['balance']:.3f}, errors {errors}")
+
+
+# ----------------------------------------------------------------------------------------------
 # Four processes: the attention module at CP=4 and CP=2 against full causal attention
 
 
@@ -119,6 +154,7 @@ def test_attention_over_cp_ranks_equals_full_causal_attention(results, cp):
     """Every rank's output and its query, key and value gradients, with GQA, causal and masked, in fp64."""
     for rank, per_rank in enumerate(results):
         got = per_rank[cp]
+        assert got["layout_is_megatrons"]  # ChunkLayout.local keeps what get_batch_on_this_cp_rank keeps
         for case in ("causal", "mask", "causal_recompute", "mask_recompute"):
             assert got[case] < EXACT, (rank, case, got[case])
 

@@ -96,7 +96,7 @@ class SDPAttention(MegatronModule):
             raise ValueError(f"SDPAttention: context_parallel_size {config.context_parallel_size} but a CP group of "
                              f"{self.cp_layout.size} ranks")
         # This rank's heads, as DotProductAttention splits them over the tensor-parallel group.
-        world_size = pg_collection.tp.size()
+        world_size = get_pg_size(self.tp_group)
         projection_size = config.kv_channels * config.num_attention_heads
         self.hidden_size_per_partition = divide(projection_size, world_size)
         self.num_attention_heads_per_partition = divide(config.num_attention_heads, world_size)
@@ -131,11 +131,11 @@ class SDPAttention(MegatronModule):
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("SDPAttention: packed sequences and attention bias are not supported "
                              "(DotProductAttention has neither); use --transformer-impl transformer_engine")
-        sq, b, sk = query.size(0), query.size(1), key.size(0)
+        sq, sk = query.size(0), key.size(0)
         if attention_mask is not None and (attention_mask.dtype != torch.bool or attention_mask.dim() != 4):
             raise ValueError(f"SDPAttention: the attention mask must be megatron's boolean [b, 1, sq, sk] "
                              f"(True = masked), got {attention_mask.dtype} of shape {tuple(attention_mask.shape)}")
-        causal = attention_mask is None and self.attn_mask_type == AttnMaskType.causal and sq > 1
+        causal = self._causal(attention_mask, sq)
         if self.cp_layout.size > 1:
             if attention_mask is None and not causal:
                 raise ValueError("SDPAttention: under context parallelism attention is causal (or given a mask); "
@@ -144,12 +144,25 @@ class SDPAttention(MegatronModule):
         elif causal and sq != sk:
             raise ValueError(f"SDPAttention: causal attention without a mask needs as many queries as keys, "
                              f"got {sq} and {sk}")
+        return self.attend(query, key, value, attention_mask, self.cp_layout)
+
+    def _causal(self, attention_mask: torch.Tensor | None, sq: int) -> bool:
+        """Whether the constructor's causal mask applies (no mask given, more than one query)."""
+        return attention_mask is None and self.attn_mask_type == AttnMaskType.causal and sq > 1
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: torch.Tensor | None, layout: ChunkLayout) -> torch.Tensor:
+        """The attention of ``query`` [sq, b, heads, hn] over ``key`` and ``value`` [sk, b, groups, hn]
+        -> [sq, b, heads * hn]. With a CP ``layout`` (size > 1) the queries are that rank's two chunks
+        and the keys and values the whole sequence, in order (what :meth:`forward` gathered): one SDPA call
+        per query chunk over the keys up to its end."""
+        sq, b = query.size(0), query.size(1)
+        causal = self._causal(attention_mask, sq)
         # [s, b, n, hn] -> [b, n, s, hn] (views; every kernel takes the strides)
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         allowed = None if attention_mask is None else ~attention_mask  # SDPA's boolean mask: pairs that take part
         groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
-        if groups > 1 and not _native_gqa(query, lower_right=causal and self.cp_layout.size > 1,
-                                          masked=allowed is not None):
+        if groups > 1 and not _native_gqa(query, lower_right=causal and layout.size > 1, masked=allowed is not None):
             key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))  # once, before any chunking
         gqa = {"enable_gqa": True} if key.size(1) != query.size(1) else {}
         dropout_p = self.attention_dropout_p if self.training else 0.0
@@ -157,14 +170,14 @@ class SDPAttention(MegatronModule):
         # tracker's per-rank stream; under sequence parallelism the whole block already runs in that fork.
         forked = dropout_p > 0 and not self.config.sequence_parallel
         with tensor_parallel.get_cuda_rng_tracker().fork() if forked else nullcontext():
-            if self.cp_layout.size == 1:
+            if layout.size == 1:
                 context = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, dropout_p=dropout_p,
                                                          is_causal=causal, scale=self.softmax_scale, **gqa)
-            else:  # one call per local query chunk, over the keys up to its end
+            else:  # lower-right causal: chunk k's query i sees the keys up to k·c + i
                 context = torch.cat([F.scaled_dot_product_attention(
                     query[:, :, rows], key[:, :, :keys], value[:, :, :keys],
                     attn_mask=causal_lower_right(rows.stop - rows.start, keys) if causal else allowed[..., rows, :keys],
                     dropout_p=dropout_p, scale=self.softmax_scale, **gqa)
-                    for rows, keys in self.cp_layout.query_chunks(sq)], dim=2)
+                    for rows, keys in layout.query_chunks(sq)], dim=2)
         # [b, heads, sq, hn] -> [sq, b, heads * hn]
         return context.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)

@@ -47,6 +47,12 @@ class ChunkLayout:
             place[first], place[second] = 2 * q, 2 * q + 1
         return [place[k] for k in range(2 * self.size)]
 
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's two chunks of ``t``, the whole sequence along dim 0: [2c, ...] from [2·size·c, ...]
+        (what megatron-core's ``get_batch_on_this_cp_rank`` keeps, for sequence-first tensors)."""
+        c = t.shape[0] // (2 * self.size)
+        return torch.cat([t[k * c:(k + 1) * c] for k in self.chunks])
+
     def query_chunks(self, local_length: int) -> list[tuple[slice, int]]:
         """For each of this rank's two query chunks: its rows among the ``local_length`` (= 2·c) local
         positions and the number of keys it attends to under a causal mask, (k+1)·c for chunk k."""

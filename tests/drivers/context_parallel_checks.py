@@ -44,18 +44,20 @@ def _on_this_rank(t: torch.Tensor) -> torch.Tensor:
 
 def _attention_checks(config) -> dict:
     """Max |difference| of output, dq, dk, dv from the reference, per case, on this rank."""
-    from megatron.core import tensor_parallel
+    from megatron.core import parallel_state, tensor_parallel
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     from megatron_snip.model.attention import SDPAttention
+    from megatron_snip.model.context_parallel import ChunkLayout
 
     g = torch.Generator().manual_seed(11)
     full = [torch.randn(SEQ, BATCH, n, HEAD_DIM, generator=g, dtype=torch.float64) for n in (HEADS, GROUPS, GROUPS)]
     grad_out = torch.randn(SEQ, BATCH, HEADS * HEAD_DIM, generator=g, dtype=torch.float64)
     module = SDPAttention(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
     causal = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
-    out = {}
+    layout = ChunkLayout(config.context_parallel_size, parallel_state.get_context_parallel_rank())
+    out = {"layout_is_megatrons": torch.equal(layout.local(full[0]), _on_this_rank(full[0]))}
     for case, mask in (("causal", None), ("mask", _reset_mask())):
         want_inputs = [t.clone().requires_grad_() for t in full]
         want = _reference(*want_inputs, causal if mask is None else ~mask, module.softmax_scale)
