@@ -51,9 +51,9 @@ def forward_step(data_iterator, model):
     ``attention_mask``) through this stage; the schedule feeds the stage input itself. Under context
     parallelism every CP rank reads the same micro-batch and keeps its two chunks of each sequence
     (megatron-core's ``get_batch_on_this_cp_rank``; nothing in megatron-core calls it for GPT)."""
-    batch = next(data_iterator)
     device = current_device()
-    batch = get_batch_on_this_cp_rank({k: v.to(device, non_blocking=True) for k, v in batch.items()})
+    # Cut before the copy: a --reset-attention-mask mask is [b, 1, S, S] and this rank needs S / CP of its rows.
+    batch = {k: v.to(device, non_blocking=True) for k, v in get_batch_on_this_cp_rank(next(data_iterator)).items()}
     output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
     return output, partial(loss_func, batch["loss_mask"], per_token=get_model_config(model).calculate_per_token_loss)
 
