@@ -52,8 +52,10 @@ def forward_step(data_iterator, model):
     parallelism every CP rank reads the same micro-batch and keeps its two chunks of each sequence
     (megatron-core's ``get_batch_on_this_cp_rank``; nothing in megatron-core calls it for GPT)."""
     device = current_device()
-    # Cut before the copy: a --reset-attention-mask mask is [b, 1, S, S] and this rank needs S / CP of its rows.
-    batch = {k: v.to(device, non_blocking=True) for k, v in get_batch_on_this_cp_rank(next(data_iterator)).items()}
+    # Cut before the copy (a --reset-attention-mask mask is [b, 1, S, S]; this rank needs S / CP of its rows), in
+    # a dict of its own: megatron-core cuts in place, and the interleaved schedule's chunks share the loader's.
+    batch = get_batch_on_this_cp_rank(dict(next(data_iterator)))
+    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
     output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
     return output, partial(loss_func, batch["loss_mask"], per_token=get_model_config(model).calculate_per_token_loss)
 
