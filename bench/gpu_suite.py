@@ -158,6 +158,10 @@ def plan(wheels: Path | None, raw: Path, trainer_args: list[str] = (), tiny: boo
              [py, f"{bench}/step_time.py", *shape_flags["tinyllama"], *ours, "--iters", "6", "--warmup", "2",
               "--compare-attention", "256" if tiny else "2048", "--json", str(raw / "attention.json"), *trainer], 120,
              "attention.json", extra=True),
+        Step("cp_attention", "context parallelism's chunked attention (CP 2 layout) vs plain causal SDPA, "
+             "sequence 8192, Llama-3-8B heads, bf16",
+             [py, f"{bench}/cp_attention.py", *(["--seq-length", "256", "--reps", "2"] if tiny else []), "--json",
+              str(raw / "cp_attention.json")], 60, "cp_attention.json", extra=True),
         Step("snip_cycle", f"one SNIP cycle of the full trainer, {tinyllama.label}, as a share of 1000 iterations",
              [py, f"{bench}/snip_cycle.py", *shape_flags["tinyllama"], *ONE_GPU, *data, "--interval", "5", *trainer],
              120, extra=True),

@@ -28,7 +28,7 @@ from side_by_side import side_by_side
 
 CUDA_FILES = {"tests/test_triton_qdq.py", "tests/test_fp8_gemm.py", "tests/test_fp8_linear.py",
               "tests/test_quantizers.py", "tests/test_gpu_training.py", "tests/test_snip_probes.py",
-              "tests/test_step_speed.py"}
+              "tests/test_step_speed.py", "tests/test_context_parallel.py"}
 
 
 def suite(*args: str) -> subprocess.CompletedProcess:
@@ -67,8 +67,8 @@ def test_without_cuda_the_suite_says_what_it_would_run_within_9_minutes_and_exit
     assert re.search(r"^budgeted \d+ s of --budget 450 s\b.*every step at its cap: (\d+) s.*the session takes at most "
                      r"540 s", proc.stdout, re.M)
     assert [s.name for s in gpu_suite.plan(None, tmp_path) if s.fill] == ["tests"] and steps["tests"][1] == 150
-    assert ("extra steps (--only NAME): tests_all, attention, snip_cycle, snip_cycle_fisher, fp8_step_tinyllama, "
-            "fp8_step_llama3_8b_4l, health_overhead") in proc.stdout
+    assert ("extra steps (--only NAME): tests_all, attention, cp_attention, snip_cycle, snip_cycle_fisher, "
+            "fp8_step_tinyllama, fp8_step_llama3_8b_4l, health_overhead") in proc.stdout
     assert f"gpu_suite.py --install {tmp_path / 'wheels'}" in steps["install"][2]
     threads = f"--threads {conditions.threads_per_process(1)}"
     for shape, flags in (("tinyllama", TINYLLAMA), ("llama3_8b_4l", LLAMA3_8B_4L)):

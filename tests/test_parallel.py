@@ -86,15 +86,25 @@ def baseline_grads(tiny_data, init_ckpt, tmp_path_factory):
     return losses_and_grads(tiny_data, init_ckpt, tmp_path_factory.mktemp("base_grads"), 1)
 
 
+CP2 = ("--context-parallel-size", "2")
+
+
 @pytest.mark.parametrize("layout", [
     # the local layers' torch norms, whose gradients megatron-core all-reduces over TP
     ("--tensor-model-parallel-size", "2", "--sequence-parallel"),
     # the interleaved schedule: 2 chunks of 1 layer per pipeline rank
     ("--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"),
-], ids=["tp2-sp", "pp2-vpp2"])
+    # context parallelism: each sequence in 4 chunks over 2 ranks (tests/test_context_parallel.py: the attention);
+    # alone with the per-token loss (every token counts: the same loss and gradients as the mean's)
+    (*CP2, "--calculate-per-token-loss"),
+    (*CP2, "--tensor-model-parallel-size", "2", "--sequence-parallel"),
+    (*CP2, "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"),
+], ids=["tp2-sp", "pp2-vpp2", "cp2-per-token-loss", "cp2-tp2-sp", "cp2-pp2-vpp2"])
 def test_layout_matches_tp1_in_losses_and_gradients(tiny_data, init_ckpt, baseline_grads, tmp_path, layout):
     """Trains as TP1 does: losses of 4 steps, then every gradient of a 5th batch."""
-    losses, grads = losses_and_grads(tiny_data, init_ckpt, tmp_path, 2, *layout)
+    model_parallel = any(flag in layout for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size"))
+    nproc = 4 if CP2[0] in layout and model_parallel else 2
+    losses, grads = losses_and_grads(tiny_data, init_ckpt, tmp_path, nproc, *layout)
     want_losses, want_grads = baseline_grads
     assert_close(losses, want_losses, rel=2e-5)
     assert sorted(grads) == sorted(want_grads)
@@ -105,6 +115,50 @@ def test_layout_matches_tp1_in_losses_and_gradients(tiny_data, init_ckpt, baseli
           f"relative to the tensor's largest {max(worst.values()):.2e} ({max(worst, key=worst.get)})")
     for name, rel in worst.items():
         assert rel < 1e-4, (name, rel)
+
+
+DIST_OPT = ("--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather")
+
+
+@pytest.fixture(scope="module")
+def cp2_run(tiny_data, init_ckpt, tmp_path_factory):
+    """6 iterations at CP2 from the initial weights, the distributed optimizer sharded over the 2 CP ranks
+    (megatron-core shards it over DP x CP) with overlapped communication, saving at 3 and 6."""
+    d = tmp_path_factory.mktemp("cp2")
+    launch(2, train_args(tiny_data, *CP2, *DIST_OPT, "--load", str(init_ckpt), "--no-load-optim", "--no-load-rng",
+                         "--save", str(d / "ckpt"), "--save-interval", "3", "--tensorboard-dir", str(d / "tb")))
+    return d
+
+
+def test_cp2_with_the_distributed_optimizer_trains_as_tp1(cp2_run, baseline):
+    assert_close(scalars(cp2_run / "tb", LOSS), baseline, rel=2e-5)
+
+
+def test_cp2_checkpoint_resumes_at_cp1(tiny_data, cp2_run, tmp_path):
+    """Weights and optimizer state saved at CP2 continue at CP1 as the CP2 run did."""
+    ckpt = resume_from(cp2_run / "ckpt", 3, tmp_path / "ckpt")
+    launch(1, train_args(tiny_data, "--use-distributed-optimizer", "--load", str(ckpt),
+                         "--tensorboard-dir", str(tmp_path / "tb")))
+    full, resumed = scalars(cp2_run / "tb", LOSS), scalars(tmp_path / "tb", LOSS)
+    assert sorted(resumed) == [4, 5, 6]
+    assert_close(resumed, {k: full[k] for k in resumed}, rel=2e-5)
+
+
+def test_checkpoints_move_between_cp2_and_cp1_dp2(tiny_data, cp2_run, tmp_path):
+    """CP2 -> CP1 x DP2 (the distributed optimizer's shards over DP x CP = 2 ranks either way), and back: each
+    continues as the run that saved it did."""
+    ckpt = resume_from(cp2_run / "ckpt", 3, tmp_path / "dp2")
+    launch(2, train_args(tiny_data, *DIST_OPT, "--load", str(ckpt), "--save", str(ckpt), "--save-interval", "4",
+                         "--tensorboard-dir", str(tmp_path / "tb_dp2")))
+    cp2, dp2 = scalars(cp2_run / "tb", LOSS), scalars(tmp_path / "tb_dp2", LOSS)
+    assert sorted(dp2) == [4, 5, 6]
+    assert_close(dp2, {k: cp2[k] for k in dp2}, rel=2e-5)
+    back = resume_from(ckpt, 4, tmp_path / "back")
+    launch(2, train_args(tiny_data, *CP2, *DIST_OPT, "--load", str(back),
+                         "--tensorboard-dir", str(tmp_path / "tb_back")))
+    again = scalars(tmp_path / "tb_back", LOSS)
+    assert sorted(again) == [5, 6]
+    assert_close(again, {k: dp2[k] for k in again}, rel=2e-5)
 
 
 @pytest.fixture(scope="module")

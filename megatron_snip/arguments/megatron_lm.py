@@ -73,6 +73,9 @@ DIFFERENT_DEFAULTS = {
                         "a GPU launch that relies on the default gets a start-up notice",
     "fp8_recipe": "tensorwise here, delayed there: stateless scaling is right from the first step of a module a plan "
                   "switches to FP8; a launch whose FP8 flags mean delayed scaling there gets a start-up notice",
+    "cp_comm_type": "all_gather here, p2p there: the SDPA attention all-gathers keys and values over the CP group "
+                    "(Llama 3's scheme; Megatron-LM's p2p is Transformer Engine's ring attention); the same attention, "
+                    "other communication; a CP launch that relies on the default gets a start-up notice",
     "micro_batch_size": "Megatron-LM has no default (it requires the flag); 4 here",
     "lr": "Megatron-LM has no default (its scheduler fails without one); 3e-4 here",
     "eval_interval": "Megatron-LM has no default (it fails without one when it evaluates); 1000 here",

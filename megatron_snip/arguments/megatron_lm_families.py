@@ -130,12 +130,10 @@ FAMILIES = (
                   "keep_fp8_transpose_cache", "enable_full_sharding_in_hsdp", "torch_fsdp2_reshard_after_forward",
                   "fsdp_manual_registration", "gradient_reduce_div_fusion", "nccl_ub",
                   "disable_symmetric_registration", "init_model_with_meta_device")),
-    Family("context parallelism", "context parallelism is not supported (the local layers' attention has no ring "
-           "attention, and SNIP's probes measure whole sequences per rank); use --sequence-parallel to split "
-           "activations over TP",
-           # branch cpcore implements context parallelism: its flags replace these entries
-           dests=("hierarchical_context_parallel_sizes", "cp_comm_type", "max_seqlen_per_dp_cp_rank",
-                  "hybrid_context_parallel")),
+    Family("dynamic context parallelism", "context parallelism here cuts every sequence into 2 x CP equal chunks "
+           "(--context-parallel-size); sequence packing with a per-rank length limit and the hybrid (per-batch) "
+           "layout are not supported",
+           dests=("max_seqlen_per_dp_cp_rank", "hybrid_context_parallel")),
     Family("tensor-parallel communication overlap", "Transformer Engine's userbuffer overlap of tensor-parallel "
            "communication is not used here",
            dests=("tp_comm_overlap", "tp_comm_overlap_rs_dgrad", "tp_comm_overlap_cfg", "tp_comm_bootstrap_backend")),

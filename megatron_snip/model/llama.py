@@ -97,6 +97,9 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Transfor
         # there, over gloo, each send and receive completes before the next (a start-up notice says so).
         overlap_p2p_comm=overlap_p2p,
         batch_p2p_comm=not overlap_p2p and not same_peer,
+        # Each rank holds S / CP tokens of every sequence: RoPE's tables are cut to its chunks by megatron-core,
+        # the SDPA attention gathers the keys and values (model/context_parallel.py).
+        context_parallel_size=parallel.context_parallel_size,
         sequence_parallel=parallel.sequence_parallel,
         pipeline_dtype=model.params_dtype,
         params_dtype=model.params_dtype,

@@ -135,8 +135,9 @@ class TrainingLogger(MetricsLogger):
         stages = f" (layers per stage {', '.join(map(str, stage_layers))})" if len(stage_layers) > 1 else ""
         self.text(f"model: {c.model.model_preset} shape, {parameters / 1e6:.2f}M "
                   f"parameters in {dtype}; TP={par.tensor_model_parallel_size} PP={par.pipeline_model_parallel_size}"
-                  f"{stages} DP={par.data_parallel_size}; global batch {c.training.global_batch_size} x "
-                  f"{c.model.seq_length} tokens; device {'cuda' if has_cuda() else 'cpu (megatron_snip.compat.cpu)'}")
+                  f"{stages} {f'CP={par.context_parallel_size} ' if par.context_parallel_size > 1 else ''}"
+                  f"DP={par.data_parallel_size}; global batch {c.training.global_batch_size} x {c.model.seq_length} "
+                  f"tokens; device {'cuda' if has_cuda() else 'cpu (megatron_snip.compat.cpu)'}")
         self.text(f"unigram entropy of the training data: {unigram_entropy:.4f} nats/token "
                   f"(a model without context cannot beat this)")
 
