@@ -35,10 +35,8 @@ def peak_tflops(override: float | None) -> float | None:
 
 
 def is_logging_rank() -> bool:
-    """The one rank that writes the run's logs: the first of the last pipeline stage (which has the loss;
-    every other rank there holds the same numbers, context-parallel ones included)."""
     return (parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
-            and parallel_state.get_context_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0)
+            and parallel_state.get_data_parallel_rank() == 0)
 
 
 def setup_console() -> None:

@@ -243,10 +243,9 @@ def _load(path: str, flag: str, num_layers: int) -> PrecisionPlan:
 
 def linear_shapes(config: RunConfig, dims: LlamaLinearDims) -> dict[str, tuple[int, int, int]]:
     """Module type -> (tokens, in, out) of its GEMMs on one rank for one micro-batch: the shapes a
-    measured speed table times (every layer's modules of a type share theirs; a context-parallel rank
-    holds 1/CP of the sequence)."""
+    measured speed table times (every layer's modules of a type share theirs)."""
     tp = config.parallel.tensor_model_parallel_size
-    tokens = config.training.micro_batch_size * config.model.seq_length // config.parallel.context_parallel_size
+    tokens = config.training.micro_batch_size * config.model.seq_length
     return {module: (tokens, *dims.tp_shape(module, tp)) for module in LINEAR_MODULE_TYPES}
 
 
