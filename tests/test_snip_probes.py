@@ -54,12 +54,12 @@ MIXED = {"decoder.layers.1.self_attention.linear_qkv": "fp8", "decoder.layers.1.
 # Shared worker helpers (run inside spawned processes)
 
 
-def _layout(tp=1, pp=1, vpp=None):
+def _layout(tp=1, pp=1, vpp=None, cp=1):
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                             virtual_pipeline_model_parallel_size=vpp)
+                                             virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp)
 
 
 def _start(rank, world, port):
@@ -137,11 +137,13 @@ def _build(distributed_optimizer=False, stochastic_rounding=True, sequence_paral
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    dp = dist.get_world_size() // (tp * pp)
+    cp = parallel_state.get_context_parallel_world_size()
+    dp = dist.get_world_size() // (tp * pp * cp)
     # Vocabulary rows padded to a multiple of 64 x TP: 128 at TP 1 and 2, so every layout has the same model.
     flags = ["--ffn-hidden-size", "160", "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ),
              "--make-vocab-size-divisible-by", "64", "--tensor-model-parallel-size", str(tp),
-             "--pipeline-model-parallel-size", str(pp), "--micro-batch-size", str(MBS),
+             "--pipeline-model-parallel-size", str(pp), "--context-parallel-size", str(cp),
+             "--micro-batch-size", str(MBS),
              "--global-batch-size", str(MBS * MICRO * dp), "--lr", "3e-3", "--weight-decay", "0.01"]
     flags += ["--use-distributed-optimizer"] if distributed_optimizer else []
     flags += ["--sequence-parallel"] if sequence_parallel else []
@@ -556,6 +558,9 @@ LAYOUTS = {
     "pp2vpp2": (dict(pp=2, vpp=2), {}),
     "distributed_optimizer": ({}, dict(distributed_optimizer=True)),
     "distributed_optimizer_overlap": ({}, dict(distributed_optimizer=True, overlap=True)),
+    # Each rank holds two chunks of every sequence; with the distributed optimizer, half of the Adam state.
+    "cp2": (dict(cp=2), {}),
+    "cp2_distributed_optimizer": (dict(cp=2), dict(distributed_optimizer=True)),
     # The te backend's measurement path: modules seen through its adapter, the GEMM's input after a
     # fused norm (last: the fused spec stays in the worker once built).
     "te_layout_tp1": ({}, dict(fused_norm=True)),
@@ -649,7 +654,11 @@ TOLERANCE = {"curvature": 3e-4, "gain": 2e-3, "errors.output_sq": 2e-3, "errors.
 @pytest.mark.integration
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_statistics_do_not_depend_on_the_parallel_layout(parallel, layout):
-    sharded = LAYOUTS[layout][1].get("distributed_optimizer", False)
+    # Under the distributed optimizer each replica perturbs its shards only (the shards of all its CP ranks):
+    # with DP > 1, one draw of the gain differs from TP=1's.
+    sizes = LAYOUTS[layout][0]
+    sharded = (LAYOUTS[layout][1].get("distributed_optimizer", False)
+               and sizes.get("tp", 1) * sizes.get("pp", 1) * sizes.get("cp", 1) < 2)
     diff = _differences(parallel[layout], parallel["tp1"], skip_gain=sharded)
     print(f"\n{layout}: largest relative differences " + ", ".join(f"{k} {v:.1e}" for k, v in diff.items()))
     for key, value in diff.items():
@@ -668,6 +677,33 @@ def test_statistics_do_not_depend_on_the_parallel_layout(parallel, layout):
               f"{max(abs(a - b) / b for a, b in gains.values()):.2f}")
         for a, b in gains.values():
             assert a == pytest.approx(b, rel=0.1)
+
+
+@pytest.mark.integration
+def test_context_parallel_statistics_plan_as_cp1s(parallel):
+    """The plan the CP2 statistics give (every candidate, half the linear FLOPs in FP4, the GEMM time priced
+    as research mode prices it) is the CP=1 statistics' plan."""
+    from megatron_snip.numerics.recipes import RecipeConfig
+    from megatron_snip.precision.gemm_speed import peak_speed_model
+    from megatron_snip.snip.estimators import cost_tables
+    from megatron_snip.snip.ilp import LinearModule
+    from megatron_snip.snip.planner import PlannerConfig, build_problem, solve_plan
+    from megatron_snip.snip.statistics import ProbeStatistics
+
+    formats = ("bf16", *FORMATS)
+    config = PlannerConfig(formats=formats, fp4_target=0.5, solver="highs",
+                           speed=peak_speed_model("blackwell").precision_speeds(RecipeConfig(), formats))
+    modules = [LinearModule.from_shape(name, m["layer"], MBS * MICRO * SEQ, m["in_features"], m["out_features"])
+               for name, m in parallel["tp1"]["modules"].items()]
+
+    def plan(stats: dict):
+        costs = cost_tables(ProbeStatistics.from_dict(stats), formats=formats)
+        return solve_plan(build_problem(modules, costs, config), config)[0]
+
+    reference = plan(parallel["tp1"])
+    assert len({str(p) for p in reference.modules.values()}) > 1  # a real choice among modules
+    for layout in ("cp2", "cp2_distributed_optimizer"):
+        assert plan(parallel[layout]) == reference, layout
 
 
 @pytest.mark.integration
