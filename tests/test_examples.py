@@ -29,7 +29,8 @@ FAKES = {
 SCRIPTS = sorted((ROOT / "examples").glob("**/*.sh")) + sorted((ROOT / "examples").glob("**/*.sbatch"))
 
 
-def recorded_launches(script: Path, tmp_path: Path) -> list[list[str]]:
+def recorded_launches(script: Path, tmp_path: Path, env: dict | None = None) -> list[list[str]]:
+    """The argument lists of every torchrun the script calls (``env``: more of its environment)."""
     # Exported bash functions win over PATH, even after the script activates a venv.
     stand_ins = "".join(f"{name}() {{ {body}; }}; export -f {name}; " for name, body in FAKES.items())
     out = tmp_path / "out"
@@ -39,7 +40,7 @@ def recorded_launches(script: Path, tmp_path: Path) -> list[list[str]]:
            "DATA_PATH": "/data/corpus_text_document", "TOKENIZER_MODEL": "/data/tok.model",
            "SLURM_JOB_NODELIST": "node[001-002]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "42",
            # Scripts that run tools (conversion, preprocessing) call them through $PYTHON: a no-op here.
-           "HF_DIR": "/models/TinyLlama", "CORPUS": "/data/corpus.jsonl", "PYTHON": "true"}
+           "HF_DIR": "/models/TinyLlama", "CORPUS": "/data/corpus.jsonl", "PYTHON": "true", **(env or {})}
     proc = subprocess.run(["bash", "-c", f'{stand_ins} bash "$0"', str(script)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -333,10 +333,10 @@ def test_a_checkpoint_decides_whether_its_norms_are_zero_centred():
 
 # -- every problem at once -------------------------------------------------------------------
 
-FIVE_PROBLEMS = ("--fp16", "--use-torch-fsdp2", "--context-parallel-size", "2", "--lr", "1e-4", "--min-lr", "1e-3",
-                 "--tokenizer-type", "TikTokenizer")
+FIVE_PROBLEMS = ("--fp16", "--use-torch-fsdp2", "--hierarchical-context-parallel-sizes", "2", "--lr", "1e-4",
+                 "--min-lr", "1e-3", "--tokenizer-type", "TikTokenizer")
 FIVE_MESSAGES = ("--fp16: fp16 training needs loss scaling", "--use-torch-fsdp2: FSDP is not supported",
-                 "--context-parallel-size 2: context parallelism is not supported",
+                 "--hierarchical-context-parallel-sizes 2: their product 2 is not --context-parallel-size 1",
                  "--min-lr 0.001 exceeds --lr 0.0001", "--tokenizer-type TikTokenizer is not supported")
 
 

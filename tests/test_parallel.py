@@ -71,15 +71,23 @@ def baseline_grads(tiny_data, init_ckpt, tmp_path_factory):
     return losses_and_grads(tiny_data, init_ckpt, tmp_path_factory.mktemp("base_grads"), 1)
 
 
+CP2 = ("--context-parallel-size", "2")
+
+
 @pytest.mark.parametrize("layout", [
     # the local layers' torch norms, whose gradients megatron-core all-reduces over TP
     ("--tensor-model-parallel-size", "2", "--sequence-parallel"),
     # the interleaved schedule: 2 chunks of 1 layer per pipeline rank
     ("--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"),
-], ids=["tp2-sp", "pp2-vpp2"])
+    # context parallelism: each sequence in 4 chunks over 2 ranks (tests/test_context_parallel.py: the attention)
+    CP2,
+    (*CP2, "--tensor-model-parallel-size", "2", "--sequence-parallel"),
+    (*CP2, "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"),
+], ids=["tp2-sp", "pp2-vpp2", "cp2", "cp2-tp2-sp", "cp2-pp2-vpp2"])
 def test_layout_matches_tp1_in_losses_and_gradients(tiny_data, init_ckpt, baseline_grads, tmp_path, layout):
     """Trains as TP1 does: losses of 4 steps, then every gradient of a 5th batch."""
-    losses, grads = losses_and_grads(tiny_data, init_ckpt, tmp_path, 2, *layout)
+    nproc = 2 * (2 if layout[0] == CP2[0] and len(layout) > 2 else 1)
+    losses, grads = losses_and_grads(tiny_data, init_ckpt, tmp_path, nproc, *layout)
     want_losses, want_grads = baseline_grads
     assert_close(losses, want_losses, rel=2e-5)
     assert sorted(grads) == sorted(want_grads)

@@ -28,6 +28,7 @@ from megatron_snip.precision.config import RECIPE_DEFAULTS
 from megatron_snip.snip.config import DEFAULT_FP4_TARGET
 
 from .architecture import resolve_architecture
+from .context_parallel import check_token_blocks, validate_context_parallel
 from .errors import ArgumentError, HostProblem, Problems, require
 from .megatron_lm import refuse_megatron_lm, validate_megatron_lm
 from .parser import parse_args
@@ -201,18 +202,23 @@ def resolve(parsed: argparse.Namespace, world_size: int | None = None, cuda: boo
     from megatron_snip.training.config import RunConfig
 
     config = RunConfig.from_flags(vars(args))
-    return dataclasses.replace(config, start=_start_point(config, resumed, check_files))
+    config = dataclasses.replace(config, start=_start_point(config, resumed, check_files))
+    check_token_blocks(config)
+    return config
 
 
 def _validate_layout(args: argparse.Namespace, world_size: int) -> None:
     """The parallel layout against the launch and the model's shape, and the batch arithmetic."""
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    require(tp >= 1 and pp >= 1, "--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
-    require(world_size % (tp * pp) == 0,
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    require(tp >= 1 and pp >= 1 and cp >= 1, "--tensor-model-parallel-size, --pipeline-model-parallel-size and "
+            "--context-parallel-size must be >= 1")
+    model = tp * pp * cp
+    cp_text = f" x --context-parallel-size {cp}" if cp > 1 else ""
+    require(world_size % model == 0,
             f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
-            f"--pipeline-model-parallel-size {pp} = {tp * pp}; launch a multiple of {tp * pp} "
-            f"processes (e.g. torchrun --nproc-per-node {tp * pp}) or change the parallel sizes")
-    args.data_parallel_size = dp = world_size // (tp * pp)
+            f"--pipeline-model-parallel-size {pp}{cp_text} = {model}; launch a multiple of {model} "
+            f"processes (e.g. torchrun --nproc-per-node {model}) or change the parallel sizes")
+    args.data_parallel_size = dp = world_size // model
     require(args.num_attention_heads % tp == 0,
             f"--num-attention-heads {args.num_attention_heads} is not divisible by "
             f"--tensor-model-parallel-size {tp}; choose a TP size that divides the head count")
@@ -244,12 +250,9 @@ def _validate_layout(args: argparse.Namespace, world_size: int) -> None:
     require(not args.overlap_param_gather or args.use_distributed_optimizer,
             "--overlap-param-gather needs --use-distributed-optimizer (it overlaps the all-gather of the "
             "optimizer's parameter shards); add it, or drop --overlap-param-gather")
-    require(args.context_parallel_size == 1,
-            f"--context-parallel-size {args.context_parallel_size}: context parallelism is not supported (the local "
-            "layers' attention has no ring attention, and SNIP's probes measure whole sequences per rank); "
-            "use --sequence-parallel to split activations over TP, or --context-parallel-size 1")
     if tp == 1:
         args.sequence_parallel = False  # Megatron-LM's rule: nothing to shard over, so no change in numerics
+    validate_context_parallel(args)
 
 
 def _validate_training(args: argparse.Namespace, cuda: bool) -> None:

@@ -49,6 +49,9 @@ class _CudaAsCpuMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if "device" in kwargs:
             kwargs["device"] = _to_cpu_device(kwargs["device"])
+        if kwargs.get("pin_memory"):
+            # Page-locked host memory needs an accelerator (megatron's RoPE asks for it under context parallelism).
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:

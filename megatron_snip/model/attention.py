@@ -25,18 +25,31 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
-from megatron.core.utils import divide
+from megatron.core.utils import divide, get_pg_rank, get_pg_size
+from torch.nn.attention.bias import causal_lower_right
+
+from megatron_snip.model.context_parallel import ChunkLayout, gather_sequence
 
 # SDPA's grouped-query attention (kv heads shared by groups of query heads, without copying them)
 # came in torch 2.5; the project supports torch >= 2.4, which gets expanded keys and values.
 SDPA_HAS_GQA = torch.__version__ >= "2.5"
 
 
+def _native_gqa(query: torch.Tensor, lower_right: bool, masked: bool) -> bool:
+    """Whether SDPA gets the shared kv heads as they are (grouped-query attention inside the kernel) rather
+    than expanded to one per query head. With a boolean mask, CUDA's only fused kernel that takes one
+    (memory-efficient) has no GQA: torch would fall back to the quadratic math kernel. A lower-right causal
+    mask (``causal_lower_right``, context parallelism) runs on CUDA's flash kernel (GQA inside) for fp16 and
+    bf16, else on the memory-efficient one (none); on a CPU it is materialised, which any kernel takes."""
+    if not SDPA_HAS_GQA or masked:
+        return False
+    if lower_right:
+        return query.device.type != "cuda" or query.dtype in (torch.float16, torch.bfloat16)
+    return True
+
+
 def _refuse_unsupported(config: TransformerConfig, layer_number: int) -> None:
     """ValueError for a configuration whose attention SDPA cannot compute."""
-    if config.context_parallel_size != 1:
-        raise ValueError(f"SDPAttention: context_parallel_size {config.context_parallel_size} needs ring "
-                         "attention (Transformer Engine's); use --context-parallel-size 1")
     if config.softmax_type != "vanilla":
         raise ValueError(f"SDPAttention: softmax_type {config.softmax_type!r} (a softmax offset) is not what SDPA "
                          "computes; use --attention-backend unfused (megatron-core's DotProductAttention)")
@@ -72,9 +85,16 @@ class SDPAttention(MegatronModule):
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type  # unused, as in DotProductAttention
         if pg_collection is None:
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         self.pg_collection = pg_collection
         self.tp_group = pg_collection.tp
+        # Context parallelism: this rank's chunks of the sequence; the keys and values of the others are
+        # all-gathered whatever cp_comm_type asks (validation says so once, at start-up).
+        self.cp_group = getattr(pg_collection, "cp", None)
+        self.cp_layout = ChunkLayout(get_pg_size(self.cp_group), get_pg_rank(self.cp_group))
+        if self.cp_layout.size != config.context_parallel_size:
+            raise ValueError(f"SDPAttention: context_parallel_size {config.context_parallel_size} but a CP group of "
+                             f"{self.cp_layout.size} ranks")
         # This rank's heads, as DotProductAttention splits them over the tensor-parallel group.
         world_size = pg_collection.tp.size()
         projection_size = config.kv_channels * config.num_attention_heads
@@ -102,37 +122,49 @@ class SDPAttention(MegatronModule):
         ``--reset-attention-mask`` produces). As in DotProductAttention, a given mask is used as it is
         and the forward's ``attn_mask_type`` is not read. One difference: a query row whose keys are
         all masked (only padding masks make one) gives 0 here and the mean of the values there.
+
+        Under context parallelism the rows are this CP rank's two chunks of the sequence (sq = sk =
+        S / CP) and a mask has this rank's query rows over all S keys, [b, 1, S / CP, S] (what
+        megatron-core's ``get_batch_on_this_cp_rank`` makes of the data loader's): see
+        ``model/context_parallel.py``.
         """
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("SDPAttention: packed sequences and attention bias are not supported "
                              "(DotProductAttention has neither); use --transformer-impl transformer_engine")
         sq, b, sk = query.size(0), query.size(1), key.size(0)
-        groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
-        mask, causal = None, False
-        if attention_mask is not None:
-            if attention_mask.dtype != torch.bool or attention_mask.dim() != 4:
-                raise ValueError(f"SDPAttention: the attention mask must be megatron's boolean [b, 1, sq, sk] "
-                                 f"(True = masked), got {attention_mask.dtype} of shape {tuple(attention_mask.shape)}")
-            mask = ~attention_mask  # SDPA's boolean mask marks the pairs that take part
-        elif self.attn_mask_type == AttnMaskType.causal and sq > 1:
-            if sq != sk:
-                raise ValueError(f"SDPAttention: causal attention without a mask needs as many queries as keys, "
-                                 f"got {sq} and {sk}")
-            causal = True
+        if attention_mask is not None and (attention_mask.dtype != torch.bool or attention_mask.dim() != 4):
+            raise ValueError(f"SDPAttention: the attention mask must be megatron's boolean [b, 1, sq, sk] "
+                             f"(True = masked), got {attention_mask.dtype} of shape {tuple(attention_mask.shape)}")
+        causal = attention_mask is None and self.attn_mask_type == AttnMaskType.causal and sq > 1
+        if self.cp_layout.size > 1:
+            if attention_mask is None and not causal:
+                raise ValueError("SDPAttention: under context parallelism attention is causal (or given a mask); "
+                                 f"got mask type {self.attn_mask_type.name} without a mask")
+            key, value = (gather_sequence(t, self.cp_group, self.cp_layout) for t in (key, value))
+        elif causal and sq != sk:
+            raise ValueError(f"SDPAttention: causal attention without a mask needs as many queries as keys, "
+                             f"got {sq} and {sk}")
         # [s, b, n, hn] -> [b, n, s, hn] (views; every kernel takes the strides)
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        # With a mask, CUDA's only fused kernel that takes one (memory-efficient) has no GQA: torch would
-        # fall back to the quadratic math kernel, so the shared kv heads are expanded instead.
-        native_gqa = groups > 1 and SDPA_HAS_GQA and mask is None
-        if groups > 1 and not native_gqa:
-            key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
+        allowed = None if attention_mask is None else ~attention_mask  # SDPA's boolean mask: pairs that take part
+        groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        if groups > 1 and not _native_gqa(query, lower_right=causal and self.cp_layout.size > 1,
+                                          masked=allowed is not None):
+            key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))  # once, before any chunking
+        gqa = {"enable_gqa": True} if key.size(1) != query.size(1) else {}
         dropout_p = self.attention_dropout_p if self.training else 0.0
         # As DotProductAttention: each TP rank holds other heads, so it draws its dropout from the RNG
         # tracker's per-rank stream; under sequence parallelism the whole block already runs in that fork.
         forked = dropout_p > 0 and not self.config.sequence_parallel
         with tensor_parallel.get_cuda_rng_tracker().fork() if forked else nullcontext():
-            context = F.scaled_dot_product_attention(
-                query, key, value, attn_mask=mask, dropout_p=dropout_p, is_causal=causal,
-                scale=self.softmax_scale, **({"enable_gqa": True} if native_gqa else {}))
+            if self.cp_layout.size == 1:
+                context = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, dropout_p=dropout_p,
+                                                         is_causal=causal, scale=self.softmax_scale, **gqa)
+            else:  # one call per local query chunk, over the keys up to its end
+                context = torch.cat([F.scaled_dot_product_attention(
+                    query[:, :, rows], key[:, :, :keys], value[:, :, :keys],
+                    attn_mask=causal_lower_right(rows.stop - rows.start, keys) if causal else allowed[..., rows, :keys],
+                    dropout_p=dropout_p, scale=self.softmax_scale, **gqa)
+                    for rows, keys in self.cp_layout.query_chunks(sq)], dim=2)
         # [b, heads, sq, hn] -> [sq, b, heads * hn]
         return context.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)

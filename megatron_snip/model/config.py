@@ -11,6 +11,9 @@ from megatron_snip.model.presets import PRESETS
 ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
 # --torch-compile-backend: inductor generates kernels; aot_eager traces and runs eager kernels (checks on a CPU)
 COMPILE_BACKENDS = ("inductor", "aot_eager")
+# --cp-comm-type: Megatron-LM's and Transformer Engine's names; the SDPA attention all-gathers whichever is given.
+CP_COMM_TYPES = ("all_gather", "allgather", "p2p", "a2a", "a2a+p2p")
+ALL_GATHER = ("all_gather", "allgather")
 
 
 @dataclass(frozen=True)
@@ -154,11 +157,11 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How the processes split the model and the data (TP x PP x DP, Megatron's flags)."""
+    """How the processes split the model and the data (TP x PP x CP x DP, Megatron's flags)."""
 
     tensor_model_parallel_size: int = flag(1, "Tensor-parallel size (TP).")
     pipeline_model_parallel_size: int = flag(1, "Pipeline-parallel size (PP).")
-    data_parallel_size: int = derived(1)  # world size / (TP x PP)
+    data_parallel_size: int = derived(1)  # world size / (TP x PP x CP)
     num_layers_per_virtual_pipeline_stage: int | None = flag(
         None, "Interleaved pipeline schedule: layers per virtual stage (model chunk); each pipeline rank holds "
         "num-layers / (PP x this) chunks.")
@@ -168,8 +171,18 @@ class ParallelConfig:
         "--num-layers-per-virtual-pipeline-stage).")
     sequence_parallel: bool = flag(False, "Shard the norm/dropout activations along the sequence over TP ranks (off "
                                    "at TP 1, as in Megatron-LM).")
-    context_parallel_size: int = flag(1, "Accepted for Megatron scripts; only 1 (no context parallelism) is "
-                                      "supported.")
+    context_parallel_size: int = flag(
+        1, "Context-parallel size (CP): each sequence is cut into 2 x CP chunks and CP rank r computes chunks r and "
+        "2 x CP - 1 - r (megatron-core's load balance); attention all-gathers keys and values over the CP group "
+        "(docs/parallel.md). --seq-length must be a multiple of 2 x CP.")
+    cp_comm_type: tuple[str, ...] | None = flag(
+        None, "How CP ranks exchange keys and values (one value, or one per layer, as in Megatron-LM). The SDPA "
+        "attention here all-gathers them (all_gather, Llama 3's scheme), the default; Megatron-LM's default p2p "
+        "(Transformer Engine's ring attention), a2a and a2a+p2p are accepted with a start-up notice that the "
+        "all-gather runs.", choices=CP_COMM_TYPES)
+    hierarchical_context_parallel_sizes: tuple[int, ...] | None = flag(
+        None, "Megatron-LM's CP sub-group sizes for --cp-comm-type a2a+p2p: accepted when their product is "
+        "--context-parallel-size; the all-gather does not use them.")
     use_distributed_optimizer: bool = flag(False, "Shard the optimizer state over data-parallel ranks.")
     overlap_grad_reduce: bool = flag(False, "Overlap the gradient reduce-scatter/all-reduce with the backward pass.")
     overlap_param_gather: bool = flag(False, "Overlap the parameter all-gather with the forward pass (needs "

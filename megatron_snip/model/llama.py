@@ -83,6 +83,9 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Transfor
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        # Each rank holds S / CP tokens of every sequence: RoPE's tables are cut to its chunks by megatron-core,
+        # the SDPA attention gathers the keys and values (model/context_parallel.py).
+        context_parallel_size=parallel.context_parallel_size,
         # Interleaved schedule: unbatched p2p. Batched p2p mis-pairs messages at PP=2 over gloo (the
         # previous and the next rank are the same peer; an activation and a gradient sent to it in
         # one batch arrive in the other order from the one the receiver posted; same shape, no error).

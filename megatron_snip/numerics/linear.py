@@ -22,7 +22,11 @@ global scale) of an operand that is split across ranks must be the amax of
 the whole tensor, or a sharded GEMM would not quantize like the unsharded
 one. The caller names the split operands and passes ``amax_reduce`` (an
 all-reduce MAX over the TP group); block scales need nothing, provided the
-split falls on block boundaries (checked by the layers).
+split falls on block boundaries (checked by the layers). Context parallelism
+splits the tokens of X and dY: ``token_amax_reduce`` (a MAX over the CP group)
+completes their per-tensor amaxes and the per-row amaxes of the wgrad GEMM,
+whose rows run along tokens; blocks along tokens must not straddle CP ranks
+(checked at start-up: ``arguments/context_parallel.py``).
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ from megatron_snip.numerics.recipes import OperandQuantizer, Precision, RecipeCo
 from megatron_snip.numerics.registry import ROW
 
 AmaxReduce = Callable[[torch.Tensor], torch.Tensor]
+TOKEN_OPERANDS = frozenset({"x", "dy"})  # the operands whose rows are tokens (context parallelism splits them)
 _SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: distinct (seed, stream) pairs give distinct seeds
 _SEED_MASK = (1 << 63) - 1
 
@@ -167,6 +172,9 @@ class LinearQuantization:
             the per-tensor amaxes of the operands in ``sharded`` (None: nothing is split).
         sharded: operands ("x", "w", "dy") split across tensor-parallel ranks.
         quantizers: ``precision``'s quantizers under ``recipe`` (resolved here when not given).
+        token_amax_reduce: maps amaxes over this rank's tokens to amaxes over all tokens (a MAX over
+            the context-parallel group; None: the tokens are whole): the per-tensor amaxes of X and dY
+            and the per-row amaxes of the wgrad GEMM's operands.
     """
 
     precision: Precision
@@ -175,6 +183,7 @@ class LinearQuantization:
     amax_reduce: AmaxReduce | None = None
     sharded: frozenset[str] = frozenset()
     quantizers: LinearQuantizers | None = None
+    token_amax_reduce: AmaxReduce | None = None
 
     def __post_init__(self):
         if self.quantizers is None:
@@ -186,13 +195,19 @@ class LinearQuantization:
     def global_amax(self, local: torch.Tensor, operand: str) -> torch.Tensor | None:
         """The amax over all shards of ``operand`` from its ``local`` 0-d amax, where the operand is split
         (None: it is not; the quantizer's own amax serves)."""
-        if self.amax_reduce is None or operand not in self.sharded:
-            return None
-        return self.amax_reduce(local)
+        amax = None
+        if self.amax_reduce is not None and operand in self.sharded:
+            amax = self.amax_reduce(local)
+        if self.token_amax_reduce is not None and operand in TOKEN_OPERANDS:
+            amax = self.token_amax_reduce(local if amax is None else amax)
+        return amax
 
     def row_amax(self, local: torch.Tensor, gemm: str | None) -> torch.Tensor | None:
         """The (R,) row amaxes of a per-row-scaled operand over all shards of each row from its ``local``
-        ones, where ``gemm``'s reduction dim is split (both its operands are), else None (rows are whole)."""
+        ones, where ``gemm``'s reduction dim is split, else None (rows are whole): tensor parallelism
+        splits fprop's or dgrad's (both their operands are split), context parallelism wgrad's (tokens)."""
+        if gemm == "wgrad":
+            return None if self.token_amax_reduce is None else self.token_amax_reduce(local)
         if self.amax_reduce is None or gemm is None or not set(GEMM_OPERAND_NAMES[gemm]) <= self.sharded:
             return None
         return self.amax_reduce(local)
@@ -449,6 +464,7 @@ def quantized_linear(
     amax_reduce: AmaxReduce | None = None,
     sharded: frozenset[str] = frozenset(),
     quantizers: LinearQuantizers | None = None,
+    token_amax_reduce: AmaxReduce | None = None,
 ) -> torch.Tensor:
     """``Y = Q(X) Q(W)^T`` with quantized backward GEMMs (see the module docstring).
 
@@ -461,6 +477,7 @@ def quantized_linear(
         amax_reduce: reduction of per-tensor amaxes over the shards of ``sharded`` operands.
         sharded: operands ("x", "w", "dy") split across tensor-parallel ranks.
         quantizers: ``LinearQuantizers.resolve(precision, recipe)``, if the caller keeps it.
+        token_amax_reduce: reduction of X's and dY's amaxes over the context-parallel ranks (None: none).
     Returns:
         (..., out) in x's dtype. Gradients: dX in x's dtype, dW in weight's dtype.
 
@@ -468,6 +485,6 @@ def quantized_linear(
     of their own, its GEMMs library calls, and its state (delayed-scaling histories, RNGs, health)
     changes per call; the regions between the linears compile around it.
     """
-    quant = LinearQuantization(precision, recipe, state, amax_reduce, frozenset(sharded), quantizers)
+    quant = LinearQuantization(precision, recipe, state, amax_reduce, frozenset(sharded), quantizers, token_amax_reduce)
     return _QuantizedLinearFn.apply(x, weight, quant)
 

@@ -44,7 +44,7 @@ OPERANDS = ("x", "w", "dy")
 # The two operands of each GEMM, in the order they enter it.
 GEMM_OPERANDS = {"fprop": ("x", "w"), "dgrad": ("dy", "w"), "wgrad": ("dy", "x")}
 __all__ = ["BF16", "FP4_NAMES", "PRECISION_NAMES", "SCHEMES", "OperandQuantizer", "Precision", "RecipeConfig",
-           "operand_quantizer", "reduction_block"]
+           "operand_quantizer", "reduction_block", "token_block"]
 
 
 def _check_name(name: str) -> str:
@@ -237,6 +237,13 @@ def misaligned_split(precision: Precision, recipe: RecipeConfig, slice_size: int
         if slice_size % block:
             return name, block
     return None
+
+
+def token_block(name: str, recipe: RecipeConfig = RecipeConfig()) -> int:
+    """Tokens per scaling block of the wgrad GEMM's operands (X and dY, reduced over tokens) in precision
+    ``name``: a sequence split over context-parallel ranks must give each rank whole blocks, so that every
+    rank's blocks are blocks of the unsplit batch (16 nvfp4, 32 mxfp4/mxfp8, 128 fp8 blockwise, 1 otherwise)."""
+    return max(operand_quantizer(name, "wgrad", operand, recipe).reduction_block for operand in ("x", "dy"))
 
 
 def reduction_block(name: str, recipe: RecipeConfig = RecipeConfig()) -> int:

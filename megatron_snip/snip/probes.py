@@ -281,25 +281,21 @@ class _Probe:
 
     def quantized_gemms(self, fmt: str, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor):
         """(Y, dX, dW) of the module's GEMMs in ``fmt`` on fp32 (tokens, in) x, (out, in) w,
-        (tokens, out) dy: the layer's own autograd function, quantizers and TP amax reduction."""
-        split = self.layout.tp > 1
+        (tokens, out) dy: the layer's own autograd function, quantizers and amax reductions (TP, CP)."""
         with torch.enable_grad():
             x = x.detach().requires_grad_()
             w = w.detach().requires_grad_()
             y = quantized_linear(x, w, Precision.uniform(fmt), self.module.recipe, self.states[fmt],
-                                 amax_reduce=self.module.amax_all_reduce if split else None,
-                                 sharded=self.module.sharded_operands if split else frozenset())
+                                 **self.module.split_reductions())
             dx, dw = torch.autograd.grad(y, (x, w), dy)
         return y.detach(), dx, dw
 
     def operand_error_sq(self, fmt: str, gemm: str, operand: str, t: torch.Tensor) -> torch.Tensor:
         """``||Q(t) - t||^2`` of a 2-D fp32 operand quantized as ``gemm`` quantizes ``operand`` in
-        ``fmt`` (the layer's quantizers and TP amax reduction, a private state: the GEMMs' random
+        ``fmt`` (the layer's quantizers and amax reductions, a private state: the GEMMs' random
         draws are left as they were)."""
-        split = self.layout.tp > 1
         quant = LinearQuantization(Precision.uniform(fmt), self.module.recipe, self.operand_states[fmt],
-                                   self.module.amax_all_reduce if split else None,
-                                   self.module.sharded_operands if split else frozenset())
+                                   **self.module.split_reductions())
         return squared_norm(quantize_operand(t, quant.quantizer(gemm, operand), operand, quant) - t)
 
     def measure_errors(self, x: torch.Tensor, dy: torch.Tensor, grad_scale: float) -> None:

@@ -36,7 +36,7 @@ def peak_tflops(override: float | None) -> float | None:
 
 def is_logging_rank() -> bool:
     return (parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
-            and parallel_state.get_data_parallel_rank() == 0)
+            and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0)
 
 
 def setup_console() -> None:

@@ -243,9 +243,10 @@ def _load(path: str, flag: str, num_layers: int) -> PrecisionPlan:
 
 def linear_shapes(config: RunConfig, dims: LlamaLinearDims) -> dict[str, tuple[int, int, int]]:
     """Module type -> (tokens, in, out) of its GEMMs on one rank for one micro-batch: the shapes a
-    measured speed table times (every layer's modules of a type share theirs)."""
+    measured speed table times (every layer's modules of a type share theirs). A context-parallel rank's
+    GEMMs see its S / CP tokens of each sequence."""
     tp = config.parallel.tensor_model_parallel_size
-    tokens = config.training.micro_batch_size * config.model.seq_length
+    tokens = config.training.micro_batch_size * config.model.seq_length // config.parallel.context_parallel_size
     return {module: (tokens, *dims.tp_shape(module, tp)) for module in LINEAR_MODULE_TYPES}
 
 
@@ -312,14 +313,23 @@ def speed_model(config: RunConfig, dims: LlamaLinearDims) -> GemmSpeedModel:
                                   emulated=emulated)
 
 
-def timed_precisions(config: RunConfig) -> list[str]:
-    """The precisions a measured speed table times for this run: bf16, fp8 (the run's --fp8-recipe) and the
-    FP4 formats, and every ``fp8:RECIPE`` the run can use (SNIP's candidates, its first plan, its schedule)."""
+def run_precisions(config: RunConfig) -> list[str]:
+    """The precision names the run can put on a module's GEMMs: SNIP's candidates, its first plan's and its
+    schedule's (the start point's, when decided), and fp8 where --promote-on-fault lifts FP4 modules to it."""
     used = [*(config.snip.snip_formats if config.snip.enabled else ())]
     if config.start is not None:
         plan = config.start.plan
         used += [side for p in (plan.default, *plan.modules.values()) for side in (p.fwd, p.bwd)]
         used += [entry.precision for entry in config.start.schedule.entries]
+    if config.safety.promote_on_fault:
+        used.append("fp8")
+    return list(dict.fromkeys(used))
+
+
+def timed_precisions(config: RunConfig) -> list[str]:
+    """The precisions a measured speed table times for this run: bf16, fp8 (the run's --fp8-recipe) and the
+    FP4 formats, and every ``fp8:RECIPE`` the run can use (:func:`run_precisions`)."""
+    used = run_precisions(config)
     return list(dict.fromkeys([*DEFAULT_TIMED, *(n for n in used if precision_format(n).fp8_recipe is not None)]))
 
 

@@ -133,6 +133,7 @@ class TrainingLogger(MetricsLogger):
         dtype = "bf16 (fp32 masters in the optimizer)" if c.model.bf16 else "fp32 (no --bf16)"
         self.text(f"model: {c.model.model_preset} shape, {parameters / 1e6:.2f}M "
                   f"parameters in {dtype}; TP={par.tensor_model_parallel_size} PP={par.pipeline_model_parallel_size} "
+                  f"{f'CP={par.context_parallel_size} ' if par.context_parallel_size > 1 else ''}"
                   f"DP={par.data_parallel_size}; global batch {c.training.global_batch_size} x {c.model.seq_length} "
                   f"tokens; device {'cuda' if has_cuda() else 'cpu (megatron_snip.compat.cpu)'}")
         self.text(f"unigram entropy of the training data: {unigram_entropy:.4f} nats/token "

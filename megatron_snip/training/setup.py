@@ -30,6 +30,7 @@ def initialize_distributed(parallel: ParallelConfig, seed: int) -> None:
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
     )
     set_seeds(seed)
 

@@ -20,7 +20,9 @@ runs); otherwise they do the parent's tensor-parallel communication around
 Per-tensor amaxes of split operands are all-reduced (MAX) over the TP group,
 and a split reduction dim must fall on block boundaries, so a TP-sharded
 layer quantizes exactly as the unsharded one. Sequence parallelism changes
-only the communication: the GEMMs see the whole sequence either way.
+only the communication: the GEMMs see the whole sequence either way. Context
+parallelism gives each rank part of the tokens: the amaxes of X and dY are
+all-reduced over the CP group as well.
 
 :func:`precision_layer_spec` puts these classes into megatron-core's local GPT layer spec.
 """
@@ -34,6 +36,7 @@ from collections.abc import Collection
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -127,14 +130,36 @@ class PlanLinear(abc.ABC):
                 f"TP={tp} ranks{slices}, not a multiple of the {name} block of {block}"
             )
 
+    @property
+    def cp_group(self):
+        """The context-parallel group (its ranks hold other tokens of the same sequences), or None."""
+        return parallel_state.get_context_parallel_group(check_initialized=False)
+
     def amax_all_reduce(self, amax: torch.Tensor) -> torch.Tensor:
         """The MAX of a split operand's per-tensor amax over the TP group (so a sharded module
         quantizes exactly as the unsharded one)."""
-        # NaN -> Inf first: MAX over a NaN is order-dependent, Inf is not, and a non-finite
-        # amax makes the whole tensor NaN on every rank either way (see docs/numerics.md).
-        amax = torch.nan_to_num(amax.clone(), nan=math.inf)
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.tp_group)
-        return amax
+        return _all_max(amax, self.tp_group)
+
+    def token_amax_all_reduce(self, amax: torch.Tensor) -> torch.Tensor:
+        """The MAX of amaxes over this rank's tokens over the CP group (so a CP run quantizes as CP=1)."""
+        return _all_max(amax, self.cp_group)
+
+    def split_reductions(self) -> dict:
+        """``quantized_linear``'s keyword arguments that turn this rank's amaxes into the whole operands':
+        over TP for the operands it splits, over CP for the tokens of X and dY."""
+        split = get_pg_size(self.tp_group) > 1
+        return {"amax_reduce": self.amax_all_reduce if split else None,
+                "sharded": self.sharded_operands if split else frozenset(),
+                "token_amax_reduce": self.token_amax_all_reduce if get_pg_size(self.cp_group) > 1 else None}
+
+
+def _all_max(amax: torch.Tensor, group) -> torch.Tensor:
+    """The MAX of ``amax`` over ``group``, a copy."""
+    # NaN -> Inf first: MAX over a NaN is order-dependent, Inf is not, and a non-finite
+    # amax makes the whole tensor NaN on every rank either way (see docs/numerics.md).
+    amax = torch.nan_to_num(amax.clone(), nan=math.inf)
+    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    return amax
 
 
 class QuantizedLinearMixin(PlanLinear):
@@ -177,12 +202,8 @@ class QuantizedLinearMixin(PlanLinear):
         self.check_tensor_parallel_blocks(precision, recipe)
 
     def _quantized_gemm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        split = get_pg_size(self.tp_group) > 1
-        return quantized_linear(
-            x, weight, self._precision, self.recipe, self.quant_state,
-            amax_reduce=self.amax_all_reduce if split else None,
-            sharded=self.sharded_operands if split else frozenset(), quantizers=self._quantizers,
-        )
+        return quantized_linear(x, weight, self._precision, self.recipe, self.quant_state,
+                                quantizers=self._quantizers, **self.split_reductions())
 
     def _output_and_bias(self, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Add the bias, or hand it back to the caller with ``skip_bias_add``, as the parents do."""
