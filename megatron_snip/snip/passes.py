@@ -110,8 +110,6 @@ class PassRunner:
         config = get_model_config(chunks[0])
         if config.calculate_per_token_loss:
             raise ValueError("SNIP probes need the loss averaged per micro-batch; calculate_per_token_loss is set")
-        if parallel_state.get_context_parallel_world_size() > 1:
-            raise ValueError("SNIP probes do not support context parallelism")
         self.chunks = list(chunks)
         self.config = config
         self.num_microbatches = num_microbatches
