@@ -72,6 +72,10 @@ def baseline_grads(tiny_data, init_ckpt, tmp_path_factory):
 
 
 CP2 = ("--context-parallel-size", "2")
+# A SNIP cycle at iteration 3 whose plan stays bf16 (a target of 0, bf16 the only non-FP4 candidate): it must leave
+# training as it was (tests/test_snip_probes.py: its statistics under CP equal CP=1's).
+SNIP_KEEPING_BF16 = ("--snip", "--snip-interval", "3", "--snip-fp4-target", "0", "--snip-formats", "bf16", "nvfp4",
+                     "--snip-probe-passes", "1")
 
 
 @pytest.mark.parametrize("layout", [
@@ -82,12 +86,14 @@ CP2 = ("--context-parallel-size", "2")
     # context parallelism: each sequence in 4 chunks over 2 ranks (tests/test_context_parallel.py: the attention)
     CP2,
     (*CP2, "--tensor-model-parallel-size", "2", "--sequence-parallel"),
-    (*CP2, "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"),
-], ids=["tp2-sp", "pp2-vpp2", "cp2", "cp2-tp2-sp", "cp2-pp2-vpp2"])
+    (*CP2, "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1", *SNIP_KEEPING_BF16),
+], ids=["tp2-sp", "pp2-vpp2", "cp2", "cp2-tp2-sp", "cp2-pp2-vpp2-snip"])
 def test_layout_matches_tp1_in_losses_and_gradients(tiny_data, init_ckpt, baseline_grads, tmp_path, layout):
-    """Trains as TP1 does: losses of 4 steps, then every gradient of a 5th batch."""
+    """Trains as TP1 does: losses of 4 steps, then every gradient of a 5th batch (with a SNIP cycle between)."""
     nproc = 2 * (2 if layout[0] == CP2[0] and len(layout) > 2 else 1)
     losses, grads = losses_and_grads(tiny_data, init_ckpt, tmp_path, nproc, *layout)
+    if "--snip" in layout:
+        assert sorted(scalars(tmp_path / "tb", tags.snip("objective"))) == [3]  # the cycle ran
     want_losses, want_grads = baseline_grads
     assert_close(losses, want_losses, rel=2e-5)
     assert sorted(grads) == sorted(want_grads)
