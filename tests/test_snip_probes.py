@@ -951,10 +951,11 @@ def test_the_fused_noise_kernel_draws_the_references_values():
                 kwargs = {**layout, "start": start, "end": end}
                 assert torch.equal(layout_rademacher(shape, key, device=device, **kwargs), expected), kwargs
                 if device == "cpu":  # layout_rademacher takes the kernel on CUDA only: call it here
-                    got = noise_triton.rademacher(expected.numel(), key, ShardIndex.of(shape, **layout), start=start)
+                    index = ShardIndex.of(shape, **layout)
+                    got = noise_triton.rademacher(expected.numel(), key, start=start, **vars(index))
                     assert torch.equal(got, expected), kwargs
         far = 2**33 + 12345  # the index's high word enters the hash
-        got = noise_triton.rademacher(300, key, ShardIndex.of((2**34,), device=device), start=far)
+        got = noise_triton.rademacher(300, key, start=far, **vars(ShardIndex.of((2**34,), device=device)))
         assert torch.equal(got, rademacher(torch.arange(far, far + 300, device=device), key))
 
 

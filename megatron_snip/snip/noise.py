@@ -168,7 +168,7 @@ def layout_rademacher(shape: Sequence[int], key: int, *, partition_dim: int | No
         except ImportError:  # no triton: the torch composition below
             noise_triton = None
         if noise_triton is not None:
-            return noise_triton.rademacher(end - start, key, index, start=start)
+            return noise_triton.rademacher(end - start, key, start=start, **vars(index))
     return rademacher(index.flat(start, end), key)
 
 

@@ -4,8 +4,8 @@
 through memory, each a kernel on a GPU; a cycle hashes every module output of every micro-batch
 six times (three Hutchinson keys in the clean pass, one per Hutchinson pass), billions of
 elements at the TinyLlama shape. This kernel computes each element's global index (the
-tensor- and context-parallel layout of a ``noise.ShardIndex``: its two small position tables
-are read, the rest is arithmetic) and its hash in registers, and writes the fp32 +-1 alone.
+tensor- and context-parallel layout of a ``noise.ShardIndex``, whose fields it takes: its two
+small position tables are read, the rest is arithmetic) and its hash in registers, and writes the fp32 +-1 alone.
 Integer arithmetic is exact, so the values are bit for bit the reference's
 (``tests/test_snip_probes.py`` checks it in Triton's interpreter on CPU). Used on CUDA tensors
 (``noise.layout_rademacher``).
@@ -16,8 +16,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from .noise import ShardIndex
 
 _BLOCK = 1024
 
@@ -61,13 +59,14 @@ def _rademacher_kernel(out_ptr, rows_ptr, cols_ptr, n, start, mid, n_cols, full_
     tl.store(out_ptr + offs, z, mask=mask)
 
 
-def rademacher(numel: int, key: int, index: ShardIndex, *, start: int = 0) -> torch.Tensor:
-    """``numel`` values +-1 (fp32, on ``index``'s device) of elements ``start:start + numel`` of a
-    flattened shard laid out as ``index`` says."""
-    out = torch.empty(numel, dtype=torch.float32, device=index.rows.device)
+def rademacher(numel: int, key: int, *, rows: torch.Tensor, mid: int, cols: torch.Tensor, full_cols: int,
+               inner: int, mapped: bool, start: int = 0) -> torch.Tensor:
+    """``numel`` values +-1 (fp32, on ``rows``' device) of elements ``start:start + numel`` of a flattened
+    shard laid out as the ``noise.ShardIndex`` with these fields says (``**vars(index)``)."""
+    out = torch.empty(numel, dtype=torch.float32, device=rows.device)
     if numel:
         key &= 0xFFFFFFFFFFFFFFFF
         _rademacher_kernel[(triton.cdiv(numel, _BLOCK),)](
-            out, index.rows, index.cols, numel, start, index.mid, len(index.cols), index.full_cols, index.inner,
-            key & 0xFFFFFFFF, key >> 32, MAPPED=index.mapped, BLOCK=_BLOCK)
+            out, rows, cols, numel, start, mid, len(cols), full_cols, inner, key & 0xFFFFFFFF, key >> 32,
+            MAPPED=mapped, BLOCK=_BLOCK)
     return out
