@@ -115,6 +115,7 @@ class AdamView:
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.slices: dict[torch.nn.Parameter, AdamSlice] = {}
         parts = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+        self._sharded = any(isinstance(opt, DistributedOptimizer) for opt in parts)
         for opt in parts:
             groups = {id(p): g for g in opt.optimizer.param_groups for p in g["params"]}
             for param, main, start, end, sharded in _main_params(opt):
@@ -136,7 +137,9 @@ class AdamView:
 
     @property
     def dp_sharded(self) -> bool:
-        return any(s.dp_sharded for s in self.slices.values())
+        """Whether the optimizer shards its state over the data- and context-parallel ranks: the same on
+        every rank, whichever slices it holds (collectives depend on it)."""
+        return self._sharded
 
     def model_sum(self, per_slice: Callable[[AdamSlice], torch.Tensor]) -> float:
         """``sum over every parameter element of the model`` of a per-slice fp64 sum, complete over
