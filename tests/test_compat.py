@@ -33,6 +33,8 @@ def test_cuda_calls_run_on_cpu():
         assert x.cuda() is x and x.to("cuda").device.type == "cpu"
         assert x.type() == "torch.cuda.FloatTensor"
         assert x.type(torch.float64).dtype == torch.float64   # explicit casts untouched
+        # megatron's RoPE under context parallelism asks for page-locked host memory
+        assert torch.tensor([0, 3], device="cpu", pin_memory=True).cuda(non_blocking=True).tolist() == [0, 3]
         s = torch.cuda.current_stream(); s.wait_stream(s); torch.cuda.synchronize()
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         e0.record(); e1.record(); assert e0.elapsed_time(e1) >= 0

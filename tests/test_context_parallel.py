@@ -1,26 +1,22 @@
-"""--context-parallel-size: the SDPA attention over a CP group (megatron_snip/model/context_parallel.py)
-against full causal attention, and the chunk layout against megatron-core's.
+"""--context-parallel-size: its flags and refusals, the chunk layout against megatron-core's, and the
+modules that compute on a CP rank's part of each sequence.
 
-Four spawned gloo processes run the attention module at CP=4, then at CP=2 (x DP2), in fp64: the
-output and the query, key and value gradients of every rank's chunks equal a plain softmax reference
-computed on the whole sequence, with grouped-query attention, causal and under a
---reset-attention-mask mask; under megatron-core's selective recompute (its checkpoint of the core
-attention) the gathered keys and values are not kept for backward and the gradients stay exact.
-The training-level parity runs are in tests/test_parallel.py.
+Four gloo ranks (tests/drivers/context_parallel_checks.py) run, at CP=4 and then CP=2 (x DP2): the SDPA
+attention in fp64, whose output and query, key and value gradients on every rank's chunks equal softmax
+attention written out on the whole sequence (grouped-query attention, causal and under a
+--reset-attention-mask mask; under megatron-core's selective recompute the gathered keys and values are
+not kept for backward and the gradients stay exact); and a quantized linear, which quantizes a rank's
+tokens as the whole batch's. The training-level parity runs are in tests/test_parallel.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
-
 import pytest
 import torch
-import torch.multiprocessing as mp
-from conftest import free_port, run_config
+from conftest import ROOT, launch, run_config
 
-SEQ, BATCH, HEADS, GROUPS, HEAD_DIM = 32, 2, 4, 2, 8  # GQA: 2 query heads per kv head
 EXACT = 1e-12  # fp64; a prototype matched to ~2e-15
+QUANT_FORMATS = ("fp8", "fp8:delayed", "fp8:rowwise", "fp8:blockwise", "nvfp4", "mxfp4")
 
 
 def test_chunk_layout_is_megatrons():
@@ -108,97 +104,10 @@ def test_token_blocks_must_not_straddle_context_parallel_ranks(tiny_data):
 # Four processes: the attention module at CP=4 and CP=2 against full causal attention
 
 
-def _reference(q, k, v, allowed, scale):
-    """Softmax attention written out, [s, b, n, hn] in and out (kv heads repeated per query group)."""
-    k, v = (t.repeat_interleave(q.size(2) // t.size(2), dim=2) for t in (k, v))
-    scores = torch.einsum("sbnd,tbnd->bnst", q, k) * scale
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.einsum("bnst,tbnd->sbnd", scores.softmax(-1), v).reshape(q.size(0), q.size(1), -1)
-
-
-def _reset_mask() -> torch.Tensor:
-    """megatron's --reset-attention-mask mask (True = masked): causal, documents restart at 5, 13 and 22."""
-    allowed = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
-    for start in (5, 13, 22):
-        allowed[start:, :start] = False
-    return (~allowed).expand(BATCH, 1, SEQ, SEQ)
-
-
-def _on_this_rank(t: torch.Tensor) -> torch.Tensor:
-    """This CP rank's rows of a sequence-first tensor, cut by megatron-core's own function."""
-    from megatron.core.utils import get_batch_on_this_cp_rank
-
-    return get_batch_on_this_cp_rank({"t": t.transpose(0, 1)})["t"].transpose(0, 1)
-
-
-def _attention_checks(config) -> dict:
-    """Max |difference| of output, dq, dk, dv from the reference, per case, on this rank."""
-    from megatron.core import tensor_parallel
-    from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.utils import get_batch_on_this_cp_rank
-
-    from megatron_snip.model.attention import SDPAttention
-
-    g = torch.Generator().manual_seed(11)
-    full = [torch.randn(SEQ, BATCH, n, HEAD_DIM, generator=g, dtype=torch.float64) for n in (HEADS, GROUPS, GROUPS)]
-    grad_out = torch.randn(SEQ, BATCH, HEADS * HEAD_DIM, generator=g, dtype=torch.float64)
-    module = SDPAttention(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
-    causal = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
-    out = {}
-    for case, mask in (("causal", None), ("mask", _reset_mask())):
-        want_inputs = [t.clone().requires_grad_() for t in full]
-        want = _reference(*want_inputs, causal if mask is None else ~mask, module.softmax_scale)
-        want.backward(grad_out)
-        wants = [want.detach(), *(t.grad for t in want_inputs)]
-        local_mask = None if mask is None else get_batch_on_this_cp_rank({"attention_mask": mask})["attention_mask"]
-        for recompute in (False, True):
-            inputs = [_on_this_rank(t).requires_grad_() for t in full]
-            saved = []  # elements of the storage behind each tensor kept for backward (a slice keeps all of it)
-
-            def keep(t, saved=saved):
-                saved.append(t.untyped_storage().nbytes() // t.element_size())
-                return t
-
-            with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-                if recompute:  # what megatron's SelfAttention does under --recompute-granularity selective
-                    got = tensor_parallel.checkpoint(module, False, *inputs, local_mask)
-                else:
-                    got = module(*inputs, local_mask)
-            got.backward(_on_this_rank(grad_out))
-            gots = [got.detach(), *(t.grad for t in inputs)]
-            name = f"{case}{'_recompute' if recompute else ''}"
-            out[name] = max((a - _on_this_rank(b)).abs().max().item() for a, b in zip(gots, wants))
-            out[f"{name}_largest_saved"] = max(saved)
-    out["local_kv_numel"] = SEQ // config.context_parallel_size * BATCH * GROUPS * HEAD_DIM
-    return out
-
-
-def worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from megatron_snip.compat.cpu import enable
-    from megatron_snip.model.llama import transformer_config
-
-    torch.set_num_threads(1)
-    enable()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    run = run_config("--hidden-size", str(HEADS * HEAD_DIM), "--num-attention-heads", str(HEADS),
-                     "--num-query-groups", str(GROUPS), "--seq-length", str(SEQ))
-    results = {}
-    for cp in (4, 2):
-        parallel_state.initialize_model_parallel(context_parallel_size=cp)
-        config = dataclasses.replace(transformer_config(run.model, run.parallel), context_parallel_size=cp)
-        results[cp] = _attention_checks(config)
-        parallel_state.destroy_model_parallel()
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("cp_attention")
-    mp.spawn(worker, args=(4, free_port(), str(out)), nprocs=4, join=True)
+    out = tmp_path_factory.mktemp("cp_checks")
+    launch(4, [], env={"CP_CHECKS_OUT": str(out)}, script=ROOT / "tests" / "drivers" / "context_parallel_checks.py")
     return [torch.load(out / f"rank{r}.pt") for r in range(4)]
 
 
@@ -213,11 +122,28 @@ def test_attention_over_cp_ranks_equals_full_causal_attention(results, cp):
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("cp", [2, 4])
+def test_a_context_parallel_linear_quantizes_as_the_whole_batch_does(results, cp):
+    """Per-tensor amaxes of X and dY (fp8 tensorwise, delayed, nvfp4's global scale) and the wgrad GEMM's per-row
+    amaxes (rowwise) reduced over the CP group, and blocks along tokens (blockwise, nvfp4 with its Hadamard
+    transform, mxfp4) within each chunk: every rank's outputs and input gradients, and the weight gradient
+    summed over the CP ranks, equal the whole batch's up to the order of fp32 sums."""
+    for rank, per_rank in enumerate(results):
+        got = per_rank[cp]["quantization"]
+        assert {name for name, _ in got} == set(QUANT_FORMATS)
+        for name in QUANT_FORMATS:
+            assert got[(name, True)] < 1e-5, (rank, name, got[(name, True)])
+    for name in ("fp8", "fp8:delayed", "fp8:rowwise", "nvfp4"):  # without the reduction, some rank's scales differ
+        reduced, alone = (max(per_rank[cp]["quantization"][(name, r)] for per_rank in results) for r in (True, False))
+        # rowwise scales are powers of 2, which change only what falls below E4M3's normal range: 10x, not 100x
+        assert alone > (10 if name == "fp8:rowwise" else 100) * reduced, (name, reduced, alone)
+
+
+@pytest.mark.integration
 def test_selective_recompute_keeps_only_the_local_keys_and_values(results):
     """Without recompute the gathered keys and values (CP times this rank's) are kept for backward; under
     megatron-core's checkpoint of the core attention only the local query, key and value tensors are."""
     for per_rank in results:
-        got = per_rank[2]
-        local_q = got["local_kv_numel"] * HEADS // GROUPS
-        assert got["causal_largest_saved"] == 2 * got["local_kv_numel"]  # a gathered K or V
-        assert got["causal_recompute_largest_saved"] == local_q
+        got, local_kv = per_rank[2], per_rank["local_kv_numel"][2]
+        assert got["causal_largest_saved"] == 2 * local_kv  # a gathered K or V
+        assert got["causal_recompute_largest_saved"] == local_kv * per_rank["q_per_kv_head"]  # the local query

@@ -106,6 +106,50 @@ def test_layout_matches_tp1_in_losses_and_gradients(tiny_data, init_ckpt, baseli
         assert rel < 1e-4, (name, rel)
 
 
+DIST_OPT = ("--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather")
+
+
+@pytest.fixture(scope="module")
+def cp2_run(tiny_data, init_ckpt, tmp_path_factory):
+    """6 iterations at CP2 from the initial weights, the distributed optimizer sharded over the 2 CP ranks
+    (megatron-core shards it over DP x CP) with overlapped communication, saving at 3 and 6."""
+    d = tmp_path_factory.mktemp("cp2")
+    launch(2, train_args(tiny_data, *CP2, *DIST_OPT, "--load", str(init_ckpt), "--no-load-optim", "--no-load-rng",
+                         "--save", str(d / "ckpt"), "--save-interval", "3", "--tensorboard-dir", str(d / "tb")))
+    return d
+
+
+def test_cp2_with_the_distributed_optimizer_trains_as_tp1(cp2_run, baseline):
+    assert_close(scalars(cp2_run / "tb", LOSS), baseline, rel=2e-5)
+
+
+def test_cp2_checkpoint_resumes_at_cp1(tiny_data, cp2_run, tmp_path):
+    """Weights and optimizer state saved at CP2 continue at CP1 as the CP2 run did."""
+    ckpt = resume_from(cp2_run / "ckpt", 3, tmp_path / "ckpt")
+    launch(1, train_args(tiny_data, "--use-distributed-optimizer", "--load", str(ckpt),
+                         "--tensorboard-dir", str(tmp_path / "tb")))
+    full, resumed = scalars(cp2_run / "tb", LOSS), scalars(tmp_path / "tb", LOSS)
+    assert sorted(resumed) == [4, 5, 6]
+    assert_close(resumed, {k: full[k] for k in resumed}, rel=2e-5)
+
+
+def test_checkpoints_move_between_cp2_and_cp1_dp2(tiny_data, cp2_run, tmp_path):
+    """CP2 -> CP1 x DP2 (the distributed optimizer's shards over DP x CP = 2 ranks either way), and back: each
+    continues as the run that saved it did."""
+    ckpt = resume_from(cp2_run / "ckpt", 3, tmp_path / "dp2")
+    launch(2, train_args(tiny_data, *DIST_OPT, "--load", str(ckpt), "--save", str(ckpt), "--save-interval", "4",
+                         "--tensorboard-dir", str(tmp_path / "tb_dp2")))
+    cp2, dp2 = scalars(cp2_run / "tb", LOSS), scalars(tmp_path / "tb_dp2", LOSS)
+    assert sorted(dp2) == [4, 5, 6]
+    assert_close(dp2, {k: cp2[k] for k in dp2}, rel=2e-5)
+    back = resume_from(ckpt, 4, tmp_path / "back")
+    launch(2, train_args(tiny_data, *CP2, *DIST_OPT, "--load", str(back),
+                         "--tensorboard-dir", str(tmp_path / "tb_back")))
+    again = scalars(tmp_path / "tb_back", LOSS)
+    assert sorted(again) == [5, 6]
+    assert_close(again, {k: dp2[k] for k in again}, rel=2e-5)
+
+
 @pytest.fixture(scope="module")
 def tp2pp2_run(tiny_data, tmp_path_factory):
     """8 iterations at TP2 PP2 saving at 4 and 8."""

@@ -256,6 +256,9 @@ def _layout() -> dict:
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     if vpp is not None:  # absent without interleaving, as in checkpoints written before it existed
         layout["vpp"] = vpp
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp > 1:  # absent without context parallelism, likewise
+        layout["cp"] = cp
     return layout
 
 
@@ -273,7 +276,8 @@ def _model_keys(chunks: list) -> list[str]:
 
 def _rng_state(quantization: dict | None = None) -> ShardedObject:
     """This rank's RNG states (and ``quantization``: the modules' stochastic-rounding RNGs and
-    delayed-scaling histories) as an object sharded over (pp, tp, dp)."""
+    delayed-scaling histories) as an object sharded over (pp, tp, dp x cp): context-parallel peers hold
+    states of their own."""
     state = {
         "quantization": quantization or {},
         "random": random.getstate(),
@@ -284,9 +288,9 @@ def _rng_state(quantization: dict | None = None) -> ShardedObject:
     }
     lay = _layout()
     return ShardedObject(
-        "rng_state", state, (lay["pp"], lay["tp"], lay["dp"]),
+        "rng_state", state, (lay["pp"], lay["tp"], lay["dp"] * lay.get("cp", 1)),
         (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank(),
-         parallel_state.get_data_parallel_rank()),
+         parallel_state.get_data_parallel_rank(with_context_parallel=True)),
         replica_id=0,
     )
 
@@ -623,7 +627,8 @@ class Loaded:
 
 
 def _check_optimizer_layout(record: CheckpointRecord, optimizer, path: str) -> None:
-    """The distributed optimizer's state reshards over DP only; other changes need --no-load-optim."""
+    """The distributed optimizer's state reshards over its DP x CP ranks only (a CP change is one of theirs,
+    absent from the keys compared); other changes need --no-load-optim."""
     saved, now = record.layout, _layout()
     is_distributed = hasattr(optimizer, "data_parallel_group_idx")
     if is_distributed and any(saved.get(k) != now.get(k) for k in ("tp", "pp", "vpp")):

@@ -145,6 +145,11 @@ class Trainer:
 
     def save(self) -> None:
         ckpt = self.config.checkpoint
+        if self.config.parallel.overlap_param_gather:
+            # As Megatron-LM: a step's updated parameter shards reach the other DP ranks in the next forward's
+            # all-gather; gathered now, or the checkpoint would hold the previous step's weights there.
+            for chunk in self.model:
+                chunk.start_param_sync(force_sync=True)
         path = checkpointing.save_checkpoint(
             ckpt.save, CheckpointRecord(
                 self.state.iteration, self.config.to_flags(), self.state.consumed_samples,
