@@ -72,8 +72,8 @@ def baseline_grads(tiny_data, init_ckpt, tmp_path_factory):
 
 
 CP2 = ("--context-parallel-size", "2")
-# A SNIP cycle at iteration 3 whose plan stays bf16 (a target of 0, bf16 the only non-FP4 candidate): it must leave
-# training as it was (tests/test_snip_probes.py: its statistics under CP equal CP=1's).
+# SNIP cycles (every 3 iterations) whose plan stays bf16 (a target of 0, bf16 the only non-FP4 candidate): they
+# must leave training as it was (tests/test_snip_probes.py: their statistics under CP equal CP=1's).
 SNIP_KEEPING_BF16 = ("--snip", "--snip-interval", "3", "--snip-fp4-target", "0", "--snip-formats", "bf16", "nvfp4",
                      "--snip-probe-passes", "1")
 
@@ -112,14 +112,17 @@ DIST_OPT = ("--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-p
 @pytest.fixture(scope="module")
 def cp2_run(tiny_data, init_ckpt, tmp_path_factory):
     """6 iterations at CP2 from the initial weights, the distributed optimizer sharded over the 2 CP ranks
-    (megatron-core shards it over DP x CP) with overlapped communication, saving at 3 and 6."""
+    (megatron-core shards it over DP x CP) with overlapped communication, saving at 3 and 6, SNIP cycles (plan held
+    at bf16) before each save: each CP rank perturbs its own shard and its peer's."""
     d = tmp_path_factory.mktemp("cp2")
-    launch(2, train_args(tiny_data, *CP2, *DIST_OPT, "--load", str(init_ckpt), "--no-load-optim", "--no-load-rng",
-                         "--save", str(d / "ckpt"), "--save-interval", "3", "--tensorboard-dir", str(d / "tb")))
+    launch(2, train_args(tiny_data, *CP2, *DIST_OPT, *SNIP_KEEPING_BF16, "--load", str(init_ckpt), "--no-load-optim",
+                         "--no-load-rng", "--save", str(d / "ckpt"), "--save-interval", "3",
+                         "--tensorboard-dir", str(d / "tb")))
     return d
 
 
 def test_cp2_with_the_distributed_optimizer_trains_as_tp1(cp2_run, baseline):
+    assert sorted(scalars(cp2_run / "tb", tags.snip("objective"))) == [3, 6]  # the cycles ran
     assert_close(scalars(cp2_run / "tb", LOSS), baseline, rel=2e-5)
 
 
