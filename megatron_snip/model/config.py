@@ -183,7 +183,8 @@ class ParallelConfig:
     hierarchical_context_parallel_sizes: tuple[int, ...] | None = flag(
         None, "Megatron-LM's CP sub-group sizes for --cp-comm-type a2a+p2p: accepted when their product is "
         "--context-parallel-size; the all-gather does not use them.")
-    use_distributed_optimizer: bool = flag(False, "Shard the optimizer state over data-parallel ranks.")
+    use_distributed_optimizer: bool = flag(False, "Shard the optimizer state over data-parallel ranks (and "
+                                           "context-parallel ones: megatron-core's DP x CP group).")
     overlap_grad_reduce: bool = flag(False, "Overlap the gradient reduce-scatter/all-reduce with the backward pass.")
     overlap_param_gather: bool = flag(False, "Overlap the parameter all-gather with the forward pass (needs "
                                       "--use-distributed-optimizer).")
