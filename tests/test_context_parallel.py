@@ -58,13 +58,11 @@ GQA4 = ("--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups
                                              "split over --tensor-model-parallel-size 4 ranks; use a multiple of 8"),
     (("--attention-backend", "unfused"), 2, "--context-parallel-size 2 runs on the SDPA attention: use "
                                             "--transformer-impl local with --attention-backend auto/flash/fused"),
-    (("--snip", "--snip-interval", "2"), 2, "--snip with --context-parallel-size 2: SNIP's statistics are not "
-                                            "gathered over context-parallel ranks yet"),
     (("--hierarchical-context-parallel-sizes", "4"), 2, "--hierarchical-context-parallel-sizes 4: their product 4 "
                                                        "is not --context-parallel-size 2"),
     (("--cp-comm-type", "p2p", "a2a", "p2p"), 2, "--cp-comm-type takes one value or one per layer (--num-layers 4), "
                                                 "got 3"),
-], ids=["world", "seq-length", "seq-parallel", "backend", "snip", "hierarchical", "comm-per-layer"])
+], ids=["world", "seq-length", "seq-parallel", "backend", "hierarchical", "comm-per-layer"])
 def test_context_parallel_refusals(flags, world, message):
     problems = _problems("--context-parallel-size", "2", *flags, world=world)
     assert len(problems) == 1 and problems[0].startswith(message), problems

@@ -87,6 +87,10 @@ def baseline_grads(tiny_data, init_ckpt, tmp_path_factory):
 
 
 CP2 = ("--context-parallel-size", "2")
+# SNIP cycles (every 3 iterations) whose plan stays bf16 (a target of 0, bf16 the only non-FP4 candidate): they
+# must leave training as it was (tests/test_snip_probes.py: their statistics under CP equal CP=1's).
+SNIP_KEEPING_BF16 = ("--snip", "--snip-interval", "3", "--snip-fp4-target", "0", "--snip-formats", "bf16", "nvfp4",
+                     "--snip-probe-passes", "1")
 
 
 @pytest.mark.parametrize("layout", [
@@ -98,13 +102,15 @@ CP2 = ("--context-parallel-size", "2")
     # alone with the per-token loss (every token counts: the same loss and gradients as the mean's)
     (*CP2, "--calculate-per-token-loss"),
     (*CP2, "--tensor-model-parallel-size", "2", "--sequence-parallel"),
-    (*CP2, "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"),
-], ids=["tp2-sp", "pp2-vpp2", "cp2-per-token-loss", "cp2-tp2-sp", "cp2-pp2-vpp2"])
+    (*CP2, "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1", *SNIP_KEEPING_BF16),
+], ids=["tp2-sp", "pp2-vpp2", "cp2-per-token-loss", "cp2-tp2-sp", "cp2-pp2-vpp2-snip"])
 def test_layout_matches_tp1_in_losses_and_gradients(tiny_data, init_ckpt, baseline_grads, tmp_path, layout):
-    """Trains as TP1 does: losses of 4 steps, then every gradient of a 5th batch."""
+    """Trains as TP1 does: losses of 4 steps, then every gradient of a 5th batch (with a SNIP cycle between)."""
     model_parallel = any(flag in layout for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size"))
     nproc = 4 if CP2[0] in layout and model_parallel else 2
     losses, grads = losses_and_grads(tiny_data, init_ckpt, tmp_path, nproc, *layout)
+    if "--snip" in layout:
+        assert sorted(scalars(tmp_path / "tb", tags.snip("objective"))) == [3]  # the cycle ran
     want_losses, want_grads = baseline_grads
     assert_close(losses, want_losses, rel=2e-5)
     assert sorted(grads) == sorted(want_grads)
@@ -123,14 +129,17 @@ DIST_OPT = ("--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-p
 @pytest.fixture(scope="module")
 def cp2_run(tiny_data, init_ckpt, tmp_path_factory):
     """6 iterations at CP2 from the initial weights, the distributed optimizer sharded over the 2 CP ranks
-    (megatron-core shards it over DP x CP) with overlapped communication, saving at 3 and 6."""
+    (megatron-core shards it over DP x CP) with overlapped communication, saving at 3 and 6, SNIP cycles (plan held
+    at bf16) before each save: each CP rank perturbs its own shard and its peer's."""
     d = tmp_path_factory.mktemp("cp2")
-    launch(2, train_args(tiny_data, *CP2, *DIST_OPT, "--load", str(init_ckpt), "--no-load-optim", "--no-load-rng",
-                         "--save", str(d / "ckpt"), "--save-interval", "3", "--tensorboard-dir", str(d / "tb")))
+    launch(2, train_args(tiny_data, *CP2, *DIST_OPT, *SNIP_KEEPING_BF16, "--load", str(init_ckpt), "--no-load-optim",
+                         "--no-load-rng", "--save", str(d / "ckpt"), "--save-interval", "3",
+                         "--tensorboard-dir", str(d / "tb")))
     return d
 
 
 def test_cp2_with_the_distributed_optimizer_trains_as_tp1(cp2_run, baseline):
+    assert sorted(scalars(cp2_run / "tb", tags.snip("objective"))) == [3, 6]  # the cycles ran
     assert_close(scalars(cp2_run / "tb", LOSS), baseline, rel=2e-5)
 
 

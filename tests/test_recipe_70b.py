@@ -70,11 +70,10 @@ def test_recipe_trains_replans_and_resumes_exactly(tiny_data, tmp_path):
 @pytest.mark.integration  # runs the script under bash
 def test_long_sequence_recipe_splits_each_sequence_over_context_parallel_nodes(tmp_path):
     """The script's long-sequence form (CONTEXT_PARALLEL=4 SEQ_LENGTH=32768 on 8 nodes): TP8 + SP in a node, CP4
-    over nodes, 2 pipeline stages, validated for its 64 GPUs. SNIP under CP is refused until its statistics are
-    gathered over CP ranks: the only problem of the launch."""
+    over nodes, 2 pipeline stages, SNIP on, validated for its 64 GPUs."""
     from test_examples import world_size
 
-    from megatron_snip.arguments import ArgumentError, resolve
+    from megatron_snip.arguments import resolve
 
     (launch_args,) = recorded_launches(SCRIPT, tmp_path, env={
         "CONTEXT_PARALLEL": "4", "SEQ_LENGTH": "32768", "ROTARY_BASE": "500000", "GLOBAL_BATCH": "128",
@@ -82,10 +81,8 @@ def test_long_sequence_recipe_splits_each_sequence_over_context_parallel_nodes(t
     entry = launch_args.index("pretrain_llama.py")
     world, flags = world_size(launch_args[:entry]), launch_args[entry + 1:]
     assert world == 64
-    with pytest.raises(ArgumentError) as refused:
-        resolve(parse_args(flags), world_size=world, cuda=True, check_files=False)
-    assert [p.split(":")[0] for p in refused.value.problems] == ["--snip with --context-parallel-size 4"]
-    run = resolve(parse_args([f for f in flags if f != "--snip"]), world_size=world, cuda=True, check_files=False)
+    run = resolve(parse_args(flags), world_size=world, cuda=True, check_files=False)
+    assert run.snip.enabled
     par = run.parallel
     assert (par.tensor_model_parallel_size, par.context_parallel_size, par.pipeline_model_parallel_size,
             par.data_parallel_size, par.sequence_parallel) == (8, 4, 2, 1, True)

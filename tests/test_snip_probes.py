@@ -54,12 +54,12 @@ MIXED = {"decoder.layers.1.self_attention.linear_qkv": "fp8", "decoder.layers.1.
 # Shared worker helpers (run inside spawned processes)
 
 
-def _layout(tp=1, pp=1, vpp=None):
+def _layout(tp=1, pp=1, vpp=None, cp=1):
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                             virtual_pipeline_model_parallel_size=vpp)
+                                             virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp)
 
 
 def _start(rank, world, port):
@@ -137,11 +137,13 @@ def _build(distributed_optimizer=False, stochastic_rounding=True, sequence_paral
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    dp = dist.get_world_size() // (tp * pp)
+    cp = parallel_state.get_context_parallel_world_size()
+    dp = dist.get_world_size() // (tp * pp * cp)
     # Vocabulary rows padded to a multiple of 64 x TP: 128 at TP 1 and 2, so every layout has the same model.
     flags = ["--ffn-hidden-size", "160", "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ),
              "--make-vocab-size-divisible-by", "64", "--tensor-model-parallel-size", str(tp),
-             "--pipeline-model-parallel-size", str(pp), "--micro-batch-size", str(MBS),
+             "--pipeline-model-parallel-size", str(pp), "--context-parallel-size", str(cp),
+             "--micro-batch-size", str(MBS),
              "--global-batch-size", str(MBS * MICRO * dp), "--lr", "3e-3", "--weight-decay", "0.01"]
     flags += ["--use-distributed-optimizer"] if distributed_optimizer else []
     flags += ["--sequence-parallel"] if sequence_parallel else []
@@ -556,6 +558,9 @@ LAYOUTS = {
     "pp2vpp2": (dict(pp=2, vpp=2), {}),
     "distributed_optimizer": ({}, dict(distributed_optimizer=True)),
     "distributed_optimizer_overlap": ({}, dict(distributed_optimizer=True, overlap=True)),
+    # Each rank holds two chunks of every sequence; with the distributed optimizer, half of the Adam state.
+    "cp2": (dict(cp=2), {}),
+    "cp2_distributed_optimizer": (dict(cp=2), dict(distributed_optimizer=True)),
     # The te backend's measurement path: modules seen through its adapter, the GEMM's input after a
     # fused norm (last: the fused spec stays in the worker once built).
     "te_layout_tp1": ({}, dict(fused_norm=True)),
@@ -649,7 +654,11 @@ TOLERANCE = {"curvature": 3e-4, "gain": 2e-3, "errors.output_sq": 2e-3, "errors.
 @pytest.mark.integration
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_statistics_do_not_depend_on_the_parallel_layout(parallel, layout):
-    sharded = LAYOUTS[layout][1].get("distributed_optimizer", False)
+    # Under the distributed optimizer each replica perturbs its shards only (the shards of all its CP ranks):
+    # with DP > 1, one draw of the gain differs from TP=1's.
+    sizes = LAYOUTS[layout][0]
+    sharded = (LAYOUTS[layout][1].get("distributed_optimizer", False)
+               and sizes.get("tp", 1) * sizes.get("pp", 1) * sizes.get("cp", 1) < 2)
     diff = _differences(parallel[layout], parallel["tp1"], skip_gain=sharded)
     print(f"\n{layout}: largest relative differences " + ", ".join(f"{k} {v:.1e}" for k, v in diff.items()))
     for key, value in diff.items():
@@ -668,6 +677,33 @@ def test_statistics_do_not_depend_on_the_parallel_layout(parallel, layout):
               f"{max(abs(a - b) / b for a, b in gains.values()):.2f}")
         for a, b in gains.values():
             assert a == pytest.approx(b, rel=0.1)
+
+
+@pytest.mark.integration
+def test_context_parallel_statistics_plan_as_cp1s(parallel):
+    """The plan the CP2 statistics give (every candidate, half the linear FLOPs in FP4, the GEMM time priced
+    as research mode prices it) is the CP=1 statistics' plan."""
+    from megatron_snip.numerics.recipes import RecipeConfig
+    from megatron_snip.precision.gemm_speed import peak_speed_model
+    from megatron_snip.snip.estimators import cost_tables
+    from megatron_snip.snip.ilp import LinearModule
+    from megatron_snip.snip.planner import PlannerConfig, build_problem, solve_plan
+    from megatron_snip.snip.statistics import ProbeStatistics
+
+    formats = ("bf16", *FORMATS)
+    config = PlannerConfig(formats=formats, fp4_target=0.5, solver="highs",
+                           speed=peak_speed_model("blackwell").precision_speeds(RecipeConfig(), formats))
+    modules = [LinearModule.from_shape(name, m["layer"], MBS * MICRO * SEQ, m["in_features"], m["out_features"])
+               for name, m in parallel["tp1"]["modules"].items()]
+
+    def plan(stats: dict):
+        costs = cost_tables(ProbeStatistics.from_dict(stats), formats=formats)
+        return solve_plan(build_problem(modules, costs, config), config)[0]
+
+    reference = plan(parallel["tp1"])
+    assert len({str(p) for p in reference.modules.values()}) > 1  # a real choice among modules
+    for layout in ("cp2", "cp2_distributed_optimizer"):
+        assert plan(parallel[layout]) == reference, layout
 
 
 @pytest.mark.integration
@@ -712,6 +748,140 @@ def test_noise_is_layout_invariant():
     a, b = rademacher(torch.arange(n), key), rademacher(torch.arange(n), noise_key("another"))
     for value in (a.mean(), (a[1:] * a[:-1]).mean(), (a * b).mean()):
         assert abs(value.item()) < 4 / math.sqrt(n)
+
+
+def _context_parallel_part(full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Dim 0 (the sequence) of ``full`` as megatron-core's get_batch_on_this_cp_rank gives it to CP rank
+    ``rank`` of ``size``: 2 x size chunks, chunks rank and 2 x size - 1 - rank."""
+    chunks = full.chunk(2 * size, dim=0)
+    return torch.cat([chunks[rank], chunks[2 * size - 1 - rank]], dim=0)
+
+
+def test_context_parallel_positions_are_megatrons_head_tail_chunks():
+    from megatron_snip.snip.noise import context_parallel_positions
+
+    # A sequence of 8 at CP=2: rank 0 holds chunks 0 and 3 of 4, rank 1 chunks 1 and 2.
+    assert context_parallel_positions(4, 0, 2).tolist() == [0, 1, 6, 7]
+    assert context_parallel_positions(4, 1, 2).tolist() == [2, 3, 4, 5]
+    assert context_parallel_positions(6, 0, 1).tolist() == list(range(6))  # CP=1: the sequence in order
+    sequence = torch.arange(48)
+    for size in (2, 3, 4):
+        seen = []
+        for rank in range(size):
+            got = context_parallel_positions(48 // size, rank, size)
+            assert torch.equal(got, _context_parallel_part(sequence, rank, size)), (size, rank)
+            seen += got.tolist()
+        assert sorted(seen) == list(range(48))  # every token on exactly one rank
+    with pytest.raises(ValueError, match="two equal chunks"):
+        context_parallel_positions(5, 0, 2)
+
+
+# (partition_dim, stride, TP size) of a linear's output [s, b, h] as the probes draw its noise: replicated,
+# column-parallel (features split, SwiGLU's fc1 in two strided slices), row-parallel under sequence parallelism.
+OUTPUT_SPLITS = ((None, 1, 1), (-1, 1, 2), (-1, 2, 2), (0, 1, 2))
+
+
+def test_context_parallel_noise_is_the_full_sequences():
+    """An activation's noise under context parallelism (with TP's feature split or sequence parallelism
+    within it) is the CP=1 tensor's noise at the tokens the rank holds: a CP run's probes perturb every
+    token as a CP=1 run's do."""
+    from megatron_snip.snip.noise import global_flat_index, noise_key, rademacher
+
+    key = noise_key(0, "output", 1, "decoder.layers.2.self_attention.linear_proj")
+    seq, batch, hidden = 16, 3, 8
+    full = rademacher(torch.arange(seq * batch * hidden), key).view(seq, batch, hidden)
+    for cp in (2, 4):
+        for dim, stride, tp in OUTPUT_SPLITS:
+            for cp_rank in range(cp):
+                part = _context_parallel_part(full, cp_rank, cp)
+                for rank in range(tp):
+                    if dim == 0:  # sequence parallelism: contiguous slices of the CP rank's tokens
+                        expected = part.chunk(tp, dim=0)[rank]
+                    elif dim == -1:
+                        expected = torch.cat(part.split(hidden // tp // stride, dim=-1)[rank::tp], dim=-1)
+                    else:
+                        expected = part
+                    kwargs = dict(partition_dim=dim, stride=stride, rank=rank, size=tp, cp_rank=cp_rank, cp_size=cp)
+                    got = rademacher(global_flat_index(expected.shape, **kwargs), key)
+                    assert torch.equal(got.view(expected.shape), expected), (cp, dim, stride, cp_rank, rank)
+                    part_index = global_flat_index(expected.shape, start=5, end=37, **kwargs)
+                    assert torch.equal(rademacher(part_index, key), expected.reshape(-1)[5:37])
+
+
+def _grid_statistics(tokens, weight_values, update_terms, preconditioner, *, dp, cp, dp_sharded):
+    """One module's statistics as the probes reduce them on a DP x CP grid of ranks, each rank's sums
+    computed from its own tokens as the probe computes them (a sum over the tokens, a quantity of the
+    weight alone, the wgrad error summed over the CP ranks before it is squared against this rank's
+    preconditioner), then weighted, added over dp-cp and divided (``probes.reduction_factors``).
+
+    ``tokens``: per replica, key -> [tokens] per-token contributions; ``weight_values``: key -> value;
+    ``update_terms``: per replica, [tokens, params] per-token wgrad error terms; ``preconditioner``: [params]."""
+    from megatron_snip.snip.noise import context_parallel_positions
+    from megatron_snip.snip.probes import reduction_factors
+
+    keys = list(tokens[0])
+    total = torch.zeros(len(keys), dtype=torch.float64)
+    n_tokens, n_params = update_terms[0].shape
+    for d in range(dp):
+        # The wgrad error of the replica: every CP rank's part, all-reduced before squaring.
+        parts = [update_terms[d][context_parallel_positions(n_tokens // cp, r, cp)].sum(0) for r in range(cp)]
+        error = sum(parts)
+        for r in range(cp):
+            mine = context_parallel_positions(n_tokens // cp, r, cp)
+            shard = slice(None)
+            if dp_sharded:  # the distributed optimizer's shard of this rank (dp-cp rank d * cp + r)
+                size = n_params // (dp * cp)
+                shard = slice((d * cp + r) * size, (d * cp + r + 1) * size)
+            local = {}
+            for key in keys:
+                if key.quantity in weight_values:
+                    local[key] = weight_values[key.quantity]
+                elif key.quantity == "update_sq":
+                    local[key] = (preconditioner[shard] * error[shard]).square().sum()
+                else:
+                    local[key] = tokens[d][key][mine].sum()
+            weights, _ = reduction_factors(keys, cp_rank=r, dp=dp, dp_sharded=dp_sharded)
+            total += torch.tensor([local[k] * w for k, w in zip(keys, weights)], dtype=torch.float64)
+    _, divisors = reduction_factors(keys, cp_rank=0, dp=dp, dp_sharded=dp_sharded)
+    return dict(zip(keys, (total / torch.tensor(divisors, dtype=torch.float64)).tolist()))
+
+
+def test_statistics_reduce_over_context_parallel_ranks_to_the_cp1_values():
+    """Each statistic reduced over a CP x DP grid equals the CP=1 value: token sums added over the CP
+    ranks of a replica and averaged over replicas, the weight's own quantities and the update drift (its
+    error summed before squaring) counted once, the distributed optimizer's shard-wise sums added."""
+    from megatron_snip.snip.probes import CLEAN_QUANTITIES, FORMAT_QUANTITIES, Sum
+
+    g = torch.Generator().manual_seed(0)
+    n_tokens, n_params = 24, 16
+    keys = ([Sum(q) for q in CLEAN_QUANTITIES] + [Sum(q, "nvfp4") for q in FORMAT_QUANTITIES]
+            + [Sum("curvature", probe=0), Sum("gain", probe=0)])
+    weight_values = {"weight_sq": 3.5, "w_quant_sq": 0.25}
+
+    def replica():
+        return {k: torch.randn(n_tokens, generator=g, dtype=torch.float64) for k in keys}
+
+    preconditioner = torch.rand(n_params, generator=g, dtype=torch.float64)
+    for dp, dp_sharded in ((2, False), (1, True), (2, True)):
+        tokens = [replica() for _ in range(dp)]
+        # With the distributed optimizer and DP > 1 each shard's drift comes from its own replica's error:
+        # layouts agree only when the replicas see the same batch (as in the layout test below).
+        update_terms = [torch.randn(n_tokens, n_params, generator=g, dtype=torch.float64)] * dp if dp_sharded else [
+            torch.randn(n_tokens, n_params, generator=g, dtype=torch.float64) for _ in range(dp)]
+        reference = _grid_statistics(tokens, weight_values, update_terms, preconditioner, dp=dp, cp=1,
+                                     dp_sharded=dp_sharded)
+        for cp in (2, 4):
+            got = _grid_statistics(tokens, weight_values, update_terms, preconditioner, dp=dp, cp=cp,
+                                   dp_sharded=dp_sharded)
+            for key in keys:
+                assert got[key] == pytest.approx(reference[key], rel=1e-12), (dp, dp_sharded, cp, key)
+        # The CP=1 values themselves: a replica's token sums averaged, the weight's once, the drift of each
+        # replica's whole error averaged (under the distributed optimizer summed over the shards, each
+        # replica's error on its own: the same error here).
+        drifts = [(preconditioner * terms.sum(0)).square().sum() for terms in update_terms]
+        assert reference[Sum("input_sq")] == pytest.approx(sum(t[Sum("input_sq")].sum() for t in tokens) / dp)
+        assert reference[Sum("weight_sq")] == weight_values["weight_sq"]
+        assert reference[Sum("update_sq", "nvfp4")] == pytest.approx(sum(drifts) / dp)
 
 
 def test_reference_gemms_may_run_on_tf32_only_where_it_rounds_no_operand():
@@ -760,32 +930,32 @@ def test_perturbed_parameters_are_restored_from_the_main_copy_only_where_it_give
 @pytest.mark.cuda  # compiled and run on the GPU when there is one (bench/gpu_suite.py), else interpreted
 def test_the_fused_noise_kernel_draws_the_references_values():
     """The Triton kernel the probes use on CUDA (here in Triton's interpreter) gives, bit for bit, the
-    torch reference's noise for every layout and slice, for indices past 2^32 and keys past 2^63."""
+    torch reference's noise for every tensor- and context-parallel layout and slice, for indices past 2^32
+    and keys past 2^63."""
     pytest.importorskip("triton")
     from megatron_snip.snip import noise_triton
-    from megatron_snip.snip.noise import global_flat_index, layout_rademacher, noise_key, rademacher
+    from megatron_snip.snip.noise import ShardIndex, global_flat_index, layout_rademacher, noise_key, rademacher
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     keys = [noise_key(0, "output", 1, "decoder.layers.3.mlp.linear_fc1"), 0xFFFFFFFFFFFFFFFF, 0x80000000]
+    tensor_parallel = ((None, 1, 0, 1), (0, 1, 1, 2), (1, 2, 1, 2), (-1, 2, 0, 4), (1, 1, 3, 4))
+    layouts = [dict(partition_dim=dim, stride=stride, rank=rank, size=size)
+               for dim, stride, rank, size in tensor_parallel]
+    layouts += [dict(partition_dim=dim, stride=stride, rank=size - 1, size=size, cp_rank=cp_rank, cp_size=cp)
+                for dim, stride, size in OUTPUT_SPLITS for cp, cp_rank in ((2, 0), (3, 1))]
     for key in keys:
-        for dim, stride, rank, size in ((None, 1, 0, 1), (0, 1, 1, 2), (1, 2, 1, 2), (-1, 2, 0, 4), (1, 1, 3, 4)):
+        for layout in layouts:
             shape = (6, 8, 16)
             for start, end in ((0, None), (5, 700)):
-                expected = rademacher(global_flat_index(shape, partition_dim=dim, stride=stride, rank=rank, size=size,
-                                                        start=start, end=end, device=device), key)
-                kwargs = {"partition_dim": dim, "stride": stride, "rank": rank, "size": size, "start": start,
-                          "end": end}
+                expected = rademacher(global_flat_index(shape, start=start, end=end, device=device, **layout), key)
+                kwargs = {**layout, "start": start, "end": end}
                 assert torch.equal(layout_rademacher(shape, key, device=device, **kwargs), expected), kwargs
                 if device == "cpu":  # layout_rademacher takes the kernel on CUDA only: call it here
-                    split = dim is not None and size > 1
-                    d = dim % 3 if split else 0
-                    n_local, inner = (shape[d], math.prod(shape[d + 1:])) if split else (1, 1)
-                    got = noise_triton.rademacher(expected.numel(), key, start=start, n_local=n_local, inner=inner,
-                                                  chunk=n_local // stride if split else 1, size=size, rank=rank,
-                                                  split=split, device=device)
+                    index = ShardIndex.of(shape, **layout)
+                    got = noise_triton.rademacher(expected.numel(), key, start=start, **vars(index))
                     assert torch.equal(got, expected), kwargs
         far = 2**33 + 12345  # the index's high word enters the hash
-        got = noise_triton.rademacher(300, key, start=far, device=device)
+        got = noise_triton.rademacher(300, key, start=far, **vars(ShardIndex.of((2**34,), device=device)))
         assert torch.equal(got, rademacher(torch.arange(far, far + 300, device=device), key))
 
 

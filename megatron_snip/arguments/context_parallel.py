@@ -41,9 +41,6 @@ def validate_context_parallel(args: argparse.Namespace) -> None:
             f"--context-parallel-size {cp} runs on the SDPA attention: use --transformer-impl local with "
             f"--attention-backend {'/'.join(SDPA_BACKENDS)} (got --transformer-impl {args.transformer_impl}, "
             f"--attention-backend {args.attention_backend})")
-    require(not args.snip,
-            f"--snip with --context-parallel-size {cp}: SNIP's statistics are not gathered over context-parallel "
-            "ranks yet; train with a fixed plan (--precision) or use --context-parallel-size 1")
     other = sorted(set(comm) - set(ALL_GATHER))
     if not comm:  # a launch relying on Megatron-LM's default, p2p
         args.notices.append(f"--context-parallel-size {cp} without --cp-comm-type: keys and values are all-gathered "

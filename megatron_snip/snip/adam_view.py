@@ -3,7 +3,8 @@ parameter and optimizer state held on this rank.
 
 The whole parameter for megatron's ``FP32Optimizer`` / ``Float16OptimizerWithFloat16Params``;
 a shard of the flat buffer for the ``DistributedOptimizer``, whose sums then run over the
-data-parallel group.
+group it shards over: the data-parallel ranks with the context-parallel ones (megatron-core's
+dp-cp group; the data-parallel group itself at CP=1).
 """
 
 from __future__ import annotations
@@ -35,11 +36,14 @@ class AdamSlice:
         state: the inner optimizer's state of the main parameter (``exp_avg``, ``exp_avg_sq``,
             ``step``), each holding ``end - start`` elements.
         group: the inner optimizer's param group (lr, betas, eps).
-        dp_sharded: held by one data-parallel rank only (distributed optimizer).
+        dp_sharded: held by one rank of the data- and context-parallel group only (distributed
+            optimizer: megatron-core's dp-cp group).
         counted: counts in model-wide sums on this rank (not a tensor-parallel duplicate
             held by a rank other than TP rank 0, not a shared copy).
         main: the optimizer's main parameter of the slice (``end - start`` elements; the model
-            parameter itself where the optimizer keeps no copy).
+            parameter itself where the optimizer keeps no copy); None, with ``state`` and ``group``
+            empty, for a slice another context-parallel rank's optimizer updates
+            (:meth:`AdamView.context_parallel_peers`).
     """
 
     param: torch.nn.Parameter
@@ -107,9 +111,11 @@ class AdamView:
 
     def __init__(self, optimizer, chunks: Sequence[torch.nn.Module]):
         names = global_parameter_names(chunks)
+        self._params = {name: param for param, name in names.items()}
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.slices: dict[torch.nn.Parameter, AdamSlice] = {}
         parts = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+        self._sharded = any(isinstance(opt, DistributedOptimizer) for opt in parts)
         for opt in parts:
             groups = {id(p): g for g in opt.optimizer.param_groups for p in g["params"]}
             for param, main, start, end, sharded in _main_params(opt):
@@ -131,11 +137,14 @@ class AdamView:
 
     @property
     def dp_sharded(self) -> bool:
-        return any(s.dp_sharded for s in self.slices.values())
+        """Whether the optimizer shards its state over the data- and context-parallel ranks: the same on
+        every rank, whichever slices it holds (collectives depend on it)."""
+        return self._sharded
 
     def model_sum(self, per_slice: Callable[[AdamSlice], torch.Tensor]) -> float:
         """``sum over every parameter element of the model`` of a per-slice fp64 sum, complete over
-        tensor-, pipeline- and (distributed optimizer) data-parallel shards; the same on every rank."""
+        tensor-, pipeline- and (distributed optimizer) data- and context-parallel shards; the same on
+        every rank."""
         device = next(iter(self.slices)).device if self.slices else _default_device()
         sharded = torch.zeros((), dtype=torch.float64, device=device)
         replicated = torch.zeros((), dtype=torch.float64, device=device)
@@ -145,11 +154,46 @@ class AdamView:
                     sharded += per_slice(s)
                 else:
                     replicated += per_slice(s)
-        if parallel_state.get_data_parallel_world_size() > 1:
-            dist.all_reduce(sharded, group=parallel_state.get_data_parallel_group())
+        if parallel_state.get_data_parallel_world_size(with_context_parallel=True) > 1:
+            dist.all_reduce(sharded, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
         total = sharded + replicated
         dist.all_reduce(total, group=parallel_state.get_model_parallel_group())
         return total.item()
+
+
+    def context_parallel_peers(self, values: dict[AdamSlice, torch.Tensor]) -> dict[AdamSlice, torch.Tensor]:
+        """The slices the other context-parallel ranks of this data-parallel replica update (distributed
+        optimizer: each holds its own shard), each with the flat fp32 value that rank has for it in its
+        ``values`` (one per slice it holds). Collective over the context-parallel group.
+
+        The ranks of a replica run one forward together (attention gathers their keys and values), so a
+        perturbation of the parameters must be the same on all of them: each applies its own slices' and
+        its peers'. Without the distributed optimizer every rank holds every slice: nothing to exchange."""
+        group = parallel_state.get_context_parallel_group()
+        size = dist.get_world_size(group)
+        if size == 1 or not self.dp_sharded:
+            return {}
+        mine = [s for s in self.slices.values() if s in values]
+        described: list = [None] * size
+        dist.all_gather_object(described, [(s.name, s.start, s.end) for s in mine], group=group)
+        device = next(iter(self.slices)).device if self.slices else _default_device()
+        lengths = [sum(end - start for _, start, end in d) for d in described]
+        flat = torch.zeros(max(lengths), dtype=torch.float32, device=device)
+        if mine:
+            flat[:lengths[dist.get_rank(group)]] = torch.cat([values[s].float().reshape(-1) for s in mine])
+        gathered = [torch.empty_like(flat) for _ in range(size)]
+        dist.all_gather(gathered, flat, group=group)
+        peers = {}
+        for rank, (slices, received) in enumerate(zip(described, gathered)):
+            if rank == dist.get_rank(group):
+                continue
+            offset = 0
+            for name, start, end in slices:
+                param = self._params[name]
+                peer = AdamSlice(param, name, start, end, state={}, group={}, dp_sharded=True, counted=False)
+                peers[peer] = received[offset:offset + end - start]
+                offset += end - start
+        return peers
 
 
 def _default_device() -> torch.device:
@@ -159,9 +203,10 @@ def _default_device() -> torch.device:
 def _main_params(opt):
     """(model param, main param or None, start, end, dp_sharded) for one megatron optimizer."""
     if isinstance(opt, DistributedOptimizer):
-        if opt.data_parallel_group.size() != parallel_state.get_data_parallel_world_size():
-            raise ValueError("SNIP probes sum the distributed optimizer's shards over the whole data-parallel "
-                             "group; several distributed-optimizer instances (partial sharding) are not supported")
+        if opt.data_parallel_group.size() != parallel_state.get_data_parallel_world_size(with_context_parallel=True):
+            raise ValueError("SNIP probes sum the distributed optimizer's shards over the whole data- and "
+                             "context-parallel group; several distributed-optimizer instances (partial sharding) "
+                             "are not supported")
         pairs = [*zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups),
                  *zip(opt.model_fp32_groups, opt.shard_fp32_groups)]
         for model_group, main_group in pairs:

@@ -1,8 +1,8 @@
 """Layout-invariant noise for the probe passes: a counter-based hash of (key, global element index).
 
 The value drawn for an element depends only on the noise key and the element's index
-in the *unsharded* tensor, so every tensor-/pipeline-parallel layout draws the same
-noise and nothing needs storing or communicating.
+in the *unsharded* tensor, so every tensor-/context-/pipeline-parallel layout draws the
+same noise and nothing needs storing or communicating.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from megatron.core import parallel_state
@@ -44,66 +45,131 @@ def rademacher(index: torch.Tensor, key: int) -> torch.Tensor:
     return (h >> 31).float().mul_(-2.0).add_(1.0)
 
 
+def context_parallel_positions(n_local: int, rank: int, size: int,
+                               device: torch.device | str = "cpu") -> torch.Tensor:
+    """Positions in the whole sequence of the ``n_local`` tokens a context-parallel rank holds, in its order.
+
+    megatron-core's ``get_batch_on_this_cp_rank`` cuts the sequence into ``2 * size`` chunks of
+    ``n_local / 2`` tokens and gives rank r chunks r and ``2 * size - 1 - r`` (the load balance of
+    causal attention: an early chunk with a late one).
+
+    Returns:
+        int64 [n_local]: for rank 1 of 2 and 4 local tokens, [2, 3, 4, 5] of a sequence of 8.
+    """
+    if n_local % 2:
+        raise ValueError(f"a context-parallel rank holds two equal chunks; {n_local} tokens cannot be")
+    half = n_local // 2
+    i = torch.arange(n_local, dtype=torch.int64, device=device)
+    chunk = torch.where(i < half, rank, 2 * size - 1 - rank)
+    return chunk * half + i % half
+
+
+def _split_positions(n_local: int, stride: int, rank: int, size: int, device) -> torch.Tensor:
+    """Positions in the whole dim of a tensor-parallel shard's ``n_local`` rows: the full dim cut into
+    chunks of ``n_local / stride``, rank r holding chunks r, r + size, r + 2 size, ...
+    (``_initialize_affine_weight_cpu``; SwiGLU's fc1 has stride 2)."""
+    d = torch.arange(n_local, dtype=torch.int64, device=device)
+    chunk = n_local // stride
+    return ((d // chunk) * size + rank) * chunk + d % chunk
+
+
+@dataclass(frozen=True)
+class ShardIndex:
+    """Where a shard's elements lie in the unsharded tensor (row-major), the shard seen as a view
+    ``[len(rows), mid, len(cols), inner]``: element (i, m, d, w) is the full tensor's element
+    ``((rows[i] * mid + m) * full_cols + cols[d]) * inner + w``.
+
+    ``rows``: dim 0's positions in the full dim 0 (the sequence of activations, which context
+    parallelism cuts, and sequence parallelism within that); ``cols``: the positions of the dim
+    tensor parallelism splits elsewhere. ``mapped`` False: the shard is the whole tensor.
+    """
+
+    rows: torch.Tensor  # int64
+    mid: int
+    cols: torch.Tensor  # int64
+    full_cols: int
+    inner: int
+    mapped: bool
+
+    @classmethod
+    def of(cls, shape: Sequence[int], *, partition_dim: int | None = None, stride: int = 1, rank: int = 0,
+           size: int = 1, cp_rank: int = 0, cp_size: int = 1, device: torch.device | str = "cpu") -> ShardIndex:
+        """The index of a shard of ``shape`` (arguments as :func:`global_flat_index`'s)."""
+        numel = math.prod(shape)
+        zero = torch.zeros(1, dtype=torch.int64, device=device)
+        split, context = partition_dim is not None and size > 1, cp_size > 1
+        if not (split or context):
+            return cls(zero, 1, zero, 1, numel, False)
+        dim = partition_dim % len(shape) if split else None
+        if not context:  # the dims before the split one, flattened, as rows in order
+            rows = torch.arange(math.prod(shape[:dim]), dtype=torch.int64, device=device)
+            return cls(rows, 1, _split_positions(shape[dim], stride, rank, size, device), shape[dim] * size,
+                       math.prod(shape[dim + 1:]), True)
+        # Dim 0 is the sequence; sequence parallelism (a TP split of dim 0) cuts the context-parallel rank's part.
+        rows = (_split_positions(shape[0], stride, rank, size, device) if dim == 0
+                else torch.arange(shape[0], dtype=torch.int64, device=device))
+        rows = context_parallel_positions(shape[0] * (size if dim == 0 else 1), cp_rank, cp_size, device)[rows]
+        if dim is None or dim == 0:
+            return cls(rows, 1, zero, 1, math.prod(shape[1:]), True)
+        return cls(rows, math.prod(shape[1:dim]), _split_positions(shape[dim], stride, rank, size, device),
+                   shape[dim] * size, math.prod(shape[dim + 1:]), True)
+
+    def flat(self, start: int, end: int) -> torch.Tensor:
+        """int64 [end - start]: the full tensor's flat indices of elements ``start:end`` of the flattened shard."""
+        device = self.rows.device
+        if not self.mapped:
+            return torch.arange(start, end, dtype=torch.int64, device=device)
+        n0, n_cols = len(self.rows), len(self.cols)
+        if (start, end) == (0, n0 * self.mid * n_cols * self.inner):
+            # The whole shard: broadcast sums of small index vectors (per-element divisions cost more
+            # than the hash on the outputs of the probe passes).
+            outer = self.rows[:, None] * self.mid + torch.arange(self.mid, dtype=torch.int64, device=device)
+            outer = outer[:, :, None] * self.full_cols + self.cols
+            within = torch.arange(self.inner, dtype=torch.int64, device=device)
+            return (outer[..., None] * self.inner + within).reshape(-1)
+        p = torch.arange(start, end, dtype=torch.int64, device=device)
+        w, p = p % self.inner, p // self.inner
+        d, p = p % n_cols, p // n_cols
+        m, i = p % self.mid, p // self.mid
+        return ((self.rows[i] * self.mid + m) * self.full_cols + self.cols[d]) * self.inner + w
+
+
 def global_flat_index(shape: Sequence[int], *, partition_dim: int | None = None, stride: int = 1, rank: int = 0,
-                      size: int = 1, start: int = 0, end: int | None = None,
+                      size: int = 1, cp_rank: int = 0, cp_size: int = 1, start: int = 0, end: int | None = None,
                       device: torch.device | str = "cpu") -> torch.Tensor:
     """Indices, in the unsharded tensor, of elements ``start:end`` of a flattened shard.
 
-    The shard is megatron's tensor-parallel split of dim ``partition_dim`` (None: not split):
-    the full dim is cut into chunks of ``shape[dim] / stride`` and rank r holds chunks
-    r, r + size, r + 2 size, ... (``_initialize_affine_weight_cpu``; SwiGLU's fc1 has stride 2).
+    The shard is megatron's tensor-parallel split of dim ``partition_dim`` (None: not split) over
+    ``size`` ranks (:func:`_split_positions`) and, with ``cp_size`` > 1, an activation's
+    context-parallel part of the sequence, dim 0 (:func:`context_parallel_positions`), which
+    sequence parallelism (``partition_dim`` 0) splits further.
 
     Returns:
         int64 tensor of ``end - start`` flat indices into the full tensor (row-major).
     """
-    numel = math.prod(shape)
-    end = numel if end is None else end
-    if partition_dim is None or size == 1:
-        return torch.arange(start, end, dtype=torch.int64, device=device)
-    dim = partition_dim % len(shape)
-    n_local, inner = shape[dim], math.prod(shape[dim + 1:])
-    chunk = n_local // stride
-
-    def full_row(d: torch.Tensor) -> torch.Tensor:  # local index along dim -> index in the full dim
-        return ((d // chunk) * size + rank) * chunk + d % chunk
-
-    if (start, end) == (0, numel):
-        # The whole shard: one broadcast sum of three small index vectors (the per-element
-        # divisions below cost more than the hash on the outputs of the probe passes).
-        outer = torch.arange(numel // (n_local * inner), dtype=torch.int64, device=device)
-        d_full = full_row(torch.arange(n_local, dtype=torch.int64, device=device))
-        within = torch.arange(inner, dtype=torch.int64, device=device)
-        return ((outer[:, None, None] * (n_local * size) + d_full[None, :, None]) * inner
-                + within[None, None, :]).reshape(-1)
-    local = torch.arange(start, end, dtype=torch.int64, device=device)
-    outer, rest = local // (n_local * inner), local % (n_local * inner)
-    d, within = rest // inner, rest % inner
-    return (outer * (n_local * size) + full_row(d)) * inner + within
+    end = math.prod(shape) if end is None else end
+    index = ShardIndex.of(shape, partition_dim=partition_dim, stride=stride, rank=rank, size=size, cp_rank=cp_rank,
+                          cp_size=cp_size, device=device)
+    return index.flat(start, end)
 
 
 def layout_rademacher(shape: Sequence[int], key: int, *, partition_dim: int | None = None, stride: int = 1,
-                      rank: int = 0, size: int = 1, start: int = 0, end: int | None = None,
-                      device: torch.device | str = "cpu") -> torch.Tensor:
+                      rank: int = 0, size: int = 1, cp_rank: int = 0, cp_size: int = 1, start: int = 0,
+                      end: int | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
     """``rademacher(global_flat_index(shape, ...), key)``: the noise of elements ``start:end`` of a
     flattened shard (arguments as :func:`global_flat_index`'s). On CUDA one fused Triton kernel
     (``noise_triton``) computes the same values without the index tensor and the ~50 int64 passes."""
+    end = math.prod(shape) if end is None else end
+    index = ShardIndex.of(shape, partition_dim=partition_dim, stride=stride, rank=rank, size=size, cp_rank=cp_rank,
+                          cp_size=cp_size, device=device)
     if torch.device(device).type == "cuda":
         try:
             from megatron_snip.snip import noise_triton
         except ImportError:  # no triton: the torch composition below
             noise_triton = None
         if noise_triton is not None:
-            numel = math.prod(shape)
-            end = numel if end is None else end
-            split = partition_dim is not None and size > 1
-            dim = partition_dim % len(shape) if split else 0
-            n_local, inner = (shape[dim], math.prod(shape[dim + 1:])) if split else (1, 1)
-            return noise_triton.rademacher(end - start, key, start=start, n_local=n_local, inner=inner,
-                                           chunk=n_local // stride if split else 1, size=size, rank=rank,
-                                           split=split, device=device)
-    index = global_flat_index(shape, partition_dim=partition_dim, stride=stride, rank=rank, size=size, start=start,
-                              end=end, device=device)
-    return rademacher(index, key)
+            return noise_triton.rademacher(end - start, key, start=start, **vars(index))
+    return rademacher(index.flat(start, end), key)
 
 
 def param_noise(param: torch.nn.Parameter, key: int, start: int = 0, end: int | None = None) -> torch.Tensor:

@@ -4,8 +4,9 @@
 through memory, each a kernel on a GPU; a cycle hashes every module output of every micro-batch
 six times (three Hutchinson keys in the clean pass, one per Hutchinson pass), billions of
 elements at the TinyLlama shape. This kernel computes each element's global index (the
-tensor-parallel layout of ``global_flat_index``) and its hash in registers, and writes the fp32
-+-1 alone. Integer arithmetic is exact, so the values are bit for bit the reference's
+tensor- and context-parallel layout of a ``noise.ShardIndex``, whose fields it takes: its two
+small position tables are read, the rest is arithmetic) and its hash in registers, and writes the fp32 +-1 alone.
+Integer arithmetic is exact, so the values are bit for bit the reference's
 (``tests/test_snip_probes.py`` checks it in Triton's interpreter on CPU). Used on CUDA tensors
 (``noise.layout_rademacher``).
 """
@@ -30,21 +31,24 @@ def _hash32(x):
 
 
 # Scalars stay runtime values: Triton would make a 1 (an unsplit layout's) a constant without ``.to``.
-@triton.jit(do_not_specialize=["n", "start", "n_local", "inner", "chunk", "size", "rank", "key_lo", "key_hi"])
-def _rademacher_kernel(out_ptr, n, start, n_local, inner, chunk, size, rank, key_lo, key_hi,
-                       SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["n", "start", "mid", "n_cols", "full_cols", "inner", "key_lo", "key_hi"])
+def _rademacher_kernel(out_ptr, rows_ptr, cols_ptr, n, start, mid, n_cols, full_cols, inner, key_lo, key_hi,
+                       MAPPED: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     p = offs + start  # the element's place in this rank's flattened shard
-    n_local, inner, chunk = n_local.to(tl.int64), inner.to(tl.int64), chunk.to(tl.int64)
-    size, rank = size.to(tl.int64), rank.to(tl.int64)
-    if SPLIT:  # noise.global_flat_index: rank r holds chunks r, r + size, ... of the split dim
-        outer = p // (n_local * inner)
-        rest = p % (n_local * inner)
-        d = rest // inner
-        within = rest % inner
-        full = ((d // chunk) * size + rank) * chunk + d % chunk
-        index = (outer * (n_local * size) + full) * inner + within
+    if MAPPED:  # noise.ShardIndex.flat: the shard as [rows, mid, cols, inner]
+        mid, n_cols = mid.to(tl.int64), n_cols.to(tl.int64)
+        full_cols, inner = full_cols.to(tl.int64), inner.to(tl.int64)
+        w = p % inner
+        q = p // inner
+        d = q % n_cols
+        q = q // n_cols
+        m = q % mid
+        i = q // mid
+        row = tl.load(rows_ptr + i, mask=mask, other=0)
+        col = tl.load(cols_ptr + d, mask=mask, other=0)
+        index = ((row * mid + m) * full_cols + col) * inner + w
     else:
         index = p
     lo = (index & 0xFFFFFFFF).to(tl.uint32)
@@ -55,15 +59,14 @@ def _rademacher_kernel(out_ptr, n, start, n_local, inner, chunk, size, rank, key
     tl.store(out_ptr + offs, z, mask=mask)
 
 
-def rademacher(numel: int, key: int, *, start: int = 0, n_local: int = 1, inner: int = 1, chunk: int = 1,
-               size: int = 1, rank: int = 0, split: bool = False, device: torch.device | str = "cuda") -> torch.Tensor:
-    """``numel`` values +-1 (fp32) of elements ``start:start + numel`` of a flattened shard: the
-    layout as ``noise.global_flat_index`` takes it (``split``: dim of length ``n_local`` on this rank,
-    ``inner`` elements after it, cut in chunks of ``chunk`` over ``size`` ranks, this one ``rank``)."""
-    out = torch.empty(numel, dtype=torch.float32, device=device)
+def rademacher(numel: int, key: int, *, rows: torch.Tensor, mid: int, cols: torch.Tensor, full_cols: int,
+               inner: int, mapped: bool, start: int = 0) -> torch.Tensor:
+    """``numel`` values +-1 (fp32, on ``rows``' device) of elements ``start:start + numel`` of a flattened
+    shard laid out as the ``noise.ShardIndex`` with these fields says (``**vars(index)``)."""
+    out = torch.empty(numel, dtype=torch.float32, device=rows.device)
     if numel:
         key &= 0xFFFFFFFFFFFFFFFF
         _rademacher_kernel[(triton.cdiv(numel, _BLOCK),)](
-            out, numel, start, n_local, inner, chunk, size, rank, key & 0xFFFFFFFF, key >> 32,
-            SPLIT=split, BLOCK=_BLOCK)
+            out, rows, cols, numel, start, mid, len(cols), full_cols, inner, key & 0xFFFFFFFF, key >> 32,
+            MAPPED=mapped, BLOCK=_BLOCK)
     return out

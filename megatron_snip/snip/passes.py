@@ -110,8 +110,6 @@ class PassRunner:
         config = get_model_config(chunks[0])
         if config.calculate_per_token_loss:
             raise ValueError("SNIP probes need the loss averaged per micro-batch; calculate_per_token_loss is set")
-        if parallel_state.get_context_parallel_world_size() > 1:
-            raise ValueError("SNIP probes do not support context parallelism")
         self.chunks = list(chunks)
         self.config = config
         self.num_microbatches = num_microbatches
@@ -122,10 +120,19 @@ class PassRunner:
 
     @property
     def loss_scale(self) -> float:
-        """The factor the schedule multiplies the loss by before backward (1 without a grad scaler)."""
+        """The grad scaler's factor on the loss before backward (1 without one): the reduced weight
+        gradients (``main_grad``) are that many times dL/dtheta."""
         f = self.config.grad_scale_func
         device = next(self.chunks[0].parameters()).device
         return 1.0 if f is None else float(f(torch.ones(1, device=device)).item())
+
+    @property
+    def output_grad_scale(self) -> float:
+        """How many times dL/dY the activation gradients of a backward pass are: the grad scaler's
+        factor, and the context-parallel size, which megatron-core's schedule multiplies each
+        micro-batch's loss by (``forward_step_calc_loss``) and DDP's average over the data- and
+        context-parallel ranks divides back out of the weight gradients."""
+        return self.loss_scale * parallel_state.get_context_parallel_world_size()
 
     def groups(self) -> list[range]:
         """The micro-batches a pass may run alone, in order: each one, or the whole batch under the

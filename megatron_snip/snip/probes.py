@@ -166,10 +166,14 @@ def squared_norm(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class ModuleLayout:
-    """How a linear module is split over its tensor-parallel group.
+    """How a linear module is split over its tensor-parallel group, and its tokens over the
+    context-parallel group.
 
     Attributes:
         tp, tp_rank: size of the module's TP group and this rank's place in it.
+        cp, cp_rank: size of the context-parallel group and this rank's place in it: the module's
+            input and output hold this rank's part of the sequence (dim 0; megatron-core's head-tail
+            chunks, ``noise.context_parallel_positions``), its weight is the same on every CP rank.
         row: row-parallel (X and W split along in; Y all-reduced, replicated) rather than
             column-parallel (W split along out; X replicated, Y split).
         sequence_input, sequence_output: with sequence parallelism, the module's input
@@ -187,6 +191,8 @@ class ModuleLayout:
 
     tp: int
     tp_rank: int
+    cp: int
+    cp_rank: int
     row: bool
     sequence_input: bool
     sequence_output: bool
@@ -202,7 +208,9 @@ class ModuleLayout:
         row = module.row_parallel
         sequence = tp > 1 and bool(module.sequence_parallel)  # megatron turns the flag off at TP=1
         gemm_x, gemm_y = (1.0 if row or tp_rank == 0 else 0.0), (1.0 if not row or tp_rank == 0 else 0.0)
-        return cls(tp, tp_rank, row, sequence_input=sequence and not row, sequence_output=sequence and row,
+        return cls(tp, tp_rank, parallel_state.get_context_parallel_world_size(),
+                   parallel_state.get_context_parallel_rank(), row,
+                   sequence_input=sequence and not row, sequence_output=sequence and row,
                    x_weight=1.0 if sequence and not row else gemm_x, y_weight=1.0 if sequence and row else gemm_y,
                    gemm_x_weight=gemm_x, gemm_y_weight=gemm_y)
 
@@ -263,11 +271,13 @@ class _Probe:
 
     def output_noise(self, y: torch.Tensor, key: int) -> torch.Tensor:
         """Layout-invariant Rademacher noise shaped like this rank's output (column-parallel
-        outputs are split along features like the weight's rows)."""
+        outputs are split along features like the weight's rows; under context parallelism the
+        rank's tokens draw the values of their places in the whole sequence)."""
         dim = self.layout.output_partition_dim()
         return layout_rademacher(y.shape, key, partition_dim=dim,
                                  stride=getattr(self.module.weight, "partition_stride", 1) if dim == -1 else 1,
-                                 rank=self.layout.tp_rank, size=self.layout.tp, device=y.device).view(y.shape)
+                                 rank=self.layout.tp_rank, size=self.layout.tp, cp_rank=self.layout.cp_rank,
+                                 cp_size=self.layout.cp, device=y.device).view(y.shape)
 
     def quantized_gemms(self, fmt: str, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor):
         """(Y, dX, dW) of the module's GEMMs in ``fmt`` on fp32 (tokens, in) x, (out, in) w,
@@ -288,18 +298,19 @@ class _Probe:
                                    **self.module.split_reductions())
         return squared_norm(quantize_operand(t, quant.quantizer(gemm, operand), operand, quant) - t)
 
-    def measure_errors(self, x: torch.Tensor, dy: torch.Tensor, loss_scale: float) -> None:
+    def measure_errors(self, x: torch.Tensor, dy: torch.Tensor, grad_scale: float) -> None:
         """Clean-pass backward: ``||dY||^2`` and every format's exact GEMM errors, measured on the
-        operands the GEMM quantizes (under sequence parallelism the all-gathered X / dY)."""
-        exact = x.is_cuda and _tf32_exact(x, dy, self.module.weight, scale=loss_scale)
+        operands the GEMM quantizes (under sequence parallelism the all-gathered X / dY); ``dy`` is
+        ``grad_scale`` times dL/dY (``PassRunner.output_grad_scale``)."""
+        exact = x.is_cuda and _tf32_exact(x, dy, self.module.weight, scale=grad_scale)
         w = self.module.weight.detach().float()
-        self.add(Sum("output_grad_sq"), self.layout.y_weight * squared_norm(dy.detach().float() / loss_scale))
+        self.add(Sum("output_grad_sq"), self.layout.y_weight * squared_norm(dy.detach().float() / grad_scale))
         if self.layout.sequence_input:
             x = _gather_sequence(x.detach(), self.module.tp_group)
         if self.layout.sequence_output:
             dy = _gather_sequence(dy.detach(), self.module.tp_group)
         x = x.detach().reshape(-1, x.shape[-1]).float()
-        dy = dy.detach().reshape(-1, dy.shape[-1]).float() / loss_scale
+        dy = dy.detach().reshape(-1, dy.shape[-1]).float() / grad_scale
         with _tf32_matmuls(exact):
             y_ref, dx_ref, dw_ref = x @ w.t(), dy @ w, dy.t() @ x
         for fmt in self.formats:
@@ -315,8 +326,11 @@ class _Probe:
             self.add(Sum("input_grad_sq", fmt), self.layout.gemm_x_weight * squared_norm(e_in))
             self.add(Sum("x_quant_sq", fmt), self.layout.gemm_x_weight * self.operand_error_sq(fmt, "fprop", "x", x))
             self.add(Sum("dy_quant_sq", fmt), self.layout.gemm_y_weight * self.operand_error_sq(fmt, "dgrad", "dy", dy))
+            e_w = dw - dw_ref
+            if self.layout.cp > 1:  # this rank's tokens' part of the replica's wgrad: its error, too, adds up
+                dist.all_reduce(e_w, group=parallel_state.get_context_parallel_group())
             if self.sensitivity is not None:
-                self.add(Sum("update_sq", fmt), squared_norm(self.sensitivity * self.adam.flat(dw - dw_ref)))
+                self.add(Sum("update_sq", fmt), squared_norm(self.sensitivity * self.adam.flat(e_w)))
 
 
 def _tf32_exact(*tensors: torch.Tensor, scale: float) -> bool:
@@ -342,30 +356,62 @@ def _tf32_matmuls(enabled: bool) -> Iterator[None]:
         matmul.fp32_precision = previous
 
 
-# Fields of a module's statistics that are sums of squares over the module's weight update
-# (P~-weighted): under the distributed optimizer each data-parallel rank holds the preconditioner
-# of its shard only, so these add over data-parallel ranks instead of averaging.
-def _dp_sharded_field(key: Sum) -> bool:
-    return key.quantity in ("update_sq", "gain")
+# Quantities of the weight alone, no sum over tokens: the same on every context-parallel rank.
+WEIGHT_QUANTITIES = ("weight_sq", "w_quant_sq")
+# Sums of squares over the module's weights (P~-weighted): under the distributed optimizer each rank
+# holds the preconditioner of its shard only.
+SHARDED_QUANTITIES = ("update_sq", "gain")
+
+
+def reduction_factors(keys: Sequence[Sum], *, cp_rank: int, dp: int, dp_sharded: bool
+                      ) -> tuple[list[float], list[float]]:
+    """How each rank's sums ``keys`` (complete over TP) become a module's statistics: every rank's sum
+    times its weight, added over the data- and context-parallel ranks (megatron-core's dp-cp group),
+    divided by the divisor. The statistics are those of one data-parallel replica's probe batch (whose
+    tokens its CP ranks share), averaged over the ``dp`` replicas:
+
+    - a sum over tokens (element counts, norms of X, Y and dY, output- and input-gradient errors,
+      first-order terms, the operand errors of X and dY, curvatures, gains): each CP rank holds a part of
+      its replica's tokens, so CP ranks add (weight 1) and replicas average (divisor dp);
+    - a quantity of the weight alone (``weight_sq``, the operand error of W): the same on every CP rank,
+      counted once (weight 1 on CP rank 0, else 0), averaged over replicas;
+    - ``update_sq``, measured on the wgrad error summed over the CP ranks before it is squared (the
+      error of the replica's gradient): the same on every CP rank, counted once, averaged over replicas;
+    - with ``dp_sharded`` (distributed optimizer) ``update_sq`` and ``gain`` are P~-weighted sums over
+      this rank's shard of the weights (shards over dp-cp): all of them add (weight 1, divisor 1).
+
+    Returns:
+        (weights, divisors), one of each per key.
+    """
+    once = 1.0 if cp_rank == 0 else 0.0
+    weights, divisors = [], []
+    for key in keys:
+        if dp_sharded and key.quantity in SHARDED_QUANTITIES:
+            weights.append(1.0)
+            divisors.append(1.0)
+        else:
+            weights.append(once if key.quantity in (*WEIGHT_QUANTITIES, "update_sq") else 1.0)
+            divisors.append(float(dp))
+    return weights, divisors
 
 
 def _reduce(probes: list[_Probe], keys: list[Sum], dp_sharded: bool) -> dict[str, dict[Sum, float]]:
-    """Complete the sums ``keys`` of every probe over TP (SUM; replicas were weighted 0) and
-    average them over DP (P~-weighted sums under the distributed optimizer: SUM)."""
+    """Complete the sums ``keys`` of every probe over TP (SUM; replicas were weighted 0), then over the
+    data- and context-parallel ranks as :func:`reduction_factors` says."""
     if not probes:
         return {}
     device = probes[0].module.weight.device
     table = torch.stack([torch.stack([torch.as_tensor(p.sums.get(k, 0.0), dtype=torch.float64, device=device)
                                       for k in keys]) for p in probes])
+    weights, divisors = (torch.tensor(f, dtype=torch.float64, device=device) for f in reduction_factors(
+        keys, cp_rank=parallel_state.get_context_parallel_rank(), dp=parallel_state.get_data_parallel_world_size(),
+        dp_sharded=dp_sharded))
+    table = table * weights
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
         dist.all_reduce(table, group=parallel_state.get_tensor_model_parallel_group())
-    dp = parallel_state.get_data_parallel_world_size()
-    if dp > 1:
-        dist.all_reduce(table, group=parallel_state.get_data_parallel_group())
-        divisor = torch.tensor([1.0 if dp_sharded and _dp_sharded_field(k) else dp for k in keys],
-                               dtype=torch.float64, device=device)
-        table = table / divisor
-    values = table.tolist()
+    if parallel_state.get_data_parallel_world_size(with_context_parallel=True) > 1:
+        dist.all_reduce(table, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+    values = (table / divisors).tolist()
     return {p.name: dict(zip(keys, row)) for p, row in zip(probes, values)}
 
 
@@ -440,27 +486,28 @@ def run_probe_cycle(
     with preserved_training_state(chunks, modules, config.restore_grads) as rng:
         for module in modules.values():
             module.precision = BF16
-        loss_scale = runner.loss_scale
+        grad_scale = runner.output_grad_scale
         # Adam's response to a gradient error depends on the gradient itself (its second moment
         # folds g^2 in): one plain pass gives the clean, data-parallel-reduced gradient first.
         rng.restore()
         runner.run(forward_only=False)
-        sensitivity, update_sq = _clean_adam_response(adam, loss_scale)
+        sensitivity, update_sq = _clean_adam_response(adam, runner.loss_scale)
         for p in probes:
             p.sensitivity = sensitivity.get(p.adam)
         rng.restore()
         curvature_keys = [noise_key(config.seed, "output", k) for k in range(config.curvature_passes)]
-        loss = _clean_pass(runner, probes, loss_scale, curvature_keys)
+        loss = _clean_pass(runner, probes, grad_scale, curvature_keys)
         clean_keys = [*map(Sum, CLEAN_QUANTITIES), *[Sum(q, f) for f in config.formats for q in FORMAT_QUANTITIES]]
         clean = _reduce(probes, clean_keys, adam.dp_sharded)
         for p in probes:
             rms = math.sqrt(clean[p.name][Sum("output_sq")] / clean[p.name][Sum("output_numel")])
             p.sigma = config.output_noise * (rms if rms > 0 else 1.0)
         param_sigma = _param_sigma(adam, sensitivity, config)
-        _perturbation_passes(runner, probes, rng, _perturbed(adam, sensitivity, config.gain_excludes), param_sigma,
-                             config)
+        perturbed = _perturbed(adam, sensitivity, config.gain_excludes)
+        _perturbation_passes(runner, probes, rng, {**perturbed, **adam.context_parallel_peers(perturbed)},
+                             param_sigma, config)
         for k, key in enumerate(curvature_keys):
-            _hutchinson_pass(runner, probes, rng, key, k, loss_scale)
+            _hutchinson_pass(runner, probes, rng, key, k, grad_scale)
         noise_keys = ([Sum("curvature", probe=k) for k in range(config.curvature_passes)]
                       + [Sum("gain", probe=k) for k in range(config.perturbation_probes)])
         noisy = _reduce(probes, noise_keys, adam.dp_sharded)
@@ -496,10 +543,11 @@ def _make_probe(name: str, module: PlanLinear, formats: Sequence[str], adam: Ada
     return probe
 
 
-def _clean_pass(runner: PassRunner, probes: list[_Probe], loss_scale: float,
+def _clean_pass(runner: PassRunner, probes: list[_Probe], grad_scale: float,
                 curvature_keys: Sequence[int]) -> float | None:
     """The reference pass: norms, every format's exact GEMM errors, and ``-<Z_k, G(0)>`` into
-    ``curvature.k`` for the noise each Hutchinson pass k will add (see :func:`_hutchinson_pass`)."""
+    ``curvature.k`` for the noise each Hutchinson pass k will add (see :func:`_hutchinson_pass`);
+    activation gradients are ``grad_scale`` times dL/dY (``PassRunner.output_grad_scale``)."""
     def hook(p: _Probe, x: torch.Tensor, out):
         microbatch = p.next_microbatch()  # counted as in the noise passes
         if not needs_grad(out):
@@ -511,11 +559,11 @@ def _clean_pass(runner: PassRunner, probes: list[_Probe], loss_scale: float,
         p.add(Sum("output_sq"), p.layout.y_weight * squared_norm(y))
 
         def backward(dy: torch.Tensor) -> None:
-            p.measure_errors(x, dy, loss_scale)
+            p.measure_errors(x, dy, grad_scale)
             for k, key in enumerate(curvature_keys):
                 z = p.output_noise(dy, noise_key(key, p.name, microbatch))
                 p.add(Sum("curvature", probe=k),
-                      (-p.layout.y_weight / loss_scale) * (z * dy.float()).sum(dtype=torch.float64))
+                      (-p.layout.y_weight / grad_scale) * (z * dy.float()).sum(dtype=torch.float64))
 
         y.register_hook(backward)
         return None
@@ -530,7 +578,7 @@ def _clean_pass(runner: PassRunner, probes: list[_Probe], loss_scale: float,
 
 
 def _hutchinson_pass(runner: PassRunner, probes: list[_Probe], rng: RngStates, key: int, k: int,
-                     loss_scale: float) -> None:
+                     grad_scale: float) -> None:
     """A pass with ``+sigma_l Z`` at every module output (Z drawn per module and micro-batch);
     accumulates ``<Z, G(+)>`` into ``curvature.k``, where the clean pass put ``-<Z, G(0)>``."""
     def hook(p: _Probe, x: torch.Tensor, out):
@@ -545,7 +593,7 @@ def _hutchinson_pass(runner: PassRunner, probes: list[_Probe], rng: RngStates, k
             def read(g, p=p, z8=z8):
                 # Z is +-1, so the products are exact in fp32; the sum runs in fp64.
                 dot = (z8 * g.float()).sum(dtype=torch.float64)
-                p.add(Sum("curvature", probe=k), (p.layout.y_weight / loss_scale) * dot)
+                p.add(Sum("curvature", probe=k), (p.layout.y_weight / grad_scale) * dot)
             noisy.register_hook(read)
         return (noisy, *out[1:])
 
@@ -611,7 +659,9 @@ def _perturbed(adam: AdamView, sensitivity: dict[AdamSlice, torch.Tensor],
 def _perturbation_passes(runner: PassRunner, probes: list[_Probe], rng: RngStates,
                          sensitivity: dict[AdamSlice, torch.Tensor], sigma: float, config: ProbeConfig) -> None:
     """For each draw k, forward passes with every parameter at ``theta + sigma P~ w_k``; accumulates
-    every module's ``||X(+) - X(0)||^2`` as ``gain.k``.
+    every module's ``||X(+) - X(0)||^2`` as ``gain.k``. ``sensitivity``: P~ of every slice to perturb,
+    the same on every context-parallel rank of a replica (its own slices and its peers',
+    ``AdamView.context_parallel_peers``), so that the replica's forward sees one set of parameters.
 
     Micro-batch by micro-batch (``PassRunner.groups``: the whole batch at once under the interleaved
     schedule): a clean forward keeps the group's module inputs X(0), then one forward per draw, each

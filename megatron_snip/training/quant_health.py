@@ -3,8 +3,9 @@
 
 Each rank's quantized linears keep per-operand rows (``numerics/health.py``). One table
 ``[module, operand, field]`` over all layers is summed (amax: MAX) over all ranks: TP shards
-make whole tensors, DP ranks the whole global batch, PP stages the whole model. Every rank
-holds the same table afterwards, so decisions taken from it agree everywhere.
+make whole tensors, DP and CP ranks the whole global batch (the weight counted once:
+``PrecisionController.health_rows``), PP stages the whole model. Every rank holds the same
+table afterwards, so decisions taken from it agree everywhere.
 """
 
 from __future__ import annotations

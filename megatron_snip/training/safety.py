@@ -138,7 +138,9 @@ _LISTED = 4  # parameters named per rank in a message
 
 
 def _rank_label() -> str:
-    return (f"rank {dist.get_rank()} (tp {parallel_state.get_tensor_model_parallel_rank()}, "
+    cp = (f"cp {parallel_state.get_context_parallel_rank()}, "
+          if parallel_state.get_context_parallel_world_size() > 1 else "")
+    return (f"rank {dist.get_rank()} (tp {parallel_state.get_tensor_model_parallel_rank()}, {cp}"
             f"pp {parallel_state.get_pipeline_model_parallel_rank()}, dp {parallel_state.get_data_parallel_rank()})")
 
 

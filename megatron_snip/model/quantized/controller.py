@@ -157,11 +157,15 @@ class PrecisionController:
 
     def health_rows(self) -> dict[str, dict[str, torch.Tensor]]:
         """This rank's health rows since the last reset: module -> operand -> row, each operand of a
-        module counted once over its tensor-parallel ranks (replicated operands on TP rank 0 only),
-        so that summing over all ranks gives whole-tensor numbers. GEMM outputs (``OUTPUTS``) come
-        from every rank: each rank's own GEMM result (a shard, or a partial sum before the TP
-        reduction), so a non-finite value made by any rank's GEMM is counted (only >0 is used)."""
+        module counted once over its tensor-parallel ranks (replicated operands on TP rank 0 only)
+        and the weight once over its data- and context-parallel replicas (dp-cp rank 0 only), so
+        that summing over all ranks gives whole-tensor numbers: the weight's, and the activations'
+        and gradients' of the global batch (each DP and CP rank holds its own tokens). GEMM outputs
+        (``OUTPUTS``) come from every rank: each rank's own GEMM result (a shard, or a partial sum
+        before the TP reduction), so a non-finite value made by any rank's GEMM is counted (only >0
+        is used)."""
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        weight_here = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
         rows = {}
         for name, module in self._modules.items():
             health = getattr(getattr(module, "quant_state", None), "health", None)
@@ -169,8 +173,12 @@ class PrecisionController:
             if not measured:
                 continue
             split = get_pg_size(module.tp_group) > 1
-            rows[name] = {key: row for key, row in measured.items()
-                          if tp_rank == 0 or key in OUTPUTS or (split and key.split(".")[1] in module.sharded_operands)}
+            rows[name] = {}
+            for key, row in measured.items():
+                operand = key.split(".")[1]
+                if key in OUTPUTS or ((tp_rank == 0 or (split and operand in module.sharded_operands))
+                                      and (operand != "w" or weight_here)):
+                    rows[name][key] = row
         return rows
 
     def set_recipe(self, recipe: RecipeConfig) -> None:
