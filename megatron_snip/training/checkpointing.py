@@ -43,8 +43,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_snip.compat.device import current_device
 from megatron_snip.fileio import write_text_atomic
+from megatron_snip.training import adam_state, save_helper
 from megatron_snip.training import megatron_lm_checkpoint as megatron_lm
-from megatron_snip.training import save_helper
 from megatron_snip.training.checkpoint_match import mismatch
 from megatron_snip.training.checkpoint_record import SAVED_BY_US, CheckpointRecord
 
@@ -297,69 +297,6 @@ def _set_legacy_rng_state(state: dict) -> None:
                          "rng_tracker_states": state["tracker"]})
 
 
-def _materialize_optimizer_state(optimizer) -> None:
-    """Create Adam's per-parameter state if it does not exist yet, equal to a fresh one.
-
-    torch's Adam creates its state lazily at the first step, so a checkpoint
-    written before any step (``--train-iters 0``, a preemption at start-up)
-    would lack it, and the distributed optimizer's load path reads the state it
-    overwrites. A step with zero gradients, LR and weight decay creates the
-    moments (zeros) without moving a weight; resetting ``step`` to 0 makes the
-    state identical to a fresh optimizer's.
-    """
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        if inner is None or len(inner.state) > 0:
-            continue
-        saved = [(g["lr"], g["weight_decay"]) for g in inner.param_groups]
-        for g in inner.param_groups:
-            g["lr"], g["weight_decay"] = 0.0, 0.0
-            for p in g["params"]:
-                p.grad = torch.zeros_like(p)
-        inner.step()
-        for g, (lr, wd) in zip(inner.param_groups, saved):
-            g["lr"], g["weight_decay"] = lr, wd
-            for p in g["params"]:
-                p.grad = None
-                if "step" in inner.state[p]:
-                    inner.state[p]["step"] = torch.zeros_like(inner.state[p]["step"])
-
-
-def _restore_adam_steps(optimizer, state: dict) -> None:
-    """Give every parameter its own, correct Adam ``step`` tensor after a load.
-
-    Two megatron-core quirks with torch's Adam (no apex / Transformer Engine):
-    the distributed optimizer keeps the step in its param groups, and its
-    DP-reshardable load leaves each parameter with the step of the state it
-    loaded into (or one tensor shared by all, which torch would increment once
-    per parameter); the other optimizers drop a step of 0 when saving
-    (iteration-0 checkpoints, see :func:`_fill_missing_steps`). Either would break
-    Adam's bias correction.
-    """
-    chained = getattr(optimizer, "chained_optimizers", [optimizer])
-    # ChainedOptimizer stores a single optimizer's state unnested (see its load_state_dict).
-    states = [state] if len(chained) == 1 else [v for _, v in sorted(state.items())]
-    for opt, opt_state in zip(chained, states):
-        groups = opt_state.get("optimizer", {}).get("param_groups", [])
-        steps = {g["step"] for g in groups if "step" in g}
-        group_step = float(steps.pop()) if hasattr(opt, "data_parallel_group_idx") and len(steps) == 1 else None
-        if group_step is not None:
-            for param_state in opt.optimizer.state.values():
-                param_state["step"] = torch.tensor(group_step, dtype=torch.float32)
-
-
-def _fill_missing_steps(state) -> None:
-    """Add ``step = 0`` to Adam states saved without one (see :func:`_restore_adam_steps`)."""
-    if not isinstance(state, dict):
-        return
-    if "param_groups" in state and isinstance(state.get("state"), dict):
-        for param_state in state["state"].values():
-            if isinstance(param_state, dict) and "exp_avg" in param_state and "step" not in param_state:
-                param_state["step"] = torch.tensor(0.0, dtype=torch.float32)
-    for value in state.values():
-        _fill_missing_steps(value)
-
-
 def _metadata(content: Mapping | None) -> dict:
     """What sharded_state_dict is given: a checkpoint's content metadata and, as in Megatron-LM, the data-parallel
     group with context parallelism (the replicas of every shard)."""
@@ -372,7 +309,7 @@ def _sharded_state(model, optimizer, *, is_loading: bool, with_optim: bool, meta
     model_sd = {key: chunk.sharded_state_dict(metadata=metadata) for key, chunk in zip(_model_keys(chunks), chunks)}
     state = dict(model_sd)
     if with_optim:
-        _materialize_optimizer_state(optimizer)
+        adam_state.materialize(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
     return state
 
@@ -633,10 +570,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, load_optim: bool 
         # (--finetune, --no-load-optim, model-only checkpoints). Megatron-LM's reload_model_params.
         optimizer.reload_model_params()
     if load_optim:
-        _fill_missing_steps(loaded["optimizer"])
-        with torch.no_grad():
-            optimizer.load_state_dict(loaded["optimizer"])
-        _restore_adam_steps(optimizer, loaded["optimizer"])
+        adam_state.load(optimizer, loaded["optimizer"], record.content_metadata)
         if record.scheduler is not None:
             scheduler.load_state_dict(dict(record.scheduler))
     quantization = {}
