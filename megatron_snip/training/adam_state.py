@@ -21,7 +21,7 @@ def load(optimizer, state: dict, content: Mapping | None) -> None:
     _fill_missing_steps(state)
     with torch.no_grad(), fully_reshardable_steps_kept(content):
         optimizer.load_state_dict(state)
-    _restore_steps(optimizer, state)
+    own_steps(optimizer)
 
 
 def materialize(optimizer) -> None:
@@ -52,27 +52,21 @@ def materialize(optimizer) -> None:
                     inner.state[p]["step"] = torch.zeros_like(inner.state[p]["step"])
 
 
-def _restore_steps(optimizer, state: dict) -> None:
-    """Give every parameter its own, correct Adam ``step`` tensor after a load.
+def own_steps(optimizer) -> None:
+    """Give every parameter of a distributed optimizer its own, correct Adam ``step`` tensor after a load.
 
-    Two megatron-core quirks with torch's Adam (no apex / Transformer Engine):
-    the distributed optimizer keeps the step in its param groups, and its
-    DP-reshardable load leaves each parameter with the step of the state it
-    loaded into (or one tensor shared by all, which torch would increment once
-    per parameter); the other optimizers drop a step of 0 when saving
-    (iteration-0 checkpoints, see :func:`_fill_missing_steps`). Either would break
-    Adam's bias correction.
+    megatron-core's distributed optimizer keeps the step in its parameter groups (where apex's and Transformer
+    Engine's Adam keep it); after a load its parameters hold the step of the state they loaded into, or one tensor
+    shared by all, which torch's Adam would increment once per parameter: Adam's bias correction would break.
+    The other optimizers keep torch's own per-parameter steps (see :func:`_fill_missing_steps`).
     """
-    chained = getattr(optimizer, "chained_optimizers", [optimizer])
-    # ChainedOptimizer stores a single optimizer's state unnested (see its load_state_dict).
-    states = [state] if len(chained) == 1 else [v for _, v in sorted(state.items())]
-    for opt, opt_state in zip(chained, states):
-        groups = opt_state.get("optimizer", {}).get("param_groups", [])
-        steps = {g["step"] for g in groups if "step" in g}
-        group_step = float(steps.pop()) if hasattr(opt, "data_parallel_group_idx") and len(steps) == 1 else None
-        if group_step is not None:
-            for param_state in opt.optimizer.state.values():
-                param_state["step"] = torch.tensor(group_step, dtype=torch.float32)
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        steps = {g["step"] for g in getattr(inner, "param_groups", ()) if g.get("step") is not None}
+        if hasattr(opt, "data_parallel_group_idx") and len(steps) == 1:
+            step = float(steps.pop())
+            for param_state in inner.state.values():
+                param_state["step"] = torch.tensor(step, dtype=torch.float32)
 
 
 @contextlib.contextmanager
@@ -81,7 +75,7 @@ def fully_reshardable_steps_kept(content: Mapping | None):
     per-parameter state torch's Adam keeps, its ``step`` included, from the loaded tensors, which hold none
     (KeyError 'step'; Transformer Engine's and apex's Adam keep no per-parameter step, so Megatron-LM on a GPU
     with either never meets it). Each parameter's step is left out of that copy and kept (megatron-core set it
-    from the loaded parameter groups just before; :func:`_restore_steps` makes it each parameter's own)."""
+    from the loaded parameter groups just before; :func:`own_steps` makes it each parameter's own)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     if (content or {}).get("distrib_optim_sharding_type") != "fully_reshardable":
@@ -107,7 +101,8 @@ def fully_reshardable_steps_kept(content: Mapping | None):
 
 
 def _fill_missing_steps(state) -> None:
-    """Add ``step = 0`` to Adam states saved without one (see :func:`_restore_steps`)."""
+    """Add ``step = 0`` to Adam states saved without one: megatron-core's regular optimizers drop a step of 0
+    when saving (checkpoints of iteration 0), and torch's Adam needs one."""
     if not isinstance(state, dict):
         return
     if "param_groups" in state and isinstance(state.get("state"), dict):
