@@ -346,3 +346,37 @@ def test_the_namespace_holds_megatron_lms_names_and_counters():
         256, 16, True, torch.float32)
     assert not any(hasattr(args, name) for name in ("snip", "snip_interval", "model_preset", "norm_epsilon",
                                                     "disable_bias_linear", "precision"))
+
+
+def test_megatron_lms_other_formats_and_release_checkpoints_are_named_not_called_damaged(tmp_path):
+    """Its torch format (mp_rank_* files), torch_dcp, a release checkpoint: each said for what it is, with how to
+    load it; a newer non-persistent checkpoint, which Megatron-LM would resume, is a notice."""
+    from megatron_snip.training.checkpointing import CheckpointError, choose_checkpoint, newer_non_persistent
+
+    def checkpoint(root, tracker: str, files=()):
+        (root / "iter_0000004").mkdir(parents=True)
+        for name in files:
+            (root / "iter_0000004" / name).mkdir() if name.startswith("mp_rank") else (
+                root / "iter_0000004" / name).write_bytes(b"")
+        (root / "latest_checkpointed_iteration.txt").write_text(tracker)
+        return str(root)
+
+    for files, fmt in ((("mp_rank_00", "mp_rank_01"), "torch format (mp_rank_* files)"),
+                       ((".metadata", "__0_0.distcp"), "torch_dcp or fsdp_dtensor format")):
+        root = checkpoint(tmp_path / fmt.split()[0], "4", files)
+        with pytest.raises(CheckpointError, match=rf"iter_0000004 is a checkpoint in Megatron-LM's {re.escape(fmt)}, "
+                                                  rf"which this program does not read \(only torch_dist\); convert it "
+                                                  rf"with Megatron-LM .*\(it is not damaged\)$"):
+            choose_checkpoint(root, fallback=True)
+    release = checkpoint(tmp_path / "release", "release")
+    with pytest.raises(CheckpointError, match=r"names Megatron-LM's release checkpoint .*/release \(weights to "
+                                              r"fine-tune from\).* write 0 into .* and pass --finetune"):
+        choose_checkpoint(release, fallback=False)
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(OLD, ckpt)
+    assert newer_non_persistent(str(ckpt), 2) is None
+    (ckpt / "non_persistent").mkdir()
+    (ckpt / "non_persistent" / "latest_checkpointed_iteration.txt").write_text("3")
+    assert newer_non_persistent(str(ckpt), 2) == (
+        f"{ckpt}/non_persistent holds a newer checkpoint (iteration 3) than the one loaded (2), a non-persistent one "
+        f"that Megatron-LM would resume instead; to resume it, --load {ckpt}/non_persistent")

@@ -69,7 +69,12 @@ def _read_checkpoint(args: argparse.Namespace) -> CheckpointRecord | None:
     flags, and flags or a ``--model-preset`` that disagree are refused."""
     if args.load is None:
         return None
-    from megatron_snip.training.checkpointing import CheckpointError, choose_checkpoint, read_record
+    from megatron_snip.training.checkpointing import (
+        CheckpointError,
+        choose_checkpoint,
+        newer_non_persistent,
+        read_record,
+    )
     from megatron_snip.training.megatron_lm_checkpoint import CannotLoad
 
     try:
@@ -78,6 +83,9 @@ def _read_checkpoint(args: argparse.Namespace) -> CheckpointRecord | None:
             same = os.path.abspath(args.load) == os.path.abspath(args.save or "")
             args.notices.append(notice + ("; the damaged one is set aside as iter_N.damaged and the tracker names "
                                           "the one loaded" if same else ""))
+        newer = newer_non_persistent(args.load, args.load_iteration) if args.load_iteration is not None else None
+        if newer:
+            args.notices.append(newer)
         record = read_record(args.load, args.load_iteration) if args.load_iteration is not None else None
         if record is not None:
             _fill_from_checkpoint(args, record.args, args.load, counted_eod=record.legacy)

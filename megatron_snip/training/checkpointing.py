@@ -90,15 +90,58 @@ def find_latest(root: str) -> int | None:
     tracker = os.path.join(root, TRACKER)
     if not os.path.isfile(tracker):
         return None
-    text = open(tracker).read().strip()
-    try:
-        iteration = int(text)
-    except ValueError:
-        raise CheckpointError(f"{tracker} is corrupt: expected an iteration number, found {text[:40]!r}") from None
+    iteration = _read_tracker(tracker)
     if not os.path.isdir(iteration_dir(root, iteration)):
         raise CheckpointError(f"{tracker} names iteration {iteration} but {iteration_dir(root, iteration)} "
                               f"is missing; restore it or point the tracker at an existing iter_* directory")
     return iteration
+
+
+def _read_tracker(tracker: str) -> int:
+    """The iteration a tracker file names; CheckpointError for anything else, Megatron-LM's "release" said as such."""
+    text = open(tracker).read().strip()
+    if text == "release":
+        release = os.path.join(os.path.dirname(tracker), "release")
+        raise CheckpointError(f"{tracker} names Megatron-LM's release checkpoint {release} (weights to fine-tune "
+                              f"from), which this program reads as an iter_* checkpoint: rename {release} to "
+                              f"{iteration_dir(os.path.dirname(tracker), 0)}, write 0 into {tracker} and pass "
+                              f"--finetune, as Megatron-LM loads a release checkpoint")
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(f"{tracker} is corrupt: expected an iteration number, found {text[:40]!r}") from None
+
+
+def other_format(path: str) -> str | None:
+    """What checkpoint ``path`` is when it is one of Megatron-LM's formats other than torch_dist (not damaged:
+    another format), with how to convert it; None otherwise."""
+    if not os.path.isdir(path):
+        return None
+    names = os.listdir(path)
+    convert = ("convert it with Megatron-LM (its --ckpt-convert-format torch_dist --ckpt-convert-save DIR) and "
+               "--load the converted one")
+    if any(name.startswith("mp_rank_") for name in names):
+        return (f"{path} is a checkpoint in Megatron-LM's torch format (mp_rank_* files), which this program "
+                f"does not read (only torch_dist); {convert}")
+    if ".metadata" in names and "metadata.json" not in names and "common.pt" not in names:
+        return (f"{path} is a checkpoint in Megatron-LM's torch_dcp or fsdp_dtensor format, which this program "
+                f"does not read (only torch_dist); {convert}")
+    return None
+
+
+def newer_non_persistent(root: str, iteration: int) -> str | None:
+    """Where Megatron-LM would resume a newer checkpoint than ``iteration`` from ``root``: its non-persistent
+    checkpoints (--non-persistent-save-interval, ``root/non_persistent``), which it prefers when newer; a notice."""
+    tracker = os.path.join(root, "non_persistent", TRACKER)
+    try:
+        newer = _read_tracker(tracker) if os.path.isfile(tracker) else None
+    except CheckpointError:
+        return None
+    if newer is None or newer <= iteration:
+        return None
+    where = os.path.dirname(tracker)
+    return (f"{where} holds a newer checkpoint (iteration {newer}) than the one loaded ({iteration}), a "
+            f"non-persistent one that Megatron-LM would resume instead; to resume it, --load {where}")
 
 
 # Files every complete dist_checkpointing checkpoint holds.
@@ -150,12 +193,11 @@ def choose_checkpoint(root: str, fallback: bool) -> tuple[int | None, str | None
     tracker = os.path.join(root, TRACKER)
     if not os.path.isfile(tracker):
         return None, None
-    text = open(tracker).read().strip()
-    try:
-        newest = int(text)
-    except ValueError:
-        raise CheckpointError(f"{tracker} is corrupt: expected an iteration number, found {text[:40]!r}") from None
+    newest = _read_tracker(tracker)
     path = iteration_dir(root, newest)
+    foreign = other_format(path)
+    if foreign is not None:
+        raise CheckpointError(f"{foreign} (it is not damaged)")
     broken = damage(path)
     if broken is None:
         return newest, None
@@ -183,7 +225,7 @@ def set_aside(root: str, iteration: int) -> str | None:
     under ``root`` again: the damaged newer one the tracker names is renamed ``iter_N.damaged`` (kept, never
     overwritten by this run's save of that iteration) and the tracker names ``iteration``. Returns what was
     done, or None if the tracker already names ``iteration``."""
-    newest = int(open(os.path.join(root, TRACKER)).read().strip())
+    newest = _read_tracker(os.path.join(root, TRACKER))
     if newest == iteration:
         return None
     damaged = iteration_dir(root, newest)
