@@ -173,6 +173,7 @@ SCHEDULER_STEP_FIELDS = ("num_steps", "lr_warmup_steps", "lr_decay_steps", "wd_i
 
 
 def iterations_to_samples(scheduler: Mapping[str, Any], global_batch_size: int) -> dict[str, Any]:
-    """A scheduler state stepped once per iteration as Megatron-LM steps it, by the samples of each iteration."""
+    """A scheduler state stepped once per iteration (checkpoints before version 2) as Megatron-LM steps it: by the
+    samples of each iteration, ``global_batch_size``."""
     return {k: (v * global_batch_size if k in SCHEDULER_STEP_FIELDS and v is not None else v)
             for k, v in scheduler.items()}

@@ -127,6 +127,8 @@ def save_checkpoint(trainer, root: str) -> None:
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
+    from megatron_snip.training import save_helper
+
     iteration = trainer.state.iteration
     args = megatron_args(trainer, trainer.state.consumed_samples)
     metadata = content_metadata(args)
@@ -141,6 +143,7 @@ def save_checkpoint(trainer, root: str) -> None:
     strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"),
                                                 ps.get_data_parallel_group(with_context_parallel=True))
     clean = {k: v for k, v in metadata.items() if k != "dp_cp_group"}
+    save_helper.install()  # the writer's helper process without torch's imports (the files are the same)
     dist_checkpointing.save(state, path, strategy, content_metadata=clean)
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
