@@ -3,10 +3,11 @@
 The project cannot carry Megatron-LM's training code, so tests/drivers/megatron_lm_checkpoints.py stands in for
 its ``save_checkpoint`` and ``load_checkpoint`` (written from Megatron-LM 0.16.1's, with the args Namespace stock
 Megatron-LM saved, tests/data/megatron_lm_args.json). At TP2 x PP2 with the distributed optimizer, tied (its
-dp_reshardable format) and untied (--dist-ckpt-optim-fully-reshardable): a run of this trainer writes Megatron-LM's
-checkpoint at iteration 2 and trains on to 4; a second run resumes that checkpoint here and must continue exactly
-(loss, LR by Megatron-LM's schedule in samples, data position), save its own at 4, which Megatron-LM's load reads
-with its default flags (tools/megatron_lm_round_trip.sh does both directions with stock Megatron-LM itself).
+dp_reshardable format) and untied (--dist-ckpt-optim-fully-reshardable), and with the regular optimizer in one
+process: a run of this trainer writes Megatron-LM's checkpoint at iteration 2 and trains on to 4; a second run
+resumes that checkpoint here and must continue exactly (loss, LR by Megatron-LM's schedule in samples, data
+position), save its own at 4, which Megatron-LM's load reads with its default flags (tools/megatron_lm_round_trip.sh
+does both directions with stock Megatron-LM itself).
 """
 
 from __future__ import annotations
@@ -32,10 +33,17 @@ ARGS = json.loads((ROOT / "tests" / "data" / "megatron_lm_args.json").read_text(
 OLD = ROOT / "tests" / "data" / "checkpoint_v0"
 GBS, LR, MIN_LR, WARMUP, ITERS = 8, 1e-3, 1e-4, 1, 4
 FLAGS = [*TINY_MEGATRON, "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "127", "--bf16",
-         "--use-distributed-optimizer", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
          "--micro-batch-size", "2", "--global-batch-size", str(GBS), "--train-iters", str(ITERS), "--lr", str(LR),
          "--min-lr", str(MIN_LR), "--lr-warmup-iters", str(WARMUP), "--lr-decay-style", "cosine", "--eval-iters", "0",
          "--log-interval", "1", "--seed", "5"]
+TP2_PP2_DISTRIBUTED = ["--use-distributed-optimizer", "--tensor-model-parallel-size", "2",
+                       "--pipeline-model-parallel-size", "2"]
+# variant -> (processes, flags, TP x PP): tied with the distributed optimizer's dp_reshardable format, untied with
+# its fully_reshardable one, and the regular optimizer (tied) in one process.
+VARIANTS = {"tied": (4, [*FLAGS, *TP2_PP2_DISTRIBUTED], (2, 2)),
+            "untied": (4, [*FLAGS, *TP2_PP2_DISTRIBUTED, "--untie-embeddings-and-output-weights",
+                           "--dist-ckpt-optim-fully-reshardable"], (2, 2)),
+            "regular optimizer": (1, FLAGS, (1, 1))}
 # Megatron-LM's rng_state entry.
 RNG_KEYS = ["cuda_rng_state", "np_rng_state", "random_rng_state", "rng_tracker_states", "torch_rng_state"]
 
@@ -56,19 +64,20 @@ def megatron_lr(iteration: int) -> float:
     return MIN_LR + (LR - MIN_LR) * 0.5 * (math.cos(math.pi * (steps - warmup) / (decay - warmup)) + 1)
 
 
-def megatron_flops_per_iteration() -> float:
+def megatron_flops_per_iteration(tp: int) -> float:
     """Megatron-LM's num_floating_point_operations for TINY_MEGATRON (4 layers, hidden 64, 4 heads, 2 query
-    groups, SwiGLU 192, seq 64) with 256 vocabulary rows (NullTokenizer's 127 + 1 ids padded to a multiple of
-    128 x TP 2) and a global batch of 8, worked out by hand from its formula."""
+    groups, SwiGLU 192, seq 64) with its vocabulary rows (NullTokenizer's 127 + 1 ids padded to a multiple of
+    128 x ``tp``) and a global batch of 8, worked out by hand from its formula."""
     h, ffn, s, layers, kv = 64, 192, 64, 4, 2 * 16
     attention = 6 * (h * (h + 2 * kv) + h * s / 2 * 2 + h * h)
     mlp = 6 * h * ffn * 3
-    return GBS * s * (layers * (attention + mlp) + 6 * h * 256)
+    return GBS * s * (layers * (attention + mlp) + 6 * h * 128 * tp)
 
 
 @dataclass(frozen=True)
 class RoundTrip:
-    tied: bool
+    variant: str
+    tp_pp: tuple[int, int]
     whole: dict  # the uninterrupted run's progress
     resumed: dict  # the run resuming Megatron-LM's checkpoint of iteration 2
     resumed_out: str
@@ -76,16 +85,15 @@ class RoundTrip:
     ours: Path  # that checkpoint
 
 
-@pytest.fixture(scope="module", params=["tied", "untied"])
+@pytest.fixture(scope="module", params=list(VARIANTS))
 def round_trip(request, tmp_path_factory) -> RoundTrip:
-    d = tmp_path_factory.mktemp(request.param)
-    flags = FLAGS if request.param == "tied" else [*FLAGS, "--untie-embeddings-and-output-weights",
-                                                    "--dist-ckpt-optim-fully-reshardable"]
-    whole = launch(4, flags, script=DRIVER, env={"MEGATRON_LM_SAVE": f"{d / 'megatron'}:2"})
-    resumed = launch(4, [*flags, "--load", str(d / "megatron"), "--save", str(d / "ours"), "--save-interval", "2"],
-                     script=DRIVER, env={"MEGATRON_LM_LOAD": "1"})
+    d = tmp_path_factory.mktemp(request.param.replace(" ", "_"))
+    nproc, flags, tp_pp = VARIANTS[request.param]
+    whole = launch(nproc, flags, script=DRIVER, env={"MEGATRON_LM_SAVE": f"{d / 'megatron'}:2"})
+    resumed = launch(nproc, [*flags, "--load", str(d / "megatron"), "--save", str(d / "ours"), "--save-interval",
+                             "2"], script=DRIVER, env={"MEGATRON_LM_LOAD": "1"})
     (line,) = re.findall(r"^MEGATRON-LM-LOAD (.*)$", resumed.stdout, re.M)
-    return RoundTrip(request.param == "tied", progress(whole.stdout), progress(resumed.stdout), resumed.stdout,
+    return RoundTrip(request.param, tp_pp, progress(whole.stdout), progress(resumed.stdout), resumed.stdout,
                      json.loads(line), d / "ours" / "iter_0000004")
 
 
@@ -107,19 +115,20 @@ def test_megatron_lm_reads_this_programs_checkpoint_as_its_own(round_trip):
     """Megatron-LM's load_checkpoint with its default flags (no --finetune, no --use-checkpoint-opt_param-scheduler)
     takes the model, optimizer, scheduler (every saved setting equal to its flags', counted in samples), RNG and
     counters from the checkpoint this program saved at iteration 4."""
-    read = round_trip.megatron_read
+    read, tp = round_trip.megatron_read, round_trip.tp_pp[0]
     assert (read["iteration"], read["checkpoint_version"], read["consumed_train_samples"]) == (4, 3.0, 32)
     assert (read["skipped_train_samples"], read["consumed_valid_samples"]) == (0, 0)
-    assert read["num_floating_point_operations_so_far"] == pytest.approx(4 * megatron_flops_per_iteration())
-    assert read["ckpt_tp_pp"] == [2, 2] and read["loads_rng"] and read["loads_optim"]
+    assert read["num_floating_point_operations_so_far"] == pytest.approx(4 * megatron_flops_per_iteration(tp))
+    assert read["ckpt_tp_pp"] == list(round_trip.tp_pp) and read["loads_rng"] and read["loads_optim"]
     assert read["rng_keys"] == RNG_KEYS and read["scheduler_steps"] == 4 * GBS
     assert read["lr"] == pytest.approx([megatron_lr(4)])
-    assert read["untie_embeddings_and_output_weights"] is not round_trip.tied
-    sharding = "dp_reshardable" if round_trip.tied else "fully_reshardable"
-    expected = {"distrib_optim_sharding_type": sharding, "singleton_local_shards": False,
-                "chained_optim_avoid_prefix": True}
-    if not round_trip.tied:
-        expected["distrib_optim_fully_reshardable_mem_efficient"] = False
+    assert read["untie_embeddings_and_output_weights"] is (round_trip.variant == "untied")
+    expected = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    if round_trip.variant == "tied":
+        expected["distrib_optim_sharding_type"] = "dp_reshardable"
+    elif round_trip.variant == "untied":
+        expected.update(distrib_optim_sharding_type="fully_reshardable",
+                        distrib_optim_fully_reshardable_mem_efficient=False)
     assert read["content_metadata"] == expected
 
 
@@ -136,29 +145,30 @@ def test_the_checkpoint_holds_megatron_lms_layout_beside_this_programs_record(ro
             assert not module.startswith("megatron_snip"), (module, name)
             return super().find_class(module, name)
 
+    tp, pp = round_trip.tp_pp
     with open(round_trip.ours / "common.pt", "rb") as f:
         common = torch.load(f, weights_only=False, pickle_module=type("P", (), {
             "Unpickler": WithoutThisProgram, "load": pickle.load, "__name__": "pickle"}))
     args = common["args"]
     assert isinstance(args, argparse.Namespace) and common["checkpoint_version"] == 3.0
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.data_parallel_size,
-            args.context_parallel_size, args.world_size) == (2, 2, 1, 1, 4)
+            args.context_parallel_size, args.world_size) == (tp, pp, 1, 1, tp * pp)
     assert (args.num_layers, args.hidden_size, args.num_attention_heads, args.add_position_embedding) == (
         4, 64, 4, True)
     assert (args.no_save_optim, args.no_save_rng, args.consumed_train_samples) == (False, False, 32)
-    assert (args.vocab_size, args.padded_vocab_size, args.tokenizer_type) == (127, 256, "NullTokenizer")
+    assert (args.vocab_size, args.padded_vocab_size, args.tokenizer_type) == (127, 128 * tp, "NullTokenizer")
     assert (args.layernorm_epsilon, args.add_bias_linear, args.swiglu, args.kv_channels) == (1e-5, False, True, 16)
     assert not hasattr(args, "snip") and not hasattr(args, "norm_epsilon")  # this program's own flags stay its own
     assert common["opt_param_scheduler"]["num_steps"] == 32 and common["opt_param_scheduler"]["lr_decay_steps"] == 32
     assert common[RECORD_KEY]["version"] == 2 and common[RECORD_KEY]["precision_plan"] is not None
     saved = set(FileSystemReader(str(round_trip.ours)).read_metadata().state_dict_metadata)
-    assert {k for k in saved if k.startswith("rng_state/")} == {f"rng_state/shard_{p}.{t}_2.2"
-                                                               for p in (0, 1) for t in (0, 1)}
+    assert {k for k in saved if k.startswith("rng_state/")} == {f"rng_state/shard_{p}.{t}_{pp}.{tp}"
+                                                               for p in range(pp) for t in range(tp)}
     assert {k for k in saved if k.startswith("megatron_snip_quantization_state/")} == {
-        f"megatron_snip_quantization_state/shard_{p}.{t}.0_2.2.1" for p in (0, 1) for t in (0, 1)}
+        f"megatron_snip_quantization_state/shard_{p}.{t}.0_{pp}.{tp}.1" for p in range(pp) for t in range(tp)}
     assert (round_trip.ours / "te_precision_config.yaml").is_file()
-    assert sorted(p.name for p in round_trip.ours.glob("te_precision_config.pp*.yaml")) == [
-        "te_precision_config.pp0.yaml", "te_precision_config.pp1.yaml"]
+    assert sorted(f.name for f in round_trip.ours.glob("te_precision_config.pp*.yaml")) == [
+        f"te_precision_config.pp{p}.yaml" for p in range(pp) if pp > 1]
 
 
 # -- reading a Megatron-LM checkpoint's common.pt ------------------------------------------------------------
