@@ -404,6 +404,6 @@ def test_data_beyond_the_vocabulary_names_the_flags_that_gave_it(tiny_data):
     with pytest.raises(ArgumentError) as e:
         parse_config(train_args(tiny_data, "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"),
                      world_size=1, cuda=False)
-    assert re.search(r"holds token id \d+, but --tokenizer-type NullTokenizer --vocab-size 100 has only 100 ids: "
+    assert re.search(r"holds token id \d+, but --tokenizer-type NullTokenizer --vocab-size 100 has only 101 ids: "
                      r"the data was preprocessed with a different tokenizer; give --vocab-size", str(e.value))
     assert "--tokenizer-model" not in str(e.value)

@@ -147,7 +147,7 @@ def test_accepted_flags_take_megatrons_meaning(tiny_data):
      "--accumulate-allreduce-grads-in-fp32 and --grad-reduce-in-bf16 contradict each other"),
     (("--tokenizer-type", "TikTokenizer"), "--tokenizer-type TikTokenizer is not supported: Llama 3's tiktoken"),
     (("--mock-data",), "--mock-data and --data-path: give one data source"),
-    (("--tokenizer-type", "NullTokenizer"), "--tokenizer-type NullTokenizer needs --vocab-size N >= 2"),
+    (("--tokenizer-type", "NullTokenizer"), "--tokenizer-type NullTokenizer needs --vocab-size N >= 1"),
     (("--vocab-size", "2048"), "--vocab-size 2048 differs from the 1024 ids of --tokenizer-model"),
     (("--save", "S", "--save-interval", "2", "--save-retain-interval", "3"),
      "--save-retain-interval 3 must be a positive multiple of --save-interval 2"),
@@ -161,8 +161,8 @@ def test_refused_flags_say_why_in_one_line(tiny_data, extra, message):
 # -- mock data ------------------------------------------------------------------------------
 
 def test_mock_data_is_megatron_cores_with_the_null_tokenizer(monkeypatch):
-    """--mock-data --tokenizer-type NullTokenizer --vocab-size N: ids 0..N-1, end-of-document N-1 (current
-    Megatron-LM), megatron-core's MockGPTDataset split 1,1,1 whatever --split says, and the printed unigram
+    """--mock-data --tokenizer-type NullTokenizer --vocab-size N: ids 0..N-1 and the end-of-document id N (Megatron-LM
+    0.16.1's), megatron-core's MockGPTDataset split 1,1,1 whatever --split says, and the printed unigram
     entropy is the mock stream's."""
     from megatron.core.datasets.gpt_dataset import MockGPTLowLevelDataset
 
@@ -175,14 +175,14 @@ def test_mock_data_is_megatron_cores_with_the_null_tokenizer(monkeypatch):
             "--vocab-size", "300", "--split", "99,1,0"]
     config = resolve(parse_args(argv), world_size=1, cuda=False)  # no data or tokenizer file is needed
     tokenizer = build_tokenizer(config.data.tokenizer_type, config.data.tokenizer_model, config.model.vocab_size)
-    assert (tokenizer.vocab_size, tokenizer.eod) == (300, 299)
+    assert (tokenizer.vocab_size, tokenizer.eod) == (301, 300)
     monkeypatch.setattr(MockGPTLowLevelDataset, "size", 500)  # fewer documents: the count below reads them all
     data = build_datasets(config.data, tokenizer, seq_length=64, seed=1, num_samples=(8, 4, 4))
     assert data.valid is not None and len(data.train) >= 8
-    assert max(int(data.train[i]["tokens"].max()) for i in range(8)) < 300
+    assert max(int(data.train[i]["tokens"].max()) for i in range(8)) <= 300
     docs = MockGPTLowLevelDataset(tokenizer)
     ids = np.concatenate([docs[i] for i in range(len(docs))])
-    assert ids.max() == 299 and all(docs[i][-1] == 299 for i in range(len(docs)))  # each document ends in eod
+    assert ids.max() == 300 and all(docs[i][-1] == 300 for i in range(len(docs)))  # each document ends in eod
     counts = np.bincount(ids)
     assert data.unigram_entropy == mock_unigram_entropy(tokenizer) == pytest.approx(entropy_from_counts(counts),
                                                                                     rel=1e-12)

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 from conftest import launch, resume_from, scalars, train_args
-from megatron.core import dist_checkpointing
 
 from megatron_snip.arguments import ArgumentError, parse_config
 from megatron_snip.numerics.fp8 import fp8_scale_from_amax
@@ -23,6 +22,7 @@ from megatron_snip.numerics.quantize import quantize_dequantize
 from megatron_snip.numerics.recipes import Precision, RecipeConfig, operand_quantizer
 from megatron_snip.precision.plan import PrecisionPlan, module_names
 from megatron_snip.training import tags
+from megatron_snip.training.checkpointing import read_record
 from megatron_snip.training.quant_health import HealthTable, promote
 from megatron_snip.training.safety import is_spike
 
@@ -141,9 +141,9 @@ def test_promote_on_fault_names_the_module_skips_and_recovers(tiny_data, tmp_pat
     assert loss[2] == loss[2] and loss[6] == loss[6] and loss[6] < loss[2]  # finite, and learning, after the fault
     fp8 = scalars(tb, tags.FP8_FRACTION)
     assert fp8[2] == 0 and fp8[4] > 0 and fp8[6] == fp8[4]
-    saved = dist_checkpointing.load_common_state_dict(str(ckpt / "iter_0000006"))
-    assert saved["precision_plan"]["modules"] == {module: "fp8"}
-    (event,) = saved["precision_history"]
+    saved = read_record(str(ckpt), 6)
+    assert saved.precision_plan["modules"] == {module: "fp8"}
+    (event,) = saved.stored()["precision_history"]
     assert event["iteration"] == 3 and event["modules"] == {module: "nvfp4 -> fp8"}
     mse = scalars(tb, tags.quant_health("relative mse", "mlp.linear_fc1", "fprop.x"))
     assert sorted(mse) == [2, 4, 6] and all(0 < v < 0.1 for v in mse.values())

@@ -163,8 +163,6 @@ _DIAGNOSTICS = "is not produced here; the run is otherwise the same"
 _FP16_ONLY = "fp16's dynamic loss scaler: --fp16 is refused and bf16 and fp32 train without loss scaling, so it " \
     "does nothing here"
 _TELEMETRY = "NVIDIA's telemetry is not collected here"
-_PENDING = "not supported yet (checkpoint interoperability with Megatron-LM is being extended)"
-
 # What it asks for is what runs here (dest -> why; docs/megatron_compat.md lists them).
 ACCEPTED = {
     "deprecated_use_mcore_models": "deprecated in Megatron-LM: megatron-core models are the only ones, there and here",
@@ -180,8 +178,6 @@ ACCEPTED = {
     "tokenizer_hf_use_fast": "the HuggingFaceTokenizer here is the tokenizers library's fast tokenizer",
     "trust_remote_code": "a tokenizer.json runs no code",
     "use_tokenizer_model_from_checkpoint_args": "the tokenizer always comes from --tokenizer-model here",
-    "use_checkpoint_opt_param_scheduler": "a resumed run continues the checkpoint's LR and weight-decay schedule "
-                                          "here, whatever its schedule flags say",
     "async_tensor_model_parallel_allreduce": "deprecated in megatron-core, which ignores it",
     "no_persist_layer_norm": "the persistent kernel is apex's LayerNorm's; the RMSNorm here never uses it",
     "bias_gelu_fusion": "there is no GELU to fuse (SwiGLU)",
@@ -337,17 +333,15 @@ REFUSED = {
     "model_parallel_size": "no longer valid in Megatron-LM: use --tensor-model-parallel-size",
     "warmup": "Megatron-LM's old flag: use --lr-warmup-iters or --lr-warmup-fraction",
     "lr_warmup_init": "the warm-up starts at a learning rate of 0 here (Megatron-LM's default); drop it",
-    "override_opt_param_scheduler": f"{_PENDING}: a resumed run continues the checkpoint's LR and weight-decay "
-                                    f"schedule (as with --use-checkpoint-opt-param-scheduler)",
-    "load_main_params_from_ckpt": f"{_PENDING}; drop it",
-    "pretrained_checkpoint": f"{_PENDING}: use --load DIR --finetune to start from a checkpoint's weights",
-    "ckpt_step": f"{_PENDING}: --load loads the iteration its tracker file names",
-    "dist_ckpt_strictness": f"{_PENDING}: the checkpoint must hold every tensor the model has",
+    "load_main_params_from_ckpt": "a load without the optimizer state rebuilds the fp32 main parameters from the "
+                                  "model's weights here (Megatron-LM's default); drop it",
+    "pretrained_checkpoint": "use --load DIR --finetune to start from a checkpoint's weights",
+    "ckpt_step": "--load loads the iteration its tracker file names (--ckpt-fallback: the newest intact one)",
+    "dist_ckpt_strictness": "the checkpoint must hold every tensor the model has (checked before loading, naming "
+                            "what differs)",
     "dist_ckpt_save_pre_mcore_014": "checkpoints are written in megatron-core 0.16.1's format",
-    "dist_ckpt_optim_fully_reshardable": f"{_PENDING}: the distributed optimizer's shards are saved in "
-                                         f"megatron-core's default layout",
-    "distrib_optim_fully_reshardable_mem_efficient": f"{_PENDING}: the distributed optimizer's shards are saved in "
-                                                     f"megatron-core's default layout",
+    "distrib_optim_fully_reshardable_mem_efficient": "--dist-ckpt-optim-fully-reshardable saves with "
+                                                     "megatron-core's default gathering here; drop it",
     "ckpt_convert_format": "checkpoint conversion: only torch_dist exists here",
     "ckpt_convert_save": "checkpoint conversion: only torch_dist exists here",
     "ckpt_convert_update_legacy_dist_opt_format": "checkpoint conversion: only torch_dist exists here",

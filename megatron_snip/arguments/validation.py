@@ -66,11 +66,18 @@ def _validate_safety(args: argparse.Namespace) -> None:
 
 def _read_checkpoint(args: argparse.Namespace) -> CheckpointRecord | None:
     """The record of the checkpoint in ``--load`` (None: no --load, or a resume-or-start
-    directory without a checkpoint yet), read once; its model shape fills the shape flags, and flags or
-    a ``--model-preset`` that disagree are refused."""
+    directory without a checkpoint yet), read once: this program's, or Megatron-LM's translated (a model it
+    describes that cannot be built here is refused, one problem per field); its model shape fills the shape
+    flags, and flags or a ``--model-preset`` that disagree are refused."""
     if args.load is None:
         return None
-    from megatron_snip.training.checkpointing import CheckpointError, choose_checkpoint, read_record
+    from megatron_snip.training.checkpointing import (
+        CheckpointError,
+        choose_checkpoint,
+        newer_non_persistent,
+        read_record,
+    )
+    from megatron_snip.training.megatron_lm_checkpoint import CannotLoad
 
     try:
         args.load_iteration, notice = choose_checkpoint(args.load, args.ckpt_fallback)
@@ -78,19 +85,25 @@ def _read_checkpoint(args: argparse.Namespace) -> CheckpointRecord | None:
             same = os.path.abspath(args.load) == os.path.abspath(args.save or "")
             args.notices.append(notice + ("; the damaged one is set aside as iter_N.damaged and the tracker names "
                                           "the one loaded" if same else ""))
+        newer = newer_non_persistent(args.load, args.load_iteration) if args.load_iteration is not None else None
+        if newer:
+            args.notices.append(newer)
         record = read_record(args.load, args.load_iteration) if args.load_iteration is not None else None
         if record is not None:
-            _fill_from_checkpoint(args, record.args, args.load)
+            _fill_from_checkpoint(args, record.args, args.load, counted_eod=record.legacy)
         else:
             _refuse_hf_directory(args.load)
+    except CannotLoad as e:
+        raise ArgumentError(*[f"--load {args.load}: {line}" for line in e.problems]) from e
     except (CheckpointError, ValueError) as e:
         raise ArgumentError(str(e)) from e
     return record
 
 
-def _fill_from_checkpoint(args: argparse.Namespace, saved: dict, where: str) -> None:
+def _fill_from_checkpoint(args: argparse.Namespace, saved: dict, where: str, *, counted_eod: bool = False) -> None:
     """Fill the shape flags from ``saved`` (a checkpoint's arguments, :mod:`checkpoint_shape`);
-    ValueError on a disagreement, naming both values."""
+    ValueError on a disagreement, naming both values. ``counted_eod``: saved by a megatron-snip whose
+    NullTokenizer --vocab-size counted the end-of-document id (``saved`` holds it converted)."""
     preset = PRESETS[args.model_preset].as_args() if args.model_preset else {}
     saved = {**checkpoint_shape.ABSENT, **{k: v for k, v in saved.items() if v is not None}}
     for key in checkpoint_shape.FIXED:
@@ -98,6 +111,12 @@ def _fill_from_checkpoint(args: argparse.Namespace, saved: dict, where: str) -> 
             continue
         flag = "--" + key.replace("_", "-")
         given = getattr(args, key)
+        if (key == "vocab_size" and counted_eod and given == saved[key] + 1
+                and saved.get("tokenizer_type") == NULL_TOKENIZER):
+            raise ValueError(f"--vocab-size {given}: the checkpoint in {where} was saved by an earlier megatron-snip, "
+                             f"whose --vocab-size counted NullTokenizer's end-of-document id ({given} ids); "
+                             f"Megatron-LM's --vocab-size, which this program follows, does not: pass --vocab-size "
+                             f"{saved[key]} for the same {given} ids, or drop it (the checkpoint gives it)")
         if given is not None and given != saved[key]:
             raise ValueError(f"{flag} {given} disagrees with the checkpoint in {where}, which has {saved[key]}; "
                              f"drop {flag} (the checkpoint defines the model's shape)")
@@ -363,6 +382,9 @@ def _validate_profile(args: argparse.Namespace, cuda: bool) -> None:
 
 
 def _validate_checkpointing(args: argparse.Namespace) -> None:
+    require(not (args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler),
+            "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict each other (the "
+            "flags' schedule or the checkpoint's); give one")
     if args.save_interval is not None:
         require(args.save_interval >= 1, "--save-interval must be >= 1")
         require(args.save is not None, "--save-interval needs --save DIR")
@@ -586,9 +608,9 @@ def _validate_data_source(args: argparse.Namespace) -> None:
         if args.valid_data_path is None:
             args.eval_iters = 0  # as in Megatron-LM: no validation dataset, no evaluation
     if args.tokenizer_type == NULL_TOKENIZER:
-        require(args.vocab_size is not None and args.vocab_size >= 2,
-                f"--tokenizer-type NullTokenizer needs --vocab-size N >= 2 (ids 0..N-1, the last the end-of-document "
-                f"token), not {args.vocab_size}")
+        require(args.vocab_size is not None and args.vocab_size >= 1,
+                f"--tokenizer-type NullTokenizer needs --vocab-size N >= 1 (ids 0..N-1, then the end-of-document id N, "
+                f"as in Megatron-LM), not {args.vocab_size}")
 
 
 def _validate_split(args: argparse.Namespace) -> None:
@@ -636,7 +658,9 @@ def _validate_files(args: argparse.Namespace, from_checkpoint: bool, read: bool)
     except (FileNotFoundError, ValueError) as e:
         raise ArgumentError(str(e)) from e
     latest = args.load_iteration  # read with the checkpoint (_read_checkpoint)
-    if from_checkpoint:
+    if args.tokenizer_type == NULL_TOKENIZER:
+        pass  # --vocab-size defines this tokenizer
+    elif from_checkpoint:
         require(args.vocab_size is None or tokens <= args.vocab_size,
                 f"--tokenizer-model {args.tokenizer_model} has {tokens} ids but the model in --load {args.load} "
                 f"has a vocabulary of {args.vocab_size}; use the model's own tokenizer")
@@ -684,9 +708,9 @@ def _validate_data_files(args: argparse.Namespace) -> int:
         check_splits_have_documents(prefixes, args.split)
     tokens = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size).vocab_size
     if args.tokenizer_type == NULL_TOKENIZER:
-        check_vocab_covers_data(prefixes, tokens, f"--tokenizer-type {NULL_TOKENIZER} --vocab-size {tokens}",
-                                "give --vocab-size the size of the tokenizer the data was preprocessed with (ids "
-                                "0..N-1, the last the end-of-document token)")
+        check_vocab_covers_data(prefixes, tokens, f"--tokenizer-type {NULL_TOKENIZER} --vocab-size {args.vocab_size}",
+                                "give --vocab-size the size of the tokenizer the data was preprocessed with, less its "
+                                "end-of-document id (N: ids 0..N-1, then the end-of-document id N, as in Megatron-LM)")
     else:
         check_vocab_covers_data(prefixes, tokens, f"--tokenizer-model {args.tokenizer_model}",
                                 "rerun tools/preprocess_data.py with this --tokenizer-model")

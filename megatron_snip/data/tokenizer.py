@@ -124,14 +124,14 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str], vocab_s
 
 
 def null_tokenizer(vocab_size: Optional[int]):
-    """megatron-core's NullTokenizer with current Megatron-LM's meaning of ``--vocab-size N``: ids 0..N-1,
-    the last (N-1) the end-of-document token. megatron-core 0.16.1's NullTokenizer appends the
-    end-of-document id to the ids it is given, so it is given N-1."""
-    if vocab_size is None or vocab_size < 2:
-        raise ValueError(f"--tokenizer-type NullTokenizer needs --vocab-size N >= 2 (its ids), not {vocab_size}")
+    """megatron-core's NullTokenizer with Megatron-LM 0.16.1's meaning of ``--vocab-size N``: ids 0..N-1 and
+    the end-of-document id N, N + 1 ids in all (both its tokenizer libraries add the end-of-document id)."""
+    if vocab_size is None or vocab_size < 1:
+        raise ValueError(f"--tokenizer-type NullTokenizer needs --vocab-size N >= 1 (ids 0..N-1, then the "
+                         f"end-of-document id N), not {vocab_size}")
     from megatron.core.tokenizers import MegatronTokenizer
 
-    return MegatronTokenizer.from_pretrained(metadata_path={"library": "null"}, vocab_size=vocab_size - 1)
+    return MegatronTokenizer.from_pretrained(metadata_path={"library": "null"}, vocab_size=vocab_size)
 
 
 def _build_hf_tokenizer(path: str) -> MegatronLegacyTokenizer:

@@ -66,9 +66,9 @@ class ModelConfig:
         "embedding's weight (tied), except with --model-preset (every preset is untied, as the models it names) or "
         "--load (the checkpoint's; checkpoints that do not say are untied).")
     vocab_size: int | None = flag(
-        None, "Vocabulary size before padding. Required with --tokenizer-type NullTokenizer (N ids, the last the "
-        "end-of-document token, as in Megatron-LM); with a tokenizer file it must equal the tokenizer's size "
-        "(Megatron-LM ignores it there); with --load, the checkpoint's.")
+        None, "Vocabulary size before padding. Required with --tokenizer-type NullTokenizer (ids 0..N-1, then the "
+        "end-of-document id N: N + 1 in all, as in Megatron-LM); with a tokenizer file it must equal the tokenizer's "
+        "size (Megatron-LM ignores it there); with --load, the checkpoint's.")
     calculate_per_token_loss: bool = flag(
         False, "Normalise the loss by the number of loss tokens of the whole global batch (over every micro-batch "
         "and data-parallel rank) instead of averaging each micro-batch's per-token mean (megatron-core's "

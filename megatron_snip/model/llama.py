@@ -219,10 +219,11 @@ def num_parameters(model: ModelConfig, vocab_size: int) -> int:
 
 
 def flops_per_token(model: ModelConfig, vocab_size: int) -> float:
-    """Training FLOPs per token (forward + backward = 3x forward), dense matmuls only.
+    """Training FLOPs per token (forward + backward = 3x forward), dense matmuls only, as Megatron-LM's
+    ``num_floating_point_operations`` counts them (its TFLOP/s and num_floating_point_operations_so_far).
 
-    Linear layers: 6 FLOPs per weight per token; attention scores and values:
-    12 * layers * hidden * seq (causal masking not discounted, as in Megatron).
+    Linear layers: 6 FLOPs per weight per token (``vocab_size``: the output layer's rows, padded);
+    attention scores and values (two GEMMs over the causal half of the sequence): 6 * layers * hidden * seq.
     """
     linear_weights = model.num_layers * _linear_weights_per_layer(model) + vocab_size * model.hidden_size
-    return 6.0 * linear_weights + 12.0 * model.num_layers * model.hidden_size * model.seq_length
+    return 6.0 * linear_weights + 6.0 * model.num_layers * model.hidden_size * model.seq_length

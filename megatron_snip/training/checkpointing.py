@@ -17,10 +17,11 @@ after a newer complete one replaced it, and it is first renamed to
 ``iter_XXXXXXX.deleting`` (no longer an ``iter_*`` checkpoint even if the
 deletion is cut short; a later deletion finishes it).
 
-What is saved: the model (sharded, so it reloads into another TP/PP layout),
-the optimizer, the LR scheduler, the iteration, consumed samples (the data
-position), per-rank RNG states, the arguments and any extra state a caller
-adds (the precision plan, for instance).
+What is saved is what Megatron-LM's ``save_checkpoint`` saves, in its layout, so that either program
+resumes the other's checkpoints (``training/megatron_lm_checkpoint.py``): the model (sharded, so it reloads
+into another TP/PP layout), the optimizer (in the format its content metadata names), the LR scheduler
+(in samples), the iteration, consumed samples (the data position), the RNG states, Megatron-LM's ``args``;
+beside them this program's record (flags, precision plan, ...) and its per-rank quantization state.
 """
 
 from __future__ import annotations
@@ -28,31 +29,28 @@ from __future__ import annotations
 import glob
 import logging
 import os
-import random
 import re
 import shutil
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_snip.compat.device import current_device, has_cuda
+from megatron_snip.compat.device import current_device
 from megatron_snip.fileio import write_text_atomic
-from megatron_snip.training import save_helper
-from megatron_snip.training.checkpoint_record import CheckpointRecord
+from megatron_snip.training import adam_state, save_helper
+from megatron_snip.training import megatron_lm_checkpoint as megatron_lm
+from megatron_snip.training.checkpoint_match import mismatch
+from megatron_snip.training.checkpoint_record import SAVED_BY_US, CheckpointRecord
 
 log = logging.getLogger(__name__)
 
 TRACKER = "latest_checkpointed_iteration.txt"
-# The distributed optimizer's format that loads without gathering to one rank;
-# it reshards only over data parallelism (see _check_optimizer_layout).
-DIST_OPT_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
 class CheckpointError(RuntimeError):
@@ -92,15 +90,58 @@ def find_latest(root: str) -> int | None:
     tracker = os.path.join(root, TRACKER)
     if not os.path.isfile(tracker):
         return None
-    text = open(tracker).read().strip()
-    try:
-        iteration = int(text)
-    except ValueError:
-        raise CheckpointError(f"{tracker} is corrupt: expected an iteration number, found {text[:40]!r}") from None
+    iteration = _read_tracker(tracker)
     if not os.path.isdir(iteration_dir(root, iteration)):
         raise CheckpointError(f"{tracker} names iteration {iteration} but {iteration_dir(root, iteration)} "
                               f"is missing; restore it or point the tracker at an existing iter_* directory")
     return iteration
+
+
+def _read_tracker(tracker: str) -> int:
+    """The iteration a tracker file names; CheckpointError for anything else, Megatron-LM's "release" said as such."""
+    text = open(tracker).read().strip()
+    if text == "release":
+        release = os.path.join(os.path.dirname(tracker), "release")
+        raise CheckpointError(f"{tracker} names Megatron-LM's release checkpoint {release} (weights to fine-tune "
+                              f"from), which this program reads as an iter_* checkpoint: rename {release} to "
+                              f"{iteration_dir(os.path.dirname(tracker), 0)}, write 0 into {tracker} and pass "
+                              f"--finetune, as Megatron-LM loads a release checkpoint")
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(f"{tracker} is corrupt: expected an iteration number, found {text[:40]!r}") from None
+
+
+def other_format(path: str) -> str | None:
+    """What checkpoint ``path`` is when it is one of Megatron-LM's formats other than torch_dist (not damaged:
+    another format), with how to convert it; None otherwise."""
+    if not os.path.isdir(path):
+        return None
+    names = os.listdir(path)
+    convert = ("convert it with Megatron-LM (its --ckpt-convert-format torch_dist --ckpt-convert-save DIR) and "
+               "--load the converted one")
+    if any(name.startswith("mp_rank_") for name in names):
+        return (f"{path} is a checkpoint in Megatron-LM's torch format (mp_rank_* files), which this program "
+                f"does not read (only torch_dist); {convert}")
+    if ".metadata" in names and "metadata.json" not in names and "common.pt" not in names:
+        return (f"{path} is a checkpoint in Megatron-LM's torch_dcp or fsdp_dtensor format, which this program "
+                f"does not read (only torch_dist); {convert}")
+    return None
+
+
+def newer_non_persistent(root: str, iteration: int) -> str | None:
+    """Where Megatron-LM would resume a newer checkpoint than ``iteration`` from ``root``: its non-persistent
+    checkpoints (--non-persistent-save-interval, ``root/non_persistent``), which it prefers when newer; a notice."""
+    tracker = os.path.join(root, "non_persistent", TRACKER)
+    try:
+        newer = _read_tracker(tracker) if os.path.isfile(tracker) else None
+    except CheckpointError:
+        return None
+    if newer is None or newer <= iteration:
+        return None
+    where = os.path.dirname(tracker)
+    return (f"{where} holds a newer checkpoint (iteration {newer}) than the one loaded ({iteration}), a "
+            f"non-persistent one that Megatron-LM would resume instead; to resume it, --load {where}")
 
 
 # Files every complete dist_checkpointing checkpoint holds.
@@ -152,12 +193,11 @@ def choose_checkpoint(root: str, fallback: bool) -> tuple[int | None, str | None
     tracker = os.path.join(root, TRACKER)
     if not os.path.isfile(tracker):
         return None, None
-    text = open(tracker).read().strip()
-    try:
-        newest = int(text)
-    except ValueError:
-        raise CheckpointError(f"{tracker} is corrupt: expected an iteration number, found {text[:40]!r}") from None
+    newest = _read_tracker(tracker)
     path = iteration_dir(root, newest)
+    foreign = other_format(path)
+    if foreign is not None:
+        raise CheckpointError(f"{foreign} (it is not damaged)")
     broken = damage(path)
     if broken is None:
         return newest, None
@@ -185,7 +225,7 @@ def set_aside(root: str, iteration: int) -> str | None:
     under ``root`` again: the damaged newer one the tracker names is renamed ``iter_N.damaged`` (kept, never
     overwritten by this run's save of that iteration) and the tracker names ``iteration``. Returns what was
     done, or None if the tracker already names ``iteration``."""
-    newest = int(open(os.path.join(root, TRACKER)).read().strip())
+    newest = _read_tracker(os.path.join(root, TRACKER))
     if newest == iteration:
         return None
     damaged = iteration_dir(root, newest)
@@ -239,26 +279,32 @@ def read_record(root: str, iteration: int | None = None) -> CheckpointRecord | N
 def _read_record(root: str, path: str) -> CheckpointRecord:
     try:
         common = dist_checkpointing.load_common_state_dict(path)
+    except (ModuleNotFoundError, AttributeError) as e:  # pickled with a class this installation lacks
+        raise CheckpointError(f"cannot read {os.path.join(path, 'common.pt')}: it was pickled with {e} (a module "
+                              f"or class of the program that saved it, not installed here); the checkpoint is "
+                              f"not damaged: install that package, or save the checkpoint without it") from e
     except _READ_ERRORS as e:
         raise _damaged(root, os.path.join(path, "common.pt"), e) from e
     try:
-        return CheckpointRecord.from_common(common, path)
+        return megatron_lm.read_common(common, path)
+    except megatron_lm.CannotLoad:
+        raise
     except ValueError as e:
         raise CheckpointError(str(e)) from e
 
 
 def _layout() -> dict:
+    """This run's parallel sizes as a checkpoint records them (``dp`` without context parallelism, as
+    Megatron-LM's data_parallel_size)."""
     layout = {
         "tp": parallel_state.get_tensor_model_parallel_world_size(),
         "pp": parallel_state.get_pipeline_model_parallel_world_size(),
         "dp": parallel_state.get_data_parallel_world_size(),
+        "cp": parallel_state.get_context_parallel_world_size(),
     }
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     if vpp is not None:  # absent without interleaving, as in checkpoints written before it existed
         layout["vpp"] = vpp
-    cp = parallel_state.get_context_parallel_world_size()
-    if cp > 1:  # absent without context parallelism, likewise
-        layout["cp"] = cp
     return layout
 
 
@@ -274,134 +320,75 @@ def _model_keys(chunks: list) -> list[str]:
     return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
 
 
-def _rng_state(quantization: dict | None = None) -> ShardedObject:
-    """This rank's RNG states (and ``quantization``: the modules' stochastic-rounding RNGs and
-    delayed-scaling histories) as an object sharded over (pp, tp, dp x cp): context-parallel peers hold
-    states of their own."""
-    state = {
-        "quantization": quantization or {},
-        "random": random.getstate(),
-        "np": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if has_cuda() else None,
-        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
-    }
+def _legacy_rng_state() -> ShardedObject:
+    """The RNG and quantization states as checkpoints before record version 2 held them: one object per
+    (pp, tp, dp) rank (loaded only into the same layout)."""
     lay = _layout()
+    template = {"quantization": {}, "random": None, "np": None, "torch": None, "cuda": None, "tracker": None}
     return ShardedObject(
-        "rng_state", state, (lay["pp"], lay["tp"], lay["dp"] * lay.get("cp", 1)),
+        "rng_state", template, (lay["pp"], lay["tp"], lay["dp"]),
         (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank(),
          parallel_state.get_data_parallel_rank(with_context_parallel=True)),
         replica_id=0,
     )
 
 
-def _set_rng_state(state: dict) -> None:
-    random.setstate(state["random"])
-    np.random.set_state(state["np"])
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and has_cuda():
-        torch.cuda.set_rng_state(state["cuda"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+def _set_legacy_rng_state(state: dict) -> None:
+    megatron_lm.set_rng({"random_rng_state": state["random"], "np_rng_state": state["np"],
+                         "torch_rng_state": state["torch"], "cuda_rng_state": state["cuda"],
+                         "rng_tracker_states": state["tracker"]})
 
 
-def _materialize_optimizer_state(optimizer) -> None:
-    """Create Adam's per-parameter state if it does not exist yet, equal to a fresh one.
-
-    torch's Adam creates its state lazily at the first step, so a checkpoint
-    written before any step (``--train-iters 0``, a preemption at start-up)
-    would lack it, and the distributed optimizer's load path reads the state it
-    overwrites. A step with zero gradients, LR and weight decay creates the
-    moments (zeros) without moving a weight; resetting ``step`` to 0 makes the
-    state identical to a fresh optimizer's.
-    """
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        if inner is None or len(inner.state) > 0:
-            continue
-        saved = [(g["lr"], g["weight_decay"]) for g in inner.param_groups]
-        for g in inner.param_groups:
-            g["lr"], g["weight_decay"] = 0.0, 0.0
-            for p in g["params"]:
-                p.grad = torch.zeros_like(p)
-        inner.step()
-        for g, (lr, wd) in zip(inner.param_groups, saved):
-            g["lr"], g["weight_decay"] = lr, wd
-            for p in g["params"]:
-                p.grad = None
-                if "step" in inner.state[p]:
-                    inner.state[p]["step"] = torch.zeros_like(inner.state[p]["step"])
+def _metadata(content: Mapping | None) -> dict:
+    """What sharded_state_dict is given: a checkpoint's content metadata and, as in Megatron-LM, the data-parallel
+    group with context parallelism (the replicas of every shard)."""
+    return {**(content or {}), "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
 
 
-def _restore_adam_steps(optimizer, state: dict) -> None:
-    """Give every parameter its own, correct Adam ``step`` tensor after a load.
-
-    Two megatron-core quirks with torch's Adam (no apex / Transformer Engine):
-    the distributed optimizer keeps the step in its param groups, and its
-    DP-reshardable load leaves each parameter with the step of the state it
-    loaded into (or one tensor shared by all, which torch would increment once
-    per parameter); the other optimizers drop a step of 0 when saving
-    (iteration-0 checkpoints, see :func:`_fill_missing_steps`). Either would break
-    Adam's bias correction.
-    """
-    chained = getattr(optimizer, "chained_optimizers", [optimizer])
-    # ChainedOptimizer stores a single optimizer's state unnested (see its load_state_dict).
-    states = [state] if len(chained) == 1 else [v for _, v in sorted(state.items())]
-    for opt, opt_state in zip(chained, states):
-        groups = opt_state.get("optimizer", {}).get("param_groups", [])
-        steps = {g["step"] for g in groups if "step" in g}
-        group_step = float(steps.pop()) if hasattr(opt, "data_parallel_group_idx") and len(steps) == 1 else None
-        if group_step is not None:
-            for param_state in opt.optimizer.state.values():
-                param_state["step"] = torch.tensor(group_step, dtype=torch.float32)
-
-
-def _fill_missing_steps(state) -> None:
-    """Add ``step = 0`` to Adam states saved without one (see :func:`_restore_adam_steps`)."""
-    if not isinstance(state, dict):
-        return
-    if "param_groups" in state and isinstance(state.get("state"), dict):
-        for param_state in state["state"].values():
-            if isinstance(param_state, dict) and "exp_avg" in param_state and "step" not in param_state:
-                param_state["step"] = torch.tensor(0.0, dtype=torch.float32)
-    for value in state.values():
-        _fill_missing_steps(value)
-
-
-def _sharded_state(model, optimizer, scheduler, *, is_loading: bool, with_optim: bool, with_rng: bool,
-                   quantization: dict | None = None) -> dict:
+def _sharded_state(model, optimizer, *, is_loading: bool, with_optim: bool, metadata: dict) -> dict:
+    """The model chunks' and (``with_optim``) the optimizer's sharded state, keyed as Megatron-LM keys them."""
     chunks = _chunks(model)
-    model_sd = {key: chunk.sharded_state_dict() for key, chunk in zip(_model_keys(chunks), chunks)}
+    model_sd = {key: chunk.sharded_state_dict(metadata=metadata) for key, chunk in zip(_model_keys(chunks), chunks)}
     state = dict(model_sd)
     if with_optim:
-        _materialize_optimizer_state(optimizer)
-        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=DIST_OPT_FORMAT)
-        state["opt_param_scheduler"] = scheduler.state_dict()
-    if with_rng:
-        state["rng_state"] = _rng_state(quantization)
+        adam_state.materialize(optimizer)
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
     return state
 
 
 def save_checkpoint(root: str, record: CheckpointRecord, model, optimizer, scheduler,
                     quantization: dict | None = None, *, save_optim: bool = True, save_rng: bool = True,
                     files: Mapping[str, str] | None = None, fully_parallel: bool = True,
-                    retain_interval: int | None = None) -> str:
+                    retain_interval: int | None = None, fully_reshardable: bool = False) -> str:
     """Write a complete checkpoint of ``record.iteration`` under ``root``; collective over all ranks.
 
     ``model`` is this rank's unwrapped megatron-core module, or its list of chunks; ``record`` is the
-    replicated state (iteration bookkeeping, args, plans; its layout and save flags are filled in here);
-    ``quantization`` is this rank's module quantization state, saved with its RNG states.
+    replicated state (iteration bookkeeping, args, plans; its layout, scheduler state, optimizer format and
+    save flags are filled in here); ``quantization`` is this rank's module quantization state.
     ``save_optim=False`` / ``save_rng=False`` (``--no-save-optim`` / ``--no-save-rng``) leave out the
     optimizer and scheduler / RNG and quantization states; loading such a checkpoint skips them.
     ``files``: text files (name -> content) written into the checkpoint's directory with it, such as
     the run's resolved configuration. ``fully_parallel``: spread the writes over data-parallel ranks.
     ``retain_interval``: delete the checkpoint this one replaces as the newest unless its iteration is
-    0 or a multiple (see the module docstring); None keeps every checkpoint.
+    0 or a multiple (see the module docstring); None keeps every checkpoint. ``fully_reshardable``: the
+    distributed optimizer's state in Megatron-LM's fully_reshardable format (--dist-ckpt-optim-fully-reshardable:
+    it loads into any TP / PP), else dp_reshardable.
     """
     check_finite(model, optimizer, iteration_dir(root, record.iteration))
-    state = _sharded_state(model, optimizer, scheduler, is_loading=False, with_optim=save_optim, with_rng=save_rng,
-                           quantization=quantization)
-    record = replace(record, no_optimizer_state=not save_optim, no_rng_state=not save_rng)
+    content = megatron_lm.content_metadata(_is_distributed(optimizer), fully_reshardable)
+    state = _sharded_state(model, optimizer, is_loading=False, with_optim=save_optim, metadata=_metadata(content))
+    if save_rng:
+        state[megatron_lm.RNG_KEY] = megatron_lm.rng_object()
+        state[megatron_lm.QUANTIZATION_KEY] = megatron_lm.quantization_object(quantization)
+    record = replace(record, no_optimizer_state=not save_optim, no_rng_state=not save_rng,
+                     scheduler=scheduler.state_dict() if save_optim else None, content_metadata=content)
     return _write(root, record, state, files, _save_strategy(fully_parallel), retain_interval)
+
+
+def _is_distributed(optimizer) -> bool:
+    """Whether ``optimizer`` is megatron-core's distributed optimizer (state sharded over the dp-cp group)."""
+    return any(hasattr(opt, "data_parallel_group_idx") for opt in getattr(optimizer, "chained_optimizers",
+                                                                           [optimizer]))
 
 
 def save_model_checkpoint(root: str, record: CheckpointRecord, model_state: dict) -> str:
@@ -419,7 +406,8 @@ def save_model_checkpoint(root: str, record: CheckpointRecord, model_state: dict
     if flag.item():
         raise CheckpointError(f"refusing to save {path}: non-finite values in "
                               f"{', '.join(sorted(set(bad))[:5]) or 'another rank'}")
-    return _write(root, replace(record, model_only=True), {"model": model_state})
+    return _write(root, replace(record, model_only=True, content_metadata=megatron_lm.content_metadata(False)),
+                  {"model": model_state})
 
 
 def _write(root: str, record: CheckpointRecord, state: dict, files: Mapping[str, str] | None = None,
@@ -448,10 +436,12 @@ def _write(root: str, record: CheckpointRecord, state: dict, files: Mapping[str,
             retire(root, replaced, iteration, retain_interval)
 
     _on_rank_0(prepare, root, final)
-    state.update(replace(record, layout=_layout()).to_common())
+    record = replace(record, layout=_layout())
+    state.update(megatron_lm.common_state(record))
     save_helper.install()  # before the writer spawns its own helper, which a SIGTERM would kill
     try:
-        dist_checkpointing.save(state, tmp, sharded_strategy=strategy)
+        dist_checkpointing.save(state, tmp, sharded_strategy=strategy,
+                                content_metadata=dict(record.content_metadata or {}) or None)
     except _READ_ERRORS as e:  # a failed write (full disk, quota) raises on every rank, after all wrote
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # give a full disk its space back
@@ -567,15 +557,17 @@ def _damaged(root: str, path: str, error: BaseException) -> CheckpointError:
 
 
 def load_checkpoint(root: str, model, optimizer, scheduler, *, load_optim: bool = True,
-                    load_rng: bool = True, fully_parallel: bool = False, iteration: int | None = None) -> Loaded | None:
+                    load_rng: bool = True, fully_parallel: bool = False, iteration: int | None = None,
+                    run_args: Mapping | None = None) -> Loaded | None:
     """Load the newest checkpoint under ``root`` (or that of ``iteration``: --ckpt-fallback's choice) into
-    model/optimizer/scheduler.
+    model/optimizer/scheduler, as Megatron-LM's load_checkpoint does.
 
     Returns the checkpoint's record and this rank's saved module quantization state ({} when not
-    loaded), or None if ``root`` holds no checkpoint. Optimizer and RNG states are skipped when asked, and RNG and
-    quantization states also when the parallel layout differs from the saved
-    one (they are per rank). ``fully_parallel``: spread the reads over
-    data-parallel ranks.
+    loaded), or None if ``root`` holds no checkpoint. Optimizer and RNG states are skipped when asked. The RNG
+    state loads where the tensor- and pipeline-parallel sizes are the saved ones (it is replicated over
+    data-parallel ranks, as in Megatron-LM), the quantization state only into the saved layout (it is per rank).
+    ``fully_parallel``: spread the reads over data-parallel ranks. ``run_args``: this run's flags, to name the
+    ones that differ when the checkpoint holds a model of another shape.
     """
     if iteration is None:
         iteration = find_latest(root)
@@ -586,9 +578,24 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, load_optim: bool 
     load_optim = load_optim and not (record.model_only or record.no_optimizer_state)
     load_rng = load_rng and not (record.model_only or record.no_rng_state)
     if load_optim:
-        _check_optimizer_layout(record, optimizer, path)
-    load_rng = load_rng and dict(record.layout) == _layout()
-    state = _sharded_state(model, optimizer, scheduler, is_loading=True, with_optim=load_optim, with_rng=load_rng)
+        _check_optimizer_layout(record, optimizer, path, fully_parallel)
+    saved, now = dict(record.layout), _layout()
+    same_layout = {**saved, "cp": saved.get("cp", 1)} == now
+    if record.legacy:
+        load_rng = load_rng and same_layout
+        load_quantization = False
+    else:
+        load_rng = load_rng and (saved.get("tp"), saved.get("pp")) == (now["tp"], now["pp"])
+        load_quantization = load_rng and same_layout and record.saved_by == SAVED_BY_US
+    state = _sharded_state(model, optimizer, is_loading=True, with_optim=load_optim,
+                           metadata=_metadata(record.content_metadata))
+    if load_rng:
+        state[megatron_lm.RNG_KEY] = _legacy_rng_state() if record.legacy else megatron_lm.rng_object()
+    if load_quantization:
+        state[megatron_lm.QUANTIZATION_KEY] = megatron_lm.quantization_object()
+    problem = mismatch(state, path, record, run_args)
+    if problem is not None:
+        raise CheckpointError(problem)
     try:
         with warnings.catch_warnings():
             # megatron-core 0.16 calls torch APIs that torch marks deprecated; nothing for a user to do.
@@ -605,17 +612,19 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, load_optim: bool 
         # (--finetune, --no-load-optim, model-only checkpoints). Megatron-LM's reload_model_params.
         optimizer.reload_model_params()
     if load_optim:
-        _fill_missing_steps(loaded["optimizer"])
-        with torch.no_grad():
-            optimizer.load_state_dict(loaded["optimizer"])
-        _restore_adam_steps(optimizer, loaded["optimizer"])
-        scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        adam_state.load(optimizer, loaded["optimizer"], record.content_metadata)
+        if record.scheduler is not None:
+            scheduler.load_state_dict(dict(record.scheduler))
     quantization = {}
-    if load_rng:
-        _set_rng_state(loaded["rng_state"])
-        quantization = loaded["rng_state"].get("quantization", {})  # absent in older checkpoints
-    log.info("loaded checkpoint %s (optimizer: %s, rng and quantization state: %s)", path, load_optim, load_rng)
-    return Loaded(record, quantization)
+    if load_rng and record.legacy:
+        _set_legacy_rng_state(loaded[megatron_lm.RNG_KEY])
+        quantization = loaded[megatron_lm.RNG_KEY].get("quantization", {})  # absent in the oldest
+    elif load_rng:
+        megatron_lm.set_rng(megatron_lm.pick_rng(loaded[megatron_lm.RNG_KEY]))
+        quantization = loaded.get(megatron_lm.QUANTIZATION_KEY, {}) if load_quantization else {}
+    log.info("loaded checkpoint %s (optimizer: %s, rng: %s, quantization state: %s)", path, load_optim, load_rng,
+             bool(quantization))
+    return Loaded(record, quantization, load_optim, load_rng)
 
 
 @dataclass(frozen=True)
@@ -624,17 +633,40 @@ class Loaded:
 
     record: CheckpointRecord
     quantization: dict  # this rank's module quantization state (RNG streams, delayed-scaling history)
+    optimizer: bool = False  # whether the optimizer and scheduler states were loaded
+    rng: bool = False  # whether the RNG states were loaded
 
 
-def _check_optimizer_layout(record: CheckpointRecord, optimizer, path: str) -> None:
-    """The distributed optimizer's state reshards over its DP x CP ranks only (a CP change is one of theirs,
-    absent from the keys compared); other changes need --no-load-optim."""
+def _check_optimizer_layout(record: CheckpointRecord, optimizer, path: str, fully_parallel: bool) -> None:
+    """The optimizer's saved state against this run's: the same kind (distributed or not), and a distributed
+    optimizer's dp_reshardable state only into the saved TP / PP / virtual stages (it reshards over the
+    data-parallel ranks with context parallelism: DP and CP may change); other changes need --no-load-optim."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    sharding = (record.content_metadata or {}).get("distrib_optim_sharding_type")
+    # Before record version 2 every optimizer was given the distributed optimizer's format name.
+    saved_distributed = bool(record.args.get("use_distributed_optimizer")) if record.legacy else sharding is not None
+    distributed = _is_distributed(optimizer)
+    if saved_distributed != distributed:
+        saved_with = "with" if saved_distributed else "without"
+        raise CheckpointError(
+            f"{path} holds the optimizer state of a run {saved_with} --use-distributed-optimizer, which this run's "
+            f"optimizer cannot read; run {saved_with} --use-distributed-optimizer as it was saved, or pass "
+            f"--no-load-optim to load the model weights only")
+    if fully_parallel and sharding == "dp_zero_gather_scatter":
+        raise CheckpointError(f"{path} holds the distributed optimizer's state in Megatron-LM's older "
+                              f"dp_zero_gather_scatter format, which megatron-core loads only on one rank: drop "
+                              f"--ckpt-fully-parallel-load")
     saved, now = record.layout, _layout()
-    is_distributed = hasattr(optimizer, "data_parallel_group_idx")
-    if is_distributed and any(saved.get(k) != now.get(k) for k in ("tp", "pp", "vpp")):
-        def name(layout: dict) -> str:
+    if not distributed or sharding in DistributedOptimizer.checkpoint_fully_reshardable_formats:
+        return
+    if any(saved.get(k) != now.get(k) for k in ("tp", "pp", "vpp")):
+        def name(layout: Mapping) -> str:
             vpp = f" VPP={layout['vpp']}" if layout.get("vpp") else ""
             return f"TP={layout.get('tp')} PP={layout.get('pp')}{vpp}"
         raise CheckpointError(
-            f"{path} was saved at {name(saved)} with the distributed optimizer, whose state reshards only over "
-            f"data parallelism; to load the model weights at {name(now)} pass --no-load-optim")
+            f"{path} was saved at {name(saved)} with the distributed optimizer in its {sharding} format, which "
+            f"reshards only over data-parallel (and context-parallel) ranks; to load the model weights at "
+            f"{name(now)} pass --no-load-optim (a checkpoint saved with --dist-ckpt-optim-fully-reshardable "
+            f"loads at any TP and PP)")
+

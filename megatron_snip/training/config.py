@@ -107,6 +107,20 @@ class CheckpointConfig:
                                "afresh, as with --no-load-optim).")
     no_save_rng: bool = flag(False, "Save no RNG or quantization state (a run resuming from it keeps its own).")
     finetune: bool = flag(False, "Load model weights only and start at iteration 0.")
+    override_opt_param_scheduler: bool = flag(
+        False, "With --load: schedule the learning rate and weight decay by these flags, not by the checkpoint's "
+        "saved settings (its step count is kept). Without it the checkpoint's settings continue, with a notice "
+        "where the flags differ (Megatron-LM refuses such a resume unless --use-checkpoint-opt_param-scheduler).",
+        option="--override-opt_param-scheduler", aliases=("--override-opt-param-scheduler",))
+    use_checkpoint_opt_param_scheduler: bool = flag(
+        False, "With --load: take the learning-rate and weight-decay schedule from the checkpoint, as this program "
+        "does without the flag too (it only silences the notice where the flags differ).",
+        option="--use-checkpoint-opt_param-scheduler",
+        aliases=("--use-checkpoint-opt-param-scheduler",))
+    dist_ckpt_optim_fully_reshardable: bool = flag(
+        False, "With --use-distributed-optimizer: save its state in Megatron-LM's fully_reshardable format "
+        "(gathered per parameter; it loads into any TP / PP) instead of dp_reshardable (sharded as the buffers "
+        "are; it loads only where TP and PP are the saved ones).")
     ckpt_fallback: bool = flag(
         False, "If the checkpoint the tracker in --load names is damaged (a file missing, or shorter than its index "
         "says, or common.pt unreadable), load the newest intact earlier one instead, saying so at start-up; with "

@@ -168,21 +168,30 @@ def grad_norm_on_device() -> None:
         clip_grads.l2_norm_impl = _l2_norm_on_device
 
 
-def build_scheduler(training: TrainingConfig, optimizer) -> OptimizerParamScheduler:
-    """Warmup then linear/cosine/... decay, stepped once per iteration."""
+def build_scheduler(training: TrainingConfig, optimizer, *, override: bool = False) -> OptimizerParamScheduler:
+    """Warmup then linear/cosine/... decay, as Megatron-LM's get_optimizer_param_scheduler builds it: counted
+    in samples (the trainer steps it by the global batch of every applied update), so a checkpoint's scheduler
+    state means the same to Megatron-LM. ``override`` (--override-opt_param-scheduler): a loaded checkpoint's
+    schedule settings give way to these (its step count is kept); without it the checkpoint's are used."""
+    gbs = training.global_batch_size
+    decay = training.lr_decay_iters * gbs
+    warmup = training.lr_warmup_fraction * decay if training.lr_warmup_fraction is not None else (
+        training.lr_warmup_iters * gbs)
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0 if training.lr_warmup_iters > 0 else training.lr,
+        init_lr=0.0 if warmup > 0 else training.lr,
         max_lr=training.lr,
         min_lr=training.min_lr,
-        lr_warmup_steps=training.lr_warmup_iters,
+        lr_warmup_steps=warmup,
         # megatron-core requires warmup < decay; only a 0-iteration run can violate it.
-        lr_decay_steps=max(training.lr_decay_iters, training.lr_warmup_iters + 1),
+        lr_decay_steps=max(decay, warmup + 1),
         lr_decay_style=training.lr_decay_style,
         start_wd=training.start_weight_decay,
         end_wd=training.end_weight_decay,
-        wd_incr_steps=max(training.train_iters, 1),
+        wd_incr_steps=max(training.train_iters, 1) * gbs,
         wd_incr_style=training.weight_decay_incr_style,
-        wsd_decay_steps=training.lr_wsd_decay_iters,
+        wsd_decay_steps=None if training.lr_wsd_decay_iters is None else training.lr_wsd_decay_iters * gbs,
         lr_wsd_decay_style=training.lr_wsd_decay_style,
+        use_checkpoint_opt_param_scheduler=not override,
+        override_opt_param_scheduler=override,
     )

@@ -31,6 +31,7 @@ from megatron_snip.model.llama import (
     flops_per_token,
     layers_per_stage,
     num_parameters,
+    padded_vocab_size,
     transformer_config,
 )
 from megatron_snip.model.quantized.controller import PrecisionController
@@ -38,6 +39,7 @@ from megatron_snip.model.quantized.te_layers import prepare_te_environment
 from megatron_snip.model.step import forward_step, mean_loss
 from megatron_snip.precision.flops import LlamaLinearDims
 from megatron_snip.precision.plan import PrecisionPlan
+from megatron_snip.precision.te_precision_config import megatron_config_files
 from megatron_snip.snip.planner import PlannerConfig
 from megatron_snip.snip.replanner import CycleReport, SnipReplanner, StepShape
 from megatron_snip.training import checkpointing, requeue
@@ -63,14 +65,21 @@ from megatron_snip.training.time_check import TimeTargetCheck
 from megatron_snip.training.timers import Timers
 
 RUN_CONFIG_FILE = "run_config.yaml"  # in every checkpoint's directory
+# The plan in force, as megatron-core's per-module precision config (Megatron-LM's --te-precision-config-file),
+# in every checkpoint's directory: TE_PRECISION_CONFIG_FILE, and under PP > 1 also one file per model chunk
+# (te_precision_config.pp<stage>[.vp<chunk>].yaml).
+TE_PRECISION_CONFIG_FILE = "te_precision_config.yaml"
 
 
 @dataclass
 class TrainState:
-    """Where training is: saved in every checkpoint, restored on resume."""
+    """Where training is: saved in every checkpoint (Megatron-LM's counters), restored on resume."""
 
     iteration: int = 0
     consumed_samples: int = 0
+    floating_point_operations: float = 0.0  # model FLOPs so far (Megatron-LM's num_floating_point_operations_so_far)
+    consumed_valid_samples: int = 0  # carried from a Megatron-LM checkpoint (evaluation here reads its first batches)
+    skipped_train_samples: int = 0  # carried likewise (no batch is ever decreased here)
 
 
 class Trainer:
@@ -103,7 +112,8 @@ class Trainer:
                                history=start.resumed.precision_history if start.resumed else ())
         self.optimizer = build_optimizer(c.training, c.model, c.parallel, self.model,
                                          count_zeros=c.logging.log_num_zeros_in_grad)
-        self.scheduler = build_scheduler(c.training, self.optimizer)
+        self.scheduler = build_scheduler(c.training, self.optimizer,
+                                         override=c.checkpoint.override_opt_param_scheduler)
         self.snip = SnipReplanner(
             c.snip, PlannerConfig.from_snip(c.snip, recipe, self.speed_model, dict(start.pins)), chunks=self.model,
             optimizer=self.optimizer, controller=self.precision, dims=self.linear_dims, speed_model=self.speed_model,
@@ -120,8 +130,13 @@ class Trainer:
         # The resolved flags, beside every checkpoint and on TensorBoard's text panel.
         self.config_yaml = c.to_yaml(f"pretrain_llama.py's flags, resolved at start-up. Rerun with --yaml-cfg "
                                      f"{RUN_CONFIG_FILE} (flags given on the command line override it).")
-        self.flops_per_iteration = (flops_per_token(c.model, self.tokenizer.vocab_size)
+        # The output layer's rows (the vocabulary padded as megatron-core pads it, or the checkpoint's).
+        self.vocab_rows = c.model.padded_vocab_size or padded_vocab_size(
+            self.tokenizer.vocab_size, c.model.make_vocab_size_divisible_by, c.parallel.tensor_model_parallel_size)
+        # Model FLOPs of one global batch, as Megatron-LM's num_floating_point_operations counts them.
+        self.flops_per_iteration = (flops_per_token(c.model, self.vocab_rows)
                                     * c.training.global_batch_size * c.model.seq_length)
+        self._plan_file_notice = False  # said once: the plan has no --te-precision-config-file form
         self.logger = TrainingLogger(c, optimizer=self.optimizer, scheduler=self.scheduler, guard=self.guard,
                                      plans=self.plans, flops_per_iteration=self.flops_per_iteration,
                                      start_time=self.start_time)
@@ -134,23 +149,45 @@ class Trainer:
     # -- checkpoints -------------------------------------------------------
     def resume(self) -> None:
         ckpt = self.config.checkpoint
+        expected = self.scheduler.state_dict()  # the flags' schedule, before a checkpoint's replaces it
         loaded = checkpointing.load_checkpoint(
             ckpt.load, [chunk.module for chunk in self.model], self.optimizer, self.scheduler,
             load_optim=not (ckpt.no_load_optim or ckpt.finetune), load_rng=not (ckpt.no_load_rng or ckpt.finetune),
-            fully_parallel=ckpt.ckpt_fully_parallel_load, iteration=ckpt.load_iteration)
+            fully_parallel=ckpt.ckpt_fully_parallel_load, iteration=ckpt.load_iteration,
+            run_args=self.config.to_flags())
         if loaded is None:
             self.logger.text(f"no checkpoint in {ckpt.load}: starting from scratch")
             return
         record = loaded.record
-        if not ckpt.finetune:
-            self.state = TrainState(record.iteration, record.consumed_samples)
+        if not ckpt.finetune:  # Megatron-LM's --finetune: iteration 0, no counters
+            self.state = TrainState(record.iteration, record.consumed_samples, record.floating_point_operations,
+                                    record.consumed_valid_samples, record.skipped_train_samples)
             if record.numerical_safety is not None:  # absent in older checkpoints
                 self.guard.load_state_dict(record.numerical_safety)
             self.plans.apply(self.state.iteration + 1)  # the plan itself was chosen at start-up (initial_plan)
         self.precision.load_quant_states(loaded.quantization)
         use_fused_adam(self.optimizer)  # the loaded parameter groups carry the saving run's choice
-        self.logger.text(f"resumed from {ckpt.load} at iteration {record.iteration} "
+        for line in (*record.dropped, *self._schedule_notice(expected, loaded)):
+            self.logger.text(f"notice: {line}")
+        saved_by = "" if record.saved_by == "megatron-snip" else f" (saved by {record.saved_by})"
+        self.logger.text(f"resumed from {ckpt.load}{saved_by} at iteration {record.iteration} "
                          f"(consumed samples {record.consumed_samples}); continuing at {self.state.iteration}")
+
+    def _schedule_notice(self, expected: dict, loaded: checkpointing.Loaded) -> list[str]:
+        """Where the loaded checkpoint's LR / weight-decay schedule differs from the flags': it continues (as
+        Megatron-LM's --use-checkpoint-opt_param-scheduler; Megatron-LM without that flag refuses to resume)."""
+        saved = loaded.record.scheduler
+        ckpt = self.config.checkpoint
+        if (not loaded.optimizer or saved is None or ckpt.override_opt_param_scheduler
+                or ckpt.use_checkpoint_opt_param_scheduler):
+            return []
+        differ = [f"{key} {saved[key]} (flags: {value})" for key, value in expected.items()
+                  if key != "num_steps" and key in saved and saved[key] != value]
+        if not differ:
+            return []
+        return [f"the LR schedule continues the checkpoint's, whose {', '.join(differ)} differ from this run's "
+                f"flags (steps in samples); Megatron-LM would refuse this resume without "
+                f"--use-checkpoint-opt_param-scheduler; pass --override-opt_param-scheduler for the flags' schedule"]
 
     def save(self) -> None:
         ckpt = self.config.checkpoint
@@ -159,16 +196,37 @@ class Trainer:
             # all-gather; gathered now, or the checkpoint would hold the previous step's weights there.
             for chunk in self.model:
                 chunk.start_param_sync(force_sync=True)
+        state = self.state
         path = checkpointing.save_checkpoint(
             ckpt.save, CheckpointRecord(
-                self.state.iteration, self.config.to_flags(), self.state.consumed_samples,
-                precision_plan=self.plans.plan.to_dict(), precision_schedule=self.plans.schedule.to_list(),
-                numerical_safety=self.guard.state_dict(), precision_history=tuple(self.plans.history)),
+                state.iteration, {**self.config.to_flags(), "padded_vocab_size": self.vocab_rows},
+                state.consumed_samples, state.consumed_valid_samples, state.skipped_train_samples,
+                state.floating_point_operations, precision_plan=self.plans.plan.to_dict(),
+                precision_schedule=self.plans.schedule.to_list(), numerical_safety=self.guard.state_dict(),
+                precision_history=tuple(self.plans.history)),
             [chunk.module for chunk in self.model], self.optimizer, self.scheduler,
             quantization=self.precision.quant_states(), save_optim=not ckpt.no_save_optim,
-            save_rng=not ckpt.no_save_rng, files={RUN_CONFIG_FILE: self.config_yaml},
-            fully_parallel=ckpt.ckpt_fully_parallel_save, retain_interval=ckpt.save_retain_interval)
+            save_rng=not ckpt.no_save_rng, files={RUN_CONFIG_FILE: self.config_yaml, **self._plan_files()},
+            fully_parallel=ckpt.ckpt_fully_parallel_save, retain_interval=ckpt.save_retain_interval,
+            fully_reshardable=ckpt.dist_ckpt_optim_fully_reshardable)
         self.logger.text(f"saved checkpoint {path}")
+
+    def _plan_files(self) -> dict[str, str]:
+        """The plan in force as megatron-core per-module precision configs (TE_PRECISION_CONFIG_FILE, and one
+        per model chunk under PP > 1), for Megatron-LM's --te-precision-config-file; none where the plan holds
+        what such a config cannot state (mxfp4, delayed scaling, ...: said once)."""
+        c = self.config
+        try:
+            files = megatron_config_files(self.plans.plan, c.precision.recipe(), c.model.num_layers,
+                                          c.parallel.pipeline_model_parallel_size, c.parallel.chunks_per_stage,
+                                          source=f"the plan of iteration {self.state.iteration}")
+        except ValueError as e:
+            if not self._plan_file_notice:
+                self.logger.text(f"notice: no {TE_PRECISION_CONFIG_FILE} beside the checkpoints: {e}")
+                self._plan_file_notice = True
+            return {}
+        stem = TE_PRECISION_CONFIG_FILE.removesuffix(".yaml")
+        return {f"{stem}{suffix}.yaml": text for suffix, text in files.items()}
 
     # -- steps -------------------------------------------------------------
     def batches(self, split: str, consumed: int) -> Iterator[dict]:
@@ -214,8 +272,8 @@ class Trainer:
         if applied:
             with self.timers.time("optimizer"):
                 updated, grad_norm, num_zeros = self.optimizer.step()
-            if updated:
-                self.scheduler.step(increment=1)
+            if updated:  # Megatron-LM counts the schedule in samples
+                self.scheduler.step(increment=self.config.training.global_batch_size)
         else:
             why = "--promote-on-fault" if changes else "--non-finite-grad-policy skip"
             self.logger.text(f"[safety] {verdict.describe()}{detail}; {why}: update skipped "
@@ -226,6 +284,7 @@ class Trainer:
             self.logger.text(self.plans.promote(promoted, changes, verdict, until))
         self.state.iteration += 1
         self.state.consumed_samples += self.config.training.global_batch_size
+        self.state.floating_point_operations += self.flops_per_iteration  # every iteration, as Megatron-LM counts
         self._release_memory(2)
         return StepResult(loss, None if grad_norm is None else float(grad_norm),
                           None if num_zeros is None else int(num_zeros), applied, time.perf_counter() - start)

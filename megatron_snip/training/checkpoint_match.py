@@ -1,0 +1,57 @@
+"""What a checkpoint holds against what a run asks of it, compared before anything is loaded.
+
+``dist_checkpointing.load`` stops at the first tensor whose shape differs ("Global shape mismatch") or
+that the checkpoint lacks ("Missing key"), which reads like damage. Compared here first, from the
+checkpoint's index, a difference is said for what it is: a model of another shape (naming the flags
+that differ), or a state saved in another format or layout (naming the flag that skips it); the files
+are not damaged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from megatron_snip.model import checkpoint_shape
+from megatron_snip.training.checkpoint_record import CheckpointRecord
+
+# What each top-level entry of the state is, and the flag that leaves it out of the load.
+_PARTS = {"optimizer": ("the optimizer state", "--no-load-optim"),
+          "rng_state": ("the RNG state", "--no-load-rng")}
+
+
+def mismatch(state: dict, path: str, record: CheckpointRecord, run_args: Mapping | None = None) -> str | None:
+    """A one-line description of what in ``state`` (the sharded state a load would request) checkpoint ``path``
+    does not hold in the requested shape, or None when everything is there. ``run_args``: the run's flags,
+    compared with ``record.args`` to name the flags behind a model of another shape."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    for part, sub in state.items():
+        prepared, _, _ = load_preprocess({part: sub})  # the tensors factories make (a copy)
+        for item in nested_values(prepared):
+            if isinstance(item, ShardedTensor):
+                meta = saved.get(item.key)
+                if meta is None:
+                    return _say(part, path, record, run_args, f"holds no {item.key}")
+                if tuple(meta.size) != tuple(item.global_shape) and not item.allow_shape_mismatch:
+                    return _say(part, path, record, run_args, f"holds {item.key} of shape {tuple(meta.size)} "
+                                f"where this run's is {tuple(item.global_shape)}")
+            elif isinstance(item, ShardedObject) and item.unique_key not in saved:
+                return _say(part, path, record, run_args, f"holds no {item.unique_key}")
+    return None
+
+
+def _say(part: str, path: str, record: CheckpointRecord, run_args: Mapping | None, what: str) -> str:
+    if part in _PARTS:
+        name, flag = _PARTS[part]
+        return (f"checkpoint {path} {what}: {name} was saved in another format or parallel layout than this run "
+                f"reads (saved by {record.saved_by}); the checkpoint is not damaged; pass {flag} to load without it")
+    differ = checkpoint_shape.differences(record.args, run_args or {})
+    why = (f"it was saved with {', '.join(differ)}" if differ
+           else "its saved flags do not say why; compare them with this run's")
+    return (f"checkpoint {path} {what}: it holds a model of another shape than this run builds ({why}); the "
+            f"checkpoint is not damaged: run with its shape (drop the flags that differ, the checkpoint gives "
+            f"them), or train into another --save")
