@@ -27,9 +27,11 @@ OLD_SHAPE = ["--num-layers", "1", "--hidden-size", "16", "--ffn-hidden-size", "3
              "--seq-length", "16", "--max-position-embeddings", "16", "--swiglu", "--disable-bias-linear",
              "--normalization", "RMSNorm", "--position-embedding-type", "rope"]
 # The flags OLD was trained with (its model shape comes back from the checkpoint itself); its 64 ids are
-# Megatron-LM's --vocab-size 63.
+# Megatron-LM's --vocab-size 63; the defaults of then that are Megatron-LM's no longer (cosine decay, no dropout)
+# stated.
 OLD_FLAGS = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "63", "--micro-batch-size", "2",
-             "--global-batch-size", "2", "--lr", "1e-3", "--eval-iters", "0", "--seed", "3", "--log-interval", "1"]
+             "--global-batch-size", "2", "--lr", "1e-3", "--eval-iters", "0", "--seed", "3", "--log-interval", "1",
+             "--lr-decay-style", "cosine", "--attention-dropout", "0", "--hidden-dropout", "0"]
 
 
 def train_losses(stdout: str) -> dict[int, float]:
