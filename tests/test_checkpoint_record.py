@@ -152,10 +152,11 @@ def test_training_resumes_from_a_checkpoint_saved_before_the_record(tmp_path):
 def test_a_statistics_file_of_schema_version_1_still_plans():
     """tests/data/snip_iter_schema1.json: the quickstart's first SNIP cycle (TP2 x PP2, 4 layers, statistics
     version 2), as written on 2026-11-25; later programs must keep reading it."""
+    from megatron_snip.precision.pipeline_layout import PipelineLayout
     from megatron_snip.snip.ilp import solve
     from megatron_snip.snip.statistics_file import Budget, StatisticsFile
 
     stats = StatisticsFile.load(ROOT / "tests" / "data" / "snip_iter_schema1.json")
-    assert len(stats.stats.modules) == 16 and stats.run.pipeline_stages == 2
+    assert len(stats.stats.modules) == 16 and stats.run.layout == PipelineLayout(4, 2)
     solution = solve(stats.problem(Budget(0.75), solver="highs"), "highs")
     assert solution.fp4_fraction >= 0.75 - 1e-9

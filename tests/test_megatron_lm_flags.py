@@ -200,8 +200,10 @@ def test_defaults_filled_by_validation_are_megatron_lms():
     (("--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
       "--decoder-last-pipeline-num-layers", "2"), 2, "with uneven stages (--decoder-first/last-pipeline-num-layers) "
      "give the interleaved schedule as --num-virtual-stages-per-pipeline-rank"),
-    (("--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1", "--snip",
-      "--snip-interval", "2"), 2, "--snip with uneven pipeline stages is not supported yet"),
+    (("--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
+      "--decoder-first-pipeline-num-layers", "2", "--decoder-last-pipeline-num-layers", "2"), 2,
+     "--decoder-first-pipeline-num-layers with --decoder-last-pipeline-num-layers at --pipeline-model-parallel-size 2 "
+     "and --num-virtual-stages-per-pipeline-rank 2 fails in megatron-core"),
     (("--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
       "--no-overlap-p2p-communication"), 2, "--no-overlap-p2p-communication batches the interleaved schedule's "
      "messages, which needs --pipeline-model-parallel-size > 2"),

@@ -9,6 +9,7 @@ import pytest
 
 from megatron_snip.numerics.recipes import Precision
 from megatron_snip.precision.flops import LlamaLinearDims, flop_fractions
+from megatron_snip.precision.pipeline_layout import PipelineLayout
 from megatron_snip.precision.plan import PrecisionPlan, module_names
 from megatron_snip.snip.estimators import CostTables
 from megatron_snip.snip.ilp import LinearModule
@@ -31,7 +32,7 @@ def divergences(scale_by_layer):
 
 
 def test_modules_carry_flops_and_stages():
-    mods = linear_modules(DIMS, tokens=10, pipeline_stages=2)
+    mods = linear_modules(DIMS, tokens=10, layout=PipelineLayout(4, 2))
     assert len(mods) == 16 and {m.stage for m in mods} == {0, 1}
     fc1 = next(m for m in mods if m.name == "decoder.layers.3.mlp.linear_fc1")
     assert (fc1.stage, fc1.fprop_flops) == (1, 2 * 10 * 64 * 384)
@@ -39,7 +40,7 @@ def test_modules_carry_flops_and_stages():
 
 def test_virtual_stages_budget_each_physical_stage_over_its_chunks():
     """PP2 x VPP2 over 4 layers: chunks of one layer dealt round-robin, rank 0 runs layers 0 and 2."""
-    mods = linear_modules(DIMS, tokens=10, pipeline_stages=2, virtual_stages=2)
+    mods = linear_modules(DIMS, tokens=10, layout=PipelineLayout(4, 2, 2))
     assert {int(m.name.split(".")[2]): m.stage for m in mods} == {0: 0, 1: 1, 2: 0, 3: 1}
     cfg = PlannerConfig(formats=FORMATS, fp4_target=0.5, per_stage=True)
     # Layers 0 and 2 (rank 0) are the sensitive ones: a per-stage budget still puts half of rank 0's
@@ -52,7 +53,7 @@ def test_virtual_stages_budget_each_physical_stage_over_its_chunks():
 def test_sensitive_layers_stay_high_and_target_is_met():
     cfg = PlannerConfig(formats=FORMATS, fp4_target=0.5, per_stage=False)
     div = divergences([100.0, 1.0, 1.0, 100.0])
-    plan, sol = solve_plan(build_problem(linear_modules(DIMS, 8, 1), div, cfg), cfg)
+    plan, sol = solve_plan(build_problem(linear_modules(DIMS, 8), div, cfg), cfg)
     assert flop_fractions(plan, DIMS).fp4 == pytest.approx(sol.fp4_fraction)
     assert sol.fp4_fraction >= 0.5 - 1e-9
     # FP4 goes to the insensitive middle layers; the sensitive ends stay bf16 (cost 0).
@@ -66,7 +67,7 @@ def test_sensitive_layers_stay_high_and_target_is_met():
 
 def test_per_stage_budget_moves_fp4_into_every_stage():
     div = divergences([1.0, 1.0, 100.0, 100.0])
-    mods = linear_modules(DIMS, 8, pipeline_stages=2)
+    mods = linear_modules(DIMS, 8, PipelineLayout(4, 2))
     glob = PlannerConfig(formats=FORMATS, fp4_target=0.5, per_stage=False)
     stage = PlannerConfig(formats=FORMATS, fp4_target=0.5, per_stage=True)
     plan_g, _ = solve_plan(build_problem(mods, div, glob), glob)
@@ -81,7 +82,7 @@ def test_split_mode_chooses_passes_separately():
     loss = {n: {"bf16": 0.0, "fp8": 0.0, "nvfp4": 0.0} for n in module_names(4)}   # forward FP4 is free
     update = {n: {"bf16": 0.0, "fp8": 0.0, "nvfp4": 50.0} for n in module_names(4)}  # backward FP4 is costly
     cfg = PlannerConfig(formats=FORMATS, fp4_target=1 / 3, per_stage=False, split_passes=True)
-    plan, sol = solve_plan(build_problem(linear_modules(DIMS, 8, 1), tables(loss, update), cfg), cfg)
+    plan, sol = solve_plan(build_problem(linear_modules(DIMS, 8), tables(loss, update), cfg), cfg)
     assert all(plan[n].fwd == "nvfp4" and plan[n].bwd != "nvfp4" for n in module_names(4))
     assert sol.objective == pytest.approx(0.0)
 
@@ -90,7 +91,7 @@ def test_switch_penalty_keeps_the_current_plan():
     div = divergences([1.0, 1.0, 1.0, 1.0])
     current = PrecisionPlan.uniform("nvfp4")
     cfg = PlannerConfig(formats=FORMATS, fp4_target=0.5, per_stage=False, switch_penalty=10.0)
-    plan, _ = solve_plan(build_problem(linear_modules(DIMS, 8, 1), div, cfg, current), cfg)
+    plan, _ = solve_plan(build_problem(linear_modules(DIMS, 8), div, cfg, current), cfg)
     assert all(plan[n] == Precision.uniform("nvfp4") for n in module_names(4))
 
 
@@ -163,7 +164,7 @@ def test_current_formats_outside_the_candidates_are_no_obstacle():
     """--snip-formats fp8 mxfp4 with the bf16 warm-up plan in force (it crashed the first cycle)."""
     cost = {n: {"fp8": 0.01, "mxfp4": 1.0} for n in module_names(4)}
     cfg = PlannerConfig(formats=("fp8", "mxfp4"), fp4_target=0.75, per_stage=False, switch_penalty=1.0)
-    plan, sol = solve_plan(build_problem(linear_modules(DIMS, 8, 1), joint(cost), cfg,
+    plan, sol = solve_plan(build_problem(linear_modules(DIMS, 8), joint(cost), cfg,
                                          current=PrecisionPlan.uniform("bf16")), cfg)
     assert sol.fp4_fraction >= 0.75 and {p.fwd for p in plan.modules.values()} <= {"fp8", "mxfp4"}
 
@@ -174,7 +175,7 @@ def test_schedule_fixed_passes_are_left_out_of_the_budgets():
     div = divergences([1.0, 1.0, 100.0, 100.0])
     cfg = PlannerConfig(formats=FORMATS, fp4_target=0.75, per_stage=False, speed=BLACKWELL)
     fixed = {"fwd": "bf16", "bwd": None}
-    problem = build_problem(linear_modules(DIMS, 8, 1), div, cfg, fixed=fixed)
+    problem = build_problem(linear_modules(DIMS, 8), div, cfg, fixed=fixed)
     plan, sol = solve_plan(problem, cfg, fixed)
     assert problem.split and all(u.flops == 0 for u in problem.units if u.key[1] == "fwd")
     assert all(plan[n].fwd == "bf16" for n in module_names(4))

@@ -377,7 +377,7 @@ def test_operand_error_baselines_sum_every_quantized_tensor_and_rank_unlike_the_
     assert relative["decoder.layers.1.mlp.linear_fc1"]["fp8"] == pytest.approx((0.4 / 80 + 0.01 + 1e-3) / 16)
     # at a budget of one module's FLOPs in FP4 the paper's baseline picks layer 1, the output-error one layer 0
     dims = LlamaLinearDims(num_layers=2, hidden_size=8, ffn_hidden_size=8, kv_channels=8, num_query_groups=1)
-    modules = [m for m in linear_modules(dims, 10, 1) if m.name in operands]
+    modules = [m for m in linear_modules(dims, 10) if m.name in operands]
     zero = {m.name: {"bf16": 0.0, "fp8": 0.0, "nvfp4": 0.0} for m in modules}
     problem = SnipProblem(modules, ("bf16", "fp8", "nvfp4"), 0.5, cost=zero, per_stage=False)
     for policy, fp4_layer in (("min-operand-error", 1), ("min-relative-operand-error", 1), ("min-quant-error", 0)):

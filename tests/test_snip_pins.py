@@ -15,6 +15,7 @@ from conftest import launch, run_config, scalars, train_args
 from megatron_snip.arguments import ArgumentError
 from megatron_snip.numerics.recipes import BF16, Precision
 from megatron_snip.precision.flops import LlamaLinearDims, flop_fractions
+from megatron_snip.precision.pipeline_layout import PipelineLayout
 from megatron_snip.precision.plan import LINEAR_MODULES, PrecisionPlan, end_layers, module_name, module_names
 from megatron_snip.snip.estimators import CostTables
 from megatron_snip.snip.ilp import LinearModule
@@ -50,7 +51,7 @@ def cheap_fp4_at_the_ends():
 @pytest.mark.parametrize("split", [False, True], ids=["joint", "split"])
 def test_pins_are_never_replanned_and_count_in_the_fp4_denominator(split):
     free = PlannerConfig(formats=FORMATS, fp4_target=0.25, per_stage=True, split_passes=split, speed=BLACKWELL)
-    mods = linear_modules(DIMS, 8, pipeline_stages=2)
+    mods = linear_modules(DIMS, 8, PipelineLayout(4, 2))
     plan, _ = solve_plan(build_problem(mods, cheap_fp4_at_the_ends(), free), free)
     assert plan["decoder.layers.0.mlp.linear_fc1"].fwd == "nvfp4"  # what the measured bug did
     pinned = replace(free, pins=ENDS)
@@ -66,7 +67,7 @@ def test_pins_hold_with_a_schedules_fixed_passes():
     """A schedule fixing the forward GEMMs: the plan keeps the pins (the schedule runs on top of them)."""
     cfg = PlannerConfig(formats=FORMATS, fp4_target=0.5, per_stage=False, speed=BLACKWELL, pins=ENDS)
     fixed = {"fwd": "fp8", "bwd": None}
-    plan, sol = solve_plan(build_problem(linear_modules(DIMS, 8, 1), cheap_fp4_at_the_ends(), cfg, fixed=fixed),
+    plan, sol = solve_plan(build_problem(linear_modules(DIMS, 8), cheap_fp4_at_the_ends(), cfg, fixed=fixed),
                            cfg, fixed)
     assert all(plan[n] == BF16 for n in ENDS)
     assert all(plan[n].fwd == "fp8" for n in module_names(4) if n not in ENDS)

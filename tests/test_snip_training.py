@@ -107,6 +107,7 @@ def test_a_time_target_chooses_among_fp8_recipes_per_module(tiny_data, tmp_path)
     in a mix of them, the decisions, logs, megatron-core config and checkpoint carry each module's recipe, and a
     resumed run starts from that plan."""
     from megatron_snip.numerics.recipes import RecipeConfig
+    from megatron_snip.precision.pipeline_layout import PipelineLayout
     from megatron_snip.precision.te_precision_config import read_megatron_config
     from megatron_snip.training.checkpointing import read_record
     from megatron_snip.training.precision_setup import initial_plan
@@ -128,7 +129,8 @@ def test_a_time_target_chooses_among_fp8_recipes_per_module(tiny_data, tmp_path)
     assert cycle["time_target"] == 0.6 and cycle["time_ratio"] <= 0.6 + 1e-9
     assert [r["precision"] for r in cycle["decisions"]] == [str(plan[n]) for n in module_names(4)]
     recipe = RecipeConfig(fp8_recipe="blockwise")
-    yaml_plan = read_megatron_config(tmp_path / "ckpt" / "snip" / "snip_iter_0000002.yaml", 4, recipe=recipe)
+    yaml_plan = read_megatron_config(tmp_path / "ckpt" / "snip" / "snip_iter_0000002.yaml", PipelineLayout(4),
+                                     recipe=recipe)
     assert PrecisionPlan(yaml_plan) == PrecisionPlan({n: plan[n] for n in module_names(4)})
     checkpoint = read_record(str(tmp_path / "ckpt"))
     assert PrecisionPlan.from_dict(checkpoint.precision_plan) == plan

@@ -12,6 +12,7 @@ from conftest import ROOT
 
 from megatron_snip.numerics.recipes import Precision, RecipeConfig
 from megatron_snip.precision.gemm_speed import peak_speed_model
+from megatron_snip.precision.pipeline_layout import PipelineLayout
 from megatron_snip.snip.decisions import CycleReport, Decision
 from megatron_snip.snip.estimators import Divergence
 from megatron_snip.snip.ilp import solve
@@ -33,7 +34,9 @@ def test_the_run_block_and_the_cycle_are_typed_and_write_back_what_they_read():
     run, cycle = loaded.run, loaded.cycle
     assert isinstance(run, RunSettings) and isinstance(run.recipe, RecipeConfig)
     assert run.dims.num_layers == 4 and run.formats == ("bf16", "fp8", "nvfp4") and run.speed_model.name == "blackwell"
-    assert _json(run.to_dict()) == record["run"] and list(run.to_dict()) == list(record["run"])
+    # Keys added since: last, as an even layout (uneven stages need --decoder-first/last-pipeline-num-layers)
+    since = {"first_stage_layers": None, "last_stage_layers": None}
+    assert _json(run.to_dict()) == {**record["run"], **since} and list(run.to_dict()) == [*record["run"], *since]
     assert isinstance(cycle, CycleReport) and all(isinstance(d, Decision) for d in cycle.decisions)
     assert len(cycle.decisions) == 16 and cycle.decisions[0].module == "decoder.layers.0.self_attention.linear_qkv"
     assert set(cycle.stage_fp4_fraction) == {0, 1}  # JSON's string keys back as the stage numbers they were
@@ -57,8 +60,8 @@ def test_a_schema_0_file_loads_with_what_the_run_had_then(tmp_path):
     path.write_text(json.dumps(old))
     loaded = StatisticsFile.load(path)
     run = loaded.run
-    assert (run.virtual_stages, run.speed_model, run.speeds, run.recipe, dict(run.pins)) == (1, None, None,
-                                                                                             RecipeConfig(), {})
+    assert (run.layout, run.speed_model, run.speeds, run.recipe, dict(run.pins)) == (
+        PipelineLayout(4, record["run"]["pipeline_stages"]), None, None, RecipeConfig(), {})
     assert loaded.cycle.decisions == [] and loaded.cycle.iteration == record["cycle"]["iteration"]
     assert loaded.speed_model_name() == peak_speed_model("auto").name  # no recorded model: the published peaks'
     assert solve(loaded.problem(Budget(0.75), solver="highs"), "highs").fp4_fraction >= 0.75 - 1e-9

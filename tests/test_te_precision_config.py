@@ -15,13 +15,9 @@ from conftest import ROOT, launch, run_config, train_args
 from megatron_snip.arguments import ArgumentError
 from megatron_snip.numerics.recipes import BF16, Precision, RecipeConfig
 from megatron_snip.numerics.registry import precision_fp8_recipe
+from megatron_snip.precision.pipeline_layout import PipelineLayout
 from megatron_snip.precision.plan import LINEAR_MODULES, PlanError, PrecisionPlan, module_name, module_names
-from megatron_snip.precision.te_precision_config import (
-    megatron_config_files,
-    model_chunks,
-    read_megatron_config,
-    to_megatron_config,
-)
+from megatron_snip.precision.te_precision_config import megatron_config_files, read_megatron_config, to_megatron_config
 from megatron_snip.training.precision_setup import initial_plan
 
 RECIPE = RecipeConfig()
@@ -70,7 +66,7 @@ def assert_resolves_to(path, plan: PrecisionPlan, recipe: RecipeConfig, paths: d
 def test_megatron_core_resolves_every_module_to_the_plans_format_and_recipe(tmp_path, recipe):
     plan = random_plan(12, seed=3)
     path = tmp_path / "plan.yaml"
-    path.write_text(to_megatron_config(plan, recipe, 12))
+    path.write_text(to_megatron_config(plan, recipe, PipelineLayout(12)))
     assert_resolves_to(path, plan, recipe, {n: n for n in module_names(12)})  # one chunk: global = local paths
 
 
@@ -85,9 +81,9 @@ def test_fp8_recipes_per_module_round_trip_through_megatron_core(tmp_path, run_r
     plan = random_plan(8, seed=5, formats=formats)
     assert {str(p) for p in plan.modules.values()} | {str(plan.default)} == set(formats)
     path = tmp_path / "plan.yaml"
-    path.write_text(to_megatron_config(plan, recipe, 8))
+    path.write_text(to_megatron_config(plan, recipe, PipelineLayout(8)))
     assert_resolves_to(path, plan, recipe, {n: n for n in module_names(8)})
-    assert PrecisionPlan(read_megatron_config(path, 8, recipe=recipe)) == PrecisionPlan(
+    assert PrecisionPlan(read_megatron_config(path, PipelineLayout(8), recipe=recipe)) == PrecisionPlan(
         {n: plan[n] for n in module_names(8)})
     configs = __import__("yaml").safe_load(path.read_text())["configs"]
     assert configs[f"fp8:{te[0]}"]["training_recipe"]["fp8_quantization_recipe"] == te[0]
@@ -96,19 +92,24 @@ def test_fp8_recipes_per_module_round_trip_through_megatron_core(tmp_path, run_r
     # fp8:RECIPE naming the run's recipe is the same config, read back as plain fp8
     if run_recipe != "rowwise":
         same = PrecisionPlan.uniform(f"fp8:{run_recipe}")
-        path.write_text(to_megatron_config(same, recipe, 8))
-        assert set(read_megatron_config(path, 8, recipe=recipe).values()) == {Precision.uniform("fp8")}
+        path.write_text(to_megatron_config(same, recipe, PipelineLayout(8)))
+        assert set(read_megatron_config(path, PipelineLayout(8), recipe=recipe).values()) == {Precision.uniform("fp8")}
 
 
-@pytest.mark.parametrize("pp,vpp", [(2, 1), (2, 2), (4, 1)])
-def test_per_chunk_files_resolve_the_stage_local_paths(tmp_path, pp, vpp):
-    plan = random_plan(8, seed=pp * 10 + vpp)
-    files = megatron_config_files(plan, RECIPE, 8, pp, vpp, source="test")
-    expected = {""} | {f".pp{c.stage}" + (f".vp{c.virtual_stage}" if vpp > 1 else "")
-                       for c in model_chunks(8, pp, vpp)}
+# (PP, VPP, --decoder-first-pipeline-num-layers, --decoder-last-pipeline-num-layers) of an 8-layer model
+@pytest.mark.parametrize("pp,vpp,first,last", [(2, 1, None, None), (2, 2, None, None), (4, 1, None, None),
+                                               (2, 1, 1, None), (3, 1, 2, 1), (2, 2, 2, None), (3, 2, None, 4)])
+def test_per_chunk_files_resolve_the_stage_local_paths(tmp_path, pp, vpp, first, last):
+    """Even and uneven stages: each chunk's file, read by megatron-core on the chunk's stage-local paths
+    (``decoder.layers.0`` the chunk's first layer), gives the plan's precision of the global module, and
+    read back here gives the plan."""
+    layout = PipelineLayout(8, pp, vpp, first, last)
+    plan = random_plan(8, seed=pp * 10 + vpp + 100 * (first or 0) + 1000 * (last or 0))
+    files = megatron_config_files(plan, RECIPE, layout, source="test")
+    expected = {""} | {f".pp{c.stage}" + (f".vp{c.virtual_stage}" if vpp > 1 else "") for c in layout.chunks()}
     assert set(files) == expected
     covered = set()
-    for chunk in model_chunks(8, pp, vpp):
+    for chunk in layout.chunks():
         suffix = f".pp{chunk.stage}" + (f".vp{chunk.virtual_stage}" if vpp > 1 else "")
         path = tmp_path / f"plan{suffix}.yaml"
         path.write_text(files[suffix])
@@ -116,27 +117,18 @@ def test_per_chunk_files_resolve_the_stage_local_paths(tmp_path, pp, vpp):
                  for m in LINEAR_MODULES}
         assert all(p.startswith(f"decoder.layers.{i // 4}.") for i, p in enumerate(paths.values()))  # stage-local
         assert_resolves_to(path, plan, RECIPE, paths)
-        assert read_megatron_config(path, 8, pp, vpp, recipe=RECIPE, chunk=(chunk.stage, chunk.virtual_stage)) \
+        assert read_megatron_config(path, layout, recipe=RECIPE, chunk=(chunk.stage, chunk.virtual_stage)) \
             == {n: plan[n] for n in paths}
         covered |= set(paths)
     assert covered == set(module_names(8))
-
-
-def test_model_chunks_follow_megatron_cores_interleaved_placement():
-    chunks = model_chunks(8, 2, 2)
-    assert [(c.stage, c.virtual_stage, list(c.layers)) for c in chunks] == [
-        (0, 0, [0, 1]), (1, 0, [2, 3]), (0, 1, [4, 5]), (1, 1, [6, 7])]
-    assert chunks[3].local_path("decoder.layers.7.mlp.linear_fc2") == "decoder.layers.1.mlp.linear_fc2"
-    with pytest.raises(ValueError, match="do not split"):
-        model_chunks(6, 4)
 
 
 @pytest.mark.parametrize("seed", range(5))
 def test_round_trip(tmp_path, seed):
     plan = random_plan(6, seed)
     path = tmp_path / "plan.yaml"
-    path.write_text(to_megatron_config(plan, RECIPE, 6))
-    assert PrecisionPlan(read_megatron_config(path, 6, recipe=RECIPE)) == plan
+    path.write_text(to_megatron_config(plan, RECIPE, PipelineLayout(6)))
+    assert PrecisionPlan(read_megatron_config(path, PipelineLayout(6), recipe=RECIPE)) == plan
 
 
 def test_matchers_are_compact_and_ordered():
@@ -145,19 +137,19 @@ def test_matchers_are_compact_and_ordered():
 
     plan = PrecisionPlan({**{module_name(1, m): Precision.uniform("bf16") for m in LINEAR_MODULES},
                           module_name(2, "mlp.linear_fc2"): Precision.uniform("fp8")}, Precision.uniform("nvfp4"))
-    data = yaml.safe_load(to_megatron_config(plan, RECIPE, 4))
+    data = yaml.safe_load(to_megatron_config(plan, RECIPE, PipelineLayout(4)))
     assert [(m["pattern"], m["config"]) for m in data["matchers"].values()] == [
         ("decoder.layers.1.*", "bf16"), ("decoder.layers.2.mlp.linear_fc2", "fp8"), ("decoder.layers.*", "nvfp4")]
     assert data["configs"]["bf16"] == {"transformer_engine_config_type": "TEQuantizationParams",
                                        "training_recipe": {}}
-    uniform = yaml.safe_load(to_megatron_config(PrecisionPlan.uniform("fp8"), RECIPE, 4))
+    uniform = yaml.safe_load(to_megatron_config(PrecisionPlan.uniform("fp8"), RECIPE, PipelineLayout(4)))
     assert list(uniform["matchers"]) == ["default"]
 
 
 def test_layer_glob_does_not_catch_two_digit_layers(tmp_path):
     plan = PrecisionPlan({module_name(1, m): BF16 for m in LINEAR_MODULES}, Precision.uniform("nvfp4"))
     path = tmp_path / "plan.yaml"
-    path.write_text(to_megatron_config(plan, RECIPE, 12))
+    path.write_text(to_megatron_config(plan, RECIPE, PipelineLayout(12)))
     assert_resolves_to(path, plan, RECIPE, {n: n for n in module_names(12)})  # layers 10, 11 stay nvfp4
 
 
@@ -176,7 +168,7 @@ def test_layer_glob_does_not_catch_two_digit_layers(tmp_path):
 ])
 def test_what_te_cannot_state_is_refused(plan, recipe, message):
     with pytest.raises(ValueError, match="cannot be stated in a Megatron-LM precision config") as e:
-        to_megatron_config(plan, recipe, 2, source="plan.json")
+        to_megatron_config(plan, recipe, PipelineLayout(2), source="plan.json")
     assert str(e.value).startswith(f"plan.json: {message}")
 
 
@@ -206,7 +198,7 @@ def test_megatron_lms_override_rules_over_the_base(tmp_path):
                        [("*.linear_proj", "bf16"), ("*.linear_fc1", "mxfp8")])
     fp8 = Precision.uniform("fp8")
     base = {n: (BF16 if n.startswith("decoder.layers.0.") else fp8) for n in module_names(2)}
-    got = read_megatron_config(path, 2, recipe=recipe, base=base)
+    got = read_megatron_config(path, PipelineLayout(2), recipe=recipe, base=base)
     # Layer 0 keeps its bf16 autocast: neither config overrides a non-quantized one.
     assert got == {"decoder.layers.1.self_attention.linear_proj": BF16, "decoder.layers.1.mlp.linear_fc1": fp8}
 
@@ -216,7 +208,7 @@ def test_a_config_that_depends_on_an_unknown_base_is_refused(tmp_path):
                        [("*.linear_fc2", "fp8")])
     with pytest.raises(PlanError, match=r"override_nonquantized_autocast is false, so decoder.layers.0.mlp.linear_fc2 "
                                         r"would run fp8 or keep .* set override_nonquantized_autocast: true"):
-        read_megatron_config(path, 2, recipe=RECIPE)
+        read_megatron_config(path, PipelineLayout(2), recipe=RECIPE)
 
 
 @pytest.mark.parametrize("configs,message", [
@@ -234,45 +226,50 @@ def test_a_config_that_depends_on_an_unknown_base_is_refused(tmp_path):
 def test_recipes_this_program_cannot_run_are_refused_naming_the_file(tmp_path, configs, message):
     path = config_file(tmp_path, configs, [("*", "c")])
     with pytest.raises(PlanError) as e:
-        read_megatron_config(path, 2, recipe=RECIPE)
+        read_megatron_config(path, PipelineLayout(2), recipe=RECIPE)
     text = str(e.value)
     assert text.startswith(f"{path}: config 'c'") and message in text and "\n" not in text
 
 
 def test_unreadable_files_and_unmatched_matchers_are_refused(tmp_path):
     with pytest.raises(PlanError, match="file not found"):
-        read_megatron_config(tmp_path / "none.yaml", 2, recipe=RECIPE)
+        read_megatron_config(tmp_path / "none.yaml", PipelineLayout(2), recipe=RECIPE)
     bad = tmp_path / "bad.yaml"
     bad.write_text("configs: [\n")
     with pytest.raises(PlanError, match=f"^{bad}: not valid YAML"):
-        read_megatron_config(bad, 2, recipe=RECIPE)
+        read_megatron_config(bad, PipelineLayout(2), recipe=RECIPE)
     path = config_file(tmp_path, {"b": te()}, [("*.linear_kv_up_proj", "b")])
     with pytest.raises(PlanError, match=r"matcher GlobMatcher\(pattern=\*.linear_kv_up_proj, config_key=b\) matches "
                                         "none of this model's linear modules"):
-        read_megatron_config(path, 2, recipe=RECIPE)
+        read_megatron_config(path, PipelineLayout(2), recipe=RECIPE)
     path = config_file(tmp_path, {"b": te()}, {"m": {"type": "regex", "pattern": "x", "config": "b",
                                                      "enabled": True}})
     with pytest.raises(PlanError, match="Match type 'regex' not implemented"):
-        read_megatron_config(path, 2, recipe=RECIPE)
+        read_megatron_config(path, PipelineLayout(2), recipe=RECIPE)
 
 
 def test_a_file_is_refused_under_another_layout(tmp_path):
     """Stage-local paths: the one-chunk file of an 8-layer model would set stage 1's layers 4..7 from its
-    layers 0..3 at PP 2; a stage's file would set every stage from its own."""
+    layers 0..3 at PP 2; a stage's file would set every stage from its own; an even stage's file would set
+    other layers under uneven stages."""
     plan = random_plan(8, seed=1)
-    files = megatron_config_files(plan, RECIPE, 8, 2)
+    files = megatron_config_files(plan, RECIPE, PipelineLayout(8, 2))
     whole, stage1 = tmp_path / "p.yaml", tmp_path / "p.pp1.yaml"
     whole.write_text(files[""])
     stage1.write_text(files[".pp1"])
     with pytest.raises(PlanError, match=r"written for the whole model in one chunk of a 8-layer model at pipeline "
-                                        r"size 1 x virtual 1, but read here for every stage"):
-        read_megatron_config(whole, 8, 2, recipe=RECIPE)
+                                        r"size 1, but read here for every stage"):
+        read_megatron_config(whole, PipelineLayout(8, 2), recipe=RECIPE)
     with pytest.raises(PlanError, match="written for pipeline stage 1 of a 8-layer model at pipeline size 2"):
-        read_megatron_config(stage1, 8, 2, recipe=RECIPE)
+        read_megatron_config(stage1, PipelineLayout(8, 2), recipe=RECIPE)
     with pytest.raises(PlanError, match="read here for chunk"):
-        read_megatron_config(stage1, 8, 2, recipe=RECIPE, chunk=(0, 0))
+        read_megatron_config(stage1, PipelineLayout(8, 2), recipe=RECIPE, chunk=(0, 0))
     with pytest.raises(PlanError, match="of a 4-layer model"):
-        read_megatron_config(whole, 4, recipe=RECIPE)
+        read_megatron_config(whole, PipelineLayout(4), recipe=RECIPE)
+    with pytest.raises(PlanError, match=r"written for pipeline stage 1 of a 8-layer model at pipeline size 2, but read "
+                                        r"here for chunk \(1, 0\) of a 8-layer model at pipeline size 2 \(stages of 1 "
+                                        r"\+ 7 layers\)"):
+        read_megatron_config(stage1, PipelineLayout(8, 2, first_stage_layers=1), recipe=RECIPE, chunk=(1, 0))
 
 
 # -- the flag ----------------------------------------------------------------------------------------------
@@ -343,8 +340,8 @@ def test_a_snip_run_writes_yaml_plans_megatron_core_reads_back_identically(tiny_
         plan = PrecisionPlan.from_dict(json.loads(stem.with_suffix(".json").read_text())["cycle"]["plan"])
         assert all(plan[n] == Precision.uniform("fp8") for n in module_names(4) if n.endswith("linear_proj"))
         assert_resolves_to(f"{stem}.yaml", plan, RECIPE, {n: n for n in module_names(4)})
-        assert PrecisionPlan(read_megatron_config(f"{stem}.yaml", 4, recipe=RECIPE)) == plan
-        for chunk in model_chunks(4, 2):
+        assert PrecisionPlan(read_megatron_config(f"{stem}.yaml", PipelineLayout(4), recipe=RECIPE)) == plan
+        for chunk in PipelineLayout(4, 2).chunks():
             names = [module_name(layer, m) for layer in chunk.layers for m in LINEAR_MODULES]
             assert_resolves_to(f"{stem}.pp{chunk.stage}.yaml", plan, RECIPE, {n: chunk.local_path(n) for n in names})
     # Offline: tools/snip_solve.py writes each policy's plan in the same form, the pins held.

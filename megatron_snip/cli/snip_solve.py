@@ -101,8 +101,7 @@ def write_megatron_configs(plan, source: StatisticsFile, stem: Path, label: str)
     """``plan`` as STEM.yaml (and STEM.pp<s>[.vp<v>].yaml per model chunk) under the run's recipe and layout."""
     run = source.run
     try:
-        files = megatron_config_files(plan, run.recipe, run.dims.num_layers, run.pipeline_stages, run.virtual_stages,
-                                      source=label)
+        files = megatron_config_files(plan, run.recipe, run.layout, source=label)
     except ValueError as e:
         print(f"no Megatron-LM precision config for {label}: {e}")
         return

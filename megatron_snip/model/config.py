@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from megatron_snip.flags import derived, flag
 from megatron_snip.model.presets import PRESETS
+from megatron_snip.precision.pipeline_layout import PipelineLayout
 
 ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
 # --torch-compile-backend: inductor generates kernels; aot_eager traces and runs eager kernels (checks on a CPU)
@@ -244,3 +245,8 @@ class ParallelConfig:
     def uneven_stages(self) -> bool:
         """Whether --decoder-first/last-pipeline-num-layers give some stages other layer counts."""
         return self.decoder_first_pipeline_num_layers is not None or self.decoder_last_pipeline_num_layers is not None
+
+    def pipeline_layout(self, num_layers: int) -> PipelineLayout:
+        """Where megatron-core places each of the ``num_layers`` layers in this layout (stage, chunk)."""
+        return PipelineLayout(num_layers, self.pipeline_model_parallel_size, self.chunks_per_stage,
+                              self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers)

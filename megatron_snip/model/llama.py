@@ -13,7 +13,6 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_snip.compat.device import has_cuda
@@ -196,14 +195,6 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, config: Transforme
     if model.torch_compile:
         compile_layers(chunks, model.torch_compile_backend)
     return chunks
-
-
-def layers_per_stage(config: TransformerConfig, parallel: ParallelConfig) -> list[int]:
-    """The transformer layers megatron-core builds on each pipeline stage (all its virtual stages together):
-    even, or as --decoder-first/last-pipeline-num-layers say."""
-    vpp = parallel.virtual_pipeline_model_parallel_size
-    return [sum(get_num_layers_to_build(config, vp_stage, rank) for vp_stage in (range(vpp) if vpp else [None]))
-            for rank in range(parallel.pipeline_model_parallel_size)]
 
 
 def _linear_weights_per_layer(model: ModelConfig) -> int:

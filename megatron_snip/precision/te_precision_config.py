@@ -38,7 +38,6 @@ import enum
 import os
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_snip.numerics.recipes import BF16, Precision, RecipeConfig
@@ -51,7 +50,8 @@ from megatron_snip.numerics.registry import (
     precision_scheme,
 )
 from megatron_snip.precision.execution import TE_RECIPES, te_nvfp4_environment, te_unsupported
-from megatron_snip.precision.plan import LINEAR_MODULES, PlanError, PrecisionPlan, module_name, parse_module_name
+from megatron_snip.precision.pipeline_layout import ModelChunk, PipelineLayout
+from megatron_snip.precision.plan import LINEAR_MODULES, PlanError, PrecisionPlan, module_name
 
 LAYOUT_KEY = "megatron_snip_layout"
 CONFIG_TYPE = "TEQuantizationParams"  # megatron-core's TransformerEngineConfigType
@@ -60,32 +60,6 @@ TE_FP8_RECIPES = tuple(te.name for te in TE_RECIPES.values() if te.kind == "fp8"
 # fp4_quantization_recipe -> the precision it runs (a precision whose own scheme has a TE recipe).
 TE_FP4_PRECISIONS = {TE_RECIPES[p.scheme].name: p.name for p in PRECISIONS.values()
                      if p.scheme in TE_RECIPES and TE_RECIPES[p.scheme].kind == "fp4"}
-
-
-@dataclass(frozen=True)
-class ModelChunk:
-    """One model chunk of a pipeline layout: which rank runs it and which global layers it holds."""
-
-    stage: int  # pipeline rank, 0-based
-    virtual_stage: int  # chunk index on that rank (0 without virtual stages)
-    layers: range  # global 0-based layer indices, in order: local index = position
-
-    def local_path(self, name: str) -> str:
-        """The path megatron-core gives global module ``name`` inside this chunk (``decoder.layers.{local}...``)."""
-        layer, module = parse_module_name(name)
-        return module_name(self.layers.index(layer), module)
-
-
-def model_chunks(num_layers: int, pipeline_stages: int = 1, virtual_stages: int = 1) -> list[ModelChunk]:
-    """The chunks of an even pipeline layout, in megatron-core's placement: the layers are cut into
-    ``pipeline_stages x virtual_stages`` equal chunks, chunk c holding layers ``c*n .. c*n + n-1`` on
-    rank ``c mod PP`` as its virtual stage ``c // PP`` (the interleaved schedule's round robin)."""
-    count = pipeline_stages * virtual_stages
-    if pipeline_stages < 1 or virtual_stages < 1 or num_layers % count:
-        raise ValueError(f"{num_layers} layers do not split into {pipeline_stages} pipeline stages x "
-                         f"{virtual_stages} virtual stages")
-    n = num_layers // count
-    return [ModelChunk(c % pipeline_stages, c // pipeline_stages, range(c * n, c * n + n)) for c in range(count)]
 
 
 def te_config(precision: Precision, recipe: RecipeConfig) -> dict:
@@ -113,11 +87,10 @@ def te_config(precision: Precision, recipe: RecipeConfig) -> dict:
     return {"transformer_engine_config_type": CONFIG_TYPE, "training_recipe": training}
 
 
-def to_megatron_config(plan: PrecisionPlan, recipe: RecipeConfig, num_layers: int, *, pipeline_stages: int = 1,
-                       virtual_stages: int = 1, chunk: tuple[int, int] = (0, 0),
-                       source: str = "megatron-snip") -> str:
-    """The YAML text of ``plan`` for one model chunk (``chunk`` = (pipeline stage, virtual stage)) of a
-    ``num_layers``-layer model under the given layout; with the defaults, the whole model in one chunk.
+def to_megatron_config(plan: PrecisionPlan, recipe: RecipeConfig, layout: PipelineLayout,
+                       chunk: tuple[int, int] = (0, 0), source: str = "megatron-snip") -> str:
+    """The YAML text of ``plan`` for one model chunk (``chunk`` = (pipeline stage, virtual stage)) of
+    ``layout`` (at PP 1, the whole model in one chunk).
 
     Matchers, in order: a layer's four modules together (``decoder.layers.{i}.*``) where they agree,
     else each module that differs from the default; last the default (``decoder.layers.*``, the
@@ -126,12 +99,8 @@ def to_megatron_config(plan: PrecisionPlan, recipe: RecipeConfig, num_layers: in
     """
     import yaml
 
-    plan.validate(num_layers, source=source)
-    by_chunk = {(c.stage, c.virtual_stage): c for c in model_chunks(num_layers, pipeline_stages, virtual_stages)}
-    if chunk not in by_chunk:
-        raise ValueError(f"no chunk {chunk} (pipeline stage, virtual stage) in a {pipeline_stages} x {virtual_stages} "
-                         "pipeline layout")
-    this = by_chunk[chunk]
+    plan.validate(layout.num_layers, source=source)
+    this = layout.chunk(*chunk)
     names = [module_name(layer, m) for layer in this.layers for m in LINEAR_MODULES]
     configs: dict[str, dict] = {}
     for name in names:
@@ -154,36 +123,38 @@ def to_megatron_config(plan: PrecisionPlan, recipe: RecipeConfig, num_layers: in
             if key != default:
                 matchers[f"layer_{local}_{m.split('.')[-1]}"] = _glob(module_name(local, m), key)
     matchers["default"] = _glob("decoder.layers.*", default)
-    layout = {"num_layers": num_layers, "pipeline_model_parallel_size": pipeline_stages,
-              "virtual_pipeline_model_parallel_size": virtual_stages, "pipeline_stage": this.stage,
-              "virtual_pipeline_stage": this.virtual_stage, "global_layers": list(this.layers)}
-    body = yaml.safe_dump({"configs": configs, "matchers": matchers, LAYOUT_KEY: layout}, sort_keys=False,
+    written = {**layout.to_dict(), "pipeline_stage": this.stage, "virtual_pipeline_stage": this.virtual_stage,
+               "global_layers": list(this.layers)}
+    body = yaml.safe_dump({"configs": configs, "matchers": matchers, LAYOUT_KEY: written}, sort_keys=False,
                           default_flow_style=None, width=1000)  # one line per matcher
-    return _header(source, recipe, list(configs), this, num_layers, pipeline_stages, virtual_stages) + body
+    return _header(source, recipe, list(configs), this, layout) + body
 
 
 def _glob(pattern: str, config: str) -> dict:
     return {"type": "glob", "pattern": pattern, "config": config, "enabled": True}
 
 
-def _header(source: str, recipe: RecipeConfig, configs: list[str], chunk: ModelChunk, num_layers: int,
-            pipeline_stages: int, virtual_stages: int) -> str:
+def _header(source: str, recipe: RecipeConfig, configs: list[str], chunk: ModelChunk, layout: PipelineLayout) -> str:
     """The file's comment: what it states, for which chunk, what it cannot state, how to replay it."""
     import textwrap
 
     first, last = chunk.layers[0], chunk.layers[-1]
-    if pipeline_stages * virtual_stages == 1:
-        where = (f"Model: {num_layers} layers in one model chunk. Valid at --pipeline-model-parallel-size 1 (any TP, "
-                 "DP): megatron-core numbers layers within each pipeline stage and virtual chunk, so under PP every "
-                 "chunk needs a file of its own (megatron-snip writes them as <name>.pp<stage>[.vp<chunk>].yaml).")
+    if layout.chunk_count == 1:
+        where = (f"Model: {layout.num_layers} layers in one model chunk. Valid at --pipeline-model-parallel-size 1 "
+                 "(any TP, DP): megatron-core numbers layers within each pipeline stage and virtual chunk, so under "
+                 "PP every chunk needs a file of its own (megatron-snip writes them as "
+                 "<name>.pp<stage>[.vp<chunk>].yaml).")
     else:
-        vp = f", virtual stage {chunk.virtual_stage} of {virtual_stages}" if virtual_stages > 1 else ""
-        where = (f"Model: {num_layers} layers. This file: pipeline stage {chunk.stage} of {pipeline_stages}{vp}, "
-                 f"global layers {_span(first, last)} as decoder.layers.{_span(0, last - first)} (megatron-core "
+        vp = f", virtual stage {chunk.virtual_stage} of {layout.virtual_stages}" if layout.virtual_stages > 1 else ""
+        uneven = "".join(f" --decoder-{which}-pipeline-num-layers {n}" for which, n in
+                         (("first", layout.first_stage_layers), ("last", layout.last_stage_layers)) if n is not None)
+        where = (f"Model: {layout.num_layers} layers. This file: pipeline stage {chunk.stage} of "
+                 f"{layout.pipeline_stages}{vp}" + (f" (uneven stages:{uneven})" if uneven else "")
+                 + f", global layers {_span(first, last)} as decoder.layers.{_span(0, last - first)} (megatron-core "
                  "numbers layers within each model chunk). Valid only on that stage's ranks: Megatron-LM gives all "
                  "ranks one file, so each rank needs its stage's file"
                  + ("; the chunks of one rank share it, so per-chunk files replay only where they agree."
-                    if virtual_stages > 1 else "."))
+                    if layout.virtual_stages > 1 else "."))
     paragraphs = [
         f"Precision plan ({source}) as a megatron-core per-module precision config (Megatron-LM "
         "--te-precision-config-file; parsed by megatron/core/quantization/quant_config.py).",
@@ -218,26 +189,24 @@ def _span(first: int, last: int) -> str:
     return str(first) if first == last else f"{first}..{last}"
 
 
-def megatron_config_files(plan: PrecisionPlan, recipe: RecipeConfig, num_layers: int, pipeline_stages: int = 1,
-                          virtual_stages: int = 1, source: str = "megatron-snip") -> dict[str, str]:
+def megatron_config_files(plan: PrecisionPlan, recipe: RecipeConfig, layout: PipelineLayout,
+                          source: str = "megatron-snip") -> dict[str, str]:
     """File-name suffix -> YAML text: ``""`` the whole model in one chunk (the plan at PP 1), and under
-    PP > 1 one file per model chunk, ``".pp{stage}"`` (``".pp{stage}.vp{virtual stage}"`` with virtual
-    stages). ValueError as :func:`to_megatron_config`."""
-    files = {"": to_megatron_config(plan, recipe, num_layers, source=source)}
-    if pipeline_stages * virtual_stages > 1:
-        for c in model_chunks(num_layers, pipeline_stages, virtual_stages):
-            suffix = f".pp{c.stage}" + (f".vp{c.virtual_stage}" if virtual_stages > 1 else "")
-            files[suffix] = to_megatron_config(plan, recipe, num_layers, pipeline_stages=pipeline_stages,
-                                               virtual_stages=virtual_stages, chunk=(c.stage, c.virtual_stage),
-                                               source=source)
+    PP > 1 one file per model chunk of ``layout``, ``".pp{stage}"`` (``".pp{stage}.vp{virtual stage}"``
+    with virtual stages). ValueError as :func:`to_megatron_config`."""
+    files = {"": to_megatron_config(plan, recipe, PipelineLayout(layout.num_layers), source=source)}
+    if layout.chunk_count > 1:
+        for c in layout.chunks():
+            suffix = f".pp{c.stage}" + (f".vp{c.virtual_stage}" if layout.virtual_stages > 1 else "")
+            files[suffix] = to_megatron_config(plan, recipe, layout, (c.stage, c.virtual_stage), source=source)
     return files
 
 
-def read_megatron_config(path: str | os.PathLike, num_layers: int, pipeline_stages: int = 1, virtual_stages: int = 1,
-                         *, recipe: RecipeConfig, chunk: tuple[int, int] | None = None,
+def read_megatron_config(path: str | os.PathLike, layout: PipelineLayout, *, recipe: RecipeConfig,
+                         chunk: tuple[int, int] | None = None,
                          base: Mapping[str, Precision] | None = None) -> dict[str, Precision]:
     """Global module name -> precision for every linear module the file sets, read as megatron-core
-    reads it: its own parser and glob matchers, on each module's stage-local path.
+    reads it: its own parser and glob matchers, on each module's stage-local path in ``layout``.
 
     ``chunk`` None: the file applies to every model chunk, as Megatron-LM's flag gives every rank
     the same file; (stage, virtual stage): the file is that chunk's, and only its modules are read.
@@ -266,12 +235,8 @@ def read_megatron_config(path: str | os.PathLike, num_layers: int, pipeline_stag
         parsed = load_quantization_recipe(source)
     except (AssertionError, NotImplementedError, AttributeError, TypeError, ValueError) as e:
         raise PlanError(f"{source}: not a megatron-core precision config ({type(e).__name__}: {e})") from None
-    chunks = model_chunks(num_layers, pipeline_stages, virtual_stages)
-    if chunk is not None:
-        chunks = [c for c in chunks if (c.stage, c.virtual_stage) == chunk]
-        if not chunks:
-            raise ValueError(f"no chunk {chunk} in a {pipeline_stages} x {virtual_stages} pipeline layout")
-    _check_layout(raw.get(LAYOUT_KEY), source, num_layers, pipeline_stages, virtual_stages, chunk)
+    chunks = layout.chunks() if chunk is None else [layout.chunk(*chunk)]
+    _check_layout(raw.get(LAYOUT_KEY), source, layout, chunk)
     paths = {module_name(layer, m): c.local_path(module_name(layer, m))
              for c in chunks for layer in c.layers for m in LINEAR_MODULES}
     for matcher in parsed.matchers:
@@ -323,30 +288,26 @@ def _load_yaml(source: str) -> dict:
     return raw
 
 
-def _check_layout(layout, source: str, num_layers: int, pipeline_stages: int, virtual_stages: int,
-                  chunk: tuple[int, int] | None) -> None:
+def _check_layout(written, source: str, layout: PipelineLayout, chunk: tuple[int, int] | None) -> None:
     """A file this module wrote names the layout and chunk it is for: refuse it elsewhere."""
-    if layout is None:
+    if written is None:
         return
     try:
-        written = (layout["num_layers"], layout["pipeline_model_parallel_size"],
-                   layout["virtual_pipeline_model_parallel_size"])
-        its_chunk = (layout["pipeline_stage"], layout["virtual_pipeline_stage"])
-    except (KeyError, TypeError):
+        its = PipelineLayout.from_dict(written)
+        its_chunk = (written["pipeline_stage"], written["virtual_pipeline_stage"])
+    except (KeyError, TypeError, ValueError):
         raise PlanError(f"{source}: malformed {LAYOUT_KEY} (written by megatron-snip: num_layers, "
                         "pipeline_model_parallel_size, ...)") from None
-    one_file = pipeline_stages * virtual_stages == 1
-    want = (num_layers, pipeline_stages, virtual_stages)
-    if written != want or (chunk is None and not one_file and written[1] * written[2] > 1) \
+    one_file = layout.chunk_count == 1
+    if its != layout or (chunk is None and not one_file and its.chunk_count > 1) \
             or (chunk is not None and its_chunk != chunk):
-        what = (f"pipeline stage {its_chunk[0]}" + (f", virtual stage {its_chunk[1]}" if written[2] > 1 else "")
-                if written[1] * written[2] > 1 else "the whole model in one chunk")
+        what = (f"pipeline stage {its_chunk[0]}" + (f", virtual stage {its_chunk[1]}" if its.virtual_stages > 1 else "")
+                if its.chunk_count > 1 else "the whole model in one chunk")
         here = (f"chunk {chunk}" if chunk is not None else
                 "every stage (one file for all ranks, as in Megatron-LM)" if not one_file else "the whole model")
-        raise PlanError(f"{source}: written for {what} of a {written[0]}-layer model at pipeline size {written[1]} x "
-                        f"virtual {written[2]}, but read here for {here} of a {num_layers}-layer model at "
-                        f"{pipeline_stages} x {virtual_stages}: megatron-core numbers layers within each stage, so "
-                        "it would set other layers; give a JSON plan (--precision-plan, layout-free) instead")
+        raise PlanError(f"{source}: written for {what} of {its}, but read here for {here} of {layout}: megatron-core "
+                        "numbers layers within each stage, so it would set other layers; give a JSON plan "
+                        "(--precision-plan, layout-free) instead")
 
 
 def _value(x):

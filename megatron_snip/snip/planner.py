@@ -15,8 +15,8 @@ from megatron_snip.numerics.recipes import Precision, RecipeConfig
 from megatron_snip.numerics.registry import FP4_NAMES, family
 from megatron_snip.precision.flops import LlamaLinearDims
 from megatron_snip.precision.gemm_speed import GemmSpeedModel, ModuleSpeeds, peak_speed_model
+from megatron_snip.precision.pipeline_layout import PipelineLayout
 from megatron_snip.precision.plan import LINEAR_MODULES, PrecisionPlan, module_name, parse_module_name
-from megatron_snip.precision.te_precision_config import model_chunks
 from megatron_snip.snip.config import SnipConfig
 from megatron_snip.snip.estimators import CostTables
 from megatron_snip.snip.ilp import BWD, FWD, LinearModule, SnipProblem, Solution, UnitKey, solve
@@ -80,24 +80,19 @@ def proxy_speed_model(speed_model: GemmSpeedModel) -> GemmSpeedModel:
     return peak_speed_model("auto") if speed_model.measured else speed_model
 
 
-def pipeline_stage(layer: int, num_layers: int, pipeline_stages: int, virtual_stages: int = 1) -> int:
-    """The pipeline rank (physical stage) that runs ``layer``: with virtual stages the layers are cut
-    into ``pipeline_stages x virtual_stages`` chunks dealt out round-robin (chunk c on rank
-    c mod PP), as megatron-core's interleaved schedule places them (``model_chunks``)."""
-    return next(c.stage for c in model_chunks(num_layers, pipeline_stages, virtual_stages) if layer in c.layers)
-
-
-def linear_modules(dims: LlamaLinearDims, tokens: int, pipeline_stages: int,
-                   virtual_stages: int = 1) -> list[LinearModule]:
-    """Every linear module with its GEMM FLOPs for ``tokens`` tokens and its pipeline stage (the
-    physical one: a stage's budget counts all its chunks)."""
+def linear_modules(dims: LlamaLinearDims, tokens: int, layout: PipelineLayout | None = None) -> list[LinearModule]:
+    """Every linear module with its GEMM FLOPs for ``tokens`` tokens and the pipeline rank that runs it in
+    ``layout`` (None: one stage), as megatron-core places it (uneven and virtual stages included: a stage's
+    budget counts the modules of all its chunks, so each stage is held to its own FLOPs)."""
+    layout = layout or PipelineLayout(dims.num_layers)
+    if layout.num_layers != dims.num_layers:
+        raise ValueError(f"a pipeline layout of {layout.num_layers} layers for a {dims.num_layers}-layer model")
     out = []
     for layer in range(dims.num_layers):
         for module in LINEAR_MODULES:
             fan_in, fan_out = dims.in_out(module)
             out.append(LinearModule.from_shape(module_name(layer, module), layer, tokens, fan_in, fan_out,
-                                               stage=pipeline_stage(layer, dims.num_layers, pipeline_stages,
-                                                                    virtual_stages)))
+                                               stage=layout.stage_of(layer)))
     return out
 
 

@@ -27,6 +27,7 @@ from megatron_snip.model.quantized.controller import PrecisionController
 from megatron_snip.numerics.recipes import RecipeConfig
 from megatron_snip.precision.flops import LlamaLinearDims
 from megatron_snip.precision.gemm_speed import GemmSpeedModel
+from megatron_snip.precision.pipeline_layout import PipelineLayout
 from megatron_snip.precision.plan import PrecisionPlan, parse_module_name
 from megatron_snip.precision.te_precision_config import megatron_config_files
 from megatron_snip.snip.adam_view import global_parameter_names
@@ -62,17 +63,17 @@ class SnipReplanner:
 
     def __init__(self, snip: SnipConfig, planner: PlannerConfig, *, chunks: Sequence[torch.nn.Module], optimizer,
                  controller: PrecisionController, dims: LlamaLinearDims, speed_model: GemmSpeedModel,
-                 step: StepShape, pipeline_stages: int, virtual_stages: int, seed: int, recipe: RecipeConfig):
+                 step: StepShape, layout: PipelineLayout, seed: int, recipe: RecipeConfig):
         self.snip, self.planner, self.recipe = snip, planner, recipe
         self.chunks, self.optimizer, self.controller = chunks, optimizer, controller
         self.dims, self.speed_model, self.step = dims, speed_model, step
-        self.pipeline_stages, self.virtual_stages = pipeline_stages, virtual_stages
+        self.layout = layout
         self.probe = ProbeConfig.from_snip(snip, seed)
         if self.probe.gain_excludes:  # checked at start-up, not at the first cycle hours in
             error = unmatched_gain_excludes(global_parameter_names(chunks).values(), self.probe.gain_excludes)
             if error:
                 raise SnipConfigError(error)
-        self.modules = linear_modules(dims, step.tokens, pipeline_stages, virtual_stages)
+        self.modules = linear_modules(dims, step.tokens, layout)
         self.statistics: ProbeStatistics | None = None
         self.reports: list[CycleReport] = []
         self._config_notice = False  # said once that plans have no Megatron-LM precision config
@@ -146,8 +147,8 @@ class SnipReplanner:
         report = self.reports[-1] if self.reports else None
         speed = self.speed_model
         run = RunSettings(
-            dims=self.dims, tokens=self.step.tokens, pipeline_stages=self.pipeline_stages,
-            virtual_stages=self.virtual_stages, formats=tuple(self.planner.formats), budget=self.snip.snip_budget,
+            dims=self.dims, tokens=self.step.tokens, layout=self.layout, formats=tuple(self.planner.formats),
+            budget=self.snip.snip_budget,
             fp4_target=self.snip.snip_fp4_target, time_target=self.snip.snip_time_target,
             split_passes=self.snip.snip_split_passes,
             speed_model=SpeedModelRecord(speed.name, dict(speed.throughput), speed.source),
@@ -165,8 +166,8 @@ class SnipReplanner:
 
     def _write_megatron_configs(self, stem: str, plan: PrecisionPlan, iteration: int) -> None:
         try:
-            files = megatron_config_files(plan, self.recipe, self.dims.num_layers, self.pipeline_stages,
-                                          self.virtual_stages, source=f"the SNIP cycle at iteration {iteration}")
+            files = megatron_config_files(plan, self.recipe, self.layout,
+                                          source=f"the SNIP cycle at iteration {iteration}")
         except ValueError as e:
             if not self._config_notice:
                 logger.info("[snip] no Megatron-LM precision config (snip_iter_*.yaml) for this run's plans: %s",

@@ -21,6 +21,7 @@ from pathlib import Path
 from megatron_snip.numerics.recipes import Precision, RecipeConfig
 from megatron_snip.precision.flops import LlamaLinearDims
 from megatron_snip.precision.gemm_speed import peak_speed_model
+from megatron_snip.precision.pipeline_layout import PipelineLayout
 from megatron_snip.snip.decisions import CycleReport
 from megatron_snip.snip.estimators import Divergence, cost_tables
 from megatron_snip.snip.ilp import SnipProblem
@@ -64,7 +65,8 @@ class RunSettings:
     Attributes:
         dims: the model's linear-layer dimensions.
         tokens: tokens per global batch (the FLOPs of a module scale with them).
-        pipeline_stages, virtual_stages: the layout the per-stage budgets follow.
+        layout: the pipeline layout the per-stage budgets follow (each module's stage; in the file
+            ``pipeline_stages``, ``virtual_stages``, ``first_stage_layers``, ``last_stage_layers``).
         formats: the candidate precisions (``--snip-formats``).
         budget: "per-stage" or "global" (``--snip-budget``).
         fp4_target, time_target: the run's budget (``--snip-fp4-target``, ``--snip-time-target``).
@@ -77,35 +79,38 @@ class RunSettings:
 
     dims: LlamaLinearDims
     tokens: int
-    pipeline_stages: int
+    layout: PipelineLayout
     formats: tuple[str, ...]
     budget: str
     fp4_target: float = 0.0
     time_target: float | None = None
     split_passes: bool = False
-    virtual_stages: int = 1
     speed_model: SpeedModelRecord | None = None
     speeds: dict[str, float] | None = None
     recipe: RecipeConfig = field(default_factory=RecipeConfig)
     pins: Mapping[str, Precision] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        """The JSON form, its keys in the order the file has always had them."""
-        return {"dims": asdict(self.dims), "tokens": self.tokens, "pipeline_stages": self.pipeline_stages,
-                "virtual_stages": self.virtual_stages, "formats": list(self.formats), "budget": self.budget,
+        """The JSON form, its keys in the order the file has always had them (later ones last)."""
+        lay = self.layout
+        return {"dims": asdict(self.dims), "tokens": self.tokens, "pipeline_stages": lay.pipeline_stages,
+                "virtual_stages": lay.virtual_stages, "formats": list(self.formats), "budget": self.budget,
                 "fp4_target": self.fp4_target, "time_target": self.time_target, "split_passes": self.split_passes,
                 "speed_model": None if self.speed_model is None else asdict(self.speed_model),
                 "speeds": self.speeds, "recipe": asdict(self.recipe),
-                "pins": {n: str(p) for n, p in self.pins.items()}}
+                "pins": {n: str(p) for n, p in self.pins.items()},
+                "first_stage_layers": lay.first_stage_layers, "last_stage_layers": lay.last_stage_layers}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> RunSettings:
         """The inverse of :meth:`to_dict`; keys an older file lacks take their defaults."""
         speed = d.get("speed_model")
-        return cls(dims=LlamaLinearDims(**d["dims"]), tokens=d["tokens"], pipeline_stages=d["pipeline_stages"],
+        dims = LlamaLinearDims(**d["dims"])
+        layout = PipelineLayout(dims.num_layers, d["pipeline_stages"], d.get("virtual_stages", 1),
+                                d.get("first_stage_layers"), d.get("last_stage_layers"))
+        return cls(dims=dims, tokens=d["tokens"], layout=layout,
                    formats=tuple(d["formats"]), budget=d["budget"], fp4_target=d.get("fp4_target", 0.0),
                    time_target=d.get("time_target"), split_passes=d.get("split_passes", False),
-                   virtual_stages=d.get("virtual_stages", 1),
                    speed_model=None if speed is None else SpeedModelRecord(**speed), speeds=d.get("speeds"),
                    recipe=RecipeConfig(**d["recipe"]) if "recipe" in d else RecipeConfig(),
                    pins={n: Precision.parse(p) for n, p in d.get("pins", {}).items()})
@@ -154,7 +159,7 @@ class StatisticsFile:
         run = self.run
         formats = tuple(formats or run.formats)
         per_stage = run.budget == "per-stage" if per_stage is None else per_stage
-        modules = linear_modules(run.dims, run.tokens, run.pipeline_stages, run.virtual_stages)
+        modules = linear_modules(run.dims, run.tokens, run.layout)
         costs = cost_tables(self.stats, loss_weight, update_weight, formats=formats)
         config = PlannerConfig(formats=formats, fp4_target=budget.fp4_target, per_stage=per_stage, solver=solver,
                                speed=self.speeds(formats, speed_model), time_target=budget.time_target,

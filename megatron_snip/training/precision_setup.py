@@ -160,10 +160,9 @@ def _ranges(layers: list[int]) -> str:
 def _read_config_file(config: RunConfig, base: dict[str, Precision]) -> dict[str, Precision]:
     """The modules ``--te-precision-config-file`` sets, over ``base`` (Megatron-LM's reading: one file
     for every pipeline stage, stage-local paths). PlanError naming the flag and the file."""
-    par = config.parallel
     try:
-        return read_megatron_config(config.precision.te_precision_config_file, config.model.num_layers,
-                                    par.pipeline_model_parallel_size, par.chunks_per_stage,
+        return read_megatron_config(config.precision.te_precision_config_file,
+                                    config.parallel.pipeline_layout(config.model.num_layers),
                                     recipe=config.precision.recipe(), base=base)
     except PlanError as e:  # its message starts with the file name
         raise PlanError(f"--te-precision-config-file {e}") from None
@@ -420,7 +419,7 @@ def check_snip_budgets(config: RunConfig, pins: tuple[dict[str, Precision], str]
                                        pins=pins)
     if measured:
         planner = replace(planner, speed=None, time_target=None)
-    modules = linear_modules(dims, 1, config.parallel.pipeline_model_parallel_size, config.parallel.chunks_per_stage)
+    modules = linear_modules(dims, 1, config.parallel.pipeline_layout(config.model.num_layers))
     zero = {m.name: dict.fromkeys(planner.formats, 0.0) for m in modules}
     try:
         solve_plan(build_problem(modules, CostTables(zero, zero, zero), planner), planner)

@@ -29,7 +29,6 @@ from megatron_snip.data.tokenizer import build_tokenizer
 from megatron_snip.model.llama import (
     build_model,
     flops_per_token,
-    layers_per_stage,
     num_parameters,
     padded_vocab_size,
     transformer_config,
@@ -119,7 +118,7 @@ class Trainer:
             optimizer=self.optimizer, controller=self.precision, dims=self.linear_dims, speed_model=self.speed_model,
             step=StepShape(c.training.num_microbatches, c.training.micro_batch_size, c.model.seq_length,
                            c.parallel.data_parallel_size),
-            pipeline_stages=c.parallel.pipeline_model_parallel_size, virtual_stages=c.parallel.chunks_per_stage,
+            layout=c.parallel.pipeline_layout(c.model.num_layers),
             seed=c.training.seed, recipe=recipe) if c.snip.enabled else None
         self.time_check = TimeTargetCheck.of_run(c, self.speed_model, self.precision.module_names())
         self.forward_backward = get_forward_backward_func()
@@ -217,8 +216,8 @@ class Trainer:
         what such a config cannot state (mxfp4, delayed scaling, ...: said once)."""
         c = self.config
         try:
-            files = megatron_config_files(self.plans.plan, c.precision.recipe(), c.model.num_layers,
-                                          c.parallel.pipeline_model_parallel_size, c.parallel.chunks_per_stage,
+            files = megatron_config_files(self.plans.plan, c.precision.recipe(),
+                                          c.parallel.pipeline_layout(c.model.num_layers),
                                           source=f"the plan of iteration {self.state.iteration}")
         except ValueError as e:
             if not self._plan_file_notice:
@@ -449,7 +448,7 @@ def pretrain(config: RunConfig, on_build: Callable[[Trainer], None] | None = Non
         on_build(trainer)
     log = trainer.logger
     log.model_lines(num_parameters(c.model, trainer.tokenizer.vocab_size), trainer.datasets.unigram_entropy,
-                    layers_per_stage(trainer.transformer_config, c.parallel))
+                    c.parallel.pipeline_layout(c.model.num_layers).layers_per_stage())
     if dist.get_rank() == 0:  # partial saves, a damaged checkpoint --ckpt-fallback passes over
         for line in checkpointing.tidy(c.checkpoint.save, c.checkpoint.load, c.checkpoint.load_iteration):
             print(line, flush=True)

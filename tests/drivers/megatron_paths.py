@@ -26,8 +26,8 @@ if __name__ == "__main__":
     trainer = trainer_from_command_line(sys.argv[1:])
     c = trainer.config
     plan = PrecisionPlan.load(os.environ["PLAN"])
-    pp, vpp = c.parallel.pipeline_model_parallel_size, c.parallel.chunks_per_stage
-    files = megatron_config_files(plan, c.precision.recipe(), c.model.num_layers, pp, vpp)
+    vpp = c.parallel.chunks_per_stage
+    files = megatron_config_files(plan, c.precision.recipe(), c.parallel.pipeline_layout(c.model.num_layers))
     stage = parallel_state.get_pipeline_model_parallel_rank()
     global_names = {id(module): name for name, module in trainer.precision.modules().items()}
     out = {}
