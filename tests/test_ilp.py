@@ -221,6 +221,32 @@ def test_solvers_agree_exactly_with_zero_gap():
             assert solve(problem, solver, mip_gap=0).objective == pytest.approx(best, rel=1e-9, abs=1e-9)
 
 
+def test_per_stage_budgets_of_uneven_stages_match_brute_force():
+    """The planner's problem at uneven stages (PP2 with 1 + 3 layers of a 4-layer model: 16 modules, 2^16
+    assignments): its stage rows are built from the modules megatron-core places on each stage, so the
+    solver's optimum is brute force's over those stages, and each stage meets the target over its own FLOPs."""
+    from megatron_snip.precision.flops import LlamaLinearDims
+    from megatron_snip.precision.pipeline_layout import PipelineLayout
+    from megatron_snip.snip.estimators import CostTables
+    from megatron_snip.snip.planner import PlannerConfig, build_problem, linear_modules
+
+    dims = LlamaLinearDims(num_layers=4, hidden_size=64, ffn_hidden_size=192, kv_channels=16, num_query_groups=2)
+    modules = linear_modules(dims, 8, PipelineLayout(4, 2, first_stage_layers=1))
+    formats = ("fp8", "nvfp4")
+    for seed in range(3):
+        rng = np.random.default_rng(seed)
+        cost = {m.name: {f: float(rng.uniform(0, 1)) for f in formats} for m in modules}
+        target = float(rng.uniform(0.3, 0.7))
+        config = PlannerConfig(formats=formats, fp4_target=target, per_stage=True, solver="highs")
+        problem = build_problem(modules, CostTables(cost, cost, cost), config)
+        raw = dict(modules=modules, formats=formats, split=False, per_stage=True, keys=[m.name for m in modules],
+                   pins={}, current={}, penalty=0.0, cost=cost, target=target)
+        best = brute_force(raw)
+        sol = solve(problem, "highs")
+        assert best - 1e-9 <= sol.objective <= best + 1e-4 * abs(best) + 1e-9, (seed, sol.objective, best)
+        assert set(sol.stage_fp4_fraction) == {0, 1} and min(sol.stage_fp4_fraction.values()) >= target - 1e-9
+
+
 # ---------------------------------------------------------------- problem data
 
 def test_flops_from_shape():

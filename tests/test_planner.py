@@ -50,6 +50,25 @@ def test_virtual_stages_budget_each_physical_stage_over_its_chunks():
     assert any(plan[f"decoder.layers.{layer}.mlp.linear_fc1"].fwd == "nvfp4" for layer in (0, 2))
 
 
+def test_uneven_stages_hold_each_stage_to_its_own_flops():
+    """PP2 with 1 + 3 layers (--decoder-first-pipeline-num-layers 1): stage 0 is layer 0 alone, so a per-stage
+    budget puts half of layer 0's FLOPs in FP4 although it is the sensitive one; an even split (layers 0, 1 on
+    stage 0) would meet stage 0's budget with layer 1 and leave layer 0 in fp8."""
+    mods = linear_modules(DIMS, tokens=10, layout=PipelineLayout(4, 2, first_stage_layers=1))
+    assert {m.layer: m.stage for m in mods} == {0: 0, 1: 1, 2: 1, 3: 1}
+    cfg = PlannerConfig(formats=FORMATS, fp4_target=0.5, per_stage=True)
+    div = divergences([100.0, 1.0, 1.0, 1.0])
+    problem = build_problem(mods, div, cfg)
+    layer_flops = sum(m.flops for m in mods if m.layer == 0)
+    assert problem.stage_flops == pytest.approx({0: layer_flops, 1: 3 * layer_flops})
+    plan, sol = solve_plan(problem, cfg)
+    layer0 = [n for n in module_names(4) if n.startswith("decoder.layers.0.")]
+    assert flop_fractions(plan, DIMS, layer0).fp4 >= 0.5 - 1e-9
+    assert sol.stage_fp4_fraction[0] >= 0.5 - 1e-9 and sol.stage_fp4_fraction[1] >= 0.5 - 1e-9
+    even, _ = solve_plan(build_problem(linear_modules(DIMS, 10, PipelineLayout(4, 2)), div, cfg), cfg)
+    assert flop_fractions(even, DIMS, layer0).fp4 == 0.0
+
+
 def test_sensitive_layers_stay_high_and_target_is_met():
     cfg = PlannerConfig(formats=FORMATS, fp4_target=0.5, per_stage=False)
     div = divergences([100.0, 1.0, 1.0, 100.0])

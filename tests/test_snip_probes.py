@@ -12,8 +12,9 @@ megatron_snip.compat.cpu, enabled only inside the workers.
 * two processes: a TP=1 reference (DP=2, both ranks fed the same batches, so
   DP averages are exact) trains and is probed; then the same weights and Adam
   state are loaded into a TP=2 model, a TP=2 model with sequence parallelism,
-  the same with full activation recompute, a PP=2 model, a PP=2 x VPP=2 model
-  (interleaved schedule, two chunks per rank) and a DP=2 model with the
+  the same with full activation recompute, a PP=2 model, a PP=2 model with
+  uneven stages (1 + 3 layers), a PP=2 x VPP=2 model (interleaved schedule,
+  two chunks per rank) and a DP=2 model with the
   distributed optimizer (also with overlapped grad reduce and param gather),
   and each is probed: the statistics must agree.
 
@@ -122,10 +123,10 @@ def _fused_norm_layer_spec():
 
 
 def _build(distributed_optimizer=False, stochastic_rounding=True, sequence_parallel=False, vpp=None,
-           recompute=False, overlap=False, fused_norm=False):
+           recompute=False, overlap=False, fused_norm=False, first_stage_layers=None):
     """A 4-layer hidden-64 Llama in the current parallel layout, built, wrapped in megatron DDP and given Adam
     by the trainer's own builders (with ``vpp``, one chunk per virtual pipeline stage; ``fused_norm``: with
-    :func:`_fused_norm_layer_spec`)."""
+    :func:`_fused_norm_layer_spec`; ``first_stage_layers``: uneven stages, the first holding that many)."""
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
@@ -148,6 +149,7 @@ def _build(distributed_optimizer=False, stochastic_rounding=True, sequence_paral
     flags += ["--use-distributed-optimizer"] if distributed_optimizer else []
     flags += ["--sequence-parallel"] if sequence_parallel else []
     flags += ["--virtual-pipeline-model-parallel-size", str(vpp)] if vpp else []
+    flags += ["--decoder-first-pipeline-num-layers", str(first_stage_layers)] if first_stage_layers else []
     flags += ["--recompute-granularity", "full", "--recompute-method", "uniform"] if recompute else []
     flags += ["--overlap-grad-reduce", "--overlap-param-gather"] if overlap else []
     run = run_config(*flags, world_size=dist.get_world_size())
@@ -556,6 +558,7 @@ LAYOUTS = {
     "tp2sp_full_recompute": (dict(tp=2), dict(sequence_parallel=True, recompute=True)),
     "pp2": (dict(pp=2), {}),
     "pp2vpp2": (dict(pp=2, vpp=2), {}),
+    "pp2_uneven": (dict(pp=2), dict(first_stage_layers=1)),  # layer 0 on stage 0, layers 1-3 on stage 1
     "distributed_optimizer": ({}, dict(distributed_optimizer=True)),
     "distributed_optimizer_overlap": ({}, dict(distributed_optimizer=True, overlap=True)),
     # Each rank holds two chunks of every sequence; with the distributed optimizer, half of the Adam state.
@@ -679,31 +682,58 @@ def test_statistics_do_not_depend_on_the_parallel_layout(parallel, layout):
             assert a == pytest.approx(b, rel=0.1)
 
 
-@pytest.mark.integration
-def test_context_parallel_statistics_plan_as_cp1s(parallel):
-    """The plan the CP2 statistics give (every candidate, half the linear FLOPs in FP4, the GEMM time priced
-    as research mode prices it) is the CP=1 statistics' plan."""
+def _plan(stats: dict, modules, per_stage=False):
+    """The plan ``stats`` give ``modules`` with every candidate, half the linear FLOPs in FP4 (per stage with
+    ``per_stage``), the GEMM time priced as research mode prices it."""
     from megatron_snip.numerics.recipes import RecipeConfig
     from megatron_snip.precision.gemm_speed import peak_speed_model
     from megatron_snip.snip.estimators import cost_tables
-    from megatron_snip.snip.ilp import LinearModule
     from megatron_snip.snip.planner import PlannerConfig, build_problem, solve_plan
     from megatron_snip.snip.statistics import ProbeStatistics
 
     formats = ("bf16", *FORMATS)
-    config = PlannerConfig(formats=formats, fp4_target=0.5, solver="highs",
+    config = PlannerConfig(formats=formats, fp4_target=0.5, solver="highs", per_stage=per_stage,
                            speed=peak_speed_model("blackwell").precision_speeds(RecipeConfig(), formats))
+    costs = cost_tables(ProbeStatistics.from_dict(stats), formats=formats)
+    return solve_plan(build_problem(modules, costs, config), config)
+
+
+@pytest.mark.integration
+def test_context_parallel_statistics_plan_as_cp1s(parallel):
+    """The plan the CP2 statistics give is the CP=1 statistics' plan."""
+    from megatron_snip.snip.ilp import LinearModule
+
     modules = [LinearModule.from_shape(name, m["layer"], MBS * MICRO * SEQ, m["in_features"], m["out_features"])
                for name, m in parallel["tp1"]["modules"].items()]
-
-    def plan(stats: dict):
-        costs = cost_tables(ProbeStatistics.from_dict(stats), formats=formats)
-        return solve_plan(build_problem(modules, costs, config), config)[0]
-
-    reference = plan(parallel["tp1"])
+    reference = _plan(parallel["tp1"], modules)[0]
     assert len({str(p) for p in reference.modules.values()}) > 1  # a real choice among modules
     for layout in ("cp2", "cp2_distributed_optimizer"):
-        assert plan(parallel[layout]) == reference, layout
+        assert _plan(parallel[layout], modules)[0] == reference, layout
+
+
+@pytest.mark.integration
+def test_uneven_stages_measure_on_their_stages_and_plan_as_tp1_under_per_stage_budgets(parallel):
+    """PP2 with 1 + 3 layers: each module is measured on the stage the layout places it, and under per-stage
+    budgets over those stages (stage 0 is layer 0 alone) its statistics give the plan TP=1's statistics give,
+    each stage at half its own FLOPs in FP4."""
+    from megatron_snip.precision.flops import LlamaLinearDims
+    from megatron_snip.precision.pipeline_layout import PipelineLayout
+    from megatron_snip.snip.planner import linear_modules
+
+    layout = PipelineLayout(4, 2, first_stage_layers=1)
+    uneven = parallel["pp2_uneven"]
+    assert uneven["stages"] == [0, 1]
+    assert {m["layer"]: m["stage"] for m in uneven["modules"].values()} == {0: 0, 1: 1, 2: 1, 3: 1}
+    dims = LlamaLinearDims(num_layers=4, hidden_size=64, ffn_hidden_size=160, kv_channels=16, num_query_groups=2)
+    modules = linear_modules(dims, MBS * MICRO * SEQ, layout)
+    assert all(dims.in_out(name.split(".", 3)[3]) == (m["in_features"], m["out_features"])
+               for name, m in parallel["tp1"]["modules"].items())
+    assert {m.name: (m.layer, m.stage) for m in modules} == {
+        n: (s["layer"], s["stage"]) for n, s in uneven["modules"].items()}
+    reference, _ = _plan(parallel["tp1"], modules, per_stage=True)
+    plan, solution = _plan(uneven, modules, per_stage=True)
+    assert plan == reference and len({str(p) for p in plan.modules.values()}) > 1
+    assert min(solution.stage_fp4_fraction.values()) >= 0.5 - 1e-9
 
 
 @pytest.mark.integration
