@@ -326,24 +326,44 @@ def test_megatron_cores_module_paths_are_stage_local_and_the_chunk_files_match_t
 
 @pytest.mark.integration
 def test_a_snip_run_writes_yaml_plans_megatron_core_reads_back_identically(tiny_data, tmp_path):
-    """A quickstart-style tiny SNIP run at PP 2 with the config file's modules as pins: every cycle writes
-    its plan as snip_iter_N.yaml (one chunk) and .pp0 / .pp1 files; megatron-core resolves every module of
-    them to the cycle's plan, and the pins (linear_proj in fp8) hold."""
+    """A quickstart-style tiny SNIP run at PP 2 with uneven stages (--decoder-first-pipeline-num-layers 1: layer 0
+    on stage 0, layers 1-3 on stage 1) and the config file's modules as pins, read as Megatron-LM reads one file
+    on every stage: linear_proj in fp8 everywhere, and decoder.layers.2.mlp.linear_fc1 only on stage 1 (its
+    third layer, global layer 3; stage 0 has one). Every cycle writes its plan as snip_iter_N.yaml (one chunk)
+    and .pp0 / .pp1 files, the checkpoint as te_precision_config[.pp<stage>].yaml; megatron-core resolves every
+    module of them, on its stage-local path, to the plan, read back here they are the plan, and the pins hold."""
+    from megatron_snip.training.checkpointing import read_record
+
     pins = config_file(tmp_path, {"fp8": te(fp8_quantization_recipe="tensorwise", fp8_format="hybrid",
-                                             override_nonquantized_autocast=True)}, [("*.linear_proj", "fp8")])
+                                             override_nonquantized_autocast=True)},
+                       [("*.linear_proj", "fp8"), ("decoder.layers.2.mlp.linear_fc1", "fp8")])
+    pinned = {n for n in module_names(4) if n.endswith("linear_proj")} | {"decoder.layers.3.mlp.linear_fc1"}
+    layout = PipelineLayout(4, 2, first_stage_layers=1)
     save = tmp_path / "ckpt"
-    launch(2, train_args(tiny_data, "--pipeline-model-parallel-size", "2", "--snip", "--snip-fp4-target", "0.5",
-                         "--snip-interval", "2", "--snip-probe-passes", "1", "--te-precision-config-file", str(pins),
-                         "--save", str(save), "--save-interval", "4", iters=4))
+    launch(2, train_args(tiny_data, "--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1",
+                         "--snip", "--snip-fp4-target", "0.5", "--snip-interval", "2", "--snip-probe-passes", "1",
+                         "--te-precision-config-file", str(pins), "--save", str(save), "--save-interval", "4", iters=4))
+
+    def assert_stage_files_are(stem: str, plan: PrecisionPlan):
+        for chunk in layout.chunks():
+            names = [module_name(layer, m) for layer in chunk.layers for m in LINEAR_MODULES]
+            path = f"{stem}.pp{chunk.stage}.yaml"
+            assert_resolves_to(path, plan, RECIPE, {n: chunk.local_path(n) for n in names})
+            assert read_megatron_config(path, layout, recipe=RECIPE, chunk=(chunk.stage, 0)) == {
+                n: plan[n] for n in names}
+
     for it in (2, 4):
         stem = save / "snip" / f"snip_iter_{it:07d}"
-        plan = PrecisionPlan.from_dict(json.loads(stem.with_suffix(".json").read_text())["cycle"]["plan"])
-        assert all(plan[n] == Precision.uniform("fp8") for n in module_names(4) if n.endswith("linear_proj"))
+        record = json.loads(stem.with_suffix(".json").read_text())
+        assert (record["run"]["pipeline_stages"], record["run"]["first_stage_layers"]) == (2, 1)
+        assert record["cycle"]["stage_fp4_fraction"]["0"] >= 0.5 - 1e-9  # stage 0: layer 0's own FLOPs
+        plan = PrecisionPlan.from_dict(record["cycle"]["plan"])
+        assert all(plan[n] == Precision.uniform("fp8") for n in pinned)
         assert_resolves_to(f"{stem}.yaml", plan, RECIPE, {n: n for n in module_names(4)})
         assert PrecisionPlan(read_megatron_config(f"{stem}.yaml", PipelineLayout(4), recipe=RECIPE)) == plan
-        for chunk in PipelineLayout(4, 2).chunks():
-            names = [module_name(layer, m) for layer in chunk.layers for m in LINEAR_MODULES]
-            assert_resolves_to(f"{stem}.pp{chunk.stage}.yaml", plan, RECIPE, {n: chunk.local_path(n) for n in names})
+        assert_stage_files_are(str(stem), plan)
+    assert_stage_files_are(str(save / "iter_0000004" / "te_precision_config"),
+                           PrecisionPlan.from_dict(read_record(str(save)).precision_plan))
     # Offline: tools/snip_solve.py writes each policy's plan in the same form, the pins held.
     out = tmp_path / "offline"
     subprocess.run([sys.executable, str(ROOT / "tools" / "snip_solve.py"), f"{stem}.json", "--targets", "0.5",
@@ -351,7 +371,8 @@ def test_a_snip_run_writes_yaml_plans_megatron_core_reads_back_identically(tiny_
                    check=True, capture_output=True, timeout=120)
     for policy in ("snip", "uniform"):
         plan = PrecisionPlan.load(out / f"{policy}_fp4-0.50.json")
-        assert all(plan[n] == Precision.uniform("fp8") for n in module_names(4) if n.endswith("linear_proj"))
+        assert all(plan[n] == Precision.uniform("fp8") for n in pinned)
         assert_resolves_to(out / f"{policy}_fp4-0.50.yaml", plan, RECIPE, {n: n for n in module_names(4)})
+        assert_stage_files_are(str(out / f"{policy}_fp4-0.50"), plan)
         assert sorted(p.name for p in out.glob(f"{policy}_*.yaml")) == [
             f"{policy}_fp4-0.50.pp0.yaml", f"{policy}_fp4-0.50.pp1.yaml", f"{policy}_fp4-0.50.yaml"]

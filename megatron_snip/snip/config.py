@@ -45,7 +45,8 @@ class SnipConfig:
         "fp8:tensorwise fp8:rowwise fp8:blockwise), FP4 only where it has one or --snip-fp4-target is given.",
         ours=True)
     snip_budget: str = flag(
-        "per-stage", "FP4 and time budgets for each pipeline stage (no stage becomes the bottleneck) or only overall.",
+        "per-stage", "FP4 and time budgets for each pipeline stage, over the modules on it (uneven stages too), so no "
+        "stage becomes the bottleneck; or only overall.",
         choices=("per-stage", "global"), ours=True)
     snip_split_passes: bool = flag(False, "Choose the forward GEMM's and the backward GEMMs' precision separately.",
                                    ours=True)
