@@ -15,7 +15,9 @@ Megatron-LM directly. Megatron-LM's own code runs unmodified; around it:
   it on a GPU: without them megatron-core falls back to torch's Adam, whose state does not exist before the
   first step (``DistributedOptimizer.state_dict`` then asserts, so Megatron-LM cannot resume any such
   checkpoint, its own included), keeps a step per parameter (which its fully_reshardable load cannot copy),
-  and ends up with the loaded step shared by all parameters (``megatron_snip.training.adam_state``).
+  and ends up with the loaded step shared by all parameters (``megatron_snip.training.adam_state``);
+- the data iterators built without moving torch's generator, which the shim makes CUDA's too: on a GPU the
+  DataLoader's seed draw after a resume's RNG restore does not touch the generator dropout uses.
 
 Needs the packages Megatron-LM's training code imports beyond megatron-snip's (``six``).
 """
@@ -71,5 +73,23 @@ def load_checkpoint_with_adam_state(ddp_model, optimizer, *args, **kwargs):
 
 
 megatron_training.load_checkpoint = load_checkpoint_with_adam_state
+build_data_iterators = megatron_training.build_train_valid_test_data_iterators
+
+
+def build_data_iterators_keeping_rng(*args, **kwargs):
+    """Megatron-LM's data iterators, built without moving the generator that stands in for CUDA's.
+
+    Creating a DataLoader's iterator draws its base seed from torch's CPU generator, after a resume's RNG restore.
+    On a GPU that generator is not the one dropout draws from; here the shim's CUDA generator is the CPU one, so
+    the draw would shift every dropout mask of a resumed run against the uninterrupted one.
+    """
+    state = torch.get_rng_state()
+    try:
+        return build_data_iterators(*args, **kwargs)
+    finally:
+        torch.set_rng_state(state)
+
+
+megatron_training.build_train_valid_test_data_iterators = build_data_iterators_keeping_rng
 sys.argv = [os.path.join(MEGATRON_LM, "pretrain_gpt.py"), *sys.argv[1:]]
 runpy.run_path(sys.argv[0], run_name="__main__")
