@@ -230,12 +230,15 @@ def test_distributed_optimizer_resume_is_exact(tiny_data, tmp_path):
 
 def test_bf16_run_saves_and_resumes_exactly(tiny_data, tmp_path):
     """--bf16 (bf16 parameters, fp32 masters in the optimizer) checkpoints and resumes bit for bit:
-    every parameter, the norms' included, is bf16, as the mixed-precision optimizer requires."""
+    every parameter, the norms' included, is bf16, as the mixed-precision optimizer requires. With dropout
+    (Megatron-LM's default for a model given by its flags): the resumed run draws the masks the whole run
+    drew (opening the data loader at the resume must not move the random stream dropout draws from)."""
     full, tb_full, tb_resumed = tmp_path / "full", tmp_path / "tb_full", tmp_path / "tb_resumed"
-    launch(1, train_args(tiny_data, "--bf16", "--save", str(full), "--save-interval", "2",
+    dropout = ("--hidden-dropout", "0.1", "--attention-dropout", "0.1")
+    launch(1, train_args(tiny_data, "--bf16", *dropout, "--save", str(full), "--save-interval", "2",
                          "--tensorboard-dir", str(tb_full), iters=4))
     ckpt = resume_from(full, 2, tmp_path / "resumed")
-    launch(1, train_args(tiny_data, "--bf16", "--load", str(ckpt), "--save", str(ckpt),
+    launch(1, train_args(tiny_data, "--bf16", *dropout, "--load", str(ckpt), "--save", str(ckpt),
                          "--tensorboard-dir", str(tb_resumed), iters=4))
     want = scalars(tb_full, LOSS)
     assert scalars(tb_resumed, LOSS) == {3: want[3], 4: want[4]}

@@ -42,6 +42,9 @@ def micro_batches(dataset: Sequence, micro_batch_size: int, dp_rank: int, dp_siz
     Each value is the dataset's per-sample tensor stacked to ``[mbs, ...]``.
     """
     sampler = MicroBatchSampler(len(dataset), micro_batch_size, dp_rank, dp_size, consumed_samples)
-    loader = DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                        pin_memory=has_cuda(), persistent_workers=False)
+    # Each iterator of a DataLoader draws its workers' base seed from a generator: its own here, not torch's
+    # global one, which on a CPU is also the one dropout draws from (compat/cpu.py), so that opening a loader
+    # (at a resume, for an evaluation) never shifts the model's random stream.
+    loader = DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=has_cuda(),
+                        persistent_workers=False, generator=torch.Generator())
     return iter(loader)
