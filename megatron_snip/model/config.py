@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from megatron_snip.flags import derived, flag
 from megatron_snip.model.presets import PRESETS
-from megatron_snip.precision.pipeline_layout import PipelineLayout
+
+if TYPE_CHECKING:  # it reads plans, which import torch; --help and flag errors import this module without it
+    from megatron_snip.precision.pipeline_layout import PipelineLayout
 
 ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
 # --torch-compile-backend: inductor generates kernels; aot_eager traces and runs eager kernels (checks on a CPU)
@@ -248,5 +251,7 @@ class ParallelConfig:
 
     def pipeline_layout(self, num_layers: int) -> PipelineLayout:
         """Where megatron-core places each of the ``num_layers`` layers in this layout (stage, chunk)."""
+        from megatron_snip.precision.pipeline_layout import PipelineLayout
+
         return PipelineLayout(num_layers, self.pipeline_model_parallel_size, self.chunks_per_stage,
                               self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers)
