@@ -2,8 +2,10 @@
 # A Megatron-LM run moves here and back through its checkpoints, checked with stock Megatron-LM itself on CPU
 # (docs/megatron_compat.md, "Checkpoints: a Megatron-LM run moves here and back"). Not part of the test suite.
 #
-#   bash tools/megatron_lm_round_trip.sh MEGATRON_LM_DIR OUT_DIR
+#   bash tools/megatron_lm_round_trip.sh MEGATRON_LM_DIR OUT_DIR [FLAG ...]
 #
+# FLAGs are added to both programs' model flags (e.g. --untie-embeddings-and-output-weights: the default, as in
+# Megatron-LM, is a tied output layer).
 # MEGATRON_LM_DIR: a Megatron-LM checkout at tag core_v0.16.1 (its pretrain_gpt.py runs through
 # tools/megatron_lm_on_cpu.py). Every run is 4 processes, TP 2 x PP 2, the distributed optimizer, bf16, --mock-data,
 # the same flags on both sides (those only Megatron-LM needs on a CPU aside), 6 iterations in all:
@@ -18,10 +20,11 @@
 # weights, optimizer and RNG states, bit for bit; 5.'s Megatron-LM run resumes at iteration 4 with 32 consumed
 # samples. Megatron-LM logs the first iteration of a run without resetting its loss sum, so with --log-interval 1
 # the loss it prints for a run's second iteration (2 in 1., 6 in 3. and 4.) is the mean of the first two
-# (docs/megatron_compat.md, "The round trip, step by step"). About 8 minutes on 2 cores.
+# (docs/megatron_compat.md, "The round trip, step by step"). About 2-8 minutes on 2 cores.
 set -euo pipefail
 MEGATRON_LM=$(cd "$1" && pwd)
 OUT=$(mkdir -p "$2" && cd "$2" && pwd)
+shift 2
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 export MEGATRON_LM OMP_NUM_THREADS=1
 DEPS="$OUT/deps"  # what Megatron-LM's training code imports beyond this program's dependencies
@@ -34,7 +37,7 @@ FLAGS=(--num-layers 2 --hidden-size 64 --ffn-hidden-size 192 --num-attention-hea
        --micro-batch-size 2 --global-batch-size 8 --train-iters 6 --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 1
        --lr-decay-style cosine --bf16 --use-distributed-optimizer --tensor-model-parallel-size 2
        --pipeline-model-parallel-size 2 --mock-data --tokenizer-type NullTokenizer --vocab-size 127 --seed 5
-       --log-interval 1 --eval-iters 0 --eval-interval 1000)
+       --log-interval 1 --eval-iters 0 --eval-interval 1000 "$@")
 # Megatron-LM on a CPU: its local layers, gloo, no CUDA fusions.
 MEGATRON_CPU=(--transformer-impl local --ckpt-format torch_dist --distributed-backend gloo
               --no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-dropout-fusion
