@@ -16,7 +16,9 @@ megatron_snip.compat.cpu, enabled only inside the workers.
   uneven stages (1 + 3 layers), a PP=2 x VPP=2 model (interleaved schedule,
   two chunks per rank) and a DP=2 model with the
   distributed optimizer (also with overlapped grad reduce and param gather),
-  and each is probed: the statistics must agree.
+  and each is probed: the statistics must agree. Not covered: token ids in the probe
+  batch that the training never saw, whose embedding rows' Adam response amplifies the
+  layouts' rounding into the gains (docs/snip.md, "First-seen tokens: Adam's eps window").
 
 Tolerances of the layout comparison: the layouts compute the same
 quantities with fp32 partial sums added in another order (TP all-reduces,

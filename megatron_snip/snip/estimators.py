@@ -100,6 +100,13 @@ def adam_sensitivity(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torc
     of rare tokens are such elements; with v held fixed they held all but 1e-6 of a small
     model's ``||P~||^2`` and decided the update divergence (docs/snip.md). Elements with
     ``v' = 0`` (no gradient now or ever) get 0: no gradient error reaches them.
+
+    Not insensitive: a first-seen element (m = v = 0) whose gradient lies within ~eps / c of 0
+    (c = sqrt((1 - beta2) / (1 - beta2^(t+1)))). There the step turns from -A (1 - beta1) / c to
+    +A (1 - beta1) / c and ``P~ = A (1 - beta1) eps / (c |g| + eps)^2`` reaches A (1 - beta1) / eps.
+    A few such elements, whose gradients sit at the level of rounding, can hold most of
+    ``||P~||^2`` and overstate the drift of real gradient errors many times (an open defect:
+    docs/snip.md, "First-seen tokens: Adam's eps window").
     """
     a, m_next, s, d = _adam_moments(exp_avg, exp_avg_sq, grad, h)
     ds_dg = (1.0 - h.beta2) * grad / ((1.0 - h.beta2 ** (h.step + 1)) * s)
