@@ -603,7 +603,8 @@ def parallel_worker(rank, world, port, out_dir):
 
 def _load(chunks, optimizer, reference):
     """This layout's share of the reference (TP=1) weights and Adam state."""
-    from megatron_snip.snip.adam_view import AdamView, global_parameter_names
+    from megatron_snip.model.parameter_names import global_parameter_names
+    from megatron_snip.snip.adam_view import AdamView
     from megatron_snip.snip.noise import param_global_index as index
 
     for chunk in chunks:  # one step on zero gradients creates the Adam state, overwritten below

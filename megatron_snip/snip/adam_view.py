@@ -18,9 +18,9 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import ChainedOptimizer, Float16OptimizerWithFloat16Params, FP32Optimizer
 from megatron.core.transformer.module import param_is_not_shared
-from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_snip.compat.device import current_device
+from megatron_snip.model.parameter_names import global_parameter_names
 
 from .estimators import AdamHyper, adam_sensitivity, adam_update
 
@@ -227,31 +227,3 @@ def _main_params(opt):
     else:
         raise ValueError(f"SNIP probes support megatron's FP32Optimizer, Float16OptimizerWithFloat16Params and "
                          f"DistributedOptimizer; got {type(opt).__name__}")
-
-
-# Transformer Engine's LayerNormLinear holds the norm before it: its weight gets the local layer
-# spec's name (megatron-core's TE <-> local checkpoint key map), so the probes' noise, drawn by
-# parameter name, is the same on both backends.
-_FUSED_NORM_NAMES = {".self_attention.linear_qkv.layer_norm_weight": ".input_layernorm.weight",
-                     ".mlp.linear_fc1.layer_norm_weight": ".pre_mlp_layernorm.weight"}
-
-
-def global_parameter_names(chunks: Sequence[torch.nn.Module]) -> dict[torch.nn.Parameter, str]:
-    """Parameter -> name independent of the parallel layout and the backend: wrapper prefixes
-    (``module.``) dropped, transformer layers numbered globally (``decoder.layers.{layer_number - 1}``),
-    Transformer Engine's fused norm weights under the local spec's names."""
-    names = {}
-    for chunk in chunks:
-        layers = {prefix: m.layer_number - 1 for prefix, m in chunk.named_modules() if isinstance(m, TransformerLayer)}
-        for name, param in chunk.named_parameters():
-            for prefix, layer in layers.items():
-                if name.startswith(prefix + "."):
-                    name = f"decoder.layers.{layer}" + name[len(prefix):]
-                    break
-            while name.startswith("module."):
-                name = name[len("module."):]
-            for fused, local in _FUSED_NORM_NAMES.items():
-                if name.endswith(fused):
-                    name = name[:-len(fused)] + local
-            names[param] = name
-    return names

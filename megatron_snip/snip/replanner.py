@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_snip.fileio import write_text_atomic
+from megatron_snip.model.parameter_names import global_parameter_names
 from megatron_snip.model.quantized.controller import PrecisionController
 from megatron_snip.numerics.recipes import RecipeConfig
 from megatron_snip.precision.flops import LlamaLinearDims
@@ -30,7 +31,6 @@ from megatron_snip.precision.gemm_speed import GemmSpeedModel
 from megatron_snip.precision.pipeline_layout import PipelineLayout
 from megatron_snip.precision.plan import PrecisionPlan, parse_module_name
 from megatron_snip.precision.te_precision_config import megatron_config_files
-from megatron_snip.snip.adam_view import global_parameter_names
 from megatron_snip.snip.config import SnipConfig, SnipConfigError
 from megatron_snip.snip.decisions import CycleReport, decision_table, decisions
 from megatron_snip.snip.estimators import cost_tables, divergences, unresolved_curvatures

@@ -516,9 +516,10 @@ def check_finite(model, optimizer, path: str) -> None:
     """Collective: raise CheckpointError on every rank if any rank's weights (``model``: a module or
     its list of chunks) or optimizer state (None: none) hold
     a NaN or Inf, before anything is written (a checkpoint must never persist non-finite state)."""
-    from megatron_snip.training.safety import gather_culprits, global_parameter_names
+    from megatron_snip.model.parameter_names import global_parameter_names
+    from megatron_snip.training.safety import gather_culprits
 
-    bad = [name for chunk in _chunks(model) for p, name in global_parameter_names(chunk).items()
+    bad = [name for p, name in global_parameter_names(_chunks(model)).items()
            if not bool(torch.isfinite(p.detach()).all())]
     if not bad and optimizer is not None and any(not bool(torch.isfinite(t.detach()).all())
                                                  for t in _optimizer_tensors(optimizer)):

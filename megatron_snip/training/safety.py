@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_snip.compat.device import current_device
+from megatron_snip.model.parameter_names import global_parameter_names
 from megatron_snip.training.config import SafetyConfig
 
 
@@ -85,20 +85,6 @@ def is_spike(loss: float, recent: Sequence[float], factor: float) -> float | Non
     return reference if reference > 0 and loss > factor * reference else None
 
 
-def global_parameter_names(chunk: torch.nn.Module) -> dict[torch.nn.Parameter, str]:
-    """Parameter -> name with the global layer index (``decoder.layers.{i}`` is stage-local)."""
-    prefixes = {}
-    for name, module in chunk.named_modules():
-        if isinstance(module, TransformerLayer):
-            head, _, _ = name.rpartition(".")
-            prefixes[name + "."] = f"{head}.{module.layer_number - 1}."
-    names = {}
-    for name, param in chunk.named_parameters():
-        local = next((p for p in prefixes if name.startswith(p)), None)
-        names[param] = name if local is None else prefixes[local] + name[len(local):]
-    return names
-
-
 def _grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     """The gradient the optimizer will use: megatron-core DDP's ``main_grad``, else ``grad``."""
     main = getattr(param, "main_grad", None)
@@ -123,14 +109,12 @@ def _local_grads_nonfinite(chunks: Sequence[torch.nn.Module]) -> torch.Tensor:
 def _local_culprits(chunks: Sequence[torch.nn.Module]) -> list[str]:
     """``name (n non-finite)`` for every parameter of this rank whose gradient is non-finite (slow path)."""
     found = []
-    for chunk in chunks:
-        module = getattr(chunk, "module", chunk)
-        for param, name in global_parameter_names(module).items():
-            g = _grad(param)
-            if g is not None:
-                bad = int((~torch.isfinite(g)).sum())
-                if bad:
-                    found.append(f"{name} ({bad} non-finite of {g.numel()})")
+    for param, name in global_parameter_names(chunks).items():
+        g = _grad(param)
+        if g is not None:
+            bad = int((~torch.isfinite(g)).sum())
+            if bad:
+                found.append(f"{name} ({bad} non-finite of {g.numel()})")
     return found
 
 

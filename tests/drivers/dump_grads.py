@@ -15,7 +15,7 @@ if __name__ == "__main__":
     from megatron.core import parallel_state
 
     from megatron_snip.cli.pretrain import trainer_from_command_line
-    from megatron_snip.snip.adam_view import global_parameter_names
+    from megatron_snip.model.parameter_names import global_parameter_names
     from megatron_snip.snip.noise import param_global_index
 
     trainer = trainer_from_command_line(sys.argv[1:])

@@ -27,7 +27,7 @@ def instrument(trainer) -> None:
     import torch
     from megatron.core import parallel_state
 
-    from megatron_snip.training.safety import global_parameter_names
+    from megatron_snip.model.parameter_names import global_parameter_names
 
     at = int(os.environ["INJECT_AT"])
     tp_rank = os.environ.get("INJECT_TP_RANK")
@@ -41,7 +41,7 @@ def instrument(trainer) -> None:
         t[(0,) * t.dim()] = value
         return t
 
-    params = {name: p for p, name in global_parameter_names(trainer.model[0].module).items()}
+    params = {name: p for p, name in global_parameter_names([trainer.model[0].module]).items()}
     if os.environ.get("INJECT_PARAM") in params and here:
         params[os.environ["INJECT_PARAM"]].register_hook(corrupt)
     modules = trainer.precision.modules()
