@@ -38,12 +38,13 @@ FLAGS = [*TINY_MEGATRON, "--mock-data", "--tokenizer-type", "NullTokenizer", "--
          "--log-interval", "1", "--seed", "5"]
 TP2_PP2_DISTRIBUTED = ["--use-distributed-optimizer", "--tensor-model-parallel-size", "2",
                        "--pipeline-model-parallel-size", "2"]
-# variant -> (processes, flags, TP x PP): tied with the distributed optimizer's dp_reshardable format, untied with
-# its fully_reshardable one, and the regular optimizer (tied) in one process.
-VARIANTS = {"tied": (4, [*FLAGS, *TP2_PP2_DISTRIBUTED], (2, 2)),
+# variant -> (processes, flags, TP x PP, Megatron-LM with Transformer Engine installed): tied with the distributed
+# optimizer's dp_reshardable format, untied with its fully_reshardable one and TE (its final norm keeps an
+# _extra_state), and the regular optimizer (tied) in one process.
+VARIANTS = {"tied": (4, [*FLAGS, *TP2_PP2_DISTRIBUTED], (2, 2), False),
             "untied": (4, [*FLAGS, *TP2_PP2_DISTRIBUTED, "--untie-embeddings-and-output-weights",
-                           "--dist-ckpt-optim-fully-reshardable"], (2, 2)),
-            "regular optimizer": (1, FLAGS, (1, 1))}
+                           "--dist-ckpt-optim-fully-reshardable"], (2, 2), True),
+            "regular optimizer": (1, FLAGS, (1, 1), False)}
 # Megatron-LM's rng_state entry.
 RNG_KEYS = ["cuda_rng_state", "np_rng_state", "random_rng_state", "rng_tracker_states", "torch_rng_state"]
 
@@ -88,10 +89,11 @@ class RoundTrip:
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def round_trip(request, tmp_path_factory) -> RoundTrip:
     d = tmp_path_factory.mktemp(request.param.replace(" ", "_"))
-    nproc, flags, tp_pp = VARIANTS[request.param]
-    whole = launch(nproc, flags, script=DRIVER, env={"MEGATRON_LM_SAVE": f"{d / 'megatron'}:2"})
+    nproc, flags, tp_pp, with_te = VARIANTS[request.param]
+    te = {"MEGATRON_LM_WITH_TE": "1" if with_te else "0"}
+    whole = launch(nproc, flags, script=DRIVER, env={"MEGATRON_LM_SAVE": f"{d / 'megatron'}:2", **te})
     resumed = launch(nproc, [*flags, "--load", str(d / "megatron"), "--save", str(d / "ours"), "--save-interval",
-                             "2"], script=DRIVER, env={"MEGATRON_LM_LOAD": "1"})
+                             "2"], script=DRIVER, env={"MEGATRON_LM_LOAD": "1", **te})
     (line,) = re.findall(r"^MEGATRON-LM-LOAD (.*)$", resumed.stdout, re.M)
     return RoundTrip(request.param, tp_pp, progress(whole.stdout), progress(resumed.stdout), resumed.stdout,
                      json.loads(line), d / "ours" / "iter_0000004")
@@ -114,7 +116,8 @@ def test_a_megatron_lm_checkpoint_resumes_as_megatron_lm_resumes_it(round_trip):
 def test_megatron_lm_reads_this_programs_checkpoint_as_its_own(round_trip):
     """Megatron-LM's load_checkpoint with its default flags (no --finetune, no --use-checkpoint-opt_param-scheduler)
     takes the model, optimizer, scheduler (every saved setting equal to its flags', counted in samples), RNG and
-    counters from the checkpoint this program saved at iteration 4."""
+    counters from the checkpoint this program saved at iteration 4; untied, as Megatron-LM does with Transformer
+    Engine installed, which asks for the final norm's extra state too."""
     read, tp = round_trip.megatron_read, round_trip.tp_pp[0]
     assert (read["iteration"], read["checkpoint_version"], read["consumed_train_samples"]) == (4, 3.0, 32)
     assert (read["skipped_train_samples"], read["consumed_valid_samples"]) == (0, 0)
@@ -166,6 +169,11 @@ def test_the_checkpoint_holds_megatron_lms_layout_beside_this_programs_record(ro
                                                                for p in range(pp) for t in range(tp)}
     assert {k for k in saved if k.startswith("megatron_snip_quantization_state/")} == {
         f"megatron_snip_quantization_state/shard_{p}.{t}.0_{pp}.{tp}.1" for p in range(pp) for t in range(tp)}
+    # The extra states Megatron-LM's modules ask for with Transformer Engine (megatron-core's
+    # _get_extra_state_offsets: one per layer of the 4, the final norm's without offsets), each written once.
+    layers = [f"decoder.layers.{m}._extra_state/shard_{i}_4" for i in range(4) for m in (
+        "self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")]
+    assert {k for k in saved if "_extra_state" in k} == {*layers, "decoder.final_layernorm._extra_state/shard_0_1"}
     assert (round_trip.ours / "te_precision_config.yaml").is_file()
     assert sorted(f.name for f in round_trip.ours.glob("te_precision_config.pp*.yaml")) == [
         f"te_precision_config.pp{p}.yaml" for p in range(pp) if pp > 1]

@@ -14,21 +14,46 @@ from collections.abc import Mapping
 from megatron_snip.model import checkpoint_shape
 from megatron_snip.training.checkpoint_record import CheckpointRecord
 
+EXTRA_STATE = "_extra_state"  # a module's non-tensor state in PyTorch's state dict (Transformer Engine's FP8 metadata)
+
 # What each top-level entry of the state is, and the flag that leaves it out of the load.
 _PARTS = {"optimizer": ("the optimizer state", "--no-load-optim"),
           "rng_state": ("the RNG state", "--no-load-rng")}
 
 
-def mismatch(state: dict, path: str, record: CheckpointRecord, run_args: Mapping | None = None) -> str | None:
+def saved_keys(path: str) -> Mapping:
+    """The keys checkpoint ``path`` holds (its index's), each with its metadata (a tensor's size)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return FileSystemReader(path).read_metadata().state_dict_metadata
+
+
+def drop_absent_extra_states(model_state: dict, saved: Mapping) -> list[str]:
+    """Remove from ``model_state`` (a model chunk's sharded state dict) the ``_extra_state`` objects the
+    checkpoint (``saved``: :func:`saved_keys`) does not hold, and return their names; the caller gives them
+    None before ``load_state_dict``. The final norm asks for one that only checkpoints written with Transformer
+    Engine installed, and this program's since it writes one, hold (model/norms.py, TEExtraState); none
+    carries anything a module here uses."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    absent = [name for name, item in model_state.items()
+              if name.endswith(EXTRA_STATE) and isinstance(item, ShardedObject) and item.unique_key not in saved]
+    for name in absent:
+        del model_state[name]
+    return absent
+
+
+def mismatch(state: dict, path: str, record: CheckpointRecord, run_args: Mapping | None = None,
+             saved: Mapping | None = None) -> str | None:
     """A one-line description of what in ``state`` (the sharded state a load would request) checkpoint ``path``
     does not hold in the requested shape, or None when everything is there. ``run_args``: the run's flags,
-    compared with ``record.args`` to name the flags behind a model of another shape."""
+    compared with ``record.args`` to name the flags behind a model of another shape. ``saved``: the
+    checkpoint's keys (:func:`saved_keys`), read from ``path`` when not given."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
     from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
-    from torch.distributed.checkpoint import FileSystemReader
 
-    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    saved = saved_keys(path) if saved is None else saved
     for part, sub in state.items():
         prepared, _, _ = load_preprocess({part: sub})  # the tensors factories make (a copy)
         for item in nested_values(prepared):

@@ -45,7 +45,7 @@ from megatron_snip.compat.device import current_device
 from megatron_snip.fileio import write_text_atomic
 from megatron_snip.training import adam_state, save_helper
 from megatron_snip.training import megatron_lm_checkpoint as megatron_lm
-from megatron_snip.training.checkpoint_match import mismatch
+from megatron_snip.training.checkpoint_match import drop_absent_extra_states, mismatch, saved_keys
 from megatron_snip.training.checkpoint_record import SAVED_BY_US, CheckpointRecord
 
 log = logging.getLogger(__name__)
@@ -594,7 +594,10 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, load_optim: bool 
         state[megatron_lm.RNG_KEY] = _legacy_rng_state() if record.legacy else megatron_lm.rng_object()
     if load_quantization:
         state[megatron_lm.QUANTIZATION_KEY] = megatron_lm.quantization_object()
-    problem = mismatch(state, path, record, run_args)
+    held = saved_keys(path)
+    chunks = _chunks(model)
+    absent = {key: drop_absent_extra_states(state[key], held) for key in _model_keys(chunks)}
+    problem = mismatch(state, path, record, run_args, held)
     if problem is not None:
         raise CheckpointError(problem)
     try:
@@ -604,9 +607,8 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, load_optim: bool 
             loaded = dist_checkpointing.load(state, path, sharded_strategy=_load_strategy(path, fully_parallel))
     except _READ_ERRORS as e:
         raise _damaged(root, path, e) from e
-    chunks = _chunks(model)
     for key, chunk in zip(_model_keys(chunks), chunks):
-        chunk.load_state_dict(loaded[key])
+        chunk.load_state_dict({**loaded[key], **dict.fromkeys(absent[key])})
     if not load_optim and optimizer is not None:
         # The mixed-precision optimizers copied their fp32 masters from the model when they were
         # built; the first step would write those initial weights back over the loaded ones

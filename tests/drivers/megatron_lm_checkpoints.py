@@ -15,6 +15,8 @@ it without the project's checkpoint code:
   default strictness, the scheduler into an ``OptimizerParamScheduler`` built as ``get_optimizer_param_scheduler``
   builds it (asserting every saved setting equals the flags': no --use-checkpoint-opt_param-scheduler), and
   prints ``MEGATRON-LM-LOAD {json}`` on rank 0: what it read.
+- ``MEGATRON_LM_WITH_TE=1``: save or load as Megatron-LM does with Transformer Engine installed (its final norm
+  is then TE's, which keeps an ``_extra_state``; model_state).
 
 The Namespace is tests/data/megatron_lm_args.json (what stock Megatron-LM saved for a run of these flags)
 with this run's values in the fields its loaders read.
@@ -108,10 +110,31 @@ def rng_state():
                          replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
 
 
+FINAL_NORM_EXTRA_STATE = "decoder.final_layernorm._extra_state"
+
+
+def model_state(chunk, metadata) -> dict:
+    """The chunk's sharded state as Megatron-LM's model (local layer spec) has it: megatron-core's local
+    linears' ``_extra_state`` (None) as they are; the final norm's only with Transformer Engine installed
+    (``MEGATRON_LM_WITH_TE=1``: megatron-core's LayerNormImpl is then TENorm, TE's norm operation, whose state
+    dict holds one), built here as megatron-core builds it for any module (make_sharded_tensors_for_checkpoint:
+    no layer offsets, replica (0, tp rank, dp-cp rank)), not taken from this program's norm."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.utils import make_sharded_object_for_checkpoint
+
+    state = chunk.sharded_state_dict(metadata=metadata)
+    state.pop(FINAL_NORM_EXTRA_STATE, None)
+    if os.environ.get("MEGATRON_LM_WITH_TE") == "1" and chunk.post_process:
+        replica = (0, ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank(with_context_parallel=True))
+        state[FINAL_NORM_EXTRA_STATE] = make_sharded_object_for_checkpoint(
+            torch.empty(0, dtype=torch.uint8), FINAL_NORM_EXTRA_STATE, (), replica_id=replica)
+    return state
+
+
 def generate_state_dict(args, model, optimizer, scheduler, rng, metadata, is_loading=False) -> dict:
     state = {"args": args, "checkpoint_version": 3.0}
     for i, chunk in enumerate(model):
-        state["model" if len(model) == 1 else f"model{i}"] = chunk.sharded_state_dict(metadata=metadata)
+        state["model" if len(model) == 1 else f"model{i}"] = model_state(chunk, metadata)
     if optimizer is not None:
         kwargs = {"metadata": metadata, **({"is_loading": True} if is_loading else {})}
         state["optimizer"] = optimizer.sharded_state_dict(state, **kwargs)
@@ -209,7 +232,10 @@ def load_checkpoint(trainer, root: str) -> dict:
     assert loaded["checkpoint_version"] == 3.0
     check_checkpoint_args(loaded["args"], args)
     for i, chunk in enumerate(model):
-        chunk.load_state_dict(loaded["model" if len(model) == 1 else f"model{i}"])
+        weights = loaded["model" if len(model) == 1 else f"model{i}"]
+        if chunk.post_process:  # the stand-in's final norm (this program's) takes an extra state in any case
+            weights = {FINAL_NORM_EXTRA_STATE: None, **weights}
+        chunk.load_state_dict(weights)
     with adam_steps_as_fused_adam_keeps_them(stored_metadata):
         trainer.optimizer.load_state_dict(loaded["optimizer"])
     scheduler.load_state_dict(loaded["opt_param_scheduler"])  # asserts each saved setting equals the flags'
