@@ -326,9 +326,9 @@ def summarise(config: PeerConfig, measured: dict[str, dict], peak_tflops: float 
 
 
 def main() -> None:
-    from megatron_snip.compat.cpu import silence_cpu_warnings
+    from megatron_snip.compat.cpu import silence_expected_warnings
 
-    silence_cpu_warnings()
+    silence_expected_warnings()
     from megatron_snip.training.logger import peak_tflops
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

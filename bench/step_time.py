@@ -138,9 +138,9 @@ def phases(opts) -> list[tuple[str, str, str, str | None, str | None]]:
 def stamped_trainer(plan_file: str, argv: list[str]):
     """Inside torchrun: (the run's plan read from ``plan_file``, the trainer ``argv`` builds, the clock every
     training step stamps at its start: start-to-start, the whole loop body, data and checks included)."""
-    from megatron_snip.compat.cpu import silence_cpu_warnings
+    from megatron_snip.compat.cpu import silence_expected_warnings
 
-    silence_cpu_warnings()
+    silence_expected_warnings()
     from megatron_snip.cli.pretrain import trainer_from_command_line
 
     run = json.loads(Path(plan_file).read_text())

@@ -43,9 +43,9 @@ def get_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = get_args(argv)
-    from megatron_snip.compat.cpu import silence_cpu_warnings
+    from megatron_snip.compat.cpu import silence_expected_warnings
 
-    silence_cpu_warnings()
+    silence_expected_warnings()
     from megatron_snip.interop import hf_llama
     from megatron_snip.training.checkpointing import CheckpointError
 

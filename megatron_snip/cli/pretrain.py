@@ -60,9 +60,9 @@ def _config(argv: list[str] | None) -> RunConfig:
     parsed = parse_args(argv)
     if parsed.local_rank is not None:  # torch.distributed.launch's --local-rank, where it set no $LOCAL_RANK
         os.environ.setdefault("LOCAL_RANK", str(parsed.local_rank))
-    from megatron_snip.compat.cpu import silence_cpu_warnings
+    from megatron_snip.compat.cpu import silence_expected_warnings
 
-    silence_cpu_warnings()  # before megatron-core's imports (checkpoint and data checks) print them
+    silence_expected_warnings()  # before megatron-core's imports (checkpoint and data checks) print them
     try:
         return resolve(parsed)
     except ArgumentError as e:

@@ -186,13 +186,19 @@ _CPU_WARNINGS = (
     "Transformer Engine and Apex are not installed",
     "Apex is not installed",
     "When using async grad allreduce it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
+    "When using sequence parallelism it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
 )
+# torch (2.13) deprecates collectives that megatron-core 0.16 calls (sequence parallelism, context parallelism,
+# the distributed optimizer); each rank would print them, and there is nothing for a user to do.
+_MEGATRON_CORE_DEPRECATIONS = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
 
 
-def silence_cpu_warnings() -> None:
-    """Hide megatron-core's warnings about GPU-only extensions when there is no GPU."""
+def silence_expected_warnings() -> None:
+    """Hide the warnings a user can do nothing about: torch's deprecation of megatron-core's collectives and,
+    without a GPU, megatron-core's warnings about GPU-only extensions and settings."""
     import warnings
 
+    warnings.filterwarnings("ignore", message=_MEGATRON_CORE_DEPRECATIONS, category=FutureWarning)
     if torch.cuda.is_available():
         return
     for message in _CPU_WARNINGS:
@@ -215,7 +221,7 @@ def enable() -> CompatState:
     """Make megatron-core run on CPU. Idempotent; a no-op when CUDA is available."""
     if STATE.active or torch.cuda.is_available():
         return STATE
-    silence_cpu_warnings()
+    silence_expected_warnings()
     for name, fn in _cuda_stand_ins().items():
         setattr(torch.cuda, name, fn)
         STATE.patched.append(f"torch.cuda.{name}")

@@ -47,9 +47,9 @@ def _run_config(saved: dict):
 
 
 def main(load_dir: str, out_dir: str) -> None:
-    from megatron_snip.compat.cpu import silence_cpu_warnings
+    from megatron_snip.compat.cpu import silence_expected_warnings
 
-    silence_cpu_warnings()
+    silence_expected_warnings()
     import torch.distributed as dist
 
     from megatron_snip.compat.device import setup_device

@@ -84,9 +84,9 @@ def by_type(trainer, stats, est, batches, formats, seed: int) -> dict[str, dict[
 
 
 def main() -> int:
-    from megatron_snip.compat.cpu import silence_cpu_warnings
+    from megatron_snip.compat.cpu import silence_expected_warnings
 
-    silence_cpu_warnings()
+    silence_expected_warnings()
     import torch.distributed as dist
 
     from megatron_snip.arguments import ArgumentError

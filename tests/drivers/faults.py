@@ -173,9 +173,9 @@ def instrument(trainer) -> None:
 
 
 if __name__ == "__main__":
-    from megatron_snip.compat.cpu import silence_cpu_warnings
+    from megatron_snip.compat.cpu import silence_expected_warnings
 
-    silence_cpu_warnings()
+    silence_expected_warnings()
     from megatron_snip.cli.pretrain import main
 
     sys.exit(main(on_build=instrument))
