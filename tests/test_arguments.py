@@ -267,10 +267,30 @@ def test_fp8_delayed_scaling_defaults_are_megatrons_and_a_checkpoint_keeps_its_o
         16, "max", ["--fp8-amax-history-len 16 replaces the checkpoint's 1024"])
 
 
-def test_train_samples_become_iterations(tiny_data):
-    training = parse_config(without_train_iters(tiny_data, "--train-samples", "48", "--lr-decay-samples", "40",
-                                                "--lr-warmup-samples", "16"), world_size=1, cuda=False).training
-    assert (training.train_iters, training.lr_decay_iters, training.lr_warmup_iters) == (6, 5, 2)  # global batch 8
+def test_train_samples_run_megatron_lms_schedule_in_samples(tiny_data):
+    """Megatron-LM's sample-based training, whose counts need not be multiples of the global batch (its Llama 3
+    8B script's are not): --train-samples // global batch iterations, and the LR stepped in samples as its
+    get_optimizer_param_scheduler builds it (warm-up 10 samples, cosine decay to 45), worked out by hand."""
+    import math
+
+    import torch
+
+    from megatron_snip.training.setup import build_scheduler
+
+    training = parse_config(without_train_iters(tiny_data, "--train-samples", "50", "--lr-decay-samples", "45",
+                                                "--lr-warmup-samples", "10", "--lr-decay-style", "cosine",
+                                                "--lr", "1e-3", "--min-lr", "1e-4"), world_size=1, cuda=False).training
+    assert (training.global_batch_size, training.train_iters, training.lr_decay_iters) == (8, 6, None)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = build_scheduler(training, optimizer)
+    for samples in range(8, 56, 8):  # after each of the 6 iterations
+        scheduler.step(8)
+        cosine = 1e-4 + 0.9e-3 * 0.5 * (math.cos(math.pi * (samples - 10) / 35) + 1)
+        expected = 1e-3 * samples / 10 if samples <= 10 else cosine if samples <= 45 else 1e-4
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(expected, rel=1e-12), samples
+    default = parse_config(without_train_iters(tiny_data, "--train-samples", "20"), world_size=1, cuda=False)
+    assert (default.training.train_iters, default.training.lr_decay_samples) == (2, 20)
+    assert "train_iters" not in default.to_yaml()  # it follows from --train-samples when the file is read back
 
 
 def test_accepted_megatron_flags_take_megatrons_meaning(tiny_data):
@@ -303,7 +323,8 @@ def test_refused_megatron_flags_say_why(tiny_data, extra, message):
 
 @pytest.mark.parametrize("extra,message", [
     ((), "--train-iters N (or Megatron-LM's --train-samples N) is required"),
-    (("--train-samples", "20"), "--train-samples 20 is not a multiple of --global-batch-size 8"),
+    (("--train-samples", "48", "--lr-warmup-samples", "48"),
+     "the warm-up (48 samples) must be shorter than --lr-decay-samples 48 (default: --train-samples)"),
     (("--train-samples", "48", "--lr-decay-iters", "4"), "with --train-samples give the LR schedule in samples"),
 ])
 def test_train_samples_refusals(tiny_data, extra, message):
@@ -388,7 +409,7 @@ def test_a_megatron_nvfp4_script_trains_saves_lean_checkpoints_and_resumes(tiny_
     assert "100.0% of linear-layer FLOPs in FP4" in first.stdout and "fp4 nvfp4" in first.stdout
     record = read_record(ckpt)
     assert (record.iteration, record.no_optimizer_state, record.no_rng_state) == (2, True, True)
-    assert record.args["train_iters"] == 2 and record.args["lr_decay_iters"] == 4
+    assert record.args["train_iters"] == 2 and record.args["lr_decay_samples"] == 32
     written = os.path.join(ckpt, "iter_0000002", "run_config.yaml")  # the resolved flags, beside the checkpoint
     again = parse_config(["--yaml-cfg", written], world_size=1, cuda=False)
     assert (again.training.train_iters, again.precision.precision, again.checkpoint.no_save_optim) == (2, "fp4", True)

@@ -260,7 +260,7 @@ def test_pipeline_ddp_and_data_flags_reach_megatron_core():
     assert run_config("--optimizer", "sgd", "--sgd-momentum", "0.5").training.sgd_momentum == 0.5
     samples = resolve(parse_args([*TINY_MODEL, "--train-samples", "16", "--lr-wsd-decay-samples", "8",
                                   "--lr-decay-style", "WSD"]), world_size=1, cuda=False, check_files=False).training
-    assert (samples.global_batch_size, samples.train_iters, samples.lr_wsd_decay_iters) == (4, 4, 2)
+    assert (samples.global_batch_size, samples.train_iters, samples.lr_wsd_decay_samples) == (4, 4, 8)
 
 
 def test_local_rank_is_the_launchers(monkeypatch):

@@ -23,13 +23,6 @@ from .megatron_lm_families import GIVEN, answer
 class MegatronLMFlags:
     """What a Megatron-LM script passes that is implemented through other settings, or refused."""
 
-    train_samples: int | None = flag(
-        None, "Train for this many samples instead of --train-iters: iterations = samples / --global-batch-size (a "
-        "multiple of it).")
-    lr_decay_samples: int | None = flag(
-        None, "With --train-samples: --lr-decay-iters in samples (a multiple of --global-batch-size).")
-    lr_warmup_samples: int = flag(
-        0, "With --train-samples: --lr-warmup-iters in samples (a multiple of --global-batch-size).")
     kv_channels: int | None = flag(
         None, "Per-head dimension; accepted when it equals --hidden-size / --num-attention-heads.")
     rotary_percent: float = flag(1.0, "Fraction of each head's dimension rotary embeddings rotate; only 1.0 "
@@ -58,8 +51,6 @@ class MegatronLMFlags:
     dataloader_type: str | None = flag(None, "single (Megatron-LM's default): each sample once per pass, in order of "
                                        "consumed samples; cyclic and external are refused.",
                                        choices=("single", "cyclic", "external"))
-    lr_wsd_decay_samples: int | None = flag(
-        None, "With --train-samples: --lr-wsd-decay-iters in samples (a multiple of --global-batch-size).")
     encoder_seq_length: int | None = flag(None, "Megatron-LM's other spelling of --seq-length.")
     local_rank: int | None = flag(
         None, "The process's rank on its node, as torch.distributed.launch passes it (default: $LOCAL_RANK): the GPU "
@@ -90,14 +81,6 @@ FILLED_DEFAULTS = (
     "fp8_amax_history_len", "fp8_amax_compute_algo", "fp4_recipe", "distributed_backend", "num_workers",
     "local_rank",
 )
-
-
-def _samples_to_iters(option: str, samples: int, global_batch_size: int) -> int:
-    """Megatron-LM's sample-based length ``samples`` in iterations of ``global_batch_size`` samples."""
-    require(samples >= 0 and samples % global_batch_size == 0,
-            f"{option} {samples} is not a multiple of --global-batch-size {global_batch_size}; use a multiple "
-            f"(iterations = {option} / --global-batch-size), or give the length in iterations")
-    return samples // global_batch_size
 
 
 def refuse_megatron_lm(args: argparse.Namespace) -> None:
@@ -132,7 +115,7 @@ def refuse_megatron_lm(args: argparse.Namespace) -> None:
 
 def validate_megatron_lm(args: argparse.Namespace) -> None:
     """Megatron-LM's flags that need the shape and batch sizes (``args``: the working namespace, those
-    filled): sample counts become iterations, --kv-channels is checked."""
+    filled): --train-samples gives the iterations (the LR schedule stays in samples), --kv-channels is checked."""
     head_dim = args.hidden_size // args.num_attention_heads
     require(args.kv_channels in (None, head_dim),
             f"--kv-channels {args.kv_channels} differs from --hidden-size {args.hidden_size} / "
@@ -151,10 +134,15 @@ def validate_megatron_lm(args: argparse.Namespace) -> None:
             "with --train-samples give the LR schedule in samples (--lr-decay-samples, --lr-warmup-samples, "
             "--lr-wsd-decay-samples), as Megatron-LM expects, not --lr-decay-iters / --lr-warmup-iters / "
             "--lr-wsd-decay-iters")
-    gbs = args.global_batch_size
-    args.train_iters = _samples_to_iters("--train-samples", args.train_samples, gbs)
-    if args.lr_decay_samples is not None:
-        args.lr_decay_iters = _samples_to_iters("--lr-decay-samples", args.lr_decay_samples, gbs)
-    args.lr_warmup_iters = _samples_to_iters("--lr-warmup-samples", args.lr_warmup_samples, gbs)
-    if args.lr_wsd_decay_samples is not None:
-        args.lr_wsd_decay_iters = _samples_to_iters("--lr-wsd-decay-samples", args.lr_wsd_decay_samples, gbs)
+    require(args.train_samples > 0, f"--train-samples {args.train_samples} must be > 0")
+    # Megatron-LM's update_train_iters (no batch-size ramp-up): a partial last batch is not trained.
+    args.train_iters = args.train_samples // args.global_batch_size
+    if args.lr_decay_samples is None:
+        args.lr_decay_samples = args.train_samples  # as Megatron-LM's get_optimizer_param_scheduler sets it
+    if args.lr_warmup_fraction is not None:
+        require(0.0 <= args.lr_warmup_fraction <= 1.0, "--lr-warmup-fraction must lie in [0, 1]")
+    warmup = args.lr_warmup_samples if args.lr_warmup_fraction is None else (
+        args.lr_warmup_fraction * args.lr_decay_samples)
+    require(warmup < args.lr_decay_samples,
+            f"the warm-up ({warmup:g} samples) must be shorter than --lr-decay-samples {args.lr_decay_samples} "
+            f"(default: --train-samples)")

@@ -156,8 +156,8 @@ def resolve(parsed: argparse.Namespace, world_size: int | None = None, cuda: boo
     data or GPU software).
 
     Derived: the data-parallel size, ``global_batch_size`` (if unset), the number of
-    micro-batches, ``train_iters`` / ``lr_decay_iters`` / ``lr_warmup_iters`` (also from Megatron-LM's
-    sample counts), the virtual pipeline size, ``eval_iters`` 0 for a ``--split`` without validation,
+    micro-batches, ``train_iters`` (also from Megatron-LM's ``--train-samples``) and the LR schedule's
+    defaults, the virtual pipeline size, ``eval_iters`` 0 for a ``--split`` without validation,
     the recipe values a resumed checkpoint keeps, SNIP's defaults and the distributed backend.
 
     Every problem is found before any is reported: :class:`ArgumentError` holds them all (``problems``).
@@ -330,14 +330,15 @@ def _validate_training(args: argparse.Namespace, cuda: bool) -> None:
                 "--recompute-granularity full needs --recompute-method uniform|block")
         if args.recompute_num_layers is None:
             args.recompute_num_layers = 1
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    if args.lr_warmup_fraction is not None:
-        require(0.0 <= args.lr_warmup_fraction <= 1.0, "--lr-warmup-fraction must lie in [0, 1]")
-        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
-    require(args.train_iters == 0 or args.lr_warmup_iters < args.lr_decay_iters,
-            f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --lr-decay-iters "
-            f"{args.lr_decay_iters} (default: --train-iters)")
+    if args.train_samples is None:  # with --train-samples the schedule is in samples (validate_megatron_lm)
+        if args.lr_decay_iters is None:
+            args.lr_decay_iters = args.train_iters
+        if args.lr_warmup_fraction is not None:
+            require(0.0 <= args.lr_warmup_fraction <= 1.0, "--lr-warmup-fraction must lie in [0, 1]")
+            args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
+        require(args.train_iters == 0 or args.lr_warmup_iters < args.lr_decay_iters,
+                f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --lr-decay-iters "
+                f"{args.lr_decay_iters} (default: --train-iters)")
     require(args.min_lr <= args.lr, f"--min-lr {args.min_lr} exceeds --lr {args.lr}")
     require(args.decoupled_min_lr is None or args.decoupled_lr is not None,
             "--decoupled-min-lr goes with --decoupled-lr (the embedding and output layer's own schedule)")

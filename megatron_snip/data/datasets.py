@@ -371,13 +371,14 @@ def check_splits_have_documents(prefixes: Sequence[str], split: str) -> None:
 
 
 def megatron_num_samples(
-    train_iters: int, eval_iters: int, eval_interval: int, global_batch_size: int
+    train_iters: int, eval_iters: int, eval_interval: int, global_batch_size: int, train_samples: int | None = None
 ) -> tuple[int, int, int]:
-    """Samples needed per split (train, valid, test), with Megatron-LM's formula: validation runs
-    ``eval_iters`` batches every ``eval_interval`` iterations and once at the end, test once."""
+    """Samples needed per split (train, valid, test), with Megatron-LM's formula: training ``train_samples``
+    (--train-samples) or ``train_iters`` batches, validation ``eval_iters`` batches every ``eval_interval``
+    iterations and once at the end, test once."""
     evaluations = train_iters // eval_interval + 1
     return (
-        train_iters * global_batch_size,
+        train_iters * global_batch_size if train_samples is None else train_samples,
         evaluations * eval_iters * global_batch_size,
         eval_iters * global_batch_size,
     )

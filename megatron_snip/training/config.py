@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from megatron_snip.data.config import DataConfig
-from megatron_snip.flags import derived, flag, from_flags, sections_to_yaml, to_flags
+from megatron_snip.flags import derived, flag, flag_values, from_flags, sections_to_yaml, to_flags
 from megatron_snip.model.config import ModelConfig, ParallelConfig
 from megatron_snip.precision.config import PrecisionConfig
 from megatron_snip.snip.config import SnipConfig
@@ -36,6 +36,11 @@ class TrainingConfig:
     num_microbatches: int = derived(1)  # global batch / (micro batch x DP)
     train_iters: int | None = flag(None, "Iterations (global batches) to train; required unless --train-samples is "
                                    "given.")
+    train_samples: int | None = flag(
+        None, "Train on this many samples instead of --train-iters (Megatron-LM's sample-based training): "
+        "--train-samples // --global-batch-size iterations (a partial last batch is not trained), the LR and "
+        "weight-decay schedules in samples (--lr-decay-samples, --lr-warmup-samples, --lr-wsd-decay-samples), "
+        "the training data sized to it.")
     seed: int = flag(1234, "Seed of initialisation, data order, dropout and SNIP's probes.")
     exit_interval: int | None = flag(None, "Save (if --save) and exit after an iteration divisible by this value.")
     exit_duration_in_mins: float | None = flag(
@@ -65,6 +70,10 @@ class TrainingConfig:
     lr_warmup_fraction: float | None = flag(None, "Warm-up as a fraction of --lr-decay-iters (instead of "
                                             "--lr-warmup-iters).")
     lr_wsd_decay_iters: int | None = flag(None, "WSD: iterations of the final decay.")
+    lr_decay_samples: int | None = flag(None, "With --train-samples: samples over which the learning rate decays. "
+                                        "Default: --train-samples.")
+    lr_warmup_samples: int = flag(0, "With --train-samples: linear warm-up samples.")
+    lr_wsd_decay_samples: int | None = flag(None, "With --train-samples, WSD: samples of the final decay.")
     lr_wsd_decay_style: str = flag("exponential", "WSD: shape of the final decay.",
                                    choices=("linear", "cosine", "exponential", "minus_sqrt"))
     weight_decay: float = flag(0.01, "Decoupled weight decay.")
@@ -80,6 +89,14 @@ class TrainingConfig:
     empty_unused_memory_level: int = flag(
         0, "Release the CUDA caching allocator's unused memory: 1 after each forward-backward and evaluation step, 2 "
         "also after each optimizer step (nothing to release without CUDA).", choices=(0, 1, 2))
+
+    def file_values(self) -> dict:
+        """The flag values a config file states: with --train-samples the iterations follow from it, so
+        --train-iters (which goes with it only as its result) is left out."""
+        values = flag_values(self)
+        if self.train_samples is not None:
+            del values["train_iters"]
+        return values
 
 
 @dataclass(frozen=True)

@@ -174,9 +174,15 @@ def build_scheduler(training: TrainingConfig, optimizer, *, override: bool = Fal
     state means the same to Megatron-LM. ``override`` (--override-opt_param-scheduler): a loaded checkpoint's
     schedule settings give way to these (its step count is kept); without it the checkpoint's are used."""
     gbs = training.global_batch_size
-    decay = training.lr_decay_iters * gbs
-    warmup = training.lr_warmup_fraction * decay if training.lr_warmup_fraction is not None else (
-        training.lr_warmup_iters * gbs)
+    if training.train_samples is not None:  # Megatron-LM's sample-based training: the lengths as given
+        decay, warmup = training.lr_decay_samples, training.lr_warmup_samples
+        wd_incr, wsd = training.train_samples, training.lr_wsd_decay_samples
+    else:  # iterations, each of one global batch
+        decay, warmup = training.lr_decay_iters * gbs, training.lr_warmup_iters * gbs
+        wd_incr = max(training.train_iters, 1) * gbs
+        wsd = None if training.lr_wsd_decay_iters is None else training.lr_wsd_decay_iters * gbs
+    if training.lr_warmup_fraction is not None:
+        warmup = training.lr_warmup_fraction * decay
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if warmup > 0 else training.lr,
@@ -188,9 +194,9 @@ def build_scheduler(training: TrainingConfig, optimizer, *, override: bool = Fal
         lr_decay_style=training.lr_decay_style,
         start_wd=training.start_weight_decay,
         end_wd=training.end_weight_decay,
-        wd_incr_steps=max(training.train_iters, 1) * gbs,
+        wd_incr_steps=wd_incr,
         wd_incr_style=training.weight_decay_incr_style,
-        wsd_decay_steps=None if training.lr_wsd_decay_iters is None else training.lr_wsd_decay_iters * gbs,
+        wsd_decay_steps=wsd,
         lr_wsd_decay_style=training.lr_wsd_decay_style,
         use_checkpoint_opt_param_scheduler=not override,
         override_opt_param_scheduler=override,

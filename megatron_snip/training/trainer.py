@@ -91,7 +91,8 @@ class Trainer:
         self.datasets = build_datasets(
             c.data, self.tokenizer, seq_length=c.model.seq_length, seed=c.training.seed,
             num_samples=megatron_num_samples(max(c.training.train_iters, 1), c.logging.eval_iters,
-                                             c.logging.eval_interval, c.training.global_batch_size))
+                                             c.logging.eval_interval, c.training.global_batch_size,
+                                             c.training.train_samples))
         if c.model.deterministic_mode:  # as Megatron-LM: deterministic kernels for everything torch runs
             torch.use_deterministic_algorithms(True)
         self.transformer_config = transformer_config(c.model, c.parallel)
