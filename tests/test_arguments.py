@@ -419,6 +419,39 @@ def test_a_megatron_nvfp4_script_trains_saves_lean_checkpoints_and_resumes(tiny_
     assert read_record(ckpt).iteration == 4
 
 
+@pytest.mark.integration
+def test_a_pretrained_checkpoint_starts_the_run_until_load_holds_its_own(tiny_data, tmp_path):
+    """Megatron-LM's --pretrained-checkpoint: while --load holds no checkpoint the run starts from the pretrained
+    one's weights at iteration 0, exactly as --load PRETRAINED --finetune does; relaunched (a requeue), it resumes
+    its own checkpoint in --load instead. The written configuration keeps the flags as given."""
+    from megatron_snip.training.checkpointing import read_record
+
+    def losses(out: str) -> list[str]:
+        return re.findall(r"iteration +\d+/ +\d+ \|.*?lm loss: ([\d.E+-]+)", out)
+
+    pretrained, own, finetuned = (str(tmp_path / d) for d in ("pretrained", "own", "finetuned"))
+    launch(1, train_args(tiny_data, "--save", pretrained, iters=2))
+    flags = train_args(tiny_data, "--pretrained-checkpoint", pretrained, "--load", own, "--save", own, iters=4)
+    first = launch(1, [*flags, "--exit-interval", "2"])
+    assert (f"--load {own} holds no checkpoint: starting from the weights of --pretrained-checkpoint {pretrained} "
+            f"(its iteration 2) at iteration 0") in first.stdout
+    finetune = launch(1, train_args(tiny_data, "--load", pretrained, "--finetune", "--save", finetuned,
+                                    "--exit-interval", "2", iters=4))
+    assert losses(first.stdout) == losses(finetune.stdout) and len(losses(first.stdout)) == 2
+    written = parse_config(["--yaml-cfg", os.path.join(own, "iter_0000002", "run_config.yaml")], world_size=1,
+                           cuda=False).checkpoint
+    assert (written.load, written.finetune, written.pretrained_checkpoint, written.resumes) == (
+        own, False, pretrained, True)
+    again = launch(1, flags)
+    assert f"resumed from {own} at iteration 2" in again.stdout and "--pretrained-checkpoint" not in again.stdout
+    assert read_record(own).iteration == 4
+    with pytest.raises(ArgumentError, match=re.escape(f"--pretrained-checkpoint {str(tmp_path)!r} holds no "
+                                                      f"checkpoint (no latest_checkpointed_iteration.txt), nor does "
+                                                      f"--load {finetuned + 'x'!r}")):
+        parse_config(train_args(tiny_data, "--pretrained-checkpoint", str(tmp_path), "--load", finetuned + "x",
+                                "--save", finetuned + "x"), world_size=1, cuda=False)
+
+
 def test_data_beyond_the_vocabulary_names_the_flags_that_gave_it(tiny_data):
     """The tokenizer-size error names what was given: --tokenizer-model, or NullTokenizer's --vocab-size (no
     --tokenizer-model then)."""

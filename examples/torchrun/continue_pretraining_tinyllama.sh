@@ -7,7 +7,7 @@
 #
 #   1. tools/convert_hf_llama.py import: HF_DIR -> $OUT/imported (iteration 0, fp32 master weights)
 #   2. tools/preprocess_data.py with the model's own tokenizer (BOS + document + EOS, as HF tokenizes)
-#   3. torchrun pretrain_llama.py --load $OUT/imported --finetune --snip --snip-fp4-target 0.75
+#   3. torchrun pretrain_llama.py --pretrained-checkpoint $OUT/imported --snip --snip-fp4-target 0.75
 #      (the model shape and --seq-length 2048 come from the checkpoint; one 8-GPU node, DP=8, BF16)
 #   4. tools/convert_hf_llama.py export: the newest checkpoint -> $OUT/hf (config, safetensors,
 #      tokenizer, megatron_snip.json with the SNIP plan), then for example
@@ -29,14 +29,10 @@ if [ ! -f "$OUT/data/corpus_text_document.idx" ]; then
     --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$HF_DIR" --append-eod --workers 8
 fi
 
-# Start from the import (weights only, iteration 0); once the continued run has a checkpoint,
-# rerunning this script (a requeue) resumes that run instead.
-if [ -f "$OUT/checkpoints/latest_checkpointed_iteration.txt" ]; then
-  START=(--load "$OUT/checkpoints")
-else
-  START=(--load "$OUT/imported" --finetune)
-fi
-torchrun --nproc-per-node "$GPUS" pretrain_llama.py "${START[@]}" \
+# Start from the import (weights only, iteration 0) while $OUT/checkpoints holds no checkpoint; once the
+# continued run has one, rerunning this script (a requeue) resumes that run instead.
+torchrun --nproc-per-node "$GPUS" pretrain_llama.py --pretrained-checkpoint "$OUT/imported" \
+  --load "$OUT/checkpoints" \
   --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --use-distributed-optimizer \
   --micro-batch-size 8 --global-batch-size 512 --bf16 \
   --train-iters 5000 --lr 4e-5 --min-lr 4e-6 --lr-decay-style cosine --lr-warmup-iters 100 \

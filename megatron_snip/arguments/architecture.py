@@ -54,6 +54,13 @@ def _fill(args: argparse.Namespace, values: dict) -> None:
             setattr(args, key, value)
 
 
+def checkpoint_flag(args: argparse.Namespace) -> str:
+    """The flag and directory the run's checkpoint comes from, for messages: --load, or --pretrained-checkpoint
+    where --load holds none."""
+    from_pretrained = getattr(args, "from_pretrained", False)  # set by resolve, before the checkpoint is read
+    return f"--pretrained-checkpoint {args.pretrained_checkpoint}" if from_pretrained else f"--load {args.load}"
+
+
 def _from_preset(args: argparse.Namespace) -> None:
     """The preset's (or checkpoint's) architecture under the flags given. A checkpoint that does not say
     whether it is tied is untied: every run before the flag had Megatron-LM's meaning was."""
@@ -61,8 +68,8 @@ def _from_preset(args: argparse.Namespace) -> None:
     _fill(args, {**_MEGATRON_DEFAULTS, **_LLAMA, "share_embeddings_and_output_weights": False})
     _fill(args, _MEGATRON_DROPOUT if args.model_preset == FROM_FLAGS else _LLAMA_DROPOUT)
     require(not (args.untie_embeddings_and_output_weights and args.share_embeddings_and_output_weights),
-            f"--untie-embeddings-and-output-weights: the checkpoint in --load {args.load} ties the output layer to "
-            f"the embedding (one weight); drop the flag (the checkpoint defines the model)")
+            f"--untie-embeddings-and-output-weights: the checkpoint in {checkpoint_flag(args)} ties the output layer "
+            f"to the embedding (one weight); drop the flag (the checkpoint defines the model)")
 
 
 def _from_megatron_flags(args: argparse.Namespace) -> None:

@@ -335,7 +335,6 @@ REFUSED = {
     "lr_warmup_init": "the warm-up starts at a learning rate of 0 here (Megatron-LM's default); drop it",
     "load_main_params_from_ckpt": "a load without the optimizer state rebuilds the fp32 main parameters from the "
                                   "model's weights here (Megatron-LM's default); drop it",
-    "pretrained_checkpoint": "use --load DIR --finetune to start from a checkpoint's weights",
     "ckpt_step": "--load loads the iteration its tracker file names (--ckpt-fallback: the newest intact one)",
     "dist_ckpt_strictness": "the checkpoint must hold every tensor the model has (checked before loading, naming "
                             "what differs)",

@@ -27,7 +27,7 @@ from megatron_snip.numerics.registry import FP4_NAMES
 from megatron_snip.precision.config import RECIPE_DEFAULTS
 from megatron_snip.snip.config import DEFAULT_FP4_TARGET
 
-from .architecture import resolve_architecture
+from .architecture import checkpoint_flag, resolve_architecture
 from .context_parallel import check_token_blocks, validate_context_parallel
 from .errors import ArgumentError, HostProblem, Problems, require
 from .megatron_lm import refuse_megatron_lm, validate_megatron_lm
@@ -68,8 +68,10 @@ def _read_checkpoint(args: argparse.Namespace) -> CheckpointRecord | None:
     """The record of the checkpoint in ``--load`` (None: no --load, or a resume-or-start
     directory without a checkpoint yet), read once: this program's, or Megatron-LM's translated (a model it
     describes that cannot be built here is refused, one problem per field); its model shape fills the shape
-    flags, and flags or a ``--model-preset`` that disagree are refused."""
-    if args.load is None:
+    flags, and flags or a ``--model-preset`` that disagree are refused. Where --load holds none (or is not
+    given), that of ``--pretrained-checkpoint``, whose weights the run starts from (``args.from_pretrained``), as
+    Megatron-LM's load_checkpoint does."""
+    if args.load is None and args.pretrained_checkpoint is None:
         return None
     from megatron_snip.training.checkpointing import (
         CheckpointError,
@@ -79,22 +81,30 @@ def _read_checkpoint(args: argparse.Namespace) -> CheckpointRecord | None:
     )
     from megatron_snip.training.megatron_lm_checkpoint import CannotLoad
 
+    option, source = "--load", args.load
     try:
-        args.load_iteration, notice = choose_checkpoint(args.load, args.ckpt_fallback)
+        if args.load is not None:
+            args.load_iteration, notice = choose_checkpoint(args.load, args.ckpt_fallback)
+        if args.pretrained_checkpoint is not None and args.load_iteration is None:
+            option, source, args.from_pretrained = "--pretrained-checkpoint", args.pretrained_checkpoint, True
+            args.load_iteration, notice = choose_checkpoint(source, args.ckpt_fallback)
+            require(args.load_iteration is not None,
+                    f"--pretrained-checkpoint {source!r} holds no checkpoint (no latest_checkpointed_iteration.txt)"
+                    f"{'' if args.load is None else f', nor does --load {args.load!r}'}; fix the path")
         if notice:
-            same = os.path.abspath(args.load) == os.path.abspath(args.save or "")
+            same = os.path.abspath(source) == os.path.abspath(args.save or "")
             args.notices.append(notice + ("; the damaged one is set aside as iter_N.damaged and the tracker names "
                                           "the one loaded" if same else ""))
-        newer = newer_non_persistent(args.load, args.load_iteration) if args.load_iteration is not None else None
+        newer = newer_non_persistent(source, args.load_iteration) if args.load_iteration is not None else None
         if newer:
             args.notices.append(newer)
-        record = read_record(args.load, args.load_iteration) if args.load_iteration is not None else None
+        record = read_record(source, args.load_iteration) if args.load_iteration is not None else None
         if record is not None:
-            _fill_from_checkpoint(args, record.args, args.load, counted_eod=record.legacy)
+            _fill_from_checkpoint(args, record.args, source, counted_eod=record.legacy)
         else:
-            _refuse_hf_directory(args.load)
+            _refuse_hf_directory(source)
     except CannotLoad as e:
-        raise ArgumentError(*[f"--load {args.load}: {line}" for line in e.problems]) from e
+        raise ArgumentError(*[f"{option} {source}: {line}" for line in e.problems]) from e
     except (CheckpointError, ValueError) as e:
         raise ArgumentError(str(e)) from e
     return record
@@ -171,7 +181,7 @@ def resolve(parsed: argparse.Namespace, world_size: int | None = None, cuda: boo
 
         cuda = has_cuda()
     args = argparse.Namespace(**{**dict.fromkeys(checkpoint_shape.CARRIED), **vars(parsed)})  # the working copy
-    args.notices, args.load_iteration = [], None
+    args.notices, args.load_iteration, args.from_pretrained = [], None, False
     problems = Problems()  # every step runs; all their problems are reported together
     checkpoint = None
     with problems.step() as unreadable:
@@ -195,7 +205,7 @@ def resolve(parsed: argparse.Namespace, world_size: int | None = None, cuda: boo
         _validate_logging(args, cuda)
     with problems.step():
         _validate_checkpointing(args)
-    resumed = None if args.finetune else checkpoint  # --finetune takes the weights only
+    resumed = None if args.finetune or args.from_pretrained else checkpoint  # the weights only
     with problems.step():
         _validate_precision(args, cuda, resumed)
     with problems.step():
@@ -663,15 +673,15 @@ def _validate_files(args: argparse.Namespace, from_checkpoint: bool, read: bool)
         pass  # --vocab-size defines this tokenizer
     elif from_checkpoint:
         require(args.vocab_size is None or tokens <= args.vocab_size,
-                f"--tokenizer-model {args.tokenizer_model} has {tokens} ids but the model in --load {args.load} "
+                f"--tokenizer-model {args.tokenizer_model} has {tokens} ids but the model in {checkpoint_flag(args)} "
                 f"has a vocabulary of {args.vocab_size}; use the model's own tokenizer")
     else:
         require(args.vocab_size in (None, tokens),
                 f"--vocab-size {args.vocab_size} differs from the {tokens} ids of --tokenizer-model "
                 f"{args.tokenizer_model}, which define the vocabulary here (Megatron-LM ignores --vocab-size for "
                 f"this tokenizer type); drop --vocab-size or pass {tokens}")
-    if args.load is not None and latest is None and read:
-        require(not args.exit_on_missing_checkpoint,
+    if args.load is not None and (latest is None or args.from_pretrained) and read:
+        require(args.from_pretrained or not args.exit_on_missing_checkpoint,
                 f"--load {args.load!r} holds no checkpoint (no latest_checkpointed_iteration.txt) and "
                 f"--exit-on-missing-checkpoint is given; fix the path, or drop the flag to start fresh")
         require(os.path.abspath(args.load) == os.path.abspath(args.save or ""),

@@ -54,7 +54,8 @@ def main(argv=None) -> int:
             s = hf_llama.import_hf(args.load_dir, args.save_dir, args.make_vocab_size_divisible_by, args.dtype,
                                    progress=not args.no_progress)
             print(f"imported {s.parameters / 1e6:.1f}M parameters from {s.source} into {s.destination} in "
-                  f"{s.seconds:.1f} s; train with pretrain_llama.py --load {s.destination} --finetune")
+                  f"{s.seconds:.1f} s; train with pretrain_llama.py --pretrained-checkpoint {s.destination} --load RUN "
+                  f"--save RUN (or --load {s.destination} --finetune)")
         else:
             s = hf_llama.export_hf(args.load_dir, args.save_dir, args.dtype, int(args.max_shard_size_gb * 2**30),
                                    progress=not args.no_progress)

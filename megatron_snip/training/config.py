@@ -124,6 +124,10 @@ class CheckpointConfig:
                                "afresh, as with --no-load-optim).")
     no_save_rng: bool = flag(False, "Save no RNG or quantization state (a run resuming from it keeps its own).")
     finetune: bool = flag(False, "Load model weights only and start at iteration 0.")
+    pretrained_checkpoint: str | None = flag(
+        None, "A checkpoint to start from while --load holds none (or without --load): its weights only, at "
+        "iteration 0, as --finetune. Once --load (= --save) holds this run's own checkpoint, a relaunch (a requeued "
+        "job) resumes that one instead.")
     override_opt_param_scheduler: bool = flag(
         False, "With --load: schedule the learning rate and weight decay by these flags, not by the checkpoint's "
         "saved settings (its step count is kept). Without it the checkpoint's settings continue, with a notice "
@@ -143,12 +147,23 @@ class CheckpointConfig:
         "says, or common.pt unreadable), load the newest intact earlier one instead, saying so at start-up; with "
         "--load = --save the damaged one is kept as iter_N.damaged and the tracker names the one loaded. Without it "
         "such a checkpoint is refused, naming the damaged file.", ours=True)
-    load_iteration: int | None = derived(None)  # the checkpoint validation chose in --load (None: none there)
+    load_iteration: int | None = derived(None)  # the checkpoint validation chose in load_dir (None: none there)
+    from_pretrained: bool = derived(False)  # --load held no checkpoint: the run starts from --pretrained-checkpoint
+
+    @property
+    def load_dir(self) -> str | None:
+        """The directory the run loads from: --load, or --pretrained-checkpoint where --load held no checkpoint."""
+        return self.pretrained_checkpoint if self.from_pretrained else self.load
+
+    @property
+    def weights_only(self) -> bool:
+        """Whether the load takes the model's weights only, at iteration 0 (--finetune, --pretrained-checkpoint)."""
+        return self.finetune or self.from_pretrained
 
     @property
     def resumes(self) -> bool:
         """Whether the run continues a checkpoint's state (not only its weights)."""
-        return self.load is not None and not self.finetune
+        return self.load_dir is not None and not self.weights_only
 
 
 @dataclass(frozen=True)

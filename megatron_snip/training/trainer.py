@@ -151,15 +151,16 @@ class Trainer:
         ckpt = self.config.checkpoint
         expected = self.scheduler.state_dict()  # the flags' schedule, before a checkpoint's replaces it
         loaded = checkpointing.load_checkpoint(
-            ckpt.load, [chunk.module for chunk in self.model], self.optimizer, self.scheduler,
-            load_optim=not (ckpt.no_load_optim or ckpt.finetune), load_rng=not (ckpt.no_load_rng or ckpt.finetune),
+            ckpt.load_dir, [chunk.module for chunk in self.model], self.optimizer, self.scheduler,
+            load_optim=not (ckpt.no_load_optim or ckpt.weights_only),
+            load_rng=not (ckpt.no_load_rng or ckpt.weights_only),
             fully_parallel=ckpt.ckpt_fully_parallel_load, iteration=ckpt.load_iteration,
             run_args=self.config.to_flags())
         if loaded is None:
-            self.logger.text(f"no checkpoint in {ckpt.load}: starting from scratch")
+            self.logger.text(f"no checkpoint in {ckpt.load_dir}: starting from scratch")
             return
         record = loaded.record
-        if not ckpt.finetune:  # Megatron-LM's --finetune: iteration 0, no counters
+        if not ckpt.weights_only:  # Megatron-LM's --finetune: iteration 0, no counters
             self.state = TrainState(record.iteration, record.consumed_samples, record.floating_point_operations,
                                     record.consumed_valid_samples, record.skipped_train_samples)
             if record.numerical_safety is not None:  # absent in older checkpoints
@@ -170,7 +171,12 @@ class Trainer:
         for line in (*record.dropped, *self._schedule_notice(expected, loaded)):
             self.logger.text(f"notice: {line}")
         saved_by = "" if record.saved_by == "megatron-snip" else f" (saved by {record.saved_by})"
-        self.logger.text(f"resumed from {ckpt.load}{saved_by} at iteration {record.iteration} "
+        if ckpt.from_pretrained:
+            why = "no --load" if ckpt.load is None else f"--load {ckpt.load} holds no checkpoint"
+            self.logger.text(f"{why}: starting from the weights of --pretrained-checkpoint {ckpt.load_dir}{saved_by} "
+                             f"(its iteration {record.iteration}) at iteration 0")
+            return
+        self.logger.text(f"resumed from {ckpt.load_dir}{saved_by} at iteration {record.iteration} "
                          f"(consumed samples {record.consumed_samples}); continuing at {self.state.iteration}")
 
     def _schedule_notice(self, expected: dict, loaded: checkpointing.Loaded) -> list[str]:
@@ -334,7 +340,7 @@ class Trainer:
         data = self.batches("train", self.state.consumed_samples)
         # Time only the training steps: evaluation and checkpoint time would otherwise deflate tokens/s.
         self.logger.training_starts()
-        saved_at = self.state.iteration if c.checkpoint.load else None
+        saved_at = self.state.iteration if c.checkpoint.load_dir else None
         reason = None  # why the run stops, once it does (requeue.ExitRecord)
         if c.training.manual_gc:  # Megatron-LM's --manual-gc: every rank collects at the same iterations
             gc.disable()
@@ -451,10 +457,10 @@ def pretrain(config: RunConfig, on_build: Callable[[Trainer], None] | None = Non
     log.model_lines(num_parameters(c.model, trainer.tokenizer.vocab_size), trainer.datasets.unigram_entropy,
                     c.parallel.pipeline_layout(c.model.num_layers).layers_per_stage())
     if dist.get_rank() == 0:  # partial saves, a damaged checkpoint --ckpt-fallback passes over
-        for line in checkpointing.tidy(c.checkpoint.save, c.checkpoint.load, c.checkpoint.load_iteration):
+        for line in checkpointing.tidy(c.checkpoint.save, c.checkpoint.load_dir, c.checkpoint.load_iteration):
             print(line, flush=True)
     dist.barrier()
-    if c.checkpoint.load:
+    if c.checkpoint.load_dir:
         trainer.resume()
     log.precision_lines(trainer.state.iteration, trainer.config_yaml, c.start.plan_source, c.start.schedule_source,
                         c.start.pins_text)
