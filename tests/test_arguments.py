@@ -270,7 +270,8 @@ def test_fp8_delayed_scaling_defaults_are_megatrons_and_a_checkpoint_keeps_its_o
 def test_train_samples_run_megatron_lms_schedule_in_samples(tiny_data):
     """Megatron-LM's sample-based training, whose counts need not be multiples of the global batch (its Llama 3
     8B script's are not): --train-samples // global batch iterations, and the LR stepped in samples as its
-    get_optimizer_param_scheduler builds it (warm-up 10 samples, cosine decay to 45), worked out by hand."""
+    get_optimizer_param_scheduler builds it (warm-up from --lr-warmup-init over 10 samples, cosine decay to 45),
+    worked out by hand."""
     import math
 
     import torch
@@ -279,14 +280,15 @@ def test_train_samples_run_megatron_lms_schedule_in_samples(tiny_data):
 
     training = parse_config(without_train_iters(tiny_data, "--train-samples", "50", "--lr-decay-samples", "45",
                                                 "--lr-warmup-samples", "10", "--lr-decay-style", "cosine",
-                                                "--lr", "1e-3", "--min-lr", "1e-4"), world_size=1, cuda=False).training
+                                                "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-init", "2e-4"),
+                            world_size=1, cuda=False).training
     assert (training.global_batch_size, training.train_iters, training.lr_decay_iters) == (8, 6, None)
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     scheduler = build_scheduler(training, optimizer)
     for samples in range(8, 56, 8):  # after each of the 6 iterations
         scheduler.step(8)
         cosine = 1e-4 + 0.9e-3 * 0.5 * (math.cos(math.pi * (samples - 10) / 35) + 1)
-        expected = 1e-3 * samples / 10 if samples <= 10 else cosine if samples <= 45 else 1e-4
+        expected = 2e-4 + 0.8e-3 * samples / 10 if samples <= 10 else cosine if samples <= 45 else 1e-4
         assert optimizer.param_groups[0]["lr"] == pytest.approx(expected, rel=1e-12), samples
     default = parse_config(without_train_iters(tiny_data, "--train-samples", "20"), world_size=1, cuda=False)
     assert (default.training.train_iters, default.training.lr_decay_samples) == (2, 20)

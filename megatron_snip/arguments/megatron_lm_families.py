@@ -332,7 +332,6 @@ REFUSED = {
                               "--recompute-granularity and --recompute-method",
     "model_parallel_size": "no longer valid in Megatron-LM: use --tensor-model-parallel-size",
     "warmup": "Megatron-LM's old flag: use --lr-warmup-iters or --lr-warmup-fraction",
-    "lr_warmup_init": "the warm-up starts at a learning rate of 0 here (Megatron-LM's default); drop it",
     "load_main_params_from_ckpt": "a load without the optimizer state rebuilds the fp32 main parameters from the "
                                   "model's weights here (Megatron-LM's default); drop it",
     "ckpt_step": "--load loads the iteration its tracker file names (--ckpt-fallback: the newest intact one)",

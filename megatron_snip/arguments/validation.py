@@ -350,6 +350,8 @@ def _validate_training(args: argparse.Namespace, cuda: bool) -> None:
                 f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --lr-decay-iters "
                 f"{args.lr_decay_iters} (default: --train-iters)")
     require(args.min_lr <= args.lr, f"--min-lr {args.min_lr} exceeds --lr {args.lr}")
+    require(0.0 <= args.lr_warmup_init <= args.lr,
+            f"--lr-warmup-init {args.lr_warmup_init} must lie between 0 and --lr {args.lr}")
     require(args.decoupled_min_lr is None or args.decoupled_lr is not None,
             "--decoupled-min-lr goes with --decoupled-lr (the embedding and output layer's own schedule)")
     if args.start_weight_decay is None:

@@ -73,6 +73,7 @@ class TrainingConfig:
     lr_decay_samples: int | None = flag(None, "With --train-samples: samples over which the learning rate decays. "
                                         "Default: --train-samples.")
     lr_warmup_samples: int = flag(0, "With --train-samples: linear warm-up samples.")
+    lr_warmup_init: float = flag(0.0, "Learning rate the linear warm-up starts from.")
     lr_wsd_decay_samples: int | None = flag(None, "With --train-samples, WSD: samples of the final decay.")
     lr_wsd_decay_style: str = flag("exponential", "WSD: shape of the final decay.",
                                    choices=("linear", "cosine", "exponential", "minus_sqrt"))

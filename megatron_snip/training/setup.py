@@ -185,7 +185,7 @@ def build_scheduler(training: TrainingConfig, optimizer, *, override: bool = Fal
         warmup = training.lr_warmup_fraction * decay
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0 if warmup > 0 else training.lr,
+        init_lr=training.lr_warmup_init,
         max_lr=training.lr,
         min_lr=training.min_lr,
         lr_warmup_steps=warmup,
