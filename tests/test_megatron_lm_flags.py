@@ -263,6 +263,40 @@ def test_pipeline_ddp_and_data_flags_reach_megatron_core():
     assert (samples.global_batch_size, samples.train_iters, samples.lr_wsd_decay_samples) == (4, 4, 8)
 
 
+def test_data_paths_come_from_files_as_megatron_lm_reads_them(tmp_path):
+    """--data-args-path: a text file holding --data-path's value; --per-split-data-args-path: a JSON file with the
+    per-split paths (a list, or one string split at whitespace; empty: no such split). The written configuration
+    leaves the paths to the files; a second source, an unreadable or malformed file is named."""
+    import json
+
+    import yaml
+
+    blend = tmp_path / "blend.txt"
+    blend.write_text("0.7 /data/a_text_document\n0.3 /data/b_text_document\n")
+    config = run_config("--data-args-path", str(blend))
+    assert config.data.data_path == ("0.7", "/data/a_text_document", "0.3", "/data/b_text_document")
+    assert config.data.split == "969,30,1"  # as with --data-path
+    written = yaml.safe_load(config.to_yaml())["data"]
+    assert "data_path" not in written and written["data_args_path"] == str(blend)
+    splits = tmp_path / "splits.json"
+    splits.write_text(json.dumps({"train": "1 A 2 B", "valid": ["C"], "test": []}))
+    data = run_config("--per-split-data-args-path", str(splits)).data
+    assert (data.train_data_path, data.valid_data_path, data.test_data_path, data.split) == (
+        ("1", "A", "2", "B"), ("C",), None, None)
+    (tmp_path / "bad.json").write_text(json.dumps({"train": ["A"]}))
+    for flags, message in (
+            (("--data-path", "A", "--data-args-path", str(blend)), "--data-path and --data-args-path: give one"),
+            (("--data-args-path", str(tmp_path / "none.txt")), f"--data-args-path {tmp_path / 'none.txt'}: cannot "
+                                                                 f"be read (No such file or directory)"),
+            (("--train-data-path", "A", "--per-split-data-args-path", str(splits)),
+             "--train-data-path and --per-split-data-args-path: give one"),
+            (("--per-split-data-args-path", str(tmp_path / "bad.json")), f"--per-split-data-args-path "
+             f"{tmp_path / 'bad.json'}: expected a JSON object with the keys train, valid and test")):
+        with pytest.raises(ArgumentError) as e:
+            run_config(*flags)
+        assert any(p.startswith(message) for p in e.value.problems), e.value.problems
+
+
 def test_local_rank_is_the_launchers(monkeypatch):
     """torch.distributed.launch passes --local-rank (and sets $LOCAL_RANK): they must agree; the GPU follows it."""
     monkeypatch.setenv("LOCAL_RANK", "1")

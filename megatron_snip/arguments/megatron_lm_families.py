@@ -358,8 +358,6 @@ REFUSED = {
     "full_validation": "validation runs --eval-iters batches",
     "multiple_validation_sets": "one validation set",
     "phase_transition_iterations": "multi-phase data schedules are not supported",
-    "data_args_path": "give the blend with --data-path",
-    "per_split_data_args_path": "give the splits' blends with --train-data-path, --valid-data-path, --test-data-path",
     "object_storage_cache_path": "data is read from local files only",
     "mid_level_dataset_surplus": "the blend's surplus stays megatron-core's default",
     "allow_ambiguous_pad_tokens": "not supported",

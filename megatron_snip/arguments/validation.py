@@ -210,11 +210,11 @@ def resolve(parsed: argparse.Namespace, world_size: int | None = None, cuda: boo
         _validate_precision(args, cuda, resumed)
     with problems.step():
         _validate_snip(args, cuda)
-    for validate in (_validate_safety, _validate_split):
-        with problems.step():
-            validate(args)
+    with problems.step():
+        _validate_safety(args)
     with problems.step() as data_source:
         _validate_data_source(args)
+        _validate_split(args)
     if check_files:
         with problems.step():
             _validate_solver(args)
@@ -604,9 +604,47 @@ def _te_snip_candidates(args: argparse.Namespace) -> None:
 _PER_SPLIT = ("train_data_path", "valid_data_path", "test_data_path")
 
 
+def _read_data_args(args: argparse.Namespace) -> None:
+    """--data-args-path and --per-split-data-args-path as Megatron-LM reads them: the file's text, split at
+    whitespace, is --data-path; the JSON file's train, valid and test entries (a list, or a string split at
+    whitespace) are the per-split paths."""
+    import json
+
+    if args.data_args_path is not None:
+        require(args.data_path is None, "--data-path and --data-args-path: give one (the file holds --data-path's "
+                                        "value)")
+        try:
+            with open(args.data_args_path) as f:
+                args.data_path = tuple(f.read().split()) or None
+        except OSError as e:
+            raise ArgumentError(f"--data-args-path {args.data_args_path}: cannot be read ({e.strerror})") from e
+        require(args.data_path is not None, f"--data-args-path {args.data_args_path} is empty: it should hold "
+                                            f"--data-path's value (PREFIX, or W1 PREFIX1 W2 PREFIX2 ...)")
+    if args.per_split_data_args_path is None:
+        return
+    given = [f"--{key.replace('_', '-')}" for key in _PER_SPLIT if getattr(args, key) is not None]
+    require(not given, f"{given[0] if given else ''} and --per-split-data-args-path: give one (the file holds "
+                       f"the per-split paths)")
+    path = args.per_split_data_args_path
+    try:
+        with open(path) as f:
+            splits = json.load(f)
+        for split, key in zip(("train", "valid", "test"), _PER_SPLIT):
+            value = splits[split]
+            value = value.split() if isinstance(value, str) else [str(v) for v in value]
+            setattr(args, key, tuple(value) or None)
+    except OSError as e:
+        raise ArgumentError(f"--per-split-data-args-path {path}: cannot be read ({e.strerror})") from e
+    except (ValueError, KeyError, TypeError) as e:
+        raise ArgumentError(f"--per-split-data-args-path {path}: expected a JSON object with the keys train, valid "
+                            f"and test, each a list of paths (and weights) or one string of them "
+                            f"({type(e).__name__}: {e})") from e
+
+
 def _validate_data_source(args: argparse.Namespace) -> None:
-    """One data source (--data-path, the per-split paths or --mock-data, as in Megatron-LM), a tokenizer type
-    read here, and NullTokenizer's size."""
+    """One data source (--data-path, the per-split paths or --mock-data, as in Megatron-LM, also from the files
+    that hold them), a tokenizer type read here, and NullTokenizer's size."""
+    _read_data_args(args)
     refused = REFUSED_TOKENIZER_TYPES.get(args.tokenizer_type)
     require(refused is None, f"--tokenizer-type {args.tokenizer_type} is not supported: {refused}")
     per_split = [f"--{key.replace('_', '-')}" for key in _PER_SPLIT if getattr(args, key) is not None]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_snip.flags import flag
+from megatron_snip.flags import flag, flag_values
 
 # Megatron-LM's --tokenizer-type values read here: its three SentencePiece names read one .model file alike
 # (megatron-core's tokenizers build all three from the same library), and NullTokenizer (no file).
@@ -44,6 +44,13 @@ class DataConfig:
     valid_data_path: tuple[str, ...] | None = flag(
         None, "With --train-data-path: the validation data (none: no evaluation, --eval-iters is then 0).")
     test_data_path: tuple[str, ...] | None = flag(None, "With --train-data-path: the test data.")
+    data_args_path: str | None = flag(
+        None, "Instead of --data-path: a text file holding its value (prefixes, or weights and prefixes, separated by "
+        "whitespace), for a blend too long for a command line. Read at start-up.")
+    per_split_data_args_path: str | None = flag(
+        None, "Instead of --train-data-path, --valid-data-path and --test-data-path: a JSON file with the keys train, "
+        "valid and test, each a list of such a flag's values or one string of them (empty: no such split). Read at "
+        "start-up.")
     mock_data: bool = flag(
         False, "Synthetic data instead of --data-path: megatron-core's MockGPTDataset (documents of random length, "
         "each 1, 2, 3, ... modulo the vocabulary, then end-of-document), split 1,1,1 whatever --split says, as in "
@@ -64,3 +71,14 @@ class DataConfig:
     eod_mask_loss: bool = flag(False, "No loss on end-of-document tokens.")
     mmap_bin_files: bool = flag(True, "Read the .bin files without memory-mapping them.",
                                 option="--no-mmap-bin-files")
+
+    def file_values(self) -> dict:
+        """The flag values a config file states: the paths a --data-args-path or --per-split-data-args-path file
+        gave are left to the file (read again when the configuration is)."""
+        values = flag_values(self)
+        if self.data_args_path is not None:
+            del values["data_path"]
+        if self.per_split_data_args_path is not None:
+            for key in ("train_data_path", "valid_data_path", "test_data_path"):
+                del values[key]
+        return values
