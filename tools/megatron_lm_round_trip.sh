@@ -31,10 +31,13 @@ DEPS="$OUT/deps"  # what Megatron-LM's training code imports beyond this program
 python -c "import six" 2>/dev/null || pip install --quiet --target "$DEPS" six
 export PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}:$DEPS"
 
+# The run's length and warm-up: 6 iterations of 8 samples; LENGTH="--train-samples 50 --lr-decay-samples 45
+# --lr-warmup-samples 10" runs Megatron-LM's sample-based schedule instead (6 iterations too).
+read -r -a LENGTH <<< "${LENGTH:---train-iters 6 --lr-warmup-iters 1}"
 FLAGS=(--num-layers 2 --hidden-size 64 --ffn-hidden-size 192 --num-attention-heads 4 --group-query-attention
        --num-query-groups 2 --seq-length 64 --max-position-embeddings 64 --swiglu --disable-bias-linear
        --normalization RMSNorm --position-embedding-type rope --attention-dropout 0.0 --hidden-dropout 0.0
-       --micro-batch-size 2 --global-batch-size 8 --train-iters 6 --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 1
+       --micro-batch-size 2 --global-batch-size 8 "${LENGTH[@]}" --lr 1e-3 --min-lr 1e-4
        --lr-decay-style cosine --bf16 --use-distributed-optimizer --tensor-model-parallel-size 2
        --pipeline-model-parallel-size 2 --mock-data --tokenizer-type NullTokenizer --vocab-size 127 --seed 5
        --log-interval 1 --eval-iters 0 --eval-interval 1000 "$@")
