@@ -88,6 +88,8 @@ def _read_checkpoint(args: argparse.Namespace) -> CheckpointRecord | None:
         if args.pretrained_checkpoint is not None and args.load_iteration is None:
             option, source, args.from_pretrained = "--pretrained-checkpoint", args.pretrained_checkpoint, True
             args.load_iteration, notice = choose_checkpoint(source, args.ckpt_fallback)
+            if args.load_iteration is None:
+                _refuse_hf_directory(source, option)
             require(args.load_iteration is not None,
                     f"--pretrained-checkpoint {source!r} holds no checkpoint (no latest_checkpointed_iteration.txt)"
                     f"{'' if args.load is None else f', nor does --load {args.load!r}'}; fix the path")
@@ -102,7 +104,7 @@ def _read_checkpoint(args: argparse.Namespace) -> CheckpointRecord | None:
         if record is not None:
             _fill_from_checkpoint(args, record.args, source, counted_eod=record.legacy)
         else:
-            _refuse_hf_directory(source)
+            _refuse_hf_directory(source, option)
     except CannotLoad as e:
         raise ArgumentError(*[f"{option} {source}: {line}" for line in e.problems]) from e
     except (CheckpointError, ValueError) as e:
@@ -768,15 +770,16 @@ def _validate_data_files(args: argparse.Namespace) -> int:
     return tokens
 
 
-def _refuse_hf_directory(path: str) -> None:
-    """A Hugging Face model directory given to --load (a common mistake) is named as such, with the converter."""
+def _refuse_hf_directory(path: str, option: str = "--load") -> None:
+    """A Hugging Face model directory given to --load or --pretrained-checkpoint (``option``; a common mistake) is
+    named as such, with the converter."""
     import glob
 
     if os.path.isfile(os.path.join(path, "config.json")) or glob.glob(os.path.join(path, "*.safetensors")):
         raise ArgumentError(
-            f"--load {path!r} is a Hugging Face model directory (config.json / *.safetensors), not a checkpoint; "
+            f"{option} {path!r} is a Hugging Face model directory (config.json / *.safetensors), not a checkpoint; "
             f"convert it once with python tools/convert_hf_llama.py import --load-dir {path} --save-dir CKPT_DIR "
-            f"and pass --load CKPT_DIR")
+            f"and pass {option} CKPT_DIR")
 
 
 def parse_config(argv: list[str] | None = None, world_size: int | None = None,
