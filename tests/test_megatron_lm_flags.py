@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from conftest import TINY_MEGATRON, TINY_MODEL, run_config
+from conftest import TINY_MEGATRON, TINY_MODEL, in_world_of_one, run_config
 
 from megatron_snip.arguments import ArgumentError, build_parser, parse_args, resolve
 from megatron_snip.arguments.megatron_lm import DIFFERENT_DEFAULTS, FILLED_DEFAULTS
@@ -303,6 +303,27 @@ def test_local_rank_is_the_launchers(monkeypatch):
     assert run_config("--local-rank", "1").parallel.tensor_model_parallel_size == 1
     with pytest.raises(ArgumentError, match=r"^--local-rank 0 differs from \$LOCAL_RANK 1, which the launcher set"):
         run_config("--local-rank", "0")
+
+
+def _initial_stds(flags: tuple[str, ...]) -> tuple[float, float]:
+    """The standard deviations of a freshly built model's input embedding and first qkv weight."""
+    from megatron_snip.model.llama import build_model, transformer_config
+
+    config = run_config(*flags)
+    (chunk,) = build_model(config.model, config.parallel, transformer_config(config.model, config.parallel), 1000)
+    return (chunk.embedding.word_embeddings.weight.std().item(),
+            chunk.decoder.layers[0].self_attention.linear_qkv.weight.std().item())
+
+
+@pytest.mark.integration
+def test_the_embedding_has_its_own_initialisation_as_megatron_lm_gives_it(tmp_path):
+    """--embedding-init-method-std: the input embedding's standard deviation (others keep --init-method-std);
+    without it the embedding takes --init-method-std, as in Megatron-LM."""
+    embedding, linear = in_world_of_one(_initial_stds, ("--init-method-std", "0.01", "--embedding-init-method-std",
+                                                         "0.5"), tmp_path=tmp_path)
+    assert embedding == pytest.approx(0.5, rel=0.03) and linear == pytest.approx(0.01, rel=0.03)
+    embedding, _ = in_world_of_one(_initial_stds, ("--init-method-std", "0.01"), tmp_path=tmp_path)
+    assert embedding == pytest.approx(0.01, rel=0.03)
 
 
 def test_cpu_initialization_on_a_gpu_is_the_flags(monkeypatch):

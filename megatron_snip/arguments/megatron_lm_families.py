@@ -321,7 +321,6 @@ REFUSED = {
                                  "default)",
     "init_method_xavier_uniform": "weights are initialised from normal(0, --init-method-std) here (Megatron-LM's "
                                   "default)",
-    "embedding_init_method_std": "the embedding is initialised with --init-method-std here (Megatron-LM's default)",
     "use_legacy_models": "Megatron-LM's legacy models are gone; megatron-core models only",
     "rampup_batch_size": "batch-size ramp-up is not supported: --global-batch-size stays fixed",
     "decrease_batch_size_if_needed": "the global batch is never decreased here: give --global-batch-size a multiple "

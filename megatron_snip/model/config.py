@@ -78,6 +78,8 @@ class ModelConfig:
         "and data-parallel rank) instead of averaging each micro-batch's per-token mean (megatron-core's "
         "calculate_per_token_loss): with --eod-mask-loss every token weighs the same.")
     init_method_std: float = flag(0.02, "Standard deviation of the weight initialisation.")
+    embedding_init_method_std: float | None = flag(
+        None, "Standard deviation of the input embedding's initialisation (default: --init-method-std).")
     use_cpu_initialization: bool = flag(
         False, "Initialise each full weight on the CPU and give every tensor-parallel rank its slice (the same "
         "weights at every TP size), then move it to the GPU; always so without CUDA.")

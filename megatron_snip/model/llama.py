@@ -76,6 +76,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Transfor
         add_bias_linear=False,
         add_qkv_bias=False,
         init_method_std=model.init_method_std,
+        embedding_init_method_std=model.embedding_init_method_std,
         attention_dropout=model.attention_dropout,
         hidden_dropout=model.hidden_dropout,
         # Transformer Engine's layers read the backend from here (GPTModel turns it into NVTE_* variables).
