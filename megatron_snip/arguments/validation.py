@@ -19,7 +19,7 @@ import math
 import os
 from typing import TYPE_CHECKING
 
-from megatron_snip.data.config import NULL_TOKENIZER, REFUSED_TOKENIZER_TYPES
+from megatron_snip.data.config import NULL_TOKENIZER
 from megatron_snip.fileio import check_writable
 from megatron_snip.model import checkpoint_shape
 from megatron_snip.model.presets import PRESETS
@@ -29,6 +29,7 @@ from megatron_snip.snip.config import DEFAULT_FP4_TARGET
 
 from .architecture import checkpoint_flag, resolve_architecture
 from .context_parallel import check_token_blocks, validate_context_parallel
+from .data import check_data_and_tokenizer, validate_data_source, validate_split
 from .errors import ArgumentError, HostProblem, Problems, require
 from .megatron_lm import refuse_megatron_lm, validate_megatron_lm
 from .parser import parse_args
@@ -215,8 +216,8 @@ def resolve(parsed: argparse.Namespace, world_size: int | None = None, cuda: boo
     with problems.step():
         _validate_safety(args)
     with problems.step() as data_source:
-        _validate_data_source(args)
-        _validate_split(args)
+        validate_data_source(args)
+        validate_split(args)
     if check_files:
         with problems.step():
             _validate_solver(args)
@@ -603,89 +604,6 @@ def _te_snip_candidates(args: argparse.Namespace) -> None:
                                     "recipe covers a module's forward and backward GEMMs): SNIP plans them together")
 
 
-_PER_SPLIT = ("train_data_path", "valid_data_path", "test_data_path")
-
-
-def _read_data_args(args: argparse.Namespace) -> None:
-    """--data-args-path and --per-split-data-args-path as Megatron-LM reads them: the file's text, split at
-    whitespace, is --data-path; the JSON file's train, valid and test entries (a list, or a string split at
-    whitespace) are the per-split paths."""
-    import json
-
-    if args.data_args_path is not None:
-        require(args.data_path is None, "--data-path and --data-args-path: give one (the file holds --data-path's "
-                                        "value)")
-        try:
-            with open(args.data_args_path) as f:
-                args.data_path = tuple(f.read().split()) or None
-        except OSError as e:
-            raise ArgumentError(f"--data-args-path {args.data_args_path}: cannot be read ({e.strerror})") from e
-        require(args.data_path is not None, f"--data-args-path {args.data_args_path} is empty: it should hold "
-                                            f"--data-path's value (PREFIX, or W1 PREFIX1 W2 PREFIX2 ...)")
-    if args.per_split_data_args_path is None:
-        return
-    given = [f"--{key.replace('_', '-')}" for key in _PER_SPLIT if getattr(args, key) is not None]
-    require(not given, f"{given[0] if given else ''} and --per-split-data-args-path: give one (the file holds "
-                       f"the per-split paths)")
-    path = args.per_split_data_args_path
-    try:
-        with open(path) as f:
-            splits = json.load(f)
-        for split, key in zip(("train", "valid", "test"), _PER_SPLIT):
-            value = splits[split]
-            value = value.split() if isinstance(value, str) else [str(v) for v in value]
-            setattr(args, key, tuple(value) or None)
-    except OSError as e:
-        raise ArgumentError(f"--per-split-data-args-path {path}: cannot be read ({e.strerror})") from e
-    except (ValueError, KeyError, TypeError) as e:
-        raise ArgumentError(f"--per-split-data-args-path {path}: expected a JSON object with the keys train, valid "
-                            f"and test, each a list of paths (and weights) or one string of them "
-                            f"({type(e).__name__}: {e})") from e
-
-
-def _validate_data_source(args: argparse.Namespace) -> None:
-    """One data source (--data-path, the per-split paths or --mock-data, as in Megatron-LM, also from the files
-    that hold them), a tokenizer type read here, and NullTokenizer's size."""
-    _read_data_args(args)
-    refused = REFUSED_TOKENIZER_TYPES.get(args.tokenizer_type)
-    require(refused is None, f"--tokenizer-type {args.tokenizer_type} is not supported: {refused}")
-    per_split = [f"--{key.replace('_', '-')}" for key in _PER_SPLIT if getattr(args, key) is not None]
-    sources = ["--mock-data"] * args.mock_data + ["--data-path"] * (args.data_path is not None) + per_split[:1]
-    require(len(sources) <= 1, f"{' and '.join(sources)}: give one data source (--data-path, the per-split "
-            f"--train-data-path / --valid-data-path / --test-data-path, or --mock-data)")
-    if per_split:
-        require(args.split is None, f"--split {args.split} divides --data-path's documents; with {per_split[0]} "
-                "each split has its own data: drop --split (as Megatron-LM requires)")
-        require(args.train_data_path is not None or args.skip_train or args.train_iters == 0,
-                f"{per_split[0]} without --train-data-path: give the training data too")
-        if args.valid_data_path is None:
-            args.eval_iters = 0  # as in Megatron-LM: no validation dataset, no evaluation
-    if args.tokenizer_type == NULL_TOKENIZER:
-        require(args.vocab_size is not None and args.vocab_size >= 1,
-                f"--tokenizer-type NullTokenizer needs --vocab-size N >= 1 (ids 0..N-1, then the end-of-document id N, "
-                f"as in Megatron-LM), not {args.vocab_size}")
-
-
-def _validate_split(args: argparse.Namespace) -> None:
-    """``--split`` parsed as megatron-core parses it; as in Megatron-LM, no validation share means no
-    evaluation (``--eval-iters`` becomes 0). Mock data ignores it (megatron-core splits it 1,1,1)."""
-    if args.mock_data or any(getattr(args, key) is not None for key in _PER_SPLIT):
-        return
-    if args.split is None:
-        args.split = "969,30,1"  # Megatron-LM's default (its 'legacy' one) with --data-path
-    from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
-
-    try:
-        train, valid, _ = parse_and_normalize_split(args.split)
-    except (AssertionError, ValueError, ZeroDivisionError) as e:
-        raise ArgumentError(f"--split {args.split!r}: expected up to three shares >= 0, not all 0, "
-                            f"train,valid,test (e.g. 969,30,1)") from e
-    require(train > 0 or args.skip_train or args.train_iters == 0,
-            f"--split {args.split} gives training no documents; give its first field a share")
-    if valid == 0:
-        args.eval_iters = 0
-
-
 def _validate_solver(args: argparse.Namespace) -> None:
     """``--snip-solver gurobi`` needs a Gurobi that starts (a bad license would fail at the first re-plan)."""
     if not (args.snip and args.snip_solver == "gurobi"):
@@ -699,30 +617,8 @@ def _validate_solver(args: argparse.Namespace) -> None:
 
 def _validate_files(args: argparse.Namespace, from_checkpoint: bool, read: bool) -> None:
     """The data, the tokenizer and --load's checkpoint (``read``: its record was read, or there is none)."""
-    require(args.data_path is not None or args.mock_data or args.train_data_path is not None,
-            "--data-path is required: the prefix of a preprocessed dataset (tools/preprocess_data.py), or "
-            "--train-data-path (with --valid-data-path, --test-data-path), or --mock-data for megatron-core's "
-            "synthetic data")
-    require(args.tokenizer_model is not None or args.tokenizer_type == NULL_TOKENIZER,
-            "--tokenizer-model is required: a sentencepiece .model file (tools/train_tokenizer.py) or, with "
-            "--tokenizer-type HuggingFaceTokenizer, a tokenizer.json or the model directory holding it")
-    try:
-        tokens = _validate_data_files(args)
-    except (FileNotFoundError, ValueError) as e:
-        raise ArgumentError(str(e)) from e
-    latest = args.load_iteration  # read with the checkpoint (_read_checkpoint)
-    if args.tokenizer_type == NULL_TOKENIZER:
-        pass  # --vocab-size defines this tokenizer
-    elif from_checkpoint:
-        require(args.vocab_size is None or tokens <= args.vocab_size,
-                f"--tokenizer-model {args.tokenizer_model} has {tokens} ids but the model in {checkpoint_flag(args)} "
-                f"has a vocabulary of {args.vocab_size}; use the model's own tokenizer")
-    else:
-        require(args.vocab_size in (None, tokens),
-                f"--vocab-size {args.vocab_size} differs from the {tokens} ids of --tokenizer-model "
-                f"{args.tokenizer_model}, which define the vocabulary here (Megatron-LM ignores --vocab-size for "
-                f"this tokenizer type); drop --vocab-size or pass {tokens}")
-    if args.load is not None and (latest is None or args.from_pretrained) and read:
+    check_data_and_tokenizer(args, from_checkpoint, checkpoint_flag(args))
+    if args.load is not None and (args.load_iteration is None or args.from_pretrained) and read:
         require(args.from_pretrained or not args.exit_on_missing_checkpoint,
                 f"--load {args.load!r} holds no checkpoint (no latest_checkpointed_iteration.txt) and "
                 f"--exit-on-missing-checkpoint is given; fix the path, or drop the flag to start fresh")
@@ -742,32 +638,6 @@ def _validate_output_folders(args: argparse.Namespace) -> None:
         if folder is not None:
             failure = check_writable(folder)
             require(failure is None, HostProblem(f"{flag} {folder}: {failure}; give a folder this job can write"))
-
-
-def _validate_data_files(args: argparse.Namespace) -> int:
-    """Check the tokenizer and the data against each other; returns the tokenizer's size."""
-    from megatron_snip.data.datasets import (
-        check_data_prefixes,
-        check_splits_have_documents,
-        check_vocab_covers_data,
-        parse_data_path,
-    )
-    from megatron_snip.data.tokenizer import build_tokenizer
-
-    paths = [args.data_path] if args.data_path is not None else [getattr(args, key) for key in _PER_SPLIT]
-    prefixes = [prefix for path in paths if path is not None for prefix in parse_data_path(path)[0]]
-    check_data_prefixes(prefixes)
-    if args.data_path is not None:  # mock data ignores --split; per-split data has none
-        check_splits_have_documents(prefixes, args.split)
-    tokens = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size).vocab_size
-    if args.tokenizer_type == NULL_TOKENIZER:
-        check_vocab_covers_data(prefixes, tokens, f"--tokenizer-type {NULL_TOKENIZER} --vocab-size {args.vocab_size}",
-                                "give --vocab-size the size of the tokenizer the data was preprocessed with, less its "
-                                "end-of-document id (N: ids 0..N-1, then the end-of-document id N, as in Megatron-LM)")
-    else:
-        check_vocab_covers_data(prefixes, tokens, f"--tokenizer-model {args.tokenizer_model}",
-                                "rerun tools/preprocess_data.py with this --tokenizer-model")
-    return tokens
 
 
 def _refuse_hf_directory(path: str, option: str = "--load") -> None:
