@@ -1,7 +1,7 @@
 """The flag documentation, generated from the configuration sections (the one source of truth):
-a compact table in README.md, the full reference in docs/flags.md, and in docs/megatron_compat.md the
-answer to each of Megatron-LM's other options and the defaults that differ (from :mod:`.megatron_lm_families`
-and :mod:`.megatron_lm`).
+a table of this program's own flags in README.md, the full reference in docs/flags.md, and in
+docs/megatron_compat.md the answer to each of Megatron-LM's other options and the defaults that differ
+(from :mod:`.megatron_lm_families` and :mod:`.megatron_lm`).
 
     python -m megatron_snip.arguments.flag_docs --write    # regenerate them
     python -m megatron_snip.arguments.flag_docs            # exit 1 if one is out of date
@@ -36,13 +36,13 @@ def _sections() -> list[tuple[str, str, type]]:
 
 
 def compact_table() -> str:
-    """One row per section with its flags' names; this program's own flags in bold."""
-    lines = ["| section | flags (**bold**: this program's own; the rest are Megatron-LM's, with its meaning) |",
+    """One row per section with this program's own flags (Megatron-LM's are in docs/flags.md)."""
+    lines = ["| section | this program's own flags (every flag, Megatron-LM's too: [docs/flags.md](docs/flags.md)) |",
              "|---|---|"]
     for name, _, cls in _sections():
-        names = [option.removeprefix("--") if megatron else f"**{option.removeprefix('--')}**"
-                 for option, _, _, megatron in flag_rows(cls)]
-        lines.append(f"| {name} | {' '.join(names)} |")
+        names = [f"`{option}`" for option, _, _, megatron in flag_rows(cls) if not megatron]
+        if names:
+            lines.append(f"| {name} | {' '.join(names)} |")
     return "\n".join(lines)
 
 
