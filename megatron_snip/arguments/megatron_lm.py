@@ -139,8 +139,6 @@ def validate_megatron_lm(args: argparse.Namespace) -> None:
     args.train_iters = args.train_samples // args.global_batch_size
     if args.lr_decay_samples is None:
         args.lr_decay_samples = args.train_samples  # as Megatron-LM's get_optimizer_param_scheduler sets it
-    if args.lr_warmup_fraction is not None:
-        require(0.0 <= args.lr_warmup_fraction <= 1.0, "--lr-warmup-fraction must lie in [0, 1]")
     warmup = args.lr_warmup_samples if args.lr_warmup_fraction is None else (
         args.lr_warmup_fraction * args.lr_decay_samples)
     require(warmup < args.lr_decay_samples,

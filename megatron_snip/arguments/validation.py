@@ -343,11 +343,12 @@ def _validate_training(args: argparse.Namespace, cuda: bool) -> None:
                 "--recompute-granularity full needs --recompute-method uniform|block")
         if args.recompute_num_layers is None:
             args.recompute_num_layers = 1
+    require(args.lr_warmup_fraction is None or 0.0 <= args.lr_warmup_fraction <= 1.0,
+            "--lr-warmup-fraction must lie in [0, 1]")
     if args.train_samples is None:  # with --train-samples the schedule is in samples (validate_megatron_lm)
         if args.lr_decay_iters is None:
             args.lr_decay_iters = args.train_iters
         if args.lr_warmup_fraction is not None:
-            require(0.0 <= args.lr_warmup_fraction <= 1.0, "--lr-warmup-fraction must lie in [0, 1]")
             args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
         require(args.train_iters == 0 or args.lr_warmup_iters < args.lr_decay_iters,
                 f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --lr-decay-iters "

@@ -31,8 +31,8 @@ def saved_keys(path: str) -> Mapping:
 def drop_absent_extra_states(model_state: dict, saved: Mapping) -> list[str]:
     """Remove from ``model_state`` (a model chunk's sharded state dict) the ``_extra_state`` objects the
     checkpoint (``saved``: :func:`saved_keys`) does not hold, and return their names; the caller gives them
-    None before ``load_state_dict``. The final norm asks for one that only checkpoints written with Transformer
-    Engine installed, and this program's since it writes one, hold (model/norms.py, TEExtraState); none
+    None before ``load_state_dict``. The final norm asks for one (model/norms.py, TEExtraState) that older
+    checkpoints of this program and those of Megatron-LM without Transformer Engine lack; no extra state
     carries anything a module here uses."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 

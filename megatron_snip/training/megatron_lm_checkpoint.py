@@ -56,8 +56,7 @@ _LLAMA = {"add_bias_linear": False, "add_qkv_bias": False, "swiglu": True, "squa
           "apply_residual_connection_post_layernorm": False, "qk_layernorm": False, "num_experts": None,
           "multi_latent_attention": False, "is_hybrid_model": False, "mtp_num_layers": None, "fp16": False,
           "ckpt_format": "torch_dist", "use_dist_ckpt": True, "data_parallel_random_init": False,
-          "phase_transition_iterations": None, "vocab_file": None, "merge_file": None, "train_samples": None,
-          "lr_warmup_init": 0.0}
+          "phase_transition_iterations": None, "vocab_file": None, "merge_file": None}
 
 # Megatron-LM's fields a checkpoint of it gives this program's flags (the same names), where set.
 _TAKEN = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length",
