@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from megatron_snip.flags import flag
 
-from .errors import require
+from .errors import ArgumentError, require
 from .megatron_lm_families import GIVEN, answer
 
 
@@ -134,7 +134,8 @@ def validate_megatron_lm(args: argparse.Namespace) -> None:
             "with --train-samples give the LR schedule in samples (--lr-decay-samples, --lr-warmup-samples, "
             "--lr-wsd-decay-samples), as Megatron-LM expects, not --lr-decay-iters / --lr-warmup-iters / "
             "--lr-wsd-decay-iters")
-    require(args.train_samples > 0, f"--train-samples {args.train_samples} must be > 0")
+    if args.train_samples <= 0:
+        raise ArgumentError(f"--train-samples {args.train_samples} must be > 0")
     # Megatron-LM's update_train_iters (no batch-size ramp-up): a partial last batch is not trained.
     args.train_iters = args.train_samples // args.global_batch_size
     if args.lr_decay_samples is None:
