@@ -45,7 +45,7 @@ from megatron_snip.numerics.registry import FP4_NAMES
 from megatron_snip.precision.plan import PrecisionPlan
 from megatron_snip.snip.ilp import InfeasibleBudgetError, evaluate_plan
 from megatron_snip.snip.planner import to_precision_plan
-from megatron_snip.snip.policies import policy_plans
+from megatron_snip.snip.policies import UnavailablePolicy, policy_plans
 from megatron_snip.snip.statistics_file import Budget, StatisticsFile
 from megatron_snip.training import tags
 from megatron_snip.training.metrics_record import read_metrics
@@ -238,6 +238,8 @@ class Comparison:
                 if isinstance(plan, InfeasibleBudgetError):
                     self.log(f"seed {seed}, {budget.label}: {name} cannot meet the budget: {plan}")
                     continue
+                if isinstance(plan, UnavailablePolicy):
+                    raise ValueError(f"policy {name}: {plan}")
                 ev = evaluate_plan(problem, plan)
                 to_precision_plan(plan, split=problem.split).save(path)
                 self.log(f"seed {seed}, {budget.label}: {name}: {ev.fp4_fraction:.1%} FP4, estimated time "

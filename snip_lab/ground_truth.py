@@ -41,9 +41,9 @@ from megatron_snip.model.step import LOSS_KEY, forward_step
 from megatron_snip.numerics.linear import QuantState
 from megatron_snip.numerics.recipes import BF16, Precision
 from megatron_snip.snip.adam_view import AdamSlice, AdamView
+from megatron_snip.snip.module_probe import MicrobatchCounter, ModuleLayout, needs_grad, squared_norm
 from megatron_snip.snip.noise import noise_key
 from megatron_snip.snip.passes import ForwardStep, PassRunner, preserved_training_state
-from megatron_snip.snip.probes import MicrobatchCounter, ModuleLayout, needs_grad, squared_norm
 
 Table = dict[str, dict[str, float]]  # module -> format -> value
 
@@ -245,6 +245,7 @@ def backward_ground_truth(
     seq_length: int,
     micro_batch_size: int,
     seeds: Sequence[int] = (0,),
+    metric: str = "fisher",
     forward_step_func: ForwardStep = forward_step,
     loss_key: str = LOSS_KEY,
 ) -> Table:
@@ -252,9 +253,10 @@ def backward_ground_truth(
 
     g are the data-parallel-reduced gradients of the whole model (every parameter the optimizer
     updates) and ``u(g)`` the update torch's Adam would take for g from the optimizer's current
-    state (``estimators.adam_update``), so the drift is exact, not linearised.
+    state (``estimators.adam_update``), so the drift is exact, not linearised; both norms in the
+    update ``metric`` (``estimators.metric_scale``: weights at ``g_ref``).
 
-    Args: as :func:`forward_ground_truth`, plus the megatron ``optimizer`` (Adam state).
+    Args: as :func:`forward_ground_truth`, plus the megatron ``optimizer`` (Adam state) and the ``metric``.
     Returns:
         module -> format -> mean normalised update drift, on every rank.
     """
@@ -268,24 +270,34 @@ def backward_ground_truth(
         for module in local.values():
             module.precision = BF16
         for runner in runners:
-            ref = _update(runner, adam, rng)
+            ref, clean = _update(runner, adam, rng, metric)
             update_sq = adam.model_sum(lambda s: squared_norm(ref[s]))
             for name, fmts in plan:
                 for fmt in fmts:
                     for seed in seeds:
                         with _only(local, [name], Precision("bf16", fmt), seed):
-                            u = _update(runner, adam, rng)
+                            u, _ = _update(runner, adam, rng, metric, clean)
                         sums[name][fmt] += adam.model_sum(lambda s: squared_norm(u[s] - ref[s])) / update_sq
     return {name: {f: v / (len(runners) * len(seeds)) for f, v in row.items()} for name, row in sums.items()}
 
 
-def _update(runner: PassRunner, adam: AdamView, rng) -> dict[AdamSlice, torch.Tensor]:
-    """The update torch's Adam would take (``estimators.adam_update``, no step applied) for the
-    gradient of one forward + backward over ``runner``'s batch, RNG states restored first."""
+def _gradients(runner: PassRunner, adam: AdamView, rng) -> dict[AdamSlice, torch.Tensor]:
+    """Every slice's (flat, data-parallel-reduced) gradient of one forward + backward over ``runner``'s
+    batch, RNG states restored first."""
     rng.restore()
     runner.run(forward_only=False)
     scale = runner.loss_scale
-    return {s: s.update(s.flat(s.param.main_grad).float() / scale) for s in adam.slices.values()}
+    return {s: s.flat(s.param.main_grad).float() / scale for s in adam.slices.values()}
+
+
+def _update(runner: PassRunner, adam: AdamView, rng, metric: str,
+            clean: Mapping[AdamSlice, torch.Tensor] | None = None) -> tuple[dict, dict]:
+    """(update, gradient): the update torch's Adam would take (``estimators.adam_update``, no step
+    applied) for the gradient of one pass over ``runner``'s batch, in the update ``metric``
+    (``AdamSlice.in_metric``) at the ``clean`` gradient (None: this pass's own), and that gradient."""
+    grads = _gradients(runner, adam, rng)
+    clean = grads if clean is None else clean
+    return {s: s.in_metric(s.update(g), clean[s], metric) for s, g in grads.items()}, grads
 
 
 @dataclass(frozen=True)
@@ -324,6 +336,7 @@ def group_drift(
     micro_batch_size: int,
     seed: int = 0,
     operands: Collection[tuple[str, str]] | None = None,
+    metric: str = "fisher",
     forward_step_func: ForwardStep = forward_step,
     loss_key: str = LOSS_KEY,
 ) -> dict[str, GroupDrift]:
@@ -339,7 +352,8 @@ def group_drift(
     barely moves; results/notebook.md, "Why SNIP ranks qkv and fc1 above fc2", point 3).
 
     Args: as :func:`backward_ground_truth`, plus ``groups`` (group name -> global module names),
-        the rounding ``seed`` and ``operands`` ((gemm, operand) pairs; None: all of ``precision``'s).
+        the rounding ``seed`` and ``operands`` ((gemm, operand) pairs; None: all of ``precision``'s);
+        drifts in the update ``metric``.
         Costs one forward + backward per (group, batch), plus one per batch.
     Returns:
         group name -> :class:`GroupDrift`, on every rank.
@@ -352,15 +366,15 @@ def group_drift(
     with preserved_training_state(chunks, local) as rng:
         for module in local.values():
             module.precision = BF16
-        refs = [_update(runner, adam, rng) for runner in runners]
+        refs, cleans = zip(*(_update(runner, adam, rng, metric) for runner in runners))
         norms = [adam.model_sum(lambda s, r=r: squared_norm(r[s])) for r in refs]
         for group, names in groups.items():
             weights = {f"{n}.weight" for n in names}
             mine = {"own": lambda s: s.name in weights, "other": lambda s: s.name not in weights}
             drifts, sq = [], []  # per batch: the drift, and its squared norm over each part
-            for runner, ref in zip(runners, refs):
+            for runner, ref, clean in zip(runners, refs, cleans):
                 with _only(local, names, precision, seed, operands):
-                    u = _update(runner, adam, rng)
+                    u, _ = _update(runner, adam, rng, metric, clean)
                 d = {s: u[s] - ref[s] for s in ref}
                 drifts.append(d)
                 sq.append({p: adam.model_sum(lambda s, keep=keep: squared_norm(d[s]) * keep(s))

@@ -28,7 +28,7 @@ from megatron_snip.snip.config import CURVATURES
 from megatron_snip.snip.estimators import cost_tables, divergences, draws_z, unresolved_curvatures
 from megatron_snip.snip.ilp import Plan, SnipProblem, evaluate_plan
 from megatron_snip.snip.planner import to_precision_plan
-from megatron_snip.snip.policies import Variant, variant_plan, with_curvature
+from megatron_snip.snip.policies import Variant, measured_curvature, variant_plan, with_curvature
 from megatron_snip.snip.statistics import ProbeStatistics
 from megatron_snip.snip.statistics_file import Budget, StatisticsFile
 
@@ -121,9 +121,12 @@ def measured_update_stats(stats: ProbeStatistics, by_type: Mapping[str, Mapping[
                 if fmt in scales[n]:
                     a, b = scales[n][fmt]
                     scales[n][fmt] = (a * k, b * k)
-    # The local part is the error's own drift (``update_sq``), the propagated one grows with ``input_grad_sq``.
+    # The local part is the error's own drift (``update_sq``), the propagated one ``propagated`` (statistics
+    # before version 3: it grows with ``input_grad_sq``).
     return replace(stats, modules={n: replace(m, errors={
         f: replace(e, update_sq=e.update_sq * scales[n][f][0], input_grad_sq=e.input_grad_sq * scales[n][f][1])
+        if e.propagated is None else
+        replace(e, update_sq=e.update_sq * scales[n][f][0], propagated=e.propagated * scales[n][f][1])
         for f, e in m.errors.items()}) for n, m in stats.modules.items()})
 
 
@@ -136,12 +139,14 @@ def type_terms(stats: ProbeStatistics, fmt: str) -> dict[str, dict[str, float]]:
     ILP weighs them): the loss term with either curvature, the update term's local and propagated
     parts."""
     out: dict[str, dict[str, float]] = {}
-    for curvature in CURVATURES:
+    # The Hutchinson curvature only where the probes measured it; the empirical Fisher's from every clean pass.
+    curvatures = [c for c in CURVATURES if c == "fisher" or measured_curvature(stats) == "hutchinson"]
+    for curvature in curvatures:
         for name, per in divergences(with_curvature(stats, curvature)).items():
             row = out.setdefault(module_type(name), dict.fromkeys(
-                [f"loss ({c})" for c in CURVATURES] + ["update, local", "update, propagated"], 0.0))
+                [f"loss ({c})" for c in curvatures] + ["update, local", "update, propagated"], 0.0))
             row[f"loss ({curvature})"] += per[fmt].forward
-            if curvature == "hutchinson":
+            if curvature == curvatures[0]:
                 row["update, local"] += per[fmt].update_local / stats.update_sq
                 row["update, propagated"] += per[fmt].update_propagated / stats.update_sq
     return out

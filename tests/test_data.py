@@ -7,6 +7,7 @@ under pytest's tmp directories.
 import importlib
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -204,6 +205,77 @@ def test_prose_corpus_is_the_handbook_text_and_the_fortunes_in_a_seeded_order(tm
         build_corpus(CorpusConfig(**{**cfg, "handbook_dir": str(tmp_path / "missing")}))
     with pytest.raises(ValueError, match="unknown corpus source 'poetry'"):
         CorpusConfig(output=str(out), source="poetry")
+
+
+C_FILES = {  # what the C corpus collects: relative path -> bytes
+    "stdio.h": b"#include <features.h>\n",
+    "sys/types.h": b"typedef int pid_t;\n",
+    "crlf.h": b"#define A 1\r\n#define B 2\r\n",
+    "node/v8.hpp": b"namespace v8 {}\n",
+    "kj/a.hh": b"class A;\n",
+    "kj/b.hxx": b"class B;\n",
+    "valgrind/x.c": b"int x;\n",
+    "llvm/y.cc": b"int y;\n",
+    "llvm/z.cpp": b"int z;\n",
+    "llvm/w.cxx": b"int w;\n",
+    "c++/12/vector": b"#include <bits/stl_vector.h>\n",  # libstdc++'s extensionless headers
+    "c++/12/tr1/array": b"namespace std::tr1 {}\n",
+    "c++/12/bits/vector.tcc": b"template<typename T> void f();\n",
+    "x86_64-linux-gnu/c++/12/bits/c++config.h": b"#define _GLIBCXX 1\n",
+    "libpng16/png.h": b"#define PNG 1\n",
+    "node/openssl/archs/aix64/asn1.h": b"struct asn1;\n",  # the first of byte-identical copies
+}
+C_LEFT_OUT = {
+    "latin1.h": "/* caf\u00e9 */\n".encode("latin-1"),  # not UTF-8: counted as skipped
+    "empty.h": b"",
+    "c++/README": b"text\n",  # extensionless, but not under c++/<version>/
+    "Makefile": b"all:\n",
+    "rpcsvc/nfs.x": b"program NFS {};\n",  # rpcgen's language
+    "llvm/IR/Attributes.td": b"def A;\n",
+    "c++/12/notes.txt": b"text\n",
+    "node/openssl/archs/linux64/asn1.h": b"struct asn1;\n",  # a byte-identical copy: one document
+}
+
+
+def write_c_tree(root: Path, paths) -> None:
+    for rel in paths:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes({**C_FILES, **C_LEFT_OUT}[rel])
+    (root / "ncursesw").mkdir()
+    # A symlinked file: skipped (it sorts before its target, so dropping copies alone would keep it instead).
+    (root / "ncursesw" / "curses.h").symlink_to(root / "stdio.h")
+    (root / "libpng").symlink_to(root / "libpng16")  # a symlinked directory: not entered
+
+
+def test_c_corpus_is_the_c_and_cxx_files_under_include_in_a_seeded_order(tmp_path):
+    root = tmp_path / "include"
+    write_c_tree(root, [*C_FILES, *C_LEFT_OUT])
+    out = tmp_path / "c.jsonl"
+    cfg = dict(output=str(out), source="c", include_dir=str(root), seed=5)
+    summary = build_corpus(CorpusConfig(**cfg))
+    docs = {d["path"]: d["text"] for d in read_jsonl(out)}
+    wanted = {rel: data.decode().replace("\r\n", "\n") for rel, data in C_FILES.items()}
+    assert docs == wanted  # newlines normalized (crlf.h)
+    assert (summary.documents, summary.skipped) == (len(wanted), 1)
+
+    # The order is seeded (megatron's --split takes contiguous document ranges: path order would put the
+    # alphabetically last directories alone in the validation split) and a pure function of the tree and the
+    # seed: the same tree written in the opposite order (another directory order) gives the same bytes.
+    orders = set()
+    for seed in range(6):
+        build_corpus(CorpusConfig(**{**cfg, "seed": seed}))
+        orders.add(tuple(d["path"] for d in read_jsonl(out)))
+    assert len(orders) > 1
+    other = tmp_path / "other"
+    write_c_tree(other, reversed([*C_FILES, *C_LEFT_OUT]))
+    again = tmp_path / "again.jsonl"
+    build_corpus(CorpusConfig(**{**cfg, "output": str(again), "include_dir": str(other)}))
+    build_corpus(CorpusConfig(**cfg))
+    assert again.read_bytes() == out.read_bytes()
+
+    with pytest.raises(FileNotFoundError, match=re.escape("apt-get install libc6-dev linux-libc-dev libstdc++-12-dev")):
+        build_corpus(CorpusConfig(**{**cfg, "include_dir": str(tmp_path / "missing")}))
+    assert load_tool("build_corpus").get_args(["--output", str(out), "--source", "c"]).source == "c"
 
 
 def test_select_documents_respects_limits(corpus):

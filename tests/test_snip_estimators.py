@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 
+from megatron_snip.snip.config import UPDATE_METRICS
 from megatron_snip.snip.estimators import (
     AdamHyper,
     adam_sensitivity,
@@ -24,8 +25,9 @@ from megatron_snip.snip.estimators import (
     forward_loss_divergence,
     hutchinson_trace,
     local_error_baselines,
+    metric_scale,
     module_divergences,
-    perturbation_gain,
+    propagated_drift,
     propagated_update_divergence,
     unresolved_curvatures,
 )
@@ -146,22 +148,33 @@ def test_injected_dgrad_error_enters_lower_gradient_as_ex_t_x():
     torch.testing.assert_close(grad_a(e_x) - grad_a(None), e_x.t() @ x)
 
 
-def test_perturbation_gain_matches_closed_form():
-    _, x, a, s = _two_layer()
-    closed = ((s**2) * (x**2).sum(0)).sum().item()
+def test_propagated_drift_of_a_perturbation_is_the_drift_of_the_realised_error():
+    """The probe's propagated term for one realised dgrad error e: every draw perturbs A by sigma S w and reads
+    c = <(h(+) - h(0)) / sigma, e> at the module input; the mean of c^2 over draws is ||S * (e^T x)||^2, the
+    drift e causes in A's update, whatever e's direction. A coherent error (the same direction at every token,
+    as dY (Q(W) - W) is) drifts far more than the isotropic form gain * ||e||^2 / numel(e) says."""
+    g, x, a, s = _two_layer()
     sigma, draws = 1e-3, 4000
     w = _rademacher(draws * a.numel(), noise_key("gain")).view(draws, *a.shape)
-    dh = torch.einsum("nj,kij->kni", x, a + sigma * s * w) - (x @ a.t())[None]
-    samples = perturbation_gain((dh**2).sum((1, 2)), sigma)
-    # Linear in the parameters: each draw is exactly ||J (P~ w)||^2 ...
-    torch.testing.assert_close(samples, (torch.einsum("nj,kij->kni", x, s * w) ** 2).sum((1, 2)), rtol=1e-6, atol=0)
-    # ... and their mean is ||J P~||_F^2: the hash noise has E[w w^T] = I.
-    mean, sd = samples.mean().item(), (samples.std() / math.sqrt(draws)).item()
-    assert abs(mean - closed) < 4 * sd, (mean, closed, sd)
-    assert abs(mean - closed) < 0.03 * closed
+    dh = (torch.einsum("nj,kij->kni", x, a + sigma * s * w) - (x @ a.t())[None]) / sigma
+    # Linear in the parameters: each draw's input change is exactly J (S w)
+    torch.testing.assert_close(dh, torch.einsum("nj,kij->kni", x, s * w), rtol=1e-6, atol=1e-9)
+    gain = ((s**2) * (x**2).sum(0)).sum().item()  # ||J S||_F^2
+    n_h = x.shape[0] * a.shape[0]
+    isotropic = 0.3 * torch.randn(x.shape[0], a.shape[0], generator=g, dtype=torch.float64)
+    # every token's error along one direction, in proportion to the token's first input feature
+    coherent = torch.outer(x[:, 0], torch.randn(a.shape[0], generator=g, dtype=torch.float64))
+    for e in (isotropic, coherent):
+        truth = ((s * (e.t() @ x)) ** 2).sum().item()
+        estimate = propagated_drift(torch.einsum("kni,ni->k", dh, e).tolist())
+        spread = math.sqrt(2 / draws) * truth  # each draw one squared projection
+        assert abs(estimate - truth) < 4 * spread, (estimate, truth)
+    assert propagated_update_divergence(gain, n_h, (coherent**2).sum().item()) < 0.5 * (
+        (s * (coherent.t() @ x)) ** 2).sum().item()
 
 
-def test_propagated_term_matches_injected_errors():
+def test_isotropic_propagated_term_matches_isotropic_injected_errors():
+    """Statistics before version 3: ``gain * ||eX||^2 / numel(X)``, the mean drift of i.i.d. errors."""
     g, x, a, s = _two_layer()
     gain = ((s**2) * (x**2).sum(0)).sum().item()
     n_h = x.shape[0] * a.shape[0]
@@ -241,6 +254,36 @@ def test_an_element_that_never_had_a_gradient_is_insensitive_as_in_torch():
     grad[45:] = 0.0
     assert bool((adam_sensitivity(state["exp_avg"], state["exp_avg_sq"], grad, h)[45:] == 0).all())
     assert bool((adam_update(state["exp_avg"], state["exp_avg_sq"], grad, h)[45:] == 0).all())
+
+
+def test_the_fisher_metric_keeps_rounding_level_gradients_from_deciding_the_drift():
+    """First-seen elements (m = v = 0) whose gradient is at the level of rounding (the embedding rows of tokens
+    no step has trained, where another layout's sums round otherwise) sit in Adam's eps window: their response
+    P~ reaches A (1 - beta1) / eps. In the paper's metric a handful of them decide the drift a gradient error
+    causes, and two layouts' rounding (independent values of the same size there) give drifts far apart. The
+    fisher metric weighs each element by its second moment, sqrt(w) P~ <= A (1 - beta1) / 4 in the window: the
+    trained elements decide, and the two layouts' drifts agree."""
+    g, p, opt, scale = _adam_history(0.95, steps=10, unseen=10)
+    state, h = opt.state[p], _hyper(opt, p)
+    trained = 0.3 * scale * torch.randn(50, generator=g, dtype=torch.float64)
+    error = 0.01 * scale * torch.randn(50, generator=g, dtype=torch.float64)  # a gradient error, every element
+    drift = {}
+    for layout in range(2):
+        grad = trained.clone()
+        grad[40:] = 5e-8 * (2 * torch.rand(10, generator=g, dtype=torch.float64) - 1)  # rounding: |g| < ~eps / c
+        response = adam_sensitivity(state["exp_avg"], state["exp_avg_sq"], grad, h)
+        for metric in UPDATE_METRICS:
+            scale_w = metric_scale(state["exp_avg_sq"], grad, h, metric)
+            r = response if scale_w is None else response * scale_w
+            drift[metric, layout] = (r * error).square()
+    paper = [drift["paper", k] for k in range(2)]
+    fisher = [drift["fisher", k] for k in range(2)]
+    assert all(float(d[40:].sum() / d.sum()) > 0.9 for d in paper)  # the first-seen elements decide
+    assert all(float(d[40:].sum() / d.sum()) < 0.05 for d in fisher)
+    paper_ratio, fisher_ratio = (float(max(a.sum(), b.sum()) / min(a.sum(), b.sum())) for a, b in (paper, fisher))
+    assert paper_ratio > 1.3 and fisher_ratio < 1.01, (paper_ratio, fisher_ratio)
+    bound = h.lr / (1 - h.beta1 ** (h.step + 1)) * (1 - h.beta1) / 4
+    assert float((drift["fisher", 0][40:].sqrt() / error[40:].abs()).max()) <= bound * (1 + 1e-9)
 
 
 # ----------------------------------------------------------------------------------------------

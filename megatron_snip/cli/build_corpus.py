@@ -1,17 +1,28 @@
-"""Build a JSONL corpus: the running interpreter's standard-library ``*.py`` files, or English prose.
+"""Build a JSONL corpus: the running interpreter's standard-library ``*.py`` files, English prose, or C/C++ headers.
 
 Examples (the quickstart's corpus, about 4 MB; the prose corpus, 3.7 MB, from Debian's packages
-debian-handbook and fortunes)::
+debian-handbook and fortunes; a seeded 4 MB subset of the C and C++ headers under /usr/include, from
+libc6-dev, linux-libc-dev, libstdc++-12-dev and whatever other -dev packages are installed)::
 
     python tools/build_corpus.py --output data/stdlib.jsonl --exclude-tests
     python tools/build_corpus.py --source prose --output data/prose.jsonl
+    python tools/build_corpus.py --source c --output data/ccode.jsonl
 """
 
 import argparse
 import sys
 
 # Like Megatron-LM's tools: runnable from a checkout without `pip install -e .`.
-from megatron_snip.data.corpus import FORTUNES_DIR, HANDBOOK_DIR, SOURCES, CorpusConfig, build_corpus, stdlib_root
+from megatron_snip.data.corpus import (
+    C_PACKAGES,
+    FORTUNES_DIR,
+    HANDBOOK_DIR,
+    INCLUDE_DIR,
+    SOURCES,
+    CorpusConfig,
+    build_corpus,
+    stdlib_root,
+)
 
 
 def get_args(argv=None) -> argparse.Namespace:
@@ -23,10 +34,11 @@ def get_args(argv=None) -> argparse.Namespace:
         default="stdlib",
         help="stdlib: this Python's standard-library source (the quickstart's); prose: The Debian "
         f"Administrator's Handbook ({HANDBOOK_DIR}) and the fortunes ({FORTUNES_DIR}), from "
-        "`apt-get install debian-handbook fortunes`",
+        f"`apt-get install debian-handbook fortunes`; c: the C and C++ headers under {INCLUDE_DIR} "
+        f"(*.h, *.hpp, *.tcc, ..., libstdc++'s extensionless ones), from `{C_PACKAGES}` and any other -dev package",
     )
     parser.add_argument(
-        "--max-docs", type=int, default=None, help="keep at most this many files (default: all)"
+        "--max-docs", type=int, default=None, help="keep at most this many documents (default: all)"
     )
     parser.add_argument(
         "--max-bytes",
@@ -38,7 +50,7 @@ def get_args(argv=None) -> argparse.Namespace:
         "--seed",
         type=int,
         default=CorpusConfig.seed,
-        help="seed of the random subset drawn under the limits",
+        help="seed of the random subset drawn under the limits, and of the prose and c corpora's document order",
     )
     parser.add_argument(
         "--exclude-tests",
@@ -61,9 +73,9 @@ def main(argv=None) -> None:
                 source=args.source,
             )
         )
-    except FileNotFoundError as e:  # the prose corpus's Debian packages are not installed
+    except FileNotFoundError as e:  # the prose or C corpus's Debian packages are not installed
         sys.exit(f"build_corpus.py: error: {e}")
-    origin = stdlib_root() if args.source == "stdlib" else f"{HANDBOOK_DIR} and {FORTUNES_DIR}"
+    origin = {"stdlib": stdlib_root(), "prose": f"{HANDBOOK_DIR} and {FORTUNES_DIR}", "c": INCLUDE_DIR}[args.source]
     print(
         f"Wrote {args.output} from {origin}: {summary.documents} documents, "
         f"{summary.bytes / 1e6:.2f} MB ({summary.bytes} bytes), "

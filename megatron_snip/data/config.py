@@ -58,8 +58,9 @@ class DataConfig:
     tokenizer_type: str = flag(
         "SentencePieceTokenizer", "SentencePieceTokenizer, GPTSentencePieceTokenizer or Llama2Tokenizer (a "
         "SentencePiece .model file: TinyLlama, Llama 2), HuggingFaceTokenizer (a tokenizer.json, or the model "
-        "directory holding it: Llama 3), or NullTokenizer (no file: --vocab-size N ids and the end-of-document id N, for --mock-data). Megatron-LM's "
-        "other types are refused.", choices=(*TOKENIZER_TYPES, *REFUSED_TOKENIZER_TYPES))
+        "directory holding it: Llama 3), or NullTokenizer (no file: --vocab-size N ids and the end-of-document id N, "
+        "for --mock-data). Megatron-LM's other types are refused.",
+        choices=(*TOKENIZER_TYPES, *REFUSED_TOKENIZER_TYPES))
     tokenizer_model: str | None = flag(None, "The tokenizer file (or, for HuggingFaceTokenizer, a model directory).")
     data_cache_path: str | None = flag(None, "Where megatron-core caches the dataset indices (default: beside the "
                                        "data).")

@@ -1,5 +1,5 @@
-"""Text corpora: the Python-stdlib source corpus, an English prose corpus, and reading documents
-from JSONL or text.
+"""Text corpora: the Python-stdlib source corpus, an English prose corpus, a C/C++ corpus, and
+reading documents from JSONL or text.
 
 The quickstart trains on the interpreter's own standard library because it is real text that
 exists on every machine with Python, needs no network, and is a few MB of well-formed code.
@@ -7,6 +7,9 @@ The prose corpus (``source="prose"``) is text of another kind, for checking that
 measured on code holds elsewhere: The Debian Administrator's Handbook (English HTML, stripped to
 text, one document per page) and the fortune-cookie collections (one document per fortune),
 both from Debian packages (``apt-get install debian-handbook fortunes``), about 3.7 MB.
+The C corpus (``source="c"``) is a third kind, neither Python nor prose: the C and C++ headers
+(and the few sources) that the installed Debian packages put under ``/usr/include`` (libc's, the
+kernel's, libstdc++'s and every other ``-dev`` package's), a seeded 4 MB subset by default.
 
 Two input formats are understood by every tool of the pipeline (tokenizer training,
 preprocessing):
@@ -24,9 +27,9 @@ import random
 import re
 import sysconfig
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
 
 JSONL_SUFFIXES = (".jsonl", ".json")
 
@@ -37,7 +40,7 @@ TEST_DIR_NAMES = frozenset({"test", "tests", "idle_test"})
 # Third-party code lives under these names inside the stdlib directory; it is not stdlib text.
 THIRD_PARTY_DIR_NAMES = frozenset({"site-packages", "dist-packages"})
 
-SOURCES = ("stdlib", "prose")
+SOURCES = ("stdlib", "prose", "c")
 # Where Debian's packages put the prose corpus's sources.
 HANDBOOK_DIR = "/usr/share/doc/debian-handbook/html/en-US"  # package debian-handbook
 FORTUNES_DIR = "/usr/share/games/fortunes"  # packages fortunes, fortunes-min
@@ -45,6 +48,11 @@ PROSE_PACKAGES = "apt-get install debian-handbook fortunes"
 # Fortune files that are not prose (drawings), and the index / encoding-link companions of each file.
 FORTUNE_SKIP = frozenset({"ascii-art"})
 FORTUNE_SKIP_SUFFIXES = (".dat", ".u8")
+# Where Debian's packages put the C corpus's sources: libc6-dev (glibc), linux-libc-dev (the kernel's
+# uapi headers), libstdc++-12-dev (the C++ standard library, GCC 12), and any other -dev package.
+INCLUDE_DIR = "/usr/include"
+C_PACKAGES = "apt-get install libc6-dev linux-libc-dev libstdc++-12-dev"
+C_SUFFIXES = (".h", ".hh", ".hpp", ".hxx", ".c", ".cc", ".cpp", ".cxx", ".tcc")
 
 
 @dataclass(frozen=True)
@@ -59,20 +67,23 @@ class CorpusConfig:
             run consumes, so validation text stays unseen.
         seed: seed of the random subset drawn when a limit applies.
         exclude_tests: skip the stdlib's test directories (``TEST_DIR_NAMES``).
-        root: directory to collect from; None means the running interpreter's stdlib.
-        source: "stdlib" (Python source) or "prose" (the handbook and the fortunes).
+        root: directory to collect from (source "stdlib"); None means the running interpreter's stdlib.
+        source: "stdlib" (Python source), "prose" (the handbook and the fortunes) or "c" (C and C++
+            headers).
         handbook_dir, fortunes_dir: where the prose corpus's sources are (Debian's paths).
+        include_dir: where the C corpus's sources are (Debian's path).
     """
 
     output: str
-    max_docs: Optional[int] = None
-    max_bytes: Optional[int] = 4_000_000
+    max_docs: int | None = None
+    max_bytes: int | None = 4_000_000
     seed: int = 1234
     exclude_tests: bool = False
-    root: Optional[str] = None
+    root: str | None = None
     source: str = "stdlib"
     handbook_dir: str = HANDBOOK_DIR
     fortunes_dir: str = FORTUNES_DIR
+    include_dir: str = INCLUDE_DIR
 
     def __post_init__(self):
         if self.source not in SOURCES:
@@ -104,21 +115,37 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def list_sources(root: Path, exclude_tests: bool) -> list[Path]:
-    """All ``*.py`` files under ``root``, sorted by relative path, skipping third-party package
-    directories (and test directories if ``exclude_tests``).
+def list_files(root: Path, wanted: Callable[[Path], bool], skipped_dirs: frozenset = frozenset()) -> list[Path]:
+    """The files under ``root`` whose path relative to ``root`` is ``wanted``, sorted by that path,
+    not entering directories named in ``skipped_dirs`` nor symlinked directories (``os.walk``'s
+    default, so nothing is visited twice).
 
     Sorting makes the corpus independent of the filesystem's directory order.
     """
-    skipped_dirs = THIRD_PARTY_DIR_NAMES | (TEST_DIR_NAMES if exclude_tests else frozenset())
     sources = []
     for directory, subdirs, files in os.walk(root):
         subdirs[:] = [d for d in subdirs if d not in skipped_dirs]
-        sources.extend(Path(directory, f) for f in files if f.endswith(".py"))
+        sources.extend(p for p in (Path(directory, f) for f in files) if wanted(p.relative_to(root)))
     return sorted(sources, key=lambda p: p.relative_to(root).as_posix())
 
 
-def read_source(path: Path) -> Optional[str]:
+def list_sources(root: Path, exclude_tests: bool) -> list[Path]:
+    """All ``*.py`` files under ``root``, sorted by relative path, skipping third-party package
+    directories (and test directories if ``exclude_tests``)."""
+    skipped_dirs = THIRD_PARTY_DIR_NAMES | (TEST_DIR_NAMES if exclude_tests else frozenset())
+    return list_files(root, lambda rel: rel.name.endswith(".py"), skipped_dirs)
+
+
+def is_c_source(rel: Path) -> bool:
+    """Whether a file at ``rel`` (relative to the include directory) is C or C++: by its suffix
+    (``C_SUFFIXES``), or, without a suffix, by lying under a ``c++/<version>/`` directory, where the
+    C++ standard library keeps its extensionless headers (``c++/12/vector``, ``c++/12/tr1/array``)."""
+    if rel.name.endswith(C_SUFFIXES):
+        return True
+    return not rel.suffix and "c++" in rel.parts[:-2]
+
+
+def read_source(path: Path) -> str | None:
     """The text of ``path`` decoded as UTF-8 with newlines normalized to ``\\n``, or None when
     the file cannot be read or is not valid UTF-8 (the stdlib ships a few deliberately
     mis-encoded test files)."""
@@ -130,7 +157,7 @@ def read_source(path: Path) -> Optional[str]:
 
 
 def select_documents(
-    documents: Sequence[Document], max_docs: Optional[int], max_bytes: Optional[int], seed: int
+    documents: Sequence[Document], max_docs: int | None, max_bytes: int | None, seed: int
 ) -> list[Document]:
     """A seeded random subset of ``documents`` within the limits, returned in input order.
 
@@ -155,17 +182,32 @@ def select_documents(
     return [documents[i] for i in sorted(kept)]
 
 
-def stdlib_documents(config: CorpusConfig) -> tuple[list[Document], int]:
-    """The stdlib (or ``config.root``) ``*.py`` files, sorted by path, and how many were unusable."""
-    root = Path(config.root) if config.root is not None else stdlib_root()
+def read_documents(root: Path, paths: Sequence[Path]) -> tuple[list[Document], int]:
+    """One document per file of ``paths`` (named relative to ``root``), in their order, and how
+    many files were unusable (unreadable or not UTF-8). Empty files (package markers, placeholder
+    headers) are not documents."""
     documents, skipped = [], 0
-    for path in list_sources(root, config.exclude_tests):
+    for path in paths:
         text = read_source(path)
         if text is None:
             skipped += 1
-        elif text:  # empty files (package markers) are not documents
+        elif text:
             documents.append(Document(path.relative_to(root).as_posix(), text))
     return documents, skipped
+
+
+def in_seeded_order(documents: list[Document], seed: int) -> list[Document]:
+    """``documents`` shuffled in place by ``seed`` (and returned), for corpora whose path order
+    groups one kind of text together: megatron-core's ``--split`` takes contiguous ranges of
+    documents, so in path order the validation split would hold only the last directory's kind."""
+    random.Random(seed).shuffle(documents)
+    return documents
+
+
+def stdlib_documents(config: CorpusConfig) -> tuple[list[Document], int]:
+    """The stdlib (or ``config.root``) ``*.py`` files, sorted by path, and how many were unusable."""
+    root = Path(config.root) if config.root is not None else stdlib_root()
+    return read_documents(root, list_sources(root, config.exclude_tests))
 
 
 class _HtmlText(html.parser.HTMLParser):
@@ -182,7 +224,7 @@ class _HtmlText(html.parser.HTMLParser):
         super().__init__(convert_charrefs=True)
         self.parts: list[str] = []
         self.skip_depth = 0  # > 0 inside a skipped element (counted by its own tag name)
-        self.skip_tag: Optional[str] = None
+        self.skip_tag: str | None = None
         self.pre = 0
 
     def handle_starttag(self, tag, attrs):
@@ -230,9 +272,9 @@ def split_fortunes(text: str) -> list[str]:
 
 def prose_documents(config: CorpusConfig) -> tuple[list[Document], int]:
     """The handbook's pages (``handbook/<page>.html``) and every fortune (``fortunes/<file>/<n>``),
-    in a seeded random order (``config.seed``), and how many files were unusable (unreadable or not
-    UTF-8). The order matters: megatron-core's ``--split`` takes contiguous ranges of documents, so
-    in path order the validation split would be the last fortune files alone.
+    in a seeded random order (``config.seed``, :func:`in_seeded_order`: in path order the validation
+    split would be the last fortune files alone), and how many files were unusable (unreadable or
+    not UTF-8).
 
     Raises FileNotFoundError naming the Debian packages when a source directory is missing.
     """
@@ -258,19 +300,47 @@ def prose_documents(config: CorpusConfig) -> tuple[list[Document], int]:
             skipped += 1
             continue
         documents += [Document(f"fortunes/{path.name}/{i}", f) for i, f in enumerate(split_fortunes(text))]
-    random.Random(config.seed).shuffle(documents)
-    return documents, skipped
+    return in_seeded_order(documents, config.seed), skipped
+
+
+def c_documents(config: CorpusConfig) -> tuple[list[Document], int]:
+    """Every regular C and C++ file under ``config.include_dir`` (:func:`is_c_source`), one document
+    per file named by its path relative to that directory, in a seeded random order (``config.seed``,
+    :func:`in_seeded_order`: in path order the validation split would be the alphabetically last
+    directories alone, ``x*/`` to ``z*.h``, instead of a sample of every package's style), and how
+    many files were unusable (unreadable or not UTF-8).
+
+    A file that repeats another is not a second document: symlinks are skipped (ncursesw/ links to
+    the headers beside it) and of byte-identical files only the first in path order is kept
+    (nodejs ships OpenSSL's generated headers once per architecture under node/openssl/archs/:
+    2,052 files, 137 distinct); a copy in the validation split would be text the model trained on.
+
+    Raises FileNotFoundError naming the Debian packages when the directory is missing.
+    """
+    root = Path(config.include_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root}: not found; the C corpus is built from the headers of Debian's -dev "
+                                f"packages ({C_PACKAGES})")
+    paths = [p for p in list_files(root, is_c_source) if p.is_file() and not p.is_symlink()]
+    documents, skipped = read_documents(root, paths)
+    seen, distinct = set(), []
+    for doc in documents:
+        if doc.text not in seen:
+            seen.add(doc.text)
+            distinct.append(doc)
+    return in_seeded_order(distinct, config.seed), skipped
 
 
 def build_corpus(config: CorpusConfig) -> CorpusSummary:
     """Write the corpus of ``config.source`` as JSONL, one ``{"text": ..., "path": ...}`` object per
-    line (stdlib: the ``*.py`` files sorted by path; prose: :func:`prose_documents`' seeded order).
+    line (stdlib: the ``*.py`` files sorted by path; prose and c: :func:`prose_documents`' and
+    :func:`c_documents`' seeded order).
 
     The output is a pure function of the source tree and the config, so two runs give
     byte-identical files.
     """
     start = time.perf_counter()
-    collect = prose_documents if config.source == "prose" else stdlib_documents
+    collect = {"stdlib": stdlib_documents, "prose": prose_documents, "c": c_documents}[config.source]
     documents, skipped = collect(config)
     documents = select_documents(documents, config.max_docs, config.max_bytes, config.seed)
 
@@ -324,7 +394,7 @@ def check_input(path: str) -> None:
         raise FileNotFoundError(f"--input {path}: no such file")
 
 
-def parse_line(line: str, keys: Sequence[str], jsonl: bool, where: str) -> Optional[dict[str, str]]:
+def parse_line(line: str, keys: Sequence[str], jsonl: bool, where: str) -> dict[str, str] | None:
     """``{key: text}`` for one input line (see module doc), or None for a blank line, which is
     not a document.
 

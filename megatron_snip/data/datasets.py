@@ -14,9 +14,9 @@ import multiprocessing
 import os
 import sys
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -127,7 +127,7 @@ class _Encoder:
             self.config.tokenizer_type, self.config.tokenizer_model
         )
 
-    def encode(self, numbered_line: tuple[int, str]) -> tuple[Optional[dict[str, list[int]]], int]:
+    def encode(self, numbered_line: tuple[int, str]) -> tuple[dict[str, list[int]] | None, int]:
         """Token ids per key of one line (None for a blank line) and the line's size in bytes."""
         lineno, line = numbered_line
         where = f"{self.config.input}:{lineno}"
@@ -145,7 +145,7 @@ class _Encoder:
 
 def _encoded_lines(
     config: PreprocessConfig, encoder: _Encoder
-) -> Iterator[tuple[Optional[dict[str, list[int]]], int]]:
+) -> Iterator[tuple[dict[str, list[int]] | None, int]]:
     """``encoder.encode`` of every input line, in input order (``Pool.imap`` keeps it, so the
     output does not depend on the number of workers)."""
     with open(config.input, encoding="utf-8") as f:
@@ -226,7 +226,7 @@ def preprocess(config: PreprocessConfig) -> PreprocessSummary:
 # Reading: indexed datasets -> train/valid/test GPTDatasets
 
 
-def parse_data_path(data_path: Sequence[str]) -> tuple[list[str], Optional[list[float]]]:
+def parse_data_path(data_path: Sequence[str]) -> tuple[list[str], list[float] | None]:
     """Megatron's ``--data-path`` list as (prefixes, weights or None).
 
     Accepts ``[prefix, ...]`` or ``[w1, prefix1, w2, prefix2, ...]``: the weighted form is
@@ -409,16 +409,16 @@ class GPTDataConfig:
         mmap_bin_files: memory-map the ``.bin`` files (``--no-mmap-bin-files`` turns it off).
     """
 
-    data_path: Optional[tuple[str, ...]]
+    data_path: tuple[str, ...] | None
     seq_length: int
-    split: Optional[str] = "969,30,1"
-    split_paths: Optional[tuple[Optional[tuple[str, ...]], ...]] = None
+    split: str | None = "969,30,1"
+    split_paths: tuple[tuple[str, ...] | None, ...] | None = None
     seed: int = 1234
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
     create_attention_mask: bool = True
-    path_to_cache: Optional[str] = None
+    path_to_cache: str | None = None
     mmap_bin_files: bool = True
 
 
@@ -441,7 +441,7 @@ class _Builder(BlendedMegatronDatasetBuilder):
         )
 
 
-def _checked_blend(data_path: Sequence[str], tokenizer) -> tuple[list[str], Optional[list[float]]]:
+def _checked_blend(data_path: Sequence[str], tokenizer) -> tuple[list[str], list[float] | None]:
     """megatron-core's blend of a ``--data-path``-like list, its files and their ids checked."""
     prefixes, weights = parse_data_path(data_path)
     check_data_prefixes(prefixes)
@@ -452,9 +452,9 @@ def _checked_blend(data_path: Sequence[str], tokenizer) -> tuple[list[str], Opti
 def build_gpt_datasets(
     config: GPTDataConfig,
     tokenizer: SentencePieceTokenizer,
-    num_samples: tuple[Optional[int], Optional[int], Optional[int]],
+    num_samples: tuple[int | None, int | None, int | None],
     is_built_on_rank: Callable[[], bool] = lambda: True,
-) -> tuple[Optional[Dataset], Optional[Dataset], Optional[Dataset]]:
+) -> tuple[Dataset | None, Dataset | None, Dataset | None]:
     """Train, valid and test datasets (a ``GPTDataset``, a ``BlendedDataset`` over several, or without
     ``config.data_path`` a ``MockGPTDataset``) through megatron-core's ``BlendedMegatronDatasetBuilder``,
     as Megatron-LM's pretrain_gpt does.

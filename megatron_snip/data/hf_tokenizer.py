@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterable
+from collections.abc import Iterable
 
 from megatron_snip.data.vocab_tokenizer import VocabTokenizer
 

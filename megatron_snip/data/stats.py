@@ -5,7 +5,7 @@ A language model's cross-entropy (nats/token, the unit of Megatron's ``lm loss``
 the two side by side tells whether a short run learned more than token frequencies.
 """
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -18,23 +18,20 @@ the wrapper needs no newline substitution, and any other SentencePiece consumer 
 own tokenizer, HF) reads the same model identically.
 """
 
-import contextlib
 import io
-import logging
 import os
 import random
 import re
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Sequence
 
 import sentencepiece
 from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
 
-from megatron_snip.data.corpus import iter_documents
-
 from megatron_snip.data.config import HUGGINGFACE_TOKENIZER, NULL_TOKENIZER, SENTENCEPIECE_TYPES
+from megatron_snip.data.corpus import iter_documents
 from megatron_snip.data.vocab_tokenizer import VocabTokenizer
 
 # Megatron-LM's --tokenizer-type values of tokenizer files: this module's, and data/hf_tokenizer.py's.
@@ -88,7 +85,7 @@ class SentencePieceTokenizer(VocabTokenizer):
         return self._sp.get_score(token_id)
 
 
-def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str], vocab_size: Optional[int] = None):
+def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None, vocab_size: int | None = None):
     """The tokenizer named by Megatron's ``--tokenizer-type`` / ``--tokenizer-model`` flags:
     a SentencePiece ``.model`` file, for ``HuggingFaceTokenizer`` a Hugging Face model
     directory or ``tokenizer.json`` (data/hf_tokenizer.py), or ``NullTokenizer`` of
@@ -123,7 +120,7 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str], vocab_s
         ) from None
 
 
-def null_tokenizer(vocab_size: Optional[int]):
+def null_tokenizer(vocab_size: int | None):
     """megatron-core's NullTokenizer with Megatron-LM 0.16.1's meaning of ``--vocab-size N``: ids 0..N-1 and
     the end-of-document id N, N + 1 ids in all (both its tokenizer libraries add the end-of-document id)."""
     if vocab_size is None or vocab_size < 1:

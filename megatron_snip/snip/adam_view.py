@@ -22,7 +22,7 @@ from megatron.core.transformer.module import param_is_not_shared
 from megatron_snip.compat.device import current_device
 from megatron_snip.model.parameter_names import global_parameter_names
 
-from .estimators import AdamHyper, adam_sensitivity, adam_update
+from .estimators import AdamHyper, adam_sensitivity, adam_update, metric_scale
 
 
 @dataclass(eq=False)
@@ -42,8 +42,8 @@ class AdamSlice:
             held by a rank other than TP rank 0, not a shared copy).
         main: the optimizer's main parameter of the slice (``end - start`` elements; the model
             parameter itself where the optimizer keeps no copy); None, with ``state`` and ``group``
-            empty, for a slice another context-parallel rank's optimizer updates
-            (:meth:`AdamView.context_parallel_peers`).
+            empty, for a slice another data- or context-parallel rank's optimizer updates
+            (:meth:`AdamView.sharding_peers`).
     """
 
     param: torch.nn.Parameter
@@ -81,6 +81,12 @@ class AdamSlice:
     def update(self, grad: torch.Tensor) -> torch.Tensor:
         """The Adam update this slice would take for (flat) gradient ``grad``."""
         return adam_update(self.state["exp_avg"].view(-1), self.state["exp_avg_sq"].view(-1), grad, self.hyper)
+
+    def in_metric(self, step: torch.Tensor, grad: torch.Tensor, metric: str) -> torch.Tensor:
+        """``sqrt(w) * step``: a (flat) drift of the slice's update, or a response to the gradient, scaled so
+        that its squared norm is the drift in the update metric (``estimators.metric_scale``) at ``grad``."""
+        scale = metric_scale(self.state["exp_avg_sq"].view(-1), grad, self.hyper, metric)
+        return step if scale is None else step * scale
 
     def flat(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor.view(-1)[start:end]`` (tensor shaped like the parameter)."""
@@ -161,15 +167,18 @@ class AdamView:
         return total.item()
 
 
-    def context_parallel_peers(self, values: dict[AdamSlice, torch.Tensor]) -> dict[AdamSlice, torch.Tensor]:
-        """The slices the other context-parallel ranks of this data-parallel replica update (distributed
-        optimizer: each holds its own shard), each with the flat fp32 value that rank has for it in its
-        ``values`` (one per slice it holds). Collective over the context-parallel group.
+    def sharding_peers(self, values: dict[AdamSlice, torch.Tensor]) -> dict[AdamSlice, torch.Tensor]:
+        """The slices the other ranks of the group the distributed optimizer shards over (megatron-core's
+        dp-cp group) update, each with the flat fp32 value that rank has for it in its ``values`` (one per
+        slice it holds). Collective over that group.
 
-        The ranks of a replica run one forward together (attention gathers their keys and values), so a
-        perturbation of the parameters must be the same on all of them: each applies its own slices' and
-        its peers'. Without the distributed optimizer every rank holds every slice: nothing to exchange."""
-        group = parallel_state.get_context_parallel_group()
+        A perturbation of the parameters must be the same on every rank of a data-parallel replica (its
+        context-parallel ranks run one forward together: attention gathers their keys and values) and on
+        every replica (the probes sum what each replica's tokens see of the same perturbation): each rank
+        applies its own slices' and its peers'. Without the distributed optimizer every rank holds every
+        slice: nothing to exchange. With it, this holds one fp32 value per parameter of the rank's model
+        for as long as the caller keeps the result (the probe cycle's perturbation passes)."""
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         size = dist.get_world_size(group)
         if size == 1 or not self.dp_sharded:
             return {}

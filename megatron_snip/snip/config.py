@@ -7,9 +7,13 @@ from dataclasses import dataclass
 from megatron_snip.flags import flag
 
 # Where the loss term's curvature tr H comes from (--snip-curvature): the Hutchinson probe passes,
-# or the empirical Fisher of the clean pass (estimators.fisher_trace, no probe passes). Defined here,
+# or the empirical Fisher of the clean pass (estimators.fisher_trace, no probe passes of its own). Defined here,
 # not beside the estimators: --help must not import torch.
 CURVATURES = ("hutchinson", "fisher")
+# How the update term measures a drift of Adam's step (--snip-update-metric; estimators.metric_scale):
+# weighted by the diagonal empirical Fisher Adam's second moment holds (what the loss feels), or the
+# SNIP paper's plain squared weight drift.
+UPDATE_METRICS = ("fisher", "paper")
 DEFAULT_FP4_TARGET = 0.75  # the paper's headline budget: 75% of the linear-layer FLOPs in FP4
 
 
@@ -59,19 +63,28 @@ class SnipConfig:
     snip_switch_penalty: float = flag(0.0, "Objective penalty per module whose precision changes from the current "
                                       "plan.", ours=True)
     snip_curvature: str = flag(
-        "hutchinson", "Curvature of the loss term: Hutchinson noise passes (the paper's) or the empirical Fisher "
-        "N ||dY||^2 of the clean pass, which needs no curvature passes and cannot come out negative "
-        "(docs/evidence.md).", choices=CURVATURES, ours=True)
+        "fisher", "Curvature of the loss term: the empirical Fisher N ||dY||^2 of the clean pass (no passes of its "
+        "own, never negative, the same on every layout), or Hutchinson noise passes (the paper's; a forward+backward "
+        "pass per draw, and at depth its draws no longer tell the modules' traces from 0: docs/snip.md).",
+        choices=CURVATURES, ours=True)
+    snip_update_metric: str = flag(
+        "fisher", "How the update divergence measures the drift of Adam's step: fisher weighs each element's squared "
+        "drift by Adam's second moment (the diagonal empirical Fisher: the drift as the loss feels it, so a rare "
+        "token's embedding row or an element with no gradient history weighs what its gradients say); paper is the "
+        "SNIP paper's plain squared weight drift, which such elements decide (docs/snip.md, \"The update metric\").",
+        choices=UPDATE_METRICS, ours=True)
     snip_probe_passes: int = flag(
-        3, "Noise draws per estimator, each one pass differenced against a clean pass (default 3: a cycle runs 1 "
-        "gradient + 1 clean + 3 curvature + 3 perturbation passes, 8 in all, and a clean forward for the "
-        "perturbation passes; 2 + 2K, or 2 + K with --snip-curvature fisher).", ours=True)
+        8, "Noise draws per estimator: parameter perturbations that measure the propagated update drift (a forward "
+        "pass each; each draw one squared projection, so a module's estimate spreads by about sqrt(2/K)) and, with "
+        "--snip-curvature hutchinson, Hutchinson draws (a forward+backward pass each). A cycle runs a gradient pass, "
+        "then per micro-batch a clean forward, K perturbed forwards and a clean forward+backward that measures the "
+        "quantization errors (docs/snip.md).", ours=True)
 
     snip_gain_exclude: tuple[str, ...] | None = flag(
         None, "Parameters (name substrings, e.g. embedding) whose drift the update divergence's propagated part leaves "
-        "out: the probes' parameter perturbation skips them (default: none, the paper's). The embedding holds most of "
-        "the propagated drift of the CPU-scale models; leaving it out trained worse at 75%% FP4 and no better at 90%% "
-        "(docs/evidence.md).", ours=True)
+        "out: the probes' parameter perturbation skips them (default: none). A diagnostic: under the paper's update "
+        "metric the embedding held most of the propagated drift of the CPU-scale models; under the default fisher "
+        "metric a rare token's row weighs what its gradients say (docs/snip.md).", ours=True)
 
     def due(self, iteration: int) -> bool:
         """Whether a cycle runs after ``iteration``."""

@@ -14,15 +14,21 @@ units in ``docs/snip.md``):
   is the mean per-element curvature;
 
 * backward weight divergence, the squared drift of the Adam update when the
-  module's dgrad and wgrad run in f::
+  module's dgrad and wgrad run in f, in the update metric (``sum w du^2``,
+  :func:`metric_scale`)::
 
-      dU(l, f) = ( ||P~ * eW_f||^2  +  g_l * ||eX_f||^2 / numel(X_l) ) / D
+      dU(l, f) = ||R * eW_f||^2 / D  +  ||R * J_l^T E[eX_f]||^2  +  g_l ||eX_f - E[eX_f]||^2 / numel(X_l) / D
 
   local part (the module's own weight gradient error eW) plus propagated part
-  (the input-gradient error eX entering every lower parameter's gradient,
-  ``g_l = ||J_l P~||_F^2`` its preconditioned gain); ``P~ = du/dg`` is the
+  (the input-gradient error eX entering every lower parameter's gradient through
+  ``J_l = dX_l / d theta_<l``): its mean over stochastic rounding (all of eX under round to
+  nearest; ``dY (Q(W) - W)`` where dY rounds stochastically), measured along its own
+  direction by parameter perturbations (:func:`propagated_drift`), and what stochastic
+  rounding draws afresh, independent noise, through the gain ``g_l = ||J_l R||_F^2``;
+  ``R = sqrt(w) P~``, with ``P~ = du/dg`` the
   element-wise response of Adam's next update to the gradient, at the clean
-  gradient (see :func:`adam_sensitivity`) and D the number of data-parallel ranks whose gradients are averaged;
+  gradient (see :func:`adam_sensitivity`), and D the number of data-parallel ranks whose
+  gradients are averaged (their local errors taken as independent);
 
 * normalised: ``dL / loss`` and ``dU / ||u||^2`` (u the clean update), so both
   are dimensionless; ``cost = alpha * dL/loss + beta * dU/||u||^2``.
@@ -33,7 +39,7 @@ Everything here is plain arithmetic on floats and tensors: no distributed code.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from statistics import fmean, stdev
 
@@ -68,8 +74,13 @@ def _adam_moments(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.T
     ``s = sqrt(v' / (1 - beta2^(t+1)))``, ``v' = beta2 v + (1 - beta2) g^2``, ``D = s + eps``."""
     t = h.step + 1
     m_next = h.beta1 * exp_avg + (1.0 - h.beta1) * grad
-    s = ((h.beta2 * exp_avg_sq + (1.0 - h.beta2) * grad * grad) / (1.0 - h.beta2**t)).sqrt()
+    s = _second_moment(exp_avg_sq, grad, h).sqrt()
     return h.lr / (1.0 - h.beta1**t), m_next, s, s + h.eps
+
+
+def _second_moment(exp_avg_sq: torch.Tensor, grad: torch.Tensor, h: AdamHyper) -> torch.Tensor:
+    """``v' / (1 - beta2^(t+1))``, ``v' = beta2 v + (1 - beta2) g^2``: the next step's bias-corrected second moment."""
+    return (h.beta2 * exp_avg_sq + (1.0 - h.beta2) * grad * grad) / (1.0 - h.beta2 ** (h.step + 1))
 
 
 def adam_update(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor, h: AdamHyper) -> torch.Tensor:
@@ -112,6 +123,27 @@ def adam_sensitivity(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torc
     ds_dg = (1.0 - h.beta2) * grad / ((1.0 - h.beta2 ** (h.step + 1)) * s)
     out = a * ((1.0 - h.beta1) / d - m_next * ds_dg / (d * d))
     return torch.where(s > 0, out, torch.zeros_like(out))
+
+
+def metric_scale(exp_avg_sq: torch.Tensor, grad: torch.Tensor, h: AdamHyper, metric: str) -> torch.Tensor | None:
+    """``sqrt(w)``, element-wise: the update metric measures a drift ``du`` of the next step as
+    ``sum w du^2`` (``--snip-update-metric``).
+
+    * ``fisher``: ``w = v' / (1 - beta2^(t+1))``, Adam's bias-corrected second moment with ``grad``
+      folded in, the diagonal of the empirical Fisher, so ``sum w du^2`` is (up to a constant) the loss
+      rise ``0.5 du^T F du`` that the drift costs. An element whose gradients have been ~0 (a token
+      not yet seen, a rare token's embedding row) weighs ~0, however far its step would move: there
+      ``P~`` is largest and least linear (Adam's eps window, docs/snip.md), and the weight bounds
+      ``sqrt(w) P~`` by ``A (1 - beta1) / 4``, where a trained element's is ~``A (1 - beta1)``.
+    * ``paper``: ``w = 1``, the SNIP paper's squared weight drift (None: no scaling).
+
+    Units: gradient (loss / parameter) for fisher.
+    """
+    if metric == "paper":
+        return None
+    if metric != "fisher":
+        raise ValueError(f"unknown update metric {metric!r}: fisher or paper")
+    return _second_moment(exp_avg_sq, grad, h).sqrt()
 
 
 # -- probe read-outs -------------------------------------------------------------------------------
@@ -185,23 +217,24 @@ def draws_z(draws: list[float]) -> float:
     return abs(mean) / (spread / math.sqrt(len(draws)))
 
 
-def perturbation_gain(input_change_sq: float, sigma: float) -> float:
-    """``g ~= ||X(theta + sigma P~ w) - X(theta)||^2 / sigma^2``: one sample of ``||J P~ w||^2``
-    whose mean over w (E[w w^T] = I) is ``||J P~||_F^2``.
+def propagated_drift(projections: Sequence[float]) -> float:
+    """``||R * J^T e||^2`` from K parameter perturbations: the mean of ``c_k^2``, where
+    ``c_k = <J R w_k, e>`` is read at the module input as ``<(X(theta + sigma R w_k) - X(theta)) / sigma, e>``
+    (e the input-gradient error, summed over the batch) and w_k is Rademacher noise: ``E[w w^T] = I``,
+    so ``E c^2 = ||R * J^T e||^2``, the drift of the lower parameters' update that e causes.
 
-    Forward difference against the clean pass: exact where X is linear in the parameters;
-    the next term, the cross product of ``J P~ w`` with the second-order change, is odd in
-    w and has mean zero for Rademacher w.
+    Unbiased for whatever direction e takes; each draw is one squared projection, so K draws have a
+    relative spread of about ``sqrt(2 / K)``. The isotropic form ``||J R||_F^2 ||e||^2 / numel(e)``
+    (statistics before version 3) assumes e spread evenly over every direction; a quantization error
+    is not (its weight part ``dY (Q(W) - W)`` adds up over the tokens as the gradient does), and on
+    the quickstart model that form came out 2 to 50x below the measured drift (docs/snip.md).
 
     Args:
-        input_change_sq: squared norm of the input change the perturbation causes (X^2).
-        sigma: the perturbation scale; the perturbation is ``sigma * P~ * w``, so sigma has
-            the units of a gradient (loss / parameter).
+        projections: ``c_k`` per draw (units: the metric's response times a gradient).
     Returns:
-        gain, units (X * parameter / loss)^2, so that ``gain * ||eX||^2 / numel(X)`` (eX in
-        loss / X) is a squared parameter drift.
+        the drift, in the update metric's units.
     """
-    return input_change_sq / sigma**2
+    return fmean(c * c for c in projections)
 
 
 # -- the divergences -------------------------------------------------------------------------------
@@ -213,7 +246,8 @@ def forward_loss_divergence(curvature_trace: float, output_numel: float, output_
 
 def propagated_update_divergence(gain: float, input_numel: float, input_grad_err_sq: float) -> float:
     """``g * ||eX||^2 / numel(X)``: the squared update drift of all lower parameters caused by an
-    isotropic input-gradient error eX (units parameter^2)."""
+    isotropic input-gradient error eX (units parameter^2): the propagated part of statistics before
+    version 3, which measured no :func:`propagated_drift`."""
     return gain * input_grad_err_sq / input_numel
 
 
@@ -252,8 +286,9 @@ def module_divergences(module: ModuleStatistics, *, loss: float, update_sq: floa
             averaged over ranks).
         loss: the clean loss, for normalisation.
         update_sq: ``||u||^2`` of the clean update of the whole model.
-        data_parallel_size: D; gradient errors of D ranks average in the update, and being
-            independent their squares add: the drift of the mean is 1/D of a rank's.
+        data_parallel_size: D; wgrad errors of D ranks average in the update, and taken as
+            independent their squares add: the local drift of the mean is 1/D of a rank's. (The
+            propagated part is measured on the data-parallel mean itself.)
     Returns:
         format -> :class:`Divergence`.
     """
@@ -263,8 +298,12 @@ def module_divergences(module: ModuleStatistics, *, loss: float, update_sq: floa
     for fmt, err in module.errors.items():
         dl = forward_loss_divergence(module.curvature, module.output_numel, err.output_sq)
         local = err.update_sq / data_parallel_size
-        propagated = propagated_update_divergence(module.gain, module.input_numel,
-                                                  err.input_grad_sq) / data_parallel_size
+        if err.propagated is None:  # statistics before version 3
+            propagated = propagated_update_divergence(module.gain, module.input_numel,
+                                                      err.input_grad_sq) / data_parallel_size
+        else:  # the error that repeats measured along its direction, stochastic rounding's as independent noise
+            propagated = err.propagated + propagated_update_divergence(
+                module.gain, module.input_numel, err.input_grad_noise_sq or 0.0) / data_parallel_size
         out[fmt] = Divergence(dl, local, propagated, dl / loss, (local + propagated) / update_sq)
     return out
 

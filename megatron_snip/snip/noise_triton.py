@@ -22,7 +22,7 @@ _BLOCK = 1024
 
 @triton.jit
 def _hash32(x):
-    """Chris Wellons' lowbias32 on uint32 (multiplication wraps mod 2^32, as ``noise._mul32`` computes)."""
+    """Chris Wellons' lowbias32 on uint32 (multiplication wraps mod 2^32, as ``noise._hash32``'s int32 products do)."""
     x = x ^ (x >> 16)
     x = x * tl.full(x.shape, 0x7FEB352D, tl.uint32)
     x = x ^ (x >> 15)

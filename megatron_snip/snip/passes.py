@@ -166,14 +166,20 @@ class PassRunner:
             self._batches.append(batch)
             yield batch
 
-    def run(self, forward_only: bool, microbatches: range | None = None) -> float | None:
-        """One pass over ``microbatches`` (default: all; a part, as :meth:`groups` cuts them, only
-        forward and after the first pass); returns the mean loss on the last stage (None elsewhere)."""
+    def run(self, forward_only: bool, microbatches: range | None = None, sync_grads: bool = True) -> float | None:
+        """One pass over ``microbatches`` (default: all; a part, as :meth:`groups` cuts them, after the
+        first pass); returns the mean loss on the last stage (None elsewhere).
+
+        A part's backward scales each micro-batch's loss by ``1 / len(microbatches)`` (megatron-core's
+        schedule divides by the micro-batches it runs), not by the batch's. ``sync_grads`` False: the
+        weight gradients stay this rank's, not reduced over the data-parallel ranks (a pass that reads
+        only activation gradients need not pay for that)."""
         microbatches = range(self.num_microbatches) if microbatches is None else microbatches
         if not forward_only:
             for chunk in self.chunks:
                 chunk.zero_grad_buffer()
-        with torch.no_grad() if forward_only else contextlib.nullcontext():
+        with (torch.no_grad() if forward_only else contextlib.nullcontext()), \
+                (contextlib.nullcontext() if forward_only or sync_grads else self._unsynced()):
             out = self._schedule(forward_step_func=self.forward_step_func, data_iterator=self._data(microbatches),
                                  model=self.chunks, num_microbatches=len(microbatches),
                                  seq_length=self.seq_length, micro_batch_size=self.micro_batch_size,
@@ -181,3 +187,19 @@ class PassRunner:
         if not out:
             return None
         return sum(reduced_losses(out, self.loss_key).tolist()) / len(out)
+
+    @contextlib.contextmanager
+    def _unsynced(self) -> Iterator[None]:
+        """DDP's gradient reduction off: every micro-batch inside its chunks' ``no_sync`` (overlapped
+        reduction launches nothing), and the schedule's own switches (its no-sync function for all but the
+        last micro-batch, the interleaved schedule's grad-sync dispatch, the final reduction) unset."""
+        config = self.config
+        saved = config.no_sync_func, config.grad_sync_func, config.finalize_model_grads_func
+        config.no_sync_func = config.grad_sync_func = config.finalize_model_grads_func = None
+        try:
+            with contextlib.ExitStack() as stack:
+                for chunk in self.chunks:
+                    stack.enter_context(chunk.no_sync())
+                yield
+        finally:
+            config.no_sync_func, config.grad_sync_func, config.finalize_model_grads_func = saved

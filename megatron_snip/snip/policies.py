@@ -25,18 +25,24 @@ from megatron_snip.snip.ilp import InfeasibleBudgetError, Plan, SnipProblem, sol
 from megatron_snip.snip.statistics import ModuleStatistics, ProbeStatistics
 
 
+class UnavailablePolicy(ValueError):
+    """A policy the statistics cannot plan: they lack what it reads (the Hutchinson curvature of a
+    ``--snip-curvature fisher`` run)."""
+
+
 @dataclass(frozen=True)
 class Variant:
     """SNIP's cost ``loss_weight * dL/loss + update_weight * dU/||u||^2`` with the loss term's
-    curvature from the probes' Hutchinson estimate or from :func:`fisher_curvature`."""
+    curvature as the statistics measured it (``curvature`` None: the run's ``--snip-curvature``), or
+    from the probes' Hutchinson estimate, or from :func:`fisher_curvature`."""
 
     name: str
     loss_weight: float = 1.0
     update_weight: float = 1.0
-    curvature: str = "hutchinson"
+    curvature: str | None = None
 
     def __post_init__(self):
-        if self.curvature not in CURVATURES:
+        if self.curvature is not None and self.curvature not in CURVATURES:
             raise ValueError(f"curvature must be one of {CURVATURES}, got {self.curvature!r}")
 
 
@@ -45,14 +51,20 @@ def fisher_curvature(m: ModuleStatistics) -> float:
     return fisher_trace(m.output_grad_sq, m.output_numel, m.out_features)
 
 
-def with_curvature(stats: ProbeStatistics, curvature: str) -> ProbeStatistics:
-    """``stats`` with every module's curvature from ``curvature`` ("hutchinson": as the probes measured
-    it, which statistics of a ``--snip-curvature fisher`` run do not hold: ValueError)."""
-    if curvature == "hutchinson":
-        if stats.settings.get("curvature", "hutchinson") != "hutchinson":
-            raise ValueError(f"statistics of iteration {stats.iteration} hold no Hutchinson curvature: they were "
-                             "measured with --snip-curvature fisher, which runs no Hutchinson passes")
+def measured_curvature(stats: ProbeStatistics) -> str:
+    """The curvature the probes measured: the run's ``--snip-curvature`` (statistics before it was recorded
+    knew only the Hutchinson one)."""
+    return stats.settings.get("curvature", "hutchinson")
+
+
+def with_curvature(stats: ProbeStatistics, curvature: str | None) -> ProbeStatistics:
+    """``stats`` with every module's curvature from ``curvature`` (None: as measured; "hutchinson": as the
+    probes measured it, which statistics of a ``--snip-curvature fisher`` run do not hold: UnavailablePolicy)."""
+    if curvature is None or curvature == measured_curvature(stats):
         return stats
+    if curvature == "hutchinson":
+        raise UnavailablePolicy(f"statistics of iteration {stats.iteration} hold no Hutchinson curvature: they were "
+                                "measured with --snip-curvature fisher, which runs no Hutchinson passes")
     return replace(stats, modules={n: replace(m, curvature=fisher_curvature(m)) for n, m in stats.modules.items()})
 
 
@@ -115,16 +127,17 @@ POLICIES: dict[str, PolicyMaker] = {
 
 
 def policy_plans(problem: SnipProblem, stats: ProbeStatistics, names: Sequence[str] | None = None, *,
-                 seed: int = 0, solver: str = "auto") -> dict[str, Plan | InfeasibleBudgetError]:
-    """Each named policy's unit -> format plan at the problem's budget, or the error saying why
-    that policy cannot meet it (e.g. uniform FP4 under a time target FP4 cannot reach)."""
+                 seed: int = 0, solver: str = "auto") -> dict[str, Plan | InfeasibleBudgetError | UnavailablePolicy]:
+    """Each named policy's (None: every policy's) unit -> format plan at the problem's budget, or the error
+    saying why that policy cannot meet it (e.g. uniform FP4 under a time target FP4 cannot reach) or
+    cannot plan from these statistics (:class:`UnavailablePolicy`)."""
     unknown = sorted(set(names or ()) - set(POLICIES))
     if unknown:
         raise ValueError(f"unknown policies {unknown}; known: {sorted(POLICIES)}")
-    plans: dict[str, Plan | InfeasibleBudgetError] = {}
-    for name in names or POLICIES:
+    plans: dict[str, Plan | InfeasibleBudgetError | UnavailablePolicy] = {}
+    for name in POLICIES if names is None else names:
         try:
             plans[name] = POLICIES[name](problem, stats, seed, solver)
-        except InfeasibleBudgetError as e:
+        except (InfeasibleBudgetError, UnavailablePolicy) as e:
             plans[name] = e
     return plans

@@ -11,9 +11,10 @@ Units: X, Y, W in their own units; ``dY = dL/dY`` (loss / Y-unit) of the loss th
 schedule backpropagates (the micro-batch mean divided by the number of
 micro-batches, loss scaling removed). See ``docs/snip.md``.
 
-JSON form (``version`` 2; version 1 lacks ``operand_sq``)::
+JSON form (``version`` 3; version 2 lacks ``FormatErrors.propagated``, version 1 also
+``operand_sq``)::
 
-    {"version": 2, "iteration": 1200, "formats": ["fp8", "nvfp4", "mxfp4"],
+    {"version": 3, "iteration": 1200, "formats": ["fp8", "nvfp4", "mxfp4"],
      "loss": 3.21, "update_sq": 1.7e-3, "data_parallel_size": 8, ...,
      "modules": {"decoder.layers.0.self_attention.linear_qkv": {...}, ...}}
 """
@@ -30,8 +31,10 @@ from megatron_snip.precision.plan import LINEAR_MODULES, parse_module_name
 # files without the field are version 0 (the same layout, without "decisions" in the cycle report).
 STATISTICS_SCHEMA_VERSION = 1
 
-STATS_VERSION = 2  # 2: FormatErrors.operand_sq (version 1 files still load)
-READABLE_STATS_VERSIONS = (1, 2)
+# 2: FormatErrors.operand_sq; 3: FormatErrors.propagated and settings["update_metric"] (older files load:
+# their update terms are the paper's metric, their propagated part the isotropic gain's)
+STATS_VERSION = 3
+READABLE_STATS_VERSIONS = (1, 2, 3)
 
 
 @dataclass
@@ -44,14 +47,24 @@ class FormatErrors:
             units). A diagnostic: its sign follows the batch and the step, so it averages out
             over training and is left out of the cost.
         input_grad_sq: ``||eX_f||^2``, ``eX_f = Q(dY) Q(W) - dY W`` (dgrad error; (loss/X)^2).
-        update_sq: ``||P~ * eW_f||^2``, ``eW_f = Q(dY)^T Q(X) - dY^T X`` (wgrad error) weighted
-            by Adam's sensitivity ``P~``: the squared drift of this module's weight update
-            (parameter^2).
+        update_sq: ``||R * eW_f||^2``, ``eW_f = Q(dY)^T Q(X) - dY^T X`` (wgrad error) weighted
+            by ``R``, Adam's response ``P~ = du/dg`` in the update metric (``settings["update_metric"]``;
+            ``P~`` itself in the paper's): the squared drift of this module's weight update.
         operand_sq: the operands' own quantization errors, ``{"x": ||Q(X) - X||^2, "w": ||Q(W) - W||^2,
             "dy": ||Q(dY) - dY||^2}`` with fprop's X and W quantizers and dgrad's dY quantizer
             (X and dY summed over the probe micro-batches like ``input_sq`` and ``output_grad_sq``;
             W once, like ``weight_sq``): what the SNIP paper's quantization-error baselines sum.
             None in statistics version 1, which did not measure them.
+        propagated: the drift of the lower parameters' update that the dgrad error eX_f causes,
+            ``||R * J^T eX_f||^2`` (J = dX / d(parameters below), R the update metric's response, the
+            error of the batch's data-parallel-mean gradient), the mean of ``propagated_probes``: the
+            squared ``<J R w_k, e>`` of each parameter perturbation draw k (docs/snip.md), for e all of eX_f
+            where dgrad rounds dY to nearest, and its mean over the rounding, ``dY (Q(W) - W)``, where it rounds
+            dY stochastically. None in statistics before version 3, whose propagated part was
+            ``gain * ||eX||^2 / numel(X)``.
+        input_grad_noise_sq: where dgrad rounds dY stochastically, ``||eX_f - dY (Q(W) - W)||^2``: the part of
+            the dgrad error drawn afresh at every step, independent from element to element, whose propagated
+            drift is ``gain * input_grad_noise_sq / numel(X)``; None where dY rounds to nearest.
     """
 
     output_sq: float
@@ -59,6 +72,9 @@ class FormatErrors:
     input_grad_sq: float
     update_sq: float
     operand_sq: dict[str, float] | None = None
+    propagated: float | None = None
+    propagated_probes: list[float] = field(default_factory=list)
+    input_grad_noise_sq: float | None = None
 
 
 @dataclass
@@ -76,8 +92,11 @@ class ModuleStatistics:
         curvature: estimate of ``tr(d^2 L / dY^2)`` (loss / Y-unit^2): the Hutchinson one, the
             mean of ``curvature_probes`` (one value per noise draw), or with
             ``settings["curvature"]`` "fisher" the empirical Fisher's (``curvature_probes`` empty).
-        gain: estimate of ``||J P~||_F^2``, J = dX / d(parameters below), the preconditioned
-            gain of lower layers' updates w.r.t. the module input; the mean of ``gain_probes``.
+        gain: estimate of ``||J R||_F^2``, J = dX / d(parameters below), the preconditioned
+            gain of lower layers' updates w.r.t. the module input (R: ``FormatErrors.update_sq``); the
+            mean of ``gain_probes``. Versions 3 on, a diagnostic: the propagated part is
+            ``FormatErrors.propagated``, which, unlike ``gain * ||eX||^2 / numel(X)``, assumes nothing of
+            eX's direction.
         errors: format -> :class:`FormatErrors` for each measured format.
         unsupported: format -> why this module cannot run it (not measured).
     """
@@ -117,7 +136,7 @@ class ProbeStatistics:
         loss: the clean loss (mean over micro-batches and data-parallel ranks); None on
             stages other than the last until gathered.
         update_sq: ``||u||^2`` of the clean Adam update of the whole model (all stages and
-            shards; weight decay excluded), parameter^2.
+            shards; weight decay excluded), in the update metric (:attr:`update_metric`).
         data_parallel_size: D, the number of data-parallel ranks averaged.
         num_microbatches, micro_batch_size, seq_length: the probe batch per rank.
         iteration: training iteration of the cycle (None if not given).
@@ -138,6 +157,12 @@ class ProbeStatistics:
     settings: dict = field(default_factory=dict)
     stages: list[int] = field(default_factory=list)
     version: int = STATS_VERSION
+
+    @property
+    def update_metric(self) -> str:
+        """How the update terms measure a drift (``estimators.metric_scale``): the probe setting, "paper"
+        for statistics before version 3, which had no other."""
+        return self.settings.get("update_metric", "paper")
 
     def to_dict(self) -> dict:
         return asdict(self)

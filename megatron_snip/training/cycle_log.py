@@ -3,23 +3,30 @@
 
 from __future__ import annotations
 
+from statistics import median
+
 from megatron_snip.snip.decisions import TABLE_MAX_ROWS, CycleReport, decision_summary, decision_table
 from megatron_snip.snip.estimators import UNRESOLVED_Z
 from megatron_snip.snip.plan_image import plan_image
 from megatron_snip.training import tags
-from megatron_snip.training.logger import MetricsLogger, metric_line
+from megatron_snip.training.logger import metric_line
+from megatron_snip.training.progress import TrainingLogger
 
 # Warn when at least this fraction of the modules has an unresolved Hutchinson curvature.
 UNRESOLVED_WARN = 0.25
 
 
-def log_cycle(logger: MetricsLogger, report: CycleReport, num_layers: int) -> None:
-    """Console line and TensorBoard panels of one SNIP cycle (on the logging rank)."""
+def log_cycle(logger: TrainingLogger, report: CycleReport, num_layers: int) -> None:
+    """Console line and TensorBoard panels of one SNIP cycle (on the logging rank). The cycle's cost is
+    also given in training iterations: its seconds over the median of the recent iterations' (those of
+    the plan in force before the cycle: bf16 before the first one, unless a warm-up plan says otherwise)."""
     plan = report.plan
     metrics = {"fp4 flops fraction": report.fp4_fraction, "estimated gemm time vs bf16": report.time_ratio,
                "objective": report.objective, "loss divergence": report.loss_divergence,
                "update divergence": report.update_divergence, "solve seconds": report.solve_seconds,
                "cycle seconds": report.cycle_seconds}
+    if logger.step_seconds:
+        metrics["cycle iterations"] = report.cycle_seconds / median(logger.step_seconds)
     unresolved = report.unresolved_curvatures
     if unresolved is not None:
         metrics["unresolved curvature fraction"] = len(unresolved) / len(report.decisions)

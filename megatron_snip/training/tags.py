@@ -71,7 +71,8 @@ UNIGRAM_ENTROPY = "data/unigram entropy"  # nats/token of the training data: wha
 
 # -- this program's, at each SNIP cycle (--snip) ---------------------------------------------------
 SNIP = "snip"  # SNIP/<name>: fp4 flops fraction, estimated gemm time vs bf16, objective, loss divergence,
-               # update divergence, solve seconds, cycle seconds, unresolved curvature fraction;
+               # update divergence, solve seconds, cycle seconds, cycle iterations (the cycle's seconds over
+               # the median recent iteration's), unresolved curvature fraction;
                # SNIP/layer divergence/LLL
 SNIP_PLAN_IMAGE = "snip/plan"
 SNIP_DECISIONS = "snip/decisions"  # text

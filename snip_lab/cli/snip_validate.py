@@ -7,7 +7,8 @@
     torchrun --nproc-per-node 1 tools/lab/snip_validate.py --data-path D --tokenizer-model T --train-iters 60 ...
 
 Takes pretrain_llama.py's flags plus ``--validate-batches``, ``--validate-seeds`` and
-``--output``. It runs one SNIP probe cycle on the next global batch (the estimates), then for
+``--output``. It runs one SNIP probe cycle on each of the next ``--validate-batches`` global batches (the
+estimates, averaged over the batches the ground truth is measured on), then for
 every (module, format) actually runs only that module in that format (the ground truth:
 forward = the loss change with only that module's fprop quantized; backward = the drift of the
 Adam-preconditioned update with only its dgrad/wgrad quantized), averaged over the batches and
@@ -48,17 +49,24 @@ def type_table(rows: dict[str, dict[str, float]]) -> str:
     return "\n".join(out)
 
 
-def by_type(trainer, stats, est, batches, formats, seed: int) -> dict[str, dict[str, dict[str, float]]]:
-    """format -> module type -> SNIP's update terms and the measured drifts (``--validate-by-type``)."""
+def mean_tables(tables: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """module -> format -> the mean over ``tables`` (the same keys in each)."""
+    return {m: {f: sum(t[m][f] for t in tables) / len(tables) for f in row} for m, row in tables[0].items()}
+
+
+def by_type(trainer, cycles, per_batch, batches, formats, seed: int) -> dict[str, dict[str, dict[str, float]]]:
+    """format -> module type -> SNIP's update terms (the mean over the batches' probe cycles, ``cycles``
+    and their divergences ``per_batch``) and the measured drifts (``--validate-by-type``)."""
     from megatron_snip.numerics.recipes import Precision
     from snip_lab.ground_truth import group_drift
     from snip_lab.variants import module_type
 
     groups: dict[str, list[str]] = {}
-    for name in est:
+    for name in per_batch[0]:
         groups.setdefault(module_type(name), []).append(name)
     config = trainer.config
-    common = dict(seq_length=config.model.seq_length, micro_batch_size=config.training.micro_batch_size, seed=seed)
+    common = dict(seq_length=config.model.seq_length, micro_batch_size=config.training.micro_batch_size, seed=seed,
+                  metric=config.snip.snip_update_metric)
     out = {}
     for fmt in formats:
         bwd = group_drift(trainer.model, trainer.optimizer, trainer.precision, batches, groups,
@@ -68,10 +76,14 @@ def by_type(trainer, stats, est, batches, formats, seed: int) -> dict[str, dict[
         # the input gradient's error from the quantized weight alone: the part that repeats (results/notebook.md)
         dgrad_w = group_drift(trainer.model, trainer.optimizer, trainer.precision, batches, groups,
                               Precision("bf16", fmt), operands={("dgrad", "w")}, **common)
+        def estimate(part: str, names: list[str], fmt: str = fmt) -> float:
+            return sum(sum(getattr(est[n][fmt], part) for n in names if fmt in est[n]) / stats.update_sq
+                       for stats, est in zip(cycles, per_batch)) / len(cycles)
+
         out[fmt] = {t: {
-            "SNIP local": sum(est[n][fmt].update_local for n in names if fmt in est[n]) / stats.update_sq,
+            "SNIP local": estimate("update_local", names),
             "bwd: own": bwd[t].own,
-            "SNIP propagated": sum(est[n][fmt].update_propagated for n in names if fmt in est[n]) / stats.update_sq,
+            "SNIP propagated": estimate("update_propagated", names),
             "bwd: other": bwd[t].other,
             "bwd: persistence": bwd[t].persistence,
             "bwd: own persistence": bwd[t].own_persistence,
@@ -128,18 +140,20 @@ def main() -> int:
     data = trainer.batches("train", trainer.state.consumed_samples)
     batches = [list(islice(data, n_mb)) for _ in range(opts.validate_batches)]
 
-    stats = gather_across_pipeline(run_probe_cycle(
-        trainer.model, trainer.optimizer, trainer.precision, iter(batches[0]), num_microbatches=n_mb,
+    # One probe cycle per batch the ground truth is measured on: estimates and truth on the same batches.
+    cycles = [gather_across_pipeline(run_probe_cycle(
+        trainer.model, trainer.optimizer, trainer.precision, iter(batch), num_microbatches=n_mb,
         seq_length=seq_length, micro_batch_size=micro_batch_size,
         config=ProbeConfig.from_snip(config.snip, config.training.seed),
-        iteration=trainer.state.iteration))
-    est = divergences(stats)
+        iteration=trainer.state.iteration)) for batch in batches]
+    per_batch = [divergences(stats) for stats in cycles]
     if opts.validate_by_type:
-        table_by_type = by_type(trainer, stats, est, batches, formats, seed=0)
+        table_by_type = by_type(trainer, cycles, per_batch, batches, formats, seed=0)
         if dist.get_rank() == 0:
             for fmt, rows in table_by_type.items():
                 print(f"\nSNIP's update terms and the exact update drift in {fmt}, every module of a type at once, "
-                      f"at iteration {trainer.state.iteration} (each / ||u||^2; mean over {opts.validate_batches} "
+                      f"at iteration {trainer.state.iteration} (each / ||u||^2, in the "
+                      f"{config.snip.snip_update_metric} update metric; mean over {opts.validate_batches} "
                       f"batches; persistence: mean cosine between the batches' drifts)\n")
                 print(type_table(rows))
             if opts.output:
@@ -148,13 +162,16 @@ def main() -> int:
                 print(f"\nwrote {opts.output}")
         dist.destroy_process_group()
         return 0
-    est_fwd = {m: {f: d.forward for f, d in per.items()} for m, per in est.items()}
-    est_bwd = {m: {f: d.backward for f, d in per.items()} for m, per in est.items()}
-    absolute, relative = local_error_baselines(stats)
+    est_fwd = mean_tables([{m: {f: d.forward for f, d in per.items()} for m, per in est.items()} for est in per_batch])
+    est_bwd = mean_tables([{m: {f: d.backward for f, d in per.items()} for m, per in est.items()}
+                           for est in per_batch])
+    baselines = [local_error_baselines(stats) for stats in cycles]
+    absolute, relative = (mean_tables([b[i] for b in baselines]) for i in (0, 1))
     seeds = tuple(range(opts.validate_seeds))
     common = dict(seq_length=seq_length, micro_batch_size=micro_batch_size, seeds=seeds)
     fwd = forward_ground_truth(trainer.model, trainer.precision, batches, formats, **common)
-    bwd = backward_ground_truth(trainer.model, trainer.optimizer, trainer.precision, batches, formats, **common)
+    bwd = backward_ground_truth(trainer.model, trainer.optimizer, trainer.precision, batches, formats, **common,
+                                metric=config.snip.snip_update_metric)
 
     rows = {
         "forward: SNIP dL/loss vs loss change": rank_correlations(est_fwd, fwd.loss_change),
@@ -168,7 +185,7 @@ def main() -> int:
         "backward: |E|^2/|Y|^2 baseline vs update drift": rank_correlations(relative, bwd),
     }
     if dist.get_rank() == 0:
-        print(f"\nSNIP estimators vs ground truth at iteration {trainer.state.iteration}: {len(est)} modules x "
+        print(f"\nSNIP estimators vs ground truth at iteration {trainer.state.iteration}: {len(est_bwd)} modules x "
               f"{len(formats)} formats, ground truth over {opts.validate_batches} batches x {len(seeds)} seeds "
               f"(Spearman rank correlation)\n")
         print(table(rows, formats))

@@ -1,0 +1,71 @@
+"""Two SNIP runs that differ only in their parallel layout: how far apart their cycles' costs and plans are.
+
+Layouts add the same numbers in other orders, so two runs' states differ by rounding; SNIP's costs must
+not amplify it (docs/snip.md, "Stable across layouts"). :func:`compare_runs` reads both runs' statistics
+files (``SAVE/snip/snip_iter_N.json``) cycle by cycle: for every (module, format) the ratio of the two
+runs' normalised update costs and loss costs (the larger over the smaller), and whether the plans agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_snip.snip.statistics_file import StatisticsFile
+
+# A cost this far below a cycle's largest cost of its kind (update or loss) is rounding, not a cost: its
+# ratio between runs says nothing (a module whose curvature or drift is ~0 in both).
+NEGLIGIBLE = 1e-6
+
+
+@dataclass(frozen=True)
+class CycleComparison:
+    """One cycle of two runs.
+
+    Attributes:
+        iteration: the cycle's iteration.
+        update_ratio: the largest ratio (>= 1) of the two runs' update costs over every (module, format),
+            with the pair it belongs to; loss_ratio: the same for the loss costs.
+        same_plan: whether both cycles chose the same precision for every module.
+    """
+
+    iteration: int
+    update_ratio: tuple[float, str]
+    loss_ratio: tuple[float, str]
+    same_plan: bool
+
+
+def _largest_ratio(a: dict[str, dict[str, float]], b: dict[str, dict[str, float]]) -> tuple[float, str]:
+    scale = max((abs(v) for row in (*a.values(), *b.values()) for v in row.values()), default=0.0)
+    worst = (1.0, "")
+    for name, row in a.items():
+        for fmt, x in row.items():
+            y = b[name][fmt]
+            if max(abs(x), abs(y)) <= NEGLIGIBLE * scale:
+                continue
+            ratio = max(x, y) / min(x, y) if min(x, y) > 0 else float("inf")
+            if ratio > worst[0]:
+                worst = (ratio, f"{name} {fmt}")
+    return worst
+
+
+def compare_runs(dir_a: str | Path, dir_b: str | Path) -> list[CycleComparison]:
+    """The cycles both runs' statistics directories hold, compared (:class:`CycleComparison`).
+
+    Raises:
+        ValueError: no cycle in common, or a cycle without its decision (an interrupted cycle).
+    """
+    files = {Path(d): {p.name: p for p in Path(d).glob("snip_iter_*.json")} for d in (dir_a, dir_b)}
+    common = sorted(set(files[Path(dir_a)]) & set(files[Path(dir_b)]))
+    if not common:
+        raise ValueError(f"{dir_a} and {dir_b} hold no SNIP cycle of the same iteration")
+    out = []
+    for name in common:
+        a, b = StatisticsFile.load(files[Path(dir_a)][name]), StatisticsFile.load(files[Path(dir_b)][name])
+        if a.divergences is None or a.cycle is None or b.divergences is None or b.cycle is None:
+            raise ValueError(f"{name}: the cycle did not finish in both runs")
+        costs = {k: [{n: {f: getattr(d, k) for f, d in per.items()} for n, per in run.divergences.items()}
+                     for run in (a, b)] for k in ("backward", "forward")}
+        out.append(CycleComparison(a.cycle.iteration, _largest_ratio(*costs["backward"]),
+                                   _largest_ratio(*costs["forward"]), a.cycle.plan == b.cycle.plan))
+    return out
