@@ -149,10 +149,11 @@ class ModuleProbe:
         response: the update metric's response of Adam's next step to the gradient on this rank's slice
             of the weight (``AdamSlice.in_metric`` of ``P~ = du/dg``, at the clean gradient); None where
             this rank's optimizer does not update the weight.
-        input_changes: micro-batch index -> ``(X(+) - X(0)) / sigma`` of every draw k (K x the input's
-            shape, fp32), the change of the module's input (as its forward hook sees it) that the parameter
-            perturbation causes, kept from the perturbation passes until the clean backward of that
-            micro-batch reads it.
+        clean_inputs: micro-batch index -> X(0), the module's input (as its forward hook sees it) in the clean
+            pass, kept for the perturbation passes of the same micro-batches to difference against.
+        repeated_errors: micro-batch index -> format -> the dgrad error that repeats from step to step
+            (:meth:`repeated_input_grad_error`; all of eX under round to nearest), shaped and split like
+            X(0), kept for the perturbation passes to project their input changes on.
     """
 
     name: str
@@ -166,7 +167,8 @@ class ModuleProbe:
     operand_states: dict[str, QuantState] = field(default_factory=dict)  # for the operands' own errors
     sums: dict[Sum, torch.Tensor] = field(default_factory=dict)
     next_microbatch: MicrobatchCounter = field(default_factory=MicrobatchCounter)
-    input_changes: dict[int, torch.Tensor] = field(default_factory=dict)
+    clean_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    repeated_errors: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     sigma: float = 0.0
 
     @classmethod
@@ -241,10 +243,8 @@ class ModuleProbe:
     def measure_errors(self, x: torch.Tensor, dy: torch.Tensor, grad_scale: float, microbatch: int) -> None:
         """Clean-pass backward of one micro-batch: ``||dY||^2`` and every format's exact GEMM errors,
         measured on the operands the GEMM quantizes (under sequence parallelism the all-gathered X /
-        dY); ``dy`` is ``grad_scale`` times dL/dY. With the perturbation passes' input changes dX_k of
-        this micro-batch (then freed), also ``||dX_k||^2`` (the gain) and ``<dX_k, eX_f>`` per draw and
-        format: summed over the batch and squared, the propagated update drift
-        (``estimators.propagated_drift``)."""
+        dY); ``dy`` is ``grad_scale`` times dL/dY. The part of each format's dgrad error that repeats is kept
+        (``repeated_errors``) for the perturbation passes that follow (:meth:`measure_input_change`)."""
         exact = x.is_cuda and _tf32_exact(x, dy, self.module.weight, scale=grad_scale)
         w = self.module.weight.detach().float()
         self.add(Sum("output_grad_sq"), self.layout.y_weight * squared_norm(dy.detach().float() / grad_scale))
@@ -255,11 +255,6 @@ class ModuleProbe:
             dy = gather_sequence(dy.detach(), self.module.tp_group)
         x = x.detach().reshape(-1, x.shape[-1]).float()
         dy = dy.detach().reshape(-1, dy.shape[-1]).float() / grad_scale
-        changes = self.input_changes.pop(microbatch, None)
-        if changes is not None:
-            changes = changes.view(len(changes), -1)
-            for k, gain in enumerate(torch.linalg.vector_norm(changes, dim=1, dtype=torch.float64).square()):
-                self.add(Sum("gain", probe=k), self.layout.x_weight * gain)
         with _tf32_matmuls(exact):
             y_ref, dx_ref, dw_ref = x @ w.t(), dy @ w, dy.t() @ x
         for fmt in self.formats:
@@ -282,18 +277,31 @@ class ModuleProbe:
             self.add(Sum("input_grad_sq", fmt), self.layout.gemm_x_weight * squared_norm(e_in))
             self.add(Sum("x_quant_sq", fmt), self.layout.gemm_x_weight * self.operand_error_sq(fmt, "fprop", "x", x))
             self.add(Sum("dy_quant_sq", fmt), self.layout.gemm_y_weight * self.operand_error_sq(fmt, "dgrad", "dy", dy))
-            if changes is not None:
-                # Projected: the error that repeats, as this rank's forward holds the input (its slice of the
-                # sequence under sequence parallelism).
-                mine = e_repeated[self.layout.tp_rank * local_rows:(self.layout.tp_rank + 1) * local_rows] \
-                    if self.layout.sequence_input else e_repeated
-                for k, projection in enumerate(changes @ mine.reshape(-1)):
-                    self.add(Sum("propagated", fmt, probe=k), self.layout.x_weight * projection.double())
+            # Kept as this rank's forward holds the input: its slice of the sequence under sequence parallelism.
+            mine = e_repeated[self.layout.tp_rank * local_rows:(self.layout.tp_rank + 1) * local_rows] \
+                if self.layout.sequence_input else e_repeated
+            self.repeated_errors.setdefault(microbatch, {})[fmt] = mine.reshape(-1).clone()
             e_w = dw - dw_ref
             if self.layout.cp > 1:  # this rank's tokens' part of the replica's wgrad: its error, too, adds up
                 dist.all_reduce(e_w, group=parallel_state.get_context_parallel_group())
             if self.response is not None:
                 self.add(Sum("update_sq", fmt), squared_norm(self.response * self.adam.flat(e_w)))
+
+
+    def measure_input_change(self, x: torch.Tensor, microbatch: int, sigma: float, k: int) -> None:
+        """A perturbation pass of draw k: ``dX = (X(+) - X(0)) / sigma``, ``||dX||^2`` into ``gain.k`` and, per
+        format, ``<dX, e>`` (e the repeated dgrad error of the clean pass) into ``propagated.k``: summed over
+        the batch and squared, the propagated update drift (``estimators.propagated_drift``)."""
+        change = (x.detach().float() - self.clean_inputs[microbatch].float()).reshape(-1).div_(sigma)
+        self.add(Sum("gain", probe=k), self.layout.x_weight * squared_norm(change))
+        for fmt, error in self.repeated_errors.get(microbatch, {}).items():
+            self.add(Sum("propagated", fmt, probe=k),
+                     self.layout.x_weight * torch.dot(change, error).double())
+
+    def forget_group(self) -> None:
+        """Drop what a group of micro-batches kept for its perturbation passes."""
+        self.clean_inputs.clear()
+        self.repeated_errors.clear()
 
 
 def _tf32_exact(*tensors: torch.Tensor, scale: float) -> bool:

@@ -16,18 +16,19 @@ masks:
 1. **measurement passes**, micro-batch by micro-batch (the whole batch at once under the
    interleaved schedule, whose micro-batch groups span the pipeline):
 
-   a. a clean forward keeps every module's input X(0);
-   b. K **perturbed forwards**, every parameter moved to ``theta + sigma R w_k``
-      (``perturbation.py``), keep ``dX_k = (X(+) - X(0)) / sigma`` at every module input;
-   c. a **clean forward + backward**: per module ``||X||^2, ||W||^2, ||Y||^2, ||dY||^2`` and,
+   a. a **clean forward + backward**: per module ``||X||^2, ||W||^2, ||Y||^2, ||dY||^2`` and,
       per candidate format f, the exact errors ``||E_f||^2, ||eX_f||^2, ||R * eW_f||^2`` (the
       quantized GEMMs re-run on the captured X, W, dY through
       :func:`megatron_snip.numerics.linear.quantized_linear`, the layers' own code), each
       operand's own quantization error ``||Q(T) - T||^2`` for T = X, W (fprop's quantizers) and
-      dY (dgrad's), what the SNIP paper's quantization-error baselines sum, and ``<dX_k, eX_f>``:
-      summed over the batch (and averaged over the data-parallel replicas) and squared, its mean
-      over the draws is ``||R * J^T eX_f||^2``, the propagated update drift of the realised error
-      (``perturbation.py``); ``||dX_k||^2``, the isotropic gain ``||J R||_F^2`` (a diagnostic);
+      dY (dgrad's), what the SNIP paper's quantization-error baselines sum; it keeps every module's
+      input X(0) and the part e_f of its dgrad error that repeats from step to step;
+   b. K **perturbed forwards**, every parameter moved to ``theta + sigma R w_k``
+      (``perturbation.py``): ``<dX_k, e_f>`` at every module input, ``dX_k = (X(+) - X(0)) / sigma``,
+      summed over the batch (and averaged over the data-parallel replicas) and squared, its mean over
+      the draws is ``||R * J^T e_f||^2``, the propagated update drift of the realised error;
+      ``||dX_k||^2``, the isotropic gain ``||J R||_F^2`` (a diagnostic, and the drift of the rest of
+      the error, which stochastic rounding draws afresh: ``estimators.module_divergences``);
 2. **Hutchinson passes** (K forward + backward): Rademacher noise
    ``+sigma_l Z_l`` at every module output at once; ``<Z_l, G(+) - G(0)>``, with
    ``<Z_l, G(0)>`` read in the clean backward, gives ``tr(H_l)`` for every module
@@ -258,33 +259,25 @@ def _relative_perturbation(adam: AdamView, config: ProbeConfig) -> float:
 def _measurement_passes(runner: PassRunner, probes: list[ModuleProbe], rng: RngStates,
                         perturbation: ParameterPerturbation, config: ProbeConfig,
                         curvature_keys: Sequence[int]) -> float | None:
-    """Steps 1a-c of the cycle (module docstring), group by group of micro-batches (``PassRunner.groups``):
-    a clean forward keeps every module's input X(0); each draw's perturbed forward keeps
-    ``dX_k = (X(+) - X(0)) / sigma``; the clean forward + backward then measures the norms, every format's
-    GEMM errors, ``||dX_k||^2`` into ``gain.k``, ``<dX_k, eX_f>`` into ``propagated.k`` and
-    ``-<Z_k, G(0)>`` into ``curvature.k`` for the noise each Hutchinson pass k will add
-    (:func:`_hutchinson_pass`). Every pass of a group starts from the RNG state the group starts with in
-    a whole pass, so dropout draws the masks a pass over the whole batch would.
+    """Steps 1a-b of the cycle (module docstring), group by group of micro-batches (``PassRunner.groups``):
+    the clean forward + backward measures the norms, every format's GEMM errors and ``-<Z_k, G(0)>`` into
+    ``curvature.k`` for the noise each Hutchinson pass k will add (:func:`_hutchinson_pass`), and keeps every
+    module's input X(0) and the part of its dgrad errors that repeats; each draw's perturbed forward then adds
+    ``||dX_k||^2`` into ``gain.k`` and ``<dX_k, e_f>`` into ``propagated.k``, ``dX_k = (X(+) - X(0)) / sigma``
+    (``ModuleProbe.measure_input_change``). Every pass of a group starts from the RNG state the group starts
+    with in a whole pass, so dropout draws the masks a pass over the whole batch would.
 
-    Only one group's module inputs (K + 1 copies) are held at a time. The group's backward runs without
-    the gradients' data-parallel reduction (nothing reads them) and scales the loss by the group's
-    size, not the batch's: its activation gradients are ``batch / group`` times those of a whole pass.
+    Only one group's module inputs and repeated errors (1 + F copies of the inputs for F formats) are held
+    at a time. The group's backward runs without the gradients' data-parallel reduction (nothing reads them)
+    and scales the loss by the group's size, not the batch's: its activation gradients are ``batch / group``
+    times those of a whole pass.
 
     Returns:
         the clean loss (mean over the batch) on the last stage, None elsewhere.
     """
-    def keep(p: ModuleProbe, x: torch.Tensor, out, inputs: dict):
-        inputs[p.name, p.next_microbatch()] = x.detach().clone()
-
-    def change(p: ModuleProbe, x: torch.Tensor, out, inputs: dict, k: int):
-        m = p.next_microbatch()
-        if m not in p.input_changes:
-            p.input_changes[m] = torch.empty((config.perturbation_probes, *x.shape), dtype=torch.float32,
-                                             device=x.device)
-        torch.sub(x.detach().float(), inputs[p.name, m].float(), out=p.input_changes[m][k]).div_(perturbation.sigma)
-
     def measure(p: ModuleProbe, x: torch.Tensor, out, grad_scale: float):
-        microbatch = p.next_microbatch()  # counted as in the noise passes
+        microbatch = p.next_microbatch()  # counted as in the perturbation and noise passes
+        p.clean_inputs.setdefault(microbatch, x.detach().clone())  # once: a recomputed layer runs twice
         if not needs_grad(out):
             return None
         y = out[0]
@@ -309,28 +302,23 @@ def _measurement_passes(runner: PassRunner, probes: list[ModuleProbe], rng: RngS
 
     start, losses = rng, []
     for group in runner.groups():
-        inputs: dict[tuple[str, int], torch.Tensor] = {}
-        counted_from(group.start)
-        start.restore()
-        with module_hooks(probes, lambda p, x, out: keep(p, x, out, inputs)):
-            runner.run(forward_only=True, microbatches=group)
-        after = RngStates()
-        for k in range(config.perturbation_probes):
-            with perturbation.applied(k):
-                counted_from(group.start)
-                start.restore()
-                with module_hooks(probes, lambda p, x, out, k=k: change(p, x, out, inputs, k)):
-                    runner.run(forward_only=True, microbatches=group)
-        inputs.clear()
         counted_from(group.start)
         start.restore()
         grad_scale = runner.output_grad_scale * runner.num_microbatches / len(group)
         with module_hooks(probes, lambda p, x, out: measure(p, x, out, grad_scale)):
             loss = runner.run(forward_only=False, microbatches=group, sync_grads=False)
-        for p in probes:  # read by the backward; left only where a module's output needed no gradient
-            p.input_changes.clear()
         if loss is not None:
             losses.append(loss * len(group))
+        after = RngStates()
+        for k in range(config.perturbation_probes):
+            with perturbation.applied(k):
+                counted_from(group.start)
+                start.restore()
+                with module_hooks(probes, lambda p, x, out, k=k: p.measure_input_change(
+                        x, p.next_microbatch(), perturbation.sigma, k)):
+                    runner.run(forward_only=True, microbatches=group)
+        for p in probes:
+            p.forget_group()
         start = after
     return sum(losses) / runner.num_microbatches if losses else None
 
