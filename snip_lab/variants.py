@@ -235,6 +235,25 @@ def branch_points(out: Path) -> tuple[dict, dict[int, StatisticsFile]]:
     return settings, stats
 
 
+def group_rank_correlations(stats: ProbeStatistics, variant: Variant, costs: OracleCosts,
+                            fmt: str) -> dict[str, float]:
+    """Spearman correlation of the variant's ``fmt`` cost summed per module type (over the 4 types) and per
+    layer (over the layers) with what each group's ablation measured (the arms ``ablate-linear_<type>`` and
+    ``ablate-layer<i>``): does the objective rank the groups as training does. NaN where the costs hold no
+    such ablations."""
+    table = cost_tables(with_curvature(stats, variant.curvature), variant.loss_weight, variant.update_weight,
+                        formats=[fmt]).joint
+    out = {}
+    for kind, key in (("types", module_type), ("layers", lambda n: f"layer{parse_module_name(n)[0]}")):
+        predicted: dict[str, float] = {}
+        for name, per in table.items():
+            predicted[key(name)] = predicted.get(key(name), 0.0) + per[fmt]
+        groups = [g for g in predicted if f"ablate-{g}" in costs.groups]
+        out[kind] = (spearman([predicted[g] for g in groups], [costs.groups[f"ablate-{g}"] for g in groups])
+                     if len(groups) > 1 else math.nan)
+    return out
+
+
 def type_costs(costs: OracleCosts) -> Mapping[str, float]:
     """Module type -> its ablation's measured cost (the arms named ``ablate-<type>``)."""
     return {arm[len("ablate-"):]: c for arm, c in costs.groups.items() if arm.startswith("ablate-linear_")}

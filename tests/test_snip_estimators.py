@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ from megatron_snip.snip.estimators import (
     propagated_drift,
     propagated_update_divergence,
     unresolved_curvatures,
+    update_normaliser,
 )
 from megatron_snip.snip.noise import noise_key, rademacher
 from megatron_snip.snip.statistics import FormatErrors, ModuleStatistics, ProbeStatistics
@@ -299,6 +301,7 @@ def _module(name, layer, curvature, gain, errors, unsupported=None):
 
 
 def _stats(**kw):
+    """Two modules' statistics as version 2 files hold them (the paper's metric, no measured propagated part)."""
     modules = {
         "decoder.layers.0.mlp.linear_fc1": _module("decoder.layers.0.mlp.linear_fc1", 0, 3.2, 5.0,
                                                    {"fp8": (0.1, 0.0, 1e-4, 2e-6), "nvfp4": (2.0, 0.1, 1e-3, 4e-5)}),
@@ -313,7 +316,8 @@ def _stats(**kw):
 def test_module_divergences_normalise_and_split_into_parts():
     stats = _stats(dp=4)
     m = stats.modules["decoder.layers.1.mlp.linear_fc1"]
-    d = module_divergences(m, loss=2.0, update_sq=1e-3, data_parallel_size=4)["nvfp4"]
+    assert stats.update_metric == "paper" and update_normaliser(stats) == 1e-3  # version 2: ||u||^2
+    d = module_divergences(m, loss=2.0, update_norm=1e-3, data_parallel_size=4)["nvfp4"]
     assert d.loss_change == pytest.approx(0.5 * 0.5 * 4.0 / 160.0)
     assert d.forward == pytest.approx(d.loss_change / 2.0)
     assert d.update_local == pytest.approx(2e-5 / 4)
@@ -321,6 +325,24 @@ def test_module_divergences_normalise_and_split_into_parts():
     assert d.backward == pytest.approx((d.update_local + d.update_propagated) / 1e-3)
     assert d.cost(2.0, 0.5) == pytest.approx(2.0 * d.forward + 0.5 * d.backward)
     assert divergences(stats)["decoder.layers.1.mlp.linear_fc1"]["nvfp4"] == d
+
+
+def test_the_fisher_metrics_update_divergence_is_the_loss_its_drift_costs():
+    """Version 3, the fisher metric: the propagated part is the measured drift of the repeated error plus the
+    gain's share of stochastic rounding's (independent from rank to rank: 1/D), and the update divergence is
+    the loss the drift costs at the next step, ``0.5 B v_hat du^2``, over the loss: in the loss term's units."""
+    stats = _stats(dp=4)
+    name = "decoder.layers.1.mlp.linear_fc1"
+    m = stats.modules[name]
+    m.errors["nvfp4"] = replace(m.errors["nvfp4"], propagated=7e-6, input_grad_noise_sq=2e-3)
+    m.errors["fp8"] = replace(m.errors["fp8"], propagated=1e-7)  # rounds to nearest: no noise part
+    stats = replace(stats, settings={"update_metric": "fisher"})
+    tokens = 2 * 4 * 32 * 4
+    assert stats.tokens == tokens and update_normaliser(stats) == pytest.approx(2 * 2.0 / tokens)
+    d = divergences(stats)[name]
+    assert d["nvfp4"].update_propagated == pytest.approx(7e-6 + 9.0 * 2e-3 / 80.0 / 4)
+    assert d["fp8"].update_propagated == pytest.approx(1e-7)
+    assert d["nvfp4"].backward == pytest.approx(0.5 * tokens * (2e-5 / 4 + d["nvfp4"].update_propagated) / 2.0)
 
 
 def test_cost_tables_feed_the_ilp():

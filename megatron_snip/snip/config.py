@@ -68,11 +68,12 @@ class SnipConfig:
         "pass per draw, and at depth its draws no longer tell the modules' traces from 0: docs/snip.md).",
         choices=CURVATURES, ours=True)
     snip_update_metric: str = flag(
-        "fisher", "How the update divergence measures the drift of Adam's step: fisher weighs each element's squared "
-        "drift by Adam's second moment (the diagonal empirical Fisher: the drift as the loss feels it, so a rare "
-        "token's embedding row or an element with no gradient history weighs what its gradients say); paper is the "
-        "SNIP paper's plain squared weight drift, which such elements decide (docs/snip.md, \"The update metric\").",
-        choices=UPDATE_METRICS, ours=True)
+        "fisher",
+        "How the update divergence measures the drift of Adam's step: fisher, as the loss it costs at the next step, "
+        "0.5 du^T F du with the empirical Fisher F = B v_hat from Adam's second moment (B: the batch's tokens), over "
+        "the loss, like the loss divergence (a rare token's embedding row, or an element with no gradient history, "
+        "weighs what its gradients say); paper, the SNIP paper's squared weight drift over the clean update's, which "
+        "such elements decide (docs/snip.md, \"The update metric\").", choices=UPDATE_METRICS, ours=True)
     snip_probe_passes: int = flag(
         8, "Noise draws per estimator: parameter perturbations that measure the propagated update drift (a forward "
         "pass each; each draw one squared projection, so a module's estimate spreads by about sqrt(2/K)) and, with "

@@ -30,8 +30,10 @@ units in ``docs/snip.md``):
   gradient (see :func:`adam_sensitivity`), and D the number of data-parallel ranks whose
   gradients are averaged (their local errors taken as independent);
 
-* normalised: ``dL / loss`` and ``dU / ||u||^2`` (u the clean update), so both
-  are dimensionless; ``cost = alpha * dL/loss + beta * dU/||u||^2``.
+* normalised: ``dL / loss`` and, for the fisher metric, ``0.5 B dU / loss`` (the loss the drift costs at
+  the next step, ``B v_hat`` the per-token empirical Fisher, B the batch's tokens: :func:`update_normaliser`),
+  for the paper's ``dU / ||u||^2`` (u the clean update), so both are dimensionless;
+  ``cost = alpha * forward + beta * backward``.
 
 Everything here is plain arithmetic on floats and tensors: no distributed code.
 """
@@ -257,10 +259,11 @@ class Divergence:
 
     Attributes:
         loss_change: dL, units of the loss.
-        update_local: local part of dU (module's own weight), parameter^2.
-        update_propagated: propagated part of dU (lower parameters), parameter^2.
+        update_local: local part of dU (module's own weight), in the update metric.
+        update_propagated: propagated part of dU (lower parameters), in the update metric.
         forward: dL / loss (dimensionless).
-        backward: dU / ||u||^2 (dimensionless).
+        backward: dU over :func:`update_normaliser` (dimensionless): in the fisher metric the loss the
+            drift costs at the next step over the loss, in the paper's ``dU / ||u||^2``.
     """
 
     loss_change: float
@@ -277,7 +280,23 @@ class Divergence:
 ZERO = Divergence(0.0, 0.0, 0.0, 0.0, 0.0)
 
 
-def module_divergences(module: ModuleStatistics, *, loss: float, update_sq: float,
+def update_normaliser(stats: ProbeStatistics) -> float:
+    """What an update drift is divided by to give the update divergence (dimensionless), by the metric it was
+    measured in (``stats.update_metric``):
+
+    * ``fisher``: ``2 loss / B``, B the tokens of the global batch: the divergence is the loss the drift
+      costs at the next step over the loss, ``0.5 du^T F du / loss``, with the per-token empirical Fisher
+      ``F = B v_hat`` (Adam's second moment is the batch-mean gradient's, whose variance is ``F / B``; an
+      upper estimate where the tokens' gradients are correlated), as the loss divergence is the loss the
+      forward error costs. Both terms are then in the loss's units.
+    * ``paper``: ``||u||^2``, the clean update's squared norm (the SNIP paper's relative drift).
+    """
+    if stats.update_metric == "fisher":
+        return 2.0 * stats.loss / stats.tokens
+    return stats.update_sq
+
+
+def module_divergences(module: ModuleStatistics, *, loss: float, update_norm: float,
                        data_parallel_size: int = 1) -> dict[str, Divergence]:
     """Divergences of one module for every format it was measured in.
 
@@ -285,15 +304,15 @@ def module_divergences(module: ModuleStatistics, *, loss: float, update_sq: floa
         module: its statistics (sums over the probe batch of one data-parallel rank,
             averaged over ranks).
         loss: the clean loss, for normalisation.
-        update_sq: ``||u||^2`` of the clean update of the whole model.
+        update_norm: what a drift is divided by (:func:`update_normaliser`).
         data_parallel_size: D; wgrad errors of D ranks average in the update, and taken as
             independent their squares add: the local drift of the mean is 1/D of a rank's. (The
             propagated part is measured on the data-parallel mean itself.)
     Returns:
         format -> :class:`Divergence`.
     """
-    if not (loss > 0 and update_sq > 0):
-        raise ValueError(f"normalisers must be positive: loss {loss}, ||u||^2 {update_sq}")
+    if not (loss > 0 and update_norm > 0):
+        raise ValueError(f"normalisers must be positive: loss {loss}, update drift's {update_norm}")
     out = {}
     for fmt, err in module.errors.items():
         dl = forward_loss_divergence(module.curvature, module.output_numel, err.output_sq)
@@ -304,7 +323,7 @@ def module_divergences(module: ModuleStatistics, *, loss: float, update_sq: floa
         else:  # the error that repeats measured along its direction, stochastic rounding's as independent noise
             propagated = err.propagated + propagated_update_divergence(
                 module.gain, module.input_numel, err.input_grad_noise_sq or 0.0) / data_parallel_size
-        out[fmt] = Divergence(dl, local, propagated, dl / loss, (local + propagated) / update_sq)
+        out[fmt] = Divergence(dl, local, propagated, dl / loss, (local + propagated) / update_norm)
     return out
 
 
@@ -314,8 +333,8 @@ def divergences(stats: ProbeStatistics) -> dict[str, dict[str, Divergence]]:
     if stats.loss is None:
         raise ValueError("the statistics carry no loss (it lives on the last pipeline stage): "
                          "gather them across the pipeline first")
-    return {name: module_divergences(m, loss=stats.loss, update_sq=stats.update_sq,
-                                     data_parallel_size=stats.data_parallel_size)
+    norm = update_normaliser(stats)
+    return {name: module_divergences(m, loss=stats.loss, update_norm=norm, data_parallel_size=stats.data_parallel_size)
             for name, m in stats.modules.items()}
 
 

@@ -159,6 +159,11 @@ class ProbeStatistics:
     version: int = STATS_VERSION
 
     @property
+    def tokens(self) -> int:
+        """Tokens of the global batch: the probe batch of every data-parallel replica."""
+        return self.num_microbatches * self.micro_batch_size * self.seq_length * self.data_parallel_size
+
+    @property
     def update_metric(self) -> str:
         """How the update terms measure a drift (``estimators.metric_scale``): the probe setting, "paper"
         for statistics before version 3, which had no other."""

@@ -51,6 +51,7 @@ from snip_lab.variants import (
     VARIANTS,
     branch_points,
     curvature_resolution,
+    group_rank_correlations,
     load_run,
     measured_update_stats,
     module_rank_correlation,
@@ -139,12 +140,15 @@ def main(argv=None) -> int:
                 for name, plan in s.plans.items():
                     plan.save(folder / f"{name.replace(' ', '-')}_fp4-{target:.2f}.json")
     measured = type_costs(costs)
-    print(f"\nSpearman correlation over the modules of each variant's {fmt} cost with the measured cost "
-          "(mean over seeds):\n")
-    print("| variant | Spearman |\n|---|---:|")
+    print(f"\nSpearman correlation of each variant's {fmt} cost with the measured cost, over the modules, and "
+          "summed per module type and per layer against those groups' ablations (mean over seeds):\n")
+    print("| variant | modules | module types | layers |\n|---|---:|---:|---:|")
+    groups = {}
     for v in VARIANTS:
         rho = statistics.fmean(module_rank_correlation(sf.stats, v, costs, fmt) for sf in stats.values())
-        print(f"| {v.name} | {rho:+.2f} |")
+        per_seed = [group_rank_correlations(sf.stats, v, costs, fmt) for sf in stats.values()]
+        groups[v.name] = {kind: statistics.fmean(g[kind] for g in per_seed) for kind in ("types", "layers")}
+        print(f"| {v.name} | {rho:+.2f} | {groups[v.name]['types']:+.2f} | {groups[v.name]['layers']:+.2f} |")
     print(f"\nSNIP's terms in {fmt} summed per module type (statistics of seed {min(stats)}) and the type's measured "
           "cost (its ablation)\n")
     terms = type_terms(stats[min(stats)].stats, fmt)
@@ -165,6 +169,7 @@ def main(argv=None) -> int:
                       f"| {r['negative']:.0%} |")
     if a.json:
         Path(a.json).write_text(json.dumps({"run": a.run, "screens": record, "cross_fit": fits, "type_terms": terms,
+                                            "group_rank_correlations": groups,
                                             "type_costs": dict(measured), "curvature_resolution": resolution},
                                            indent=1))
     return 0
