@@ -2,7 +2,7 @@
 
     python bench/snip_cycle.py                     # tiny Llama, TP=2 PP=2, 4 local processes (CPU here)
     python bench/snip_cycle.py --nproc 8 --tp 2 --pp 2 --preset tinyllama-1.1b --bf16   # a GPU node
-    python bench/snip_cycle.py --curvature fisher  # the empirical-Fisher curvature: no Hutchinson passes
+    python bench/snip_cycle.py --curvature hutchinson  # the paper's Hutchinson curvature: K more passes
 
 Runs pretrain_llama.py with ``--snip`` re-planning once, then reads TensorBoard:
 the cycle's wall time (probe passes, statistics, gather, solve, broadcast) over
@@ -30,15 +30,17 @@ def main() -> None:
     from step_time import add_layout_args, build_data, shape_args
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from megatron_snip.snip.config import CURVATURES
+    from megatron_snip.snip.config import CURVATURES, SnipConfig
     from megatron_snip.training import tags
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_layout_args(p)
     p.add_argument("--interval", type=int, default=10, help="iterations before (and after) the cycle")
-    p.add_argument("--probe-passes", type=int, default=3)
-    p.add_argument("--curvature", choices=CURVATURES, default="hutchinson",
-                   help="--snip-curvature: fisher runs no Hutchinson passes (2 + K passes instead of 2 + 2K)")
+    p.add_argument("--probe-passes", type=int, default=SnipConfig.snip_probe_passes,
+                   help="--snip-probe-passes (default: the program's, %(default)s)")
+    p.add_argument("--curvature", choices=CURVATURES, default=SnipConfig.snip_curvature,
+                   help="--snip-curvature (default: the program's, %(default)s; hutchinson adds K forward+backward "
+                        "passes)")
     opts, rest = p.parse_known_args()  # the rest passes through to pretrain_llama.py
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -67,6 +69,7 @@ def main() -> None:
           f"batch {opts.global_batch_size}, {opts.curvature} curvature: "
           f"{opts.probe_passes if opts.curvature == 'hutchinson' else 0} Hutchinson + {opts.probe_passes} "
           "perturbation passes")
+    print("(the cycle's cost in iterations is also in its own log line: snip/cycle iterations)")
     print(f"SNIP cycle                     : {cycle:8.2f} s")
     print(f"iteration before (warm-up plan): {before:8.3f} s   cycle / iteration = {cycle / before:6.1f}")
     print(f"iteration after (new plan)     : {after:8.3f} s   cycle / iteration = {cycle / after:6.1f}")
