@@ -43,7 +43,8 @@ from pathlib import Path
 from megatron_snip.fileio import write_text_atomic
 from megatron_snip.numerics.registry import FP4_NAMES
 from megatron_snip.precision.plan import PrecisionPlan
-from megatron_snip.snip.ilp import InfeasibleBudgetError, evaluate_plan
+from megatron_snip.snip.feasibility import InfeasibleBudgetError
+from megatron_snip.snip.ilp import evaluate_plan
 from megatron_snip.snip.planner import to_precision_plan
 from megatron_snip.snip.policies import UnavailablePolicy, policy_plans
 from megatron_snip.snip.statistics_file import Budget, StatisticsFile

@@ -6,17 +6,8 @@ import numpy as np
 import pytest
 
 from megatron_snip.snip import baselines
-from megatron_snip.snip.ilp import (
-    BWD,
-    FWD,
-    InfeasibleBudgetError,
-    InfeasibleTargetError,
-    LinearModule,
-    SnipProblem,
-    evaluate_plan,
-    largest_feasible_target,
-    solve,
-)
+from megatron_snip.snip.feasibility import InfeasibleBudgetError, InfeasibleTargetError, largest_feasible_target
+from megatron_snip.snip.ilp import BWD, FWD, LinearModule, SnipProblem, evaluate_plan, solve
 
 TYPES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 # Llama-like relative sizes (in x out, in units of 256x256): qkv with GQA, proj, fc1 gated, fc2.

@@ -12,19 +12,13 @@ import numpy as np
 import pytest
 
 from megatron_snip.snip import solvers
-from megatron_snip.snip.ilp import (
-    BWD,
-    FWD,
+from megatron_snip.snip.feasibility import (
     InfeasibleTargetError,
     InfeasibleTimeTargetError,
-    LinearModule,
-    SnipProblem,
-    build_matrix_model,
-    evaluate_plan,
     fp4_capacity,
     largest_feasible_target,
-    solve,
 )
+from megatron_snip.snip.ilp import BWD, FWD, LinearModule, SnipProblem, build_matrix_model, evaluate_plan, solve
 
 LOGGER = "megatron_snip.snip"
 SOLVER_NAMES = ("gurobi", "highs")

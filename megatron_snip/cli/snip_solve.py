@@ -33,7 +33,7 @@ from pathlib import Path
 from megatron_snip.precision.config import SPEED_MODELS
 from megatron_snip.precision.te_precision_config import megatron_config_files
 from megatron_snip.snip import baselines
-from megatron_snip.snip.ilp import InfeasibleBudgetError
+from megatron_snip.snip.feasibility import InfeasibleBudgetError
 from megatron_snip.snip.planner import to_precision_plan
 from megatron_snip.snip.policies import POLICIES, policy_plans
 from megatron_snip.snip.statistics_file import Budget, StatisticsFile

@@ -30,19 +30,21 @@ from dataclasses import replace
 
 import numpy as np
 
-from megatron_snip.snip.ilp import (
+from megatron_snip.snip.feasibility import (
     FRACTION_TOL,
-    FWD,
     TARGET_FLAG,
-    CostTable,
-    DecisionUnit,
     InfeasibleBudgetError,
     InfeasibleTargetError,
+    capacity_text,
+)
+from megatron_snip.snip.ilp import (
+    FWD,
+    CostTable,
+    DecisionUnit,
     Plan,
     PlanEvaluation,
     SnipProblem,
     UnitKey,
-    capacity_text,
     evaluate_plan,
     solve,
 )

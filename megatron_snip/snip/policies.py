@@ -21,7 +21,8 @@ from megatron_snip.snip.estimators import (
     local_error_baselines,
     operand_error_baselines,
 )
-from megatron_snip.snip.ilp import InfeasibleBudgetError, Plan, SnipProblem, solve
+from megatron_snip.snip.feasibility import InfeasibleBudgetError
+from megatron_snip.snip.ilp import Plan, SnipProblem, solve
 from megatron_snip.snip.statistics import ModuleStatistics, ProbeStatistics
 
 

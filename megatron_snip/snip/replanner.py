@@ -34,7 +34,7 @@ from megatron_snip.precision.te_precision_config import megatron_config_files
 from megatron_snip.snip.config import SnipConfig, SnipConfigError
 from megatron_snip.snip.decisions import CycleReport, decision_table, decisions
 from megatron_snip.snip.estimators import cost_tables, divergences, unresolved_curvatures
-from megatron_snip.snip.ilp import InfeasibleBudgetError
+from megatron_snip.snip.feasibility import InfeasibleBudgetError
 from megatron_snip.snip.perturbation import unmatched_gain_excludes
 from megatron_snip.snip.planner import PlannerConfig, build_problem, linear_modules, solve_plan
 from megatron_snip.snip.probes import ProbeConfig, gather_across_pipeline, run_probe_cycle

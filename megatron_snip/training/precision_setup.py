@@ -405,7 +405,7 @@ def check_snip_budgets(config: RunConfig, pins: tuple[dict[str, Precision], str]
     from dataclasses import replace
 
     from megatron_snip.snip.estimators import CostTables
-    from megatron_snip.snip.ilp import InfeasibleBudgetError
+    from megatron_snip.snip.feasibility import InfeasibleBudgetError
     from megatron_snip.snip.planner import PlannerConfig, build_problem, linear_modules, solve_plan
 
     dims = LlamaLinearDims.from_config(config.model)

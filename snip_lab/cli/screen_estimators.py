@@ -41,7 +41,7 @@ from pathlib import Path
 
 from megatron_snip.numerics.registry import is_fp4
 from megatron_snip.snip.estimators import UNRESOLVED_Z
-from megatron_snip.snip.ilp import InfeasibleBudgetError
+from megatron_snip.snip.feasibility import InfeasibleBudgetError
 from megatron_snip.snip.statistics_file import Budget
 from snip_lab.ablation import NONE_ARM
 from snip_lab.branches import REFERENCE, Branch, branch_results, final_losses
