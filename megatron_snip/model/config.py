@@ -133,12 +133,13 @@ class ModelConfig:
         "accumulate bf16 products in fp32.",
         option="--no-gradient-accumulation-fusion")
     torch_compile: bool = flag(
-        False, "Compile every transformer layer with torch.compile, its linear layers left out (what a re-plan "
-        "changes, SNIP's probes and the tensor-parallel collectives stay eager, so re-plans recompile nothing): the "
-        "norms, RoPE, attention, SwiGLU and residual adds between the linears become fused kernels and the "
-        "layers' Python overhead goes. Off by default: the first step waits for the compile (about 40 s for a "
-        "small model on a 2-core CPU, where the generated kernels gain little), and recompiles on the first "
-        "evaluation; needs --transformer-impl local and no dropout.",
+        False, "Compile every transformer layer with torch.compile into one graph, its linears inside (BF16 "
+        "GEMMs traced, quantized ones as one custom operator reading the module's precision when it runs; the "
+        "TP/CP collectives as functional ones): megatron-core's per-layer Python runs at compile time and the "
+        "code between the GEMMs fuses. A re-plan compiles at most one graph per new pattern of BF16 and quantized "
+        "linears in a layer; SNIP's probe passes run the layers eagerly. Off by default: the first step waits "
+        "for the compile (tens of seconds), and evaluation compiles once more; needs --transformer-impl local "
+        "and no dropout.",
         ours=True)
     torch_compile_backend: str = flag(
         "inductor", "With --torch-compile: inductor (generated kernels) or aot_eager (traced graphs run by "

@@ -9,6 +9,7 @@ numerical safety (``training/safety.py``), SNIP (``snip/replanner.py``).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import logging
@@ -26,6 +27,7 @@ from megatron_snip.compat.device import has_cuda
 from megatron_snip.data.datasets import megatron_num_samples
 from megatron_snip.data.loader import micro_batches
 from megatron_snip.data.tokenizer import build_tokenizer
+from megatron_snip.model.compile import CompileLog, eager_layers
 from megatron_snip.model.llama import (
     build_model,
     flops_per_token,
@@ -125,6 +127,7 @@ class Trainer:
         self.forward_backward = get_forward_backward_func()
         self.timers = Timers(c.logging.timing_log_level)
         self.guard = NumericalGuard(c.safety)
+        self.compile_log = CompileLog() if c.model.torch_compile else None
         if c.safety.quant_health:
             self.precision.enable_health()
         # The resolved flags, beside every checkpoint and on TensorBoard's text panel.
@@ -362,6 +365,8 @@ class Trainer:
             if logged:
                 window = self.logger.progress(it, step, self.state.consumed_samples, params_norm, self.timers)
                 self.logger.precision(it, self.plans.health(it) if c.safety.quant_health else None)
+                if self.compile_log is not None:
+                    self.logger.text(self.compile_log.line())
                 if self.time_check is not None:
                     self.logger.text(self.time_check.window(it, window, self.plans.since, self.plans.all_bf16))
             if it % c.logging.eval_interval == 0 or it == c.training.train_iters:
@@ -411,7 +416,10 @@ class Trainer:
         fixed = self.plans.schedule.fixed(iteration + 1)
         if fixed["fwd"] and fixed["bwd"]:
             return None
-        report = self.snip.cycle(iteration, self.batches("train", self.state.consumed_samples), self.plans.plan, fixed)
+        # The probe passes hook the linears, which compiled layers would not call: they run the layers eagerly.
+        with eager_layers() if self.config.model.torch_compile else contextlib.nullcontext():
+            report = self.snip.cycle(iteration, self.batches("train", self.state.consumed_samples), self.plans.plan,
+                                     fixed)
         self.plans.replanned(iteration, report.plan)
         return report
 
