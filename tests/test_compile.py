@@ -226,10 +226,24 @@ def test_megatrons_swiglu_fusion_compiles_into_the_layers(results):
     _assert_same(results["swiglu_eager"], results["eager"], rel=1e-5)  # the fused SwiGLU computes SwiGLU
 
 
-def test_compile_flags_are_validated():
-    assert not run_config().model.torch_compile  # off by default
+def test_compile_flags_are_validated_and_compile_is_on_by_default_where_it_pays():
+    from megatron_snip.arguments import parse_args, resolve
+    from megatron_snip.model.config import COMPILE_BY_DEFAULT
+
+    assert not run_config().model.torch_compile  # not on a CPU
     config = run_config("--torch-compile")
     assert config.model.torch_compile and config.model.torch_compile_backend == "inductor"
+    assert not config.model.torch_compile_by_default  # asked for: a failing compile fails the run
+    from conftest import TINY_MODEL
+
+    def on_a_gpu(*flags):
+        return resolve(parse_args([*TINY_MODEL, "--train-iters", "1", *flags]), world_size=1, cuda=True,
+                       check_files=False).model
+
+    gpu = on_a_gpu()
+    assert gpu.torch_compile == gpu.torch_compile_by_default == COMPILE_BY_DEFAULT["cuda"]
+    assert not on_a_gpu("--no-torch-compile").torch_compile
+    assert not on_a_gpu("--hidden-dropout", "0.1").torch_compile  # the default gives way where compile cannot run
     with pytest.raises(ArgumentError, match="--torch-compile with dropout"):
         run_config("--torch-compile", "--hidden-dropout", "0.1")
     with pytest.raises(ArgumentError, match="^--torch-compile-backend 'eager': expected one of 'inductor', "):

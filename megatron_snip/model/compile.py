@@ -92,9 +92,11 @@ def _with_canonical_input(forward):
     return call
 
 
-def compile_layers(chunks: Iterable[torch.nn.Module], backend: str) -> int:
+def compile_layers(chunks: Iterable[torch.nn.Module], backend: str, fall_back: bool = False) -> int:
     """Compile the forward of every :class:`TransformerLayer` in ``chunks`` with ``backend``. Returns the
-    number of layers compiled.
+    number of layers compiled. ``fall_back``: a layer whose compile fails runs eagerly (dynamo's
+    ``suppress_errors``; the training log's counters show the frames given up) instead of failing the
+    run: for the default's compile, which the user did not ask for.
 
     In place, on this rank's model chunks before they are wrapped in DDP; parameters, state dicts
     and checkpoints are unchanged.
@@ -102,6 +104,8 @@ def compile_layers(chunks: Iterable[torch.nn.Module], backend: str) -> int:
     if backend not in COMPILE_BACKENDS:
         raise ValueError(f"torch.compile backend {backend!r} is not one of {COMPILE_BACKENDS}")
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    if fall_back:
+        torch._dynamo.config.suppress_errors = True
     if not getattr(tensor_parallel.checkpoint, "traced", False):  # megatron-core's layers call it through the package
         tensor_parallel.checkpoint = traced_checkpoint(tensor_parallel.checkpoint)
     layers = 0

@@ -194,7 +194,7 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, config: Transforme
         for chunk in chunks:
             chunk.cuda(torch.cuda.current_device())
     if model.torch_compile:
-        compile_layers(chunks, model.torch_compile_backend)
+        compile_layers(chunks, model.torch_compile_backend, fall_back=model.torch_compile_by_default)
     return chunks
 
 
