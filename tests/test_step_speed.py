@@ -69,6 +69,32 @@ def test_rope_fusion_slot_computes_megatrons_rope(monkeypatch):
     assert (out - want).abs().max() <= tol and (dt - want_dt).abs().max() <= tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lean_rope_is_megatrons_unfused_rope_to_the_bit(dtype):
+    """The unfused RoPE with its cos/sin tables computed once per angles tensor (model/fusions.py): the same
+    output and the same gradient as megatron-core's, to the bit; cases it does not take go to megatron-core's."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megatron_snip.model.fusions import lean_rope
+
+    unfused = getattr(rope_utils._apply_rotary_pos_emb_bshd, "__wrapped__", rope_utils._apply_rotary_pos_emb_bshd)
+    lean = lean_rope(unfused)
+    g = torch.Generator().manual_seed(4)
+    freqs = torch.randn(32, 1, 1, 64, generator=g) * 3
+    for _ in range(2):  # the second call reads the cached tables
+        outs = []
+        for fn in (unfused, lean):
+            t = (torch.randn(32, 2, 4, 64, generator=torch.Generator().manual_seed(5))).to(dtype).requires_grad_()
+            y = fn(t, freqs)
+            y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(6)).to(dtype))
+            outs.append((y.detach(), t.grad))
+        (y0, dt0), (y1, dt1) = outs
+        assert torch.equal(y0, y1) and torch.equal(dt0, dt1)
+    t = torch.randn(32, 2, 4, 64, generator=g)
+    assert torch.equal(lean(t, freqs, mscale=0.5), unfused(t, freqs, mscale=0.5))  # megatron-core's own path
+    assert torch.equal(lean(t, freqs[..., :32]), unfused(t, freqs[..., :32]))  # a partial rotation
+
+
 def test_cpu_runs_keep_the_unfused_path():
     """Without CUDA the RoPE, SwiGLU and wgrad fusions stay off whatever the flags say: CPU runs are unchanged."""
     from megatron_snip.model.llama import transformer_config

@@ -185,6 +185,10 @@ class QuantizedLinearMixin(PlanLinear):
         self.quant_state = QuantState()
         self.module_name = type(self).__name__
         self._tp_split = get_pg_size(self.tp_group) > 1
+        # Where megatron-core's path adds nothing to torch's GEMM (one rank, no weight-gradient fusion into
+        # main_grad), BF16 runs F.linear eagerly too: autograd's own backward instead of megatron-core's Python
+        # one, the same products.
+        self._plain_bf16 = not self._tp_split and not self.gradient_accumulation_fusion
         self._register()
 
     def _register(self) -> None:
@@ -225,10 +229,10 @@ class QuantizedLinearMixin(PlanLinear):
                                   **self.split_reductions())
 
     def _gemm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """This rank's GEMM ``x @ weight^T`` in the module's precision. In a graph ``torch.compile`` traces,
-        a BF16 GEMM is torch's own (traced, fused with its neighbours; the weight gradient reaches
-        ``main_grad`` through megatron-core's DDP hook) and a quantized one the custom operator
-        (numerics/linear_op.py); in eager code the quantized autograd function."""
+        """This rank's GEMM ``x @ weight^T`` in the module's precision. A BF16 GEMM is torch's own (in a graph
+        ``torch.compile`` traces, fused with its neighbours; the weight gradient reaches ``main_grad`` through
+        megatron-core's DDP hook); a quantized one the custom operator (numerics/linear_op.py) in a traced
+        graph, the quantized autograd function in eager code."""
         if self._bf16:
             return F.linear(x, weight)
         if torch.compiler.is_compiling():
@@ -254,7 +258,7 @@ class QuantizedColumnParallelLinear(QuantizedLinearMixin, ColumnParallelLinear):
     def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None,
                 runtime_gather_output: bool | None = None):
         """input_: [s, b, h]; returns ([s, b, out / tp] (or gathered), bias or None)."""
-        if self._bf16 and not torch.compiler.is_compiling():  # megatron-core's own path, eagerly
+        if self._bf16 and not self._plain_bf16 and not torch.compiler.is_compiling():  # megatron-core's own path
             return super().forward(input_, weight, runtime_gather_output)
         split = self._tp_split
         if self.sequence_parallel:  # the parent's flag (off at TP=1): [s / tp, b, h] -> [s, b, h]
@@ -277,7 +281,7 @@ class QuantizedRowParallelLinear(QuantizedLinearMixin, RowParallelLinear):
     def forward(self, input_: torch.Tensor):
         """input_: [s, b, in / tp] (or [s, b, in] if not input_is_parallel); returns ([s, b, out]
         ([s / tp, b, out] with sequence parallelism), bias or None)."""
-        if self._bf16 and not torch.compiler.is_compiling():  # megatron-core's own path, eagerly
+        if self._bf16 and not self._plain_bf16 and not torch.compiler.is_compiling():  # megatron-core's own path
             return super().forward(input_)
         split = self._tp_split
         x = input_ if self.input_is_parallel else _mapping(scatter_to_tensor_model_parallel_region, split)(
@@ -302,8 +306,15 @@ _TRACED = {copy_to_tensor_model_parallel_region: graph_collectives.copy_to_tenso
 
 
 def _mapping(fn, split: bool):
-    """``fn`` itself, or where its group is split and a graph is being traced, what the graph calls instead."""
-    return _TRACED[fn] if split and torch.compiler.is_compiling() else fn
+    """``fn`` where its group is split (in a graph being traced, what the graph calls instead), else the
+    identity that ``fn`` is on one rank, without its autograd function."""
+    if not split:
+        return _identity
+    return _TRACED[fn] if torch.compiler.is_compiling() else fn
+
+
+def _identity(input_: torch.Tensor, **_) -> torch.Tensor:
+    return input_
 
 
 _QUANTIZED = {ColumnParallelLinear: QuantizedColumnParallelLinear, RowParallelLinear: QuantizedRowParallelLinear}
