@@ -84,9 +84,13 @@ def checks() -> dict:
     from megatron_snip.numerics.linear_op import kept_count
 
     tokens = torch.randint(0, 128, (2, SEQ + 1), generator=torch.Generator().manual_seed(3))
-    out = {"eager": _loss_and_grads(_build(False), tokens)}
+    eager = _build(False)
+    out = {"eager": _loss_and_grads(eager, tokens)}
     _reset()
     model = _build(True)
+    # What a checkpoint holds of the model: the same keys and values compiled or not (a fresh build of each).
+    out["state"] = [{k: v for k, v in m.state_dict().items() if torch.is_tensor(v)} for m in (_build(False), model)]
+    out["sharded_keys"] = [sorted(m.sharded_state_dict()) for m in (eager, model)]
     out["compiled"], out["bf16_counters"] = _steps(model, tokens)
     # Re-plans between steps, as a SNIP cycle makes them: a format changes within a pattern (no graph), then a
     # layer's pattern of BF16 / quantized linears changes (one graph, once).
@@ -167,6 +171,13 @@ def test_a_mixed_plan_compiles_one_graph_per_pattern_in_the_first_step_only(resu
         _whole(second)
         assert first == second, backend  # nothing compiled after the first step
         assert first["graphs"] == results["mixed_patterns"] == 4 and first["recompiles"] == 3, first
+
+
+@pytest.mark.integration
+def test_checkpoints_hold_the_same_model_compiled_or_not(results):
+    eager, compiled = results["state"]
+    assert eager.keys() == compiled.keys() and all(torch.equal(eager[k], compiled[k]) for k in eager)
+    assert results["sharded_keys"][0] == results["sharded_keys"][1]
 
 
 @pytest.mark.integration
