@@ -88,7 +88,10 @@ def _param_copies(opt) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
                 world_range = opt._get_model_param_range_map(model_param)["gbuf_world_in_bucket"]
                 gbuf_index, _, bucket_id = opt.model_param_gbuf_map[model_param]
                 buffer = opt.buffers[gbuf_index].buckets[bucket_id].param_data
-                dsts.append(buffer.view(-1)[world_range.start:world_range.end])
+                dst = buffer.view(-1)[world_range.start:world_range.end]
+                if dst.data_ptr() == shard_main_param.data_ptr() and dst.dtype == shard_main_param.dtype:
+                    continue  # an fp32 parameter's shard is a view of the buffer itself: nothing to copy
+                dsts.append(dst)
                 srcs.append(shard_main_param)
     return dsts, srcs
 
@@ -111,7 +114,8 @@ def _copy_main_params_to_model_params(self) -> None:
         return
     if self._foreach_params is None:
         self._foreach_params = _param_copies(self)
-    torch._foreach_copy_(*self._foreach_params)
+    if self._foreach_params[0]:
+        torch._foreach_copy_(*self._foreach_params)
 
 
 def _copy_model_grads_to_main_grads(self) -> None:
