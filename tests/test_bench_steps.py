@@ -1,7 +1,7 @@
 """A few CPU steps of the step-time benchmarks (bench/step_time.py, bench/fp8_step.py, bench/peer_step.py and
-their side by side, bench/side_by_side.py): their figures are GPU work (docs/benchmarks.md), so here they run
-end to end at small shapes on one process and write what they promise, each ratio from phases measured under
-the same conditions."""
+their side by side, bench/side_by_side.py; bench/fwd_bwd_side_by_side.py and bench/optimizer_step.py): their
+figures are GPU work (docs/benchmarks.md), so here they run end to end at small shapes on one process and write
+what they promise, each ratio from phases measured under the same conditions."""
 
 from __future__ import annotations
 
