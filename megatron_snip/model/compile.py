@@ -21,8 +21,10 @@ reads its counters). What changes while a run trains stays out of what the graph
 - recomputation: ``--recompute-granularity selective`` checkpoints the core attention inside the layer
   with megatron-core's checkpoint function, which saves and restores the RNG states (dynamo cannot
   trace that); in a traced layer :func:`traced_checkpoint` uses torch's checkpoint instead, which the
-  graph holds (the layers run without dropout under compile: no RNG to restore). Full recomputation
-  checkpoints whole layers from outside them, with megatron-core's function, as without compile;
+  graph holds (the layers run without dropout under compile: no RNG to restore); the layer still breaks
+  where megatron-core reads the attention's mask type back from a tensor (``.item()``), the one break
+  this design leaves. Full recomputation checkpoints whole layers from outside them, with megatron-core's
+  function, as without compile (each layer's no-grad forward and its recomputation: two graphs);
 - strides: the first layer takes its input from the embedding with other strides than the layers
   after it take theirs (the same element order, a different stride on the size-1 batch dim), which
   dynamo would compile a second graph for; each layer's input is given the canonical strides first
