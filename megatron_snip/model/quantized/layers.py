@@ -5,8 +5,12 @@ are drop-in subclasses of megatron-core's local ``ColumnParallelLinear`` /
 ``RowParallelLinear`` (same constructor, parameters, checkpoint layout and
 ``(output, bias)`` return). Each holds a ``precision`` that can be set at any
 time without rebuilding anything. In bf16 they *are* the parent (its forward
-runs); otherwise they do the parent's tensor-parallel communication around
-:func:`megatron_snip.numerics.linear.quantized_linear`:
+runs), except on one rank without megatron-core's weight-gradient fusion, where
+the parent's linear is torch's ``F.linear`` with a Python backward around it and
+``F.linear`` itself runs (the same products); otherwise they do the parent's
+tensor-parallel communication around
+:func:`megatron_snip.numerics.linear.quantized_linear` (in a layer that
+``--torch-compile`` traces, ``model/compile.py`` says what runs instead):
 
 - column-parallel (W split along out): ``copy_to_tensor_model_parallel_region``
   (identity forward, all-reduce of dX backward), or with sequence parallelism
