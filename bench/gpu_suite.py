@@ -25,14 +25,18 @@ up to less than the budget, so that every step gets its turn even when each runs
    recipe, a SNIP cycle: at TinyLlama its cost and memory, at the 8B shape a ``--snip-time-target
    0.85`` plan; the bf16 and fp8 steps, and the plan's at the 8B shape, profiled); the report sets
    them side by side, refusing a ratio whose two sides ran under different conditions;
-3. gemm, quantize: FP8 ``_scaled_mm`` vs bf16 GEMMs; the fused quantize kernels;
-4. tests, last, in the time the others leave (at most its cap): pytest on the cases marked ``cuda``
+3. compile: our model's forward+backward eager and under ``--torch-compile`` beside the peer's eager and
+   compiled blocks (bench/fwd_bwd_side_by_side.py, TinyLlama's dims at 2 layers), dynamo's counters for
+   our layers, and whether compile pays for us (the rule of ``--torch-compile``'s default);
+4. gemm, quantize: FP8 ``_scaled_mm`` vs bf16 GEMMs; the fused quantize kernels;
+5. tests, last, in the time the others leave (at most its cap): pytest on the cases marked ``cuda``
    (Triton kernels, FP8 GEMMs, the quantized linear, SNIP's noise kernel, one-GPU training in FP8
    and with SNIP), each under a per-test deadline; SLOW_CUDA_TESTS, each with its reason, are left
    to the extra ``tests_all`` step.
 
-``--only`` also runs the EXTRA steps (every cuda test, the attention comparison, the full trainer's
-SNIP cycle, the FP8 step per recipe against the speed table, quantization health's cost).
+``--only`` also runs the EXTRA steps (every cuda test, the attention comparison, compile at negligible
+compute (the host's cost), the full trainer's SNIP cycle, the FP8 step per recipe against the speed
+table, quantization health's cost).
 ``--trainer-args`` appends flags to every command that runs our trainer (a compile switch, say).
 ``report.md`` and ``report.json`` under ``--out`` are rewritten after every step
 (bench/suite_report.py: where a goal is missed, the profiles of what it measures); every step's log,
@@ -54,6 +58,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import conditions
 from prepare_gpu_wheels import OPTIONAL, TOP_LEVEL, WHEELS, check_folder
 from side_by_side import SHAPES, Run
 from suite_report import bundle, write_report
@@ -86,6 +91,9 @@ ONE_GPU = ["--nproc", "1", "--tp", "1", "--pp", "1", "--bf16", "--micro-batch-si
 SNIP_TIME_TARGET = "0.85"  # issue 45's target at the 8B shape
 # --tiny: one small shape for both SHAPES' steps (their flags otherwise as on a GPU), and fewer iterations.
 TINY_SHAPE = ("--preset", "tiny", "--num-layers", "2", "--seq-length", "64")
+# The compile step's shape: TinyLlama's layers, two of them, at its sequence (compute-dominated; issue 57).
+COMPILE_SHAPE = ("--preset", "tinyllama-1.1b", "--num-layers", "2")
+COMPILE_LABEL = "TinyLlama-1.1B's dims, 2 layers, sequence 2048"
 
 
 def cuda_test_files(tests: Path = ROOT / "tests") -> list[str]:
@@ -117,14 +125,14 @@ def plan(wheels: Path | None, raw: Path, trainer_args: list[str] = (), tiny: boo
               "--test-deadline", str(TEST_DEADLINE_S), "--durations", "15", "--junitxml", str(raw / "pytest.xml"),
               *(["--collect-only", "-q"] if tiny else [])]
     steps = [Step("install", "install the wheels (+ torchao if there); GPU, driver, versions, what imports",
-                  [py, __file__, "--install", str(wheels)], 40, budget_s=25) if wheels is not None and not tiny else
+                  [py, __file__, "--install", str(wheels)], 35, budget_s=25) if wheels is not None and not tiny else
              Step("environment", "GPU, driver and package versions, what imports", [py, __file__, "--environment"],
-                  40, budget_s=20)]
+                  35, budget_s=20)]
     # (peer variants, peer budget and cap, ours budget and cap) per shape: on the 8B layers torchao's float8
     # too, where FP8 pays (the H200's 2026-11-25 figures: 304 vs 366 ms compiled); the profiles for the report.
     for shape, variants, (peer_budget, peer_cap, ours_budget, ours_cap), profiles in (
-            (tinyllama, ("eager", "compiled"), (35, 50, 105, 130), ("ours", "fp8")),
-            (llama8, ("eager", "compiled", "float8-tensorwise"), (45, 55, 95, 120), ("ours", "fp8", "snip"))):
+            (tinyllama, ("eager", "compiled"), (35, 45, 105, 115), ("ours", "fp8")),
+            (llama8, ("eager", "compiled", "float8-tensorwise"), (45, 50, 95, 110), ("ours", "fp8", "snip"))):
         run = Run(shape_flags[shape.name], micro_batch_size=1, num_microbatches=2 if tiny else 8, bf16=True,
                   iters=int(iters[1]), warmup=int(iters[3]))
         steps.append(Step(f"peer_{shape.name}", f"the plain-PyTorch peer, {shape.label}: {', '.join(variants)}",
@@ -141,13 +149,20 @@ def plan(wheels: Path | None, raw: Path, trainer_args: list[str] = (), tiny: boo
                                    "--compare-precision", *fp8, "--snip-cycle", *snip, "--profile", *profiles,
                                    *trainer),
                           ours_cap, f"ours_{shape.name}.json", ours_budget))
+    threads = ["--threads", str(conditions.threads_per_process(1))]
     steps += [
+        Step("compile", f"--torch-compile: our forward+backward eager and compiled beside the peer's, {COMPILE_LABEL}, "
+             "bf16; dynamo's counters; whether compile pays",
+             [py, f"{bench}/fwd_bwd_side_by_side.py", *(TINY_SHAPE if tiny else COMPILE_SHAPE), "--bf16", *threads,
+              *(["--runs", "2", "--warmup", "1", "--repeats", "1", "--backend", "aot_eager"] if tiny else
+                ["--runs", "10", "--warmup", "3", "--repeats", "2"]), "--count", "--json", str(raw / "compile.json")],
+             50, "compile.json", 40),
         Step("gemm", "FP8 _scaled_mm vs bf16 matmul, Llama-3-8B/70B linear shapes",
              [py, f"{bench}/gemm_bench.py", *(["--models", "tiny", "--tokens", "64", "--reps", "1"] if tiny else []),
-              "--json", str(raw / "gemm.json")], 15, "gemm.json", 8),
+              "--json", str(raw / "gemm.json")], 12, "gemm.json", 8),
         Step("quantize", "fused quantize-dequantize kernels vs a copy of the same bytes",
              [py, f"{bench}/quantize_bench.py", "--size", "256" if tiny else "8192", "--reps", "1" if tiny else "20",
-              "--json", str(raw / "quantize.json")], 15, "quantize.json", 8),  # its 8 kernels compile on first use
+              "--json", str(raw / "quantize.json")], 12, "quantize.json", 8),  # its 8 kernels compile on first use
         Step("tests", "pytest -m cuda: kernels, FP8 GEMMs, quantized linear, SNIP noise, one-GPU training (fp8, SNIP), "
              f"{TEST_DEADLINE_S} s per test, in the time the measurements leave",
              [*pytest, *(a for t in SLOW_CUDA_TESTS for a in ("--deselect", t)), *cuda_test_files()], 150,
@@ -162,6 +177,11 @@ def plan(wheels: Path | None, raw: Path, trainer_args: list[str] = (), tiny: boo
              "sequence 8192, Llama-3-8B heads, bf16",
              [py, f"{bench}/cp_attention.py", *(["--seq-length", "256", "--reps", "2"] if tiny else []), "--json",
               str(raw / "cp_attention.json")], 60, "cp_attention.json", extra=True),
+        Step("compile_host", "--torch-compile at negligible compute (22 layers x 64, sequence 32): the host's cost, "
+             "ours against the peer's, eager and compiled",
+             [py, f"{bench}/fwd_bwd_side_by_side.py", *(["--num-layers", "2"] if tiny else []), "--bf16", *threads,
+              *(["--runs", "2", "--warmup", "1", "--repeats", "1", "--backend", "aot_eager"] if tiny else []),
+              "--count", "--json", str(raw / "compile_host.json")], 90, "compile_host.json", extra=True),
         Step("snip_cycle", f"one SNIP cycle of the full trainer, {tinyllama.label}, as a share of 1000 iterations",
              [py, f"{bench}/snip_cycle.py", *shape_flags["tinyllama"], *ONE_GPU, *data, "--interval", "5", *trainer],
              120, extra=True),

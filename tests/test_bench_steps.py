@@ -1,7 +1,7 @@
 """A few CPU steps of the step-time benchmarks (bench/step_time.py, bench/fp8_step.py, bench/peer_step.py and
-their side by side, bench/side_by_side.py): their figures are GPU work (docs/benchmarks.md), so here they run
-end to end at small shapes on one process and write what they promise, each ratio from phases measured under
-the same conditions."""
+their side by side, bench/side_by_side.py; bench/fwd_bwd_side_by_side.py and bench/optimizer_step.py): their
+figures are GPU work (docs/benchmarks.md), so here they run end to end at small shapes on one process and write
+what they promise, each ratio from phases measured under the same conditions."""
 
 from __future__ import annotations
 
@@ -98,3 +98,32 @@ def test_fp8_step_times_each_recipe_and_checks_the_speed_tables_prediction(bench
     from conditions import threads_per_process
 
     assert out["conditions"]["threads_per_process"] == threads_per_process(1)  # one process: every core
+
+
+@pytest.mark.integration
+def test_fwd_bwd_side_by_side_times_both_modes_and_reads_dynamos_counters(tmp_path):
+    """bench/fwd_bwd_side_by_side.py (issue 57): our model's forward+backward and the peer's in one process, eager
+    and compiled (aot_eager here), the ratios per round, dynamo's counters for our layers, and its goals."""
+    out = tmp_path / "fwd_bwd.json"
+    proc = bench("fwd_bwd_side_by_side.py", "--num-layers", "2", "--runs", "2", "--warmup", "1", "--repeats", "2",
+                 "--threads", "1", "--backend", "aot_eager", "--count", "--json", str(out))
+    result = json.loads(out.read_text())
+    assert set(result["figures"]) == {"eager", "compiled"}
+    for mode in ("eager", "compiled"):
+        assert len(result["figures"][mode]["wall"]["ratios"]) == 2
+    counters = result["figures"]["compiled"]["counters"]
+    assert counters["frames_given_up"] == counters["graph_breaks"] == counters["recompiles"] == 0
+    goals = {g["name"]: g for g in result["goals"]}
+    assert any("compile pays" in name for name in goals) and goals["our compiled layers: graph breaks"]["met"]
+    assert "ours / peer" in proc.stdout and "torch-function calls ours" in proc.stdout
+
+
+@pytest.mark.integration
+def test_optimizer_step_bench_sets_our_step_against_torchs():
+    """bench/optimizer_step.py (issue 57): our optimizer step against fused AdamW + foreach clipping per layout,
+    megatron-core's loops beside it, the distributed optimizer's parameter all-gather timed apart."""
+    proc = bench("optimizer_step.py", "--preset", "tiny", "--num-layers", "2", "--runs", "2", "--repeats", "1",
+                 "--threads", "1", "--layouts", "fp32", "distributed", "--loops")
+    lines = [line.strip() for line in proc.stdout.splitlines() if "ours / torch" in line]
+    assert [line.split()[0] for line in lines] == ["fp32", "distributed"]
+    assert all("megatron-core's loops" in line for line in lines) and "parameter all-gather" in lines[1]

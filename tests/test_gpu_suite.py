@@ -37,8 +37,8 @@ def suite(*args: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
-DEFAULT_STEPS = ["install", "peer_tinyllama", "ours_tinyllama", "peer_llama3_8b_4l", "ours_llama3_8b_4l", "gemm",
-                 "quantize", "tests"]
+DEFAULT_STEPS = ["install", "peer_tinyllama", "ours_tinyllama", "peer_llama3_8b_4l", "ours_llama3_8b_4l", "compile",
+                 "gemm", "quantize", "tests"]
 TINYLLAMA = "--preset tinyllama-1.1b"
 LLAMA3_8B_4L = "--preset llama3-8b --num-layers 4 --seq-length 4096"
 
@@ -67,8 +67,13 @@ def test_without_cuda_the_suite_says_what_it_would_run_within_9_minutes_and_exit
     assert re.search(r"^budgeted \d+ s of --budget 450 s\b.*every step at its cap: (\d+) s.*the session takes at most "
                      r"540 s", proc.stdout, re.M)
     assert [s.name for s in gpu_suite.plan(None, tmp_path) if s.fill] == ["tests"] and steps["tests"][1] == 150
-    assert ("extra steps (--only NAME): tests_all, attention, cp_attention, snip_cycle, snip_cycle_fisher, "
-            "fp8_step_tinyllama, fp8_step_llama3_8b_4l, health_overhead") in proc.stdout
+    assert ("extra steps (--only NAME): tests_all, attention, cp_attention, compile_host, snip_cycle, "
+            "snip_cycle_fisher, fp8_step_tinyllama, fp8_step_llama3_8b_4l, health_overhead") in proc.stdout
+    # eager and --torch-compile beside the peer at TinyLlama's dims, dynamo's counters (issue 57)
+    compile_step = steps["compile"][2]
+    assert ("fwd_bwd_side_by_side.py --preset tinyllama-1.1b --num-layers 2 --bf16 --threads "
+            f"{conditions.threads_per_process(1)}") in compile_step
+    assert "--count --json" in compile_step
     assert f"gpu_suite.py --install {tmp_path / 'wheels'}" in steps["install"][2]
     threads = f"--threads {conditions.threads_per_process(1)}"
     for shape, flags in (("tinyllama", TINYLLAMA), ("llama3_8b_4l", LLAMA3_8B_4L)):

@@ -1,5 +1,6 @@
 """The BF16 step's speed: its host synchronisations, and its fused pieces (megatron-core's SwiGLU fusion, the
-weight-gradient accumulation into main_grad, the fused AdamW, the device-side gradient norm). The fusions are
+weight-gradient accumulation into main_grad, the fused AdamW; the rest of the optimizer step is
+test_optimizer_step.py's). The fusions are
 CUDA-only: on a CPU their math is checked and their flags are shown to leave CPU runs as they were; on a GPU
 (pytest -m cuda) they run, and the step's synchronisations are counted."""
 
@@ -16,33 +17,6 @@ from conftest import free_port, in_world_of_one, run_config
 CUDA = torch.cuda.is_available()
 NO_GROUP = object()  # a context-parallel group for calls that never read it (without process groups)
 DEVICE = torch.device("cuda" if CUDA else "cpu")
-
-
-def test_device_grad_norm_is_megatrons_fallback_to_the_bit():
-    """megatron-core's local multi-tensor L2 norm (a host copy per tensor) and ours give the same fp32 [1]."""
-    from megatron.core.utils import local_multi_tensor_l2_norm
-
-    from megatron_snip.compat import cpu
-    from megatron_snip.training.setup import _l2_norm_on_device
-
-    cpu.enable()  # megatron's fallback writes its result to "cuda"
-    g = torch.Generator().manual_seed(0)
-    for _ in range(20):
-        tensors = [(torch.randn(int(torch.randint(1, 3000, (1,), generator=g)), generator=g)
-                    * 10.0 ** int(torch.randint(-8, 8, (1,), generator=g))).to(DEVICE) for _ in range(37)]
-        want, got = local_multi_tensor_l2_norm(0, None, [tensors], False)[0], _l2_norm_on_device(0, None, [tensors],
-                                                                                                    False)[0]
-        assert got.dtype == want.dtype and got.shape == want.shape == (1,) and torch.equal(got, want)
-
-
-def test_grad_norm_on_device_replaces_only_the_fallback():
-    from megatron.core import utils
-    from megatron.core.optimizer import clip_grads
-
-    from megatron_snip.training.setup import grad_norm_on_device
-
-    grad_norm_on_device()
-    assert clip_grads.l2_norm_impl is not utils.local_multi_tensor_l2_norm  # ours, or apex's / TE's kernel
 
 
 @pytest.mark.cuda
@@ -95,6 +69,32 @@ def test_rope_fusion_slot_computes_megatrons_rope(monkeypatch):
     assert (out - want).abs().max() <= tol and (dt - want_dt).abs().max() <= tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lean_rope_is_megatrons_unfused_rope_to_the_bit(dtype):
+    """The unfused RoPE with its cos/sin tables computed once per angles tensor (model/fusions.py): the same
+    output and the same gradient as megatron-core's, to the bit; cases it does not take go to megatron-core's."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megatron_snip.model.fusions import lean_rope
+
+    unfused = getattr(rope_utils._apply_rotary_pos_emb_bshd, "__wrapped__", rope_utils._apply_rotary_pos_emb_bshd)
+    lean = lean_rope(unfused)
+    g = torch.Generator().manual_seed(4)
+    freqs = torch.randn(32, 1, 1, 64, generator=g) * 3
+    for _ in range(2):  # the second call reads the cached tables
+        outs = []
+        for fn in (unfused, lean):
+            t = (torch.randn(32, 2, 4, 64, generator=torch.Generator().manual_seed(5))).to(dtype).requires_grad_()
+            y = fn(t, freqs)
+            y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(6)).to(dtype))
+            outs.append((y.detach(), t.grad))
+        (y0, dt0), (y1, dt1) = outs
+        assert torch.equal(y0, y1) and torch.equal(dt0, dt1)
+    t = torch.randn(32, 2, 4, 64, generator=g)
+    assert torch.equal(lean(t, freqs, mscale=0.5), unfused(t, freqs, mscale=0.5))  # megatron-core's own path
+    assert torch.equal(lean(t, freqs[..., :32]), unfused(t, freqs[..., :32]))  # a partial rotation
+
+
 def test_cpu_runs_keep_the_unfused_path():
     """Without CUDA the RoPE, SwiGLU and wgrad fusions stay off whatever the flags say: CPU runs are unchanged."""
     from megatron_snip.model.llama import transformer_config
@@ -134,7 +134,8 @@ def test_wgrad_fusion_is_available_on_this_gpu_or_says_why():
         assert why_not is None, why_not
 
 
-def test_fused_adam_only_where_the_kernel_is():
+def test_fused_adam_where_torch_has_the_kernel():
+    """torch's fused Adam/AdamW kernel runs on a GPU and on a CPU, and takes over from an unfused state."""
     from megatron_snip.training.setup import use_fused_adam
 
     class Wrapper:  # megatron-core's optimizers hold the torch one as .optimizer
@@ -145,11 +146,11 @@ def test_fused_adam_only_where_the_kernel_is():
     wrapped = Wrapper([param])
     param.grad = torch.ones_like(param)
     wrapped.optimizer.step()  # unfused: the step counter lives on the host (as in an unfused run's checkpoint)
-    assert use_fused_adam(wrapped) == (1 if CUDA else 0)
-    assert wrapped.optimizer.param_groups[0]["fused"] is (True if CUDA else None)
+    assert use_fused_adam(wrapped) == 1
+    assert wrapped.optimizer.param_groups[0]["fused"] is True
     wrapped.optimizer.step()  # and the fused kernel takes over from the unfused state
     assert float(wrapped.optimizer.state[param]["step"]) == 2.0
-    assert wrapped.optimizer.state[param]["step"].device == (param.device if CUDA else torch.device("cpu"))
+    assert wrapped.optimizer.state[param]["step"].device == param.device
 
 
 @pytest.mark.cuda

@@ -40,7 +40,13 @@ if TYPE_CHECKING:  # imported where used: --help and flag errors need no megatro
     from megatron_snip.training.config import RunConfig, StartPoint
 
 
-def _validate_compile(args: argparse.Namespace) -> None:
+def _validate_compile(args: argparse.Namespace, cuda: bool) -> None:
+    if args.torch_compile is None:  # the default: on where it pays and the run allows it
+        from megatron_snip.model.config import COMPILE_BY_DEFAULT
+
+        args.torch_compile_by_default = args.torch_compile = (
+            COMPILE_BY_DEFAULT["cuda" if cuda else "cpu"] and args.transformer_impl == "local"
+            and args.hidden_dropout == 0 and args.attention_dropout == 0)
     if not args.torch_compile:
         return
     require(args.transformer_impl == "local", "--torch-compile compiles megatron-core's local layers; drop it with "
@@ -337,7 +343,7 @@ def _validate_training(args: argparse.Namespace, cuda: bool) -> None:
                                 "transformer_engine for Transformer Engine's layers")
     require(args.transformer_impl == "local" or cuda,
             "--transformer-impl transformer_engine needs a GPU with Transformer Engine; use --transformer-impl local")
-    _validate_compile(args)
+    _validate_compile(args, cuda)
     if args.recompute_granularity == "full":
         require(args.recompute_method is not None,
                 "--recompute-granularity full needs --recompute-method uniform|block")

@@ -30,6 +30,15 @@ from torch.nn.attention.bias import causal_lower_right
 
 from megatron_snip.model.context_parallel import ChunkLayout, gather_sequence
 
+
+def _lower_right(queries: int, keys: int, device: torch.device):
+    """The causal mask aligned to the lower right (query i sees keys up to keys - queries + i): torch's
+    ``causal_lower_right`` bias (flash attention takes it), or in a graph ``torch.compile`` traces, which
+    cannot hold that tensor subclass, the same mask as booleans."""
+    if torch.compiler.is_compiling():
+        return torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)
+    return causal_lower_right(queries, keys)
+
 # SDPA's grouped-query attention (kv heads shared by groups of query heads, without copying them)
 # came in torch 2.5; the project supports torch >= 2.4, which gets expanded keys and values.
 SDPA_HAS_GQA = torch.__version__ >= "2.5"
@@ -176,7 +185,8 @@ class SDPAttention(MegatronModule):
             else:  # lower-right causal: chunk k's query i sees the keys up to k·c + i
                 context = torch.cat([F.scaled_dot_product_attention(
                     query[:, :, rows], key[:, :, :keys], value[:, :, :keys],
-                    attn_mask=causal_lower_right(rows.stop - rows.start, keys) if causal else allowed[..., rows, :keys],
+                    attn_mask=_lower_right(rows.stop - rows.start, keys, query.device) if causal
+                    else allowed[..., rows, :keys],
                     dropout_p=dropout_p, scale=self.softmax_scale, **gqa)
                     for rows, keys in layout.query_chunks(sq)], dim=2)
         # [b, heads, sq, hn] -> [sq, b, heads * hn]

@@ -13,6 +13,9 @@ if TYPE_CHECKING:  # it reads plans, which import torch; --help and flag errors 
     from megatron_snip.precision.pipeline_layout import PipelineLayout
 
 ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
+# --torch-compile's default, per device: on where compile pays (docs/benchmarks.md: bench/gpu_suite.py's compile step
+# times our model eager and compiled on a GPU; bench/fwd_bwd_side_by_side.py on a CPU).
+COMPILE_BY_DEFAULT = {"cuda": True, "cpu": False}
 # --torch-compile-backend: inductor generates kernels; aot_eager traces and runs eager kernels (checks on a CPU)
 COMPILE_BACKENDS = ("inductor", "aot_eager")
 # --cp-comm-type: Megatron-LM's and Transformer Engine's names; the SDPA attention all-gathers whichever is given.
@@ -132,14 +135,17 @@ class ModelConfig:
         "second pass). CUDA only: off without CUDA, and off with a start-up warning where this torch cannot "
         "accumulate bf16 products in fp32.",
         option="--no-gradient-accumulation-fusion")
-    torch_compile: bool = flag(
-        False, "Compile every transformer layer with torch.compile, its linear layers left out (what a re-plan "
-        "changes, SNIP's probes and the tensor-parallel collectives stay eager, so re-plans recompile nothing): the "
-        "norms, RoPE, attention, SwiGLU and residual adds between the linears become fused kernels and the "
-        "layers' Python overhead goes. Off by default: the first step waits for the compile (about 40 s for a "
-        "small model on a 2-core CPU, where the generated kernels gain little), and recompiles on the first "
-        "evaluation; needs --transformer-impl local and no dropout.",
-        ours=True)
+    torch_compile: bool | None = flag(
+        None, "Compile every transformer layer with torch.compile into one graph, its linears inside (BF16 "
+        "GEMMs traced, quantized ones as one custom operator reading the module's precision when it runs; the "
+        "TP/CP collectives as functional ones): megatron-core's per-layer Python runs at compile time and the "
+        "code between the GEMMs fuses. A re-plan compiles at most one graph per new pattern of BF16 and quantized "
+        "linears in a layer; SNIP's probe passes run the layers eagerly. Default: on where it pays "
+        "(model/config.py's COMPILE_BY_DEFAULT: with CUDA; not on a CPU, where the first step's compile costs "
+        "more than short runs gain), given --transformer-impl local and no dropout, which it needs; a default "
+        "compile that fails falls back to eager. The first step waits for the compile (tens of seconds), "
+        "evaluation compiles once more.",
+        negatable=True, ours=True)
     torch_compile_backend: str = flag(
         "inductor", "With --torch-compile: inductor (generated kernels) or aot_eager (traced graphs run by "
         "eager kernels: no speed-up, for checking the compiled path on a CPU).", choices=COMPILE_BACKENDS,
@@ -156,6 +162,7 @@ class ModelConfig:
     # Set only by a loaded checkpoint (an HF import): the padded vocabulary and the Hugging Face files
     # (tokenizer, generation config) the import kept.
     padded_vocab_size: int | None = derived()
+    torch_compile_by_default: bool = derived(False)  # --torch-compile was not given and its default turned it on
     hf_files: str | None = derived()
 
     @property

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
+from megatron_snip.model import graph_collectives
+
 
 @dataclass(frozen=True)
 class ChunkLayout:
@@ -66,7 +68,9 @@ def gather_sequence(t: torch.Tensor, group: torch.distributed.ProcessGroup, layo
     Forward: an all-gather over ``group`` (megatron-core's sequence-parallel gather, on any backend);
     backward: the gradient's chunks put back in gather order and reduce-scattered, so this rank's part
     of dK / dV sums what every rank's queries contributed."""
-    gathered = gather_from_sequence_parallel_region(t, tensor_parallel_output_grad=True, group=group)
+    gather = (graph_collectives.gather_from_sequence_parallel_region if torch.compiler.is_compiling()
+              else gather_from_sequence_parallel_region)  # a compiled layer: the functional all-gather
+    gathered = gather(t, tensor_parallel_output_grad=True, group=group)
     chunks = gathered.view(2 * layout.size, t.shape[0] // 2, *t.shape[1:])
     order = torch.tensor(layout.sequence_order(), device=t.device)
     return chunks.index_select(0, order).view(-1, *t.shape[1:])

@@ -9,6 +9,14 @@ Without it, :func:`fused_rope` fills megatron-core's slot for that kernel with m
 unfused RoPE compiled by ``torch.compile`` (one kernel forward and one backward for each of query
 and key, instead of about ten, with cos/sin computed in registers rather than materialised twice).
 
+Without the fusion (a CPU, or ``--no-rope-fusion``), megatron-core's unfused RoPE recomputes the cosines
+and sines of the same angles in every layer for the queries and again for the keys, scales them by
+1.0, casts them to their own dtype and copies its result through a concatenation with an empty
+slice. :func:`enable_lean_rope` gives its slot a version that computes the same values (the same
+products and sums, to the bit) with the tables computed once per forward, for the one case the
+Llama layers run (half-split rotation over the whole head, no scaling); any other case goes to
+megatron-core's function.
+
 ``--no-gradient-accumulation-fusion`` switches megatron-core's weight-gradient accumulation: the
 bf16 linear layers' backward adds ``dY^T X`` into the parameter's fp32 ``main_grad`` inside the
 GEMM, instead of writing a bf16 gradient that megatron-core's DDP hook then adds in a second pass
@@ -20,6 +28,9 @@ torch), checked once on the device before it is used.
 """
 
 from __future__ import annotations
+
+import functools
+import weakref
 
 import torch
 from megatron.core.jit import jit_fuser
@@ -36,6 +47,49 @@ def fused_rope(t: torch.Tensor, freqs: torch.Tensor, transpose_output_memory: bo
     """Transformer Engine's ``fused_apply_rotary_pos_emb`` as megatron-core calls it: ``t`` [s, b, heads, hn],
     ``freqs`` [s, 1, 1, hn] (radians); megatron-core's own RoPE, compiled."""
     return _rope(t, freqs, interleaved)
+
+
+_ROPE_TABLES: dict = {}  # (id(freqs), dtype) -> (weakref to freqs, its version, cos, sin with the first half negated)
+
+
+def _rope_tables(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos(freqs) and sin(freqs) in ``dtype`` (megatron-core's ``(cos(freqs) * 1.0).to(dtype)``: the same values),
+    the sines' first half negated, computed once per angles tensor (megatron-core's RoPE module caches it)."""
+    key = (id(freqs), dtype)
+    hit = _ROPE_TABLES.get(key)
+    if hit is not None and hit[0]() is freqs and hit[1] == freqs._version:
+        return hit[2], hit[3]
+    cos, sin = torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
+    first, second = torch.chunk(sin, 2, dim=-1)
+    signed = torch.cat((-first, second), dim=-1)
+    if len(_ROPE_TABLES) >= 32:
+        _ROPE_TABLES.clear()
+    _ROPE_TABLES[key] = (weakref.ref(freqs), freqs._version, cos, signed)
+    return cos, signed
+
+
+def lean_rope(unfused):
+    """megatron-core's ``_apply_rotary_pos_emb_bshd`` (``unfused``) with its tables computed once: for the
+    half-split rotation of whole heads without scaling, ``t * cos + cat(x2, x1) * sin'`` (sin' the sines with
+    their first half negated: ``-x2 * sin`` exactly, as ``_rotate_half`` forms it), else ``unfused`` itself."""
+    @functools.wraps(unfused)
+    def rope(t: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool = False,
+             multi_latent_attention: bool = False, mscale: float = 1.0) -> torch.Tensor:
+        if (rotary_interleaved or multi_latent_attention or mscale != 1.0 or freqs.shape[-1] != t.shape[-1]
+                or freqs.requires_grad or torch.compiler.is_compiling()):
+            return unfused(t, freqs, rotary_interleaved, multi_latent_attention, mscale)
+        cos, signed_sin = _rope_tables(freqs, t.dtype)
+        x1, x2 = torch.chunk(t, 2, dim=-1)
+        return (t * cos) + (torch.cat((x2, x1), dim=-1) * signed_sin)
+
+    rope.lean = True
+    return rope
+
+
+def enable_lean_rope() -> None:
+    """Put :func:`lean_rope` in megatron-core's slot for its unfused RoPE (idempotent)."""
+    if not getattr(rope_utils._apply_rotary_pos_emb_bshd, "lean", False):
+        rope_utils._apply_rotary_pos_emb_bshd = lean_rope(rope_utils._apply_rotary_pos_emb_bshd)
 
 
 def enable_rope_fusion() -> str | None:

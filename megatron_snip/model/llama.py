@@ -19,7 +19,7 @@ from megatron_snip.compat.device import has_cuda
 from megatron_snip.model.attention import SDPAttention
 from megatron_snip.model.compile import compile_layers
 from megatron_snip.model.config import ModelConfig, ParallelConfig
-from megatron_snip.model.fusions import enable_rope_fusion, enable_wgrad_accumulation_fusion
+from megatron_snip.model.fusions import enable_lean_rope, enable_rope_fusion, enable_wgrad_accumulation_fusion
 from megatron_snip.model.norms import block_spec, with_torch_norms
 from megatron_snip.model.quantized.layers import precision_layer_spec
 from megatron_snip.precision.flops import LlamaLinearDims
@@ -56,6 +56,7 @@ def wgrad_accumulation_fusion(model: ModelConfig) -> bool:
 def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> TransformerConfig:
     """The megatron-core config of a Llama model in a parallel layout."""
     cuda = has_cuda()
+    enable_lean_rope()  # where RoPE is not fused (model/fusions.py)
     interleaved = parallel.virtual_pipeline_model_parallel_size is not None
     same_peer = interleaved and parallel.pipeline_model_parallel_size == 2
     gloo = parallel.distributed_backend == "gloo"
@@ -194,7 +195,7 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, config: Transforme
         for chunk in chunks:
             chunk.cuda(torch.cuda.current_device())
     if model.torch_compile:
-        compile_layers(chunks, model.torch_compile_backend)
+        compile_layers(chunks, model.torch_compile_backend, fall_back=model.torch_compile_by_default)
     return chunks
 
 

@@ -392,64 +392,99 @@ def hadamard_wgrad_operands(
     return random_hadamard_transform(dy, signs, dim=0), random_hadamard_transform(x, signs, dim=0)
 
 
+@dataclass(frozen=True)
+class Fprop:
+    """What fprop tells the backward besides the operands it kept.
+
+    Attributes:
+        fp8_bytes: the GEMMs run on FP8 bytes where the operands allow (``scaled_mm_enabled``).
+        x_ready, w_ready: the operand kept for the backward is fprop's quantized X / W (the backward
+            GEMM quantizes it exactly as fprop did), not the operand itself.
+        x_shape, x_dtype, w_dtype: of the inputs (dX comes back in X's shape and dtype, dW in W's).
+    """
+
+    fp8_bytes: bool
+    x_ready: bool
+    w_ready: bool
+    x_shape: torch.Size
+    x_dtype: torch.dtype
+    w_dtype: torch.dtype
+
+
+def fprop(x: torch.Tensor, weight: torch.Tensor, quant: LinearQuantization, x_grad: bool, w_grad: bool
+          ) -> tuple[torch.Tensor, Operand, Operand, Fprop]:
+    """The forward GEMM of :func:`quantized_linear`: (Y, the X and the W the backward reads, what it needs to
+    know). ``x_grad`` / ``w_grad``: whether dX / dW will be computed (the casts then also write the transposed
+    bytes a backward GEMM reads)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    fp8_bytes = scaled_mm_enabled(quant.recipe, x2)
+    q_x, q_w = quant.quantizer("fprop", "x"), quant.quantizer("fprop", "w")
+    # A backward GEMM that reuses fprop's bytes of X (wgrad) or W (dgrad) reads them transposed:
+    # the cast writes that copy too (only per-tensor bytes are reused: see below).
+    x_reused = quant.quantizer("wgrad", "x") == q_x and w_grad
+    w_reused = quant.quantizer("dgrad", "w") == q_w and x_grad
+    x_q = _quantize(x2, q_x, "x", quant, fp8_bytes, "fprop", transpose=x_reused)
+    w_q = _quantize(weight, q_w, "w", quant, fp8_bytes, "fprop", transpose=w_reused)
+    y = _matmul(x_q, w_q.t(), x.dtype)
+    _record_output(quant, "fprop.y", y, x_q, w_q)
+    # Where the backward GEMM quantizes an operand exactly as fprop did, it may keep the
+    # fprop copy. It does so for FP8 bytes (1 byte/element, less than the operand itself)
+    # and for delayed scaling (whose scale has moved on since fprop, and which must record
+    # one amax per step). A dequantized fp32 copy is not kept: it is larger than X or W
+    # themselves, and every micro-batch in flight would hold one (of the whole weights, for
+    # W). The backward quantizes the saved X / W again instead: same tensor, stateless
+    # quantizer, the same values.
+    x_ready = quant.quantizer("wgrad", "x") == q_x and _keep(x_q, q_x)
+    w_ready = quant.quantizer("dgrad", "w") == q_w and _keep(w_q, q_w)
+    info = Fprop(fp8_bytes, x_ready, w_ready, x.shape, x.dtype, weight.dtype)
+    return (y.reshape(*x.shape[:-1], weight.shape[0]), x_q if x_ready else x2, w_q if w_ready else weight, info)
+
+
+def bprop(dy: torch.Tensor, x_saved: Operand, w_saved: Operand, info: Fprop, quant: LinearQuantization,
+          needs_dx: bool, needs_dw: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The backward GEMMs of :func:`quantized_linear` from what :func:`fprop` kept: (dX or None, dW or None)."""
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    fp8_bytes = info.fp8_bytes
+    q_dy_d, q_dy_w = quant.quantizer("dgrad", "dy"), quant.quantizer("wgrad", "dy")
+    dx = dw = dy_q = None
+    reuse_dy = q_dy_w == q_dy_d and not q_dy_w.hadamard and needs_dw
+    if needs_dx:
+        dy_q = _quantize(dy2, q_dy_d, "dy", quant, fp8_bytes, "dgrad", transpose=reuse_dy)
+        w_q = w_saved if info.w_ready else _quantize(w_saved, quant.quantizer("dgrad", "w"), "w", quant,
+                                                     fp8_bytes, "dgrad", transpose=True)
+        dx = _matmul(dy_q, w_q, info.x_dtype)
+        _record_output(quant, "dgrad.dx", dx, dy_q, w_q)
+        dx = dx.reshape(info.x_shape)
+    if needs_dw:
+        q_x = quant.quantizer("wgrad", "x")
+        if q_dy_w.hadamard:
+            dy_w, x_w = hadamard_wgrad_operands(dy2, x_saved, quant.state.hadamard_signs(dy2.device))
+            dy_wq = quantize_operand(dy_w, q_dy_w, "dy", quant, "wgrad")
+            x_wq = quantize_operand(x_w, q_x, "x", quant, "wgrad")
+        else:
+            dy_wq = dy_q if reuse_dy and dy_q is not None else _quantize(dy2, q_dy_w, "dy", quant, fp8_bytes,
+                                                                         "wgrad", transpose=True)
+            x_wq = x_saved if info.x_ready else _quantize(x_saved, q_x, "x", quant, fp8_bytes, "wgrad",
+                                                          transpose=True)
+        dw = _matmul(dy_wq.t(), x_wq, info.w_dtype)
+    return dx, dw
+
+
 class _QuantizedLinearFn(torch.autograd.Function):
-    """Autograd function of :func:`quantized_linear` (x: (..., in), weight: (out, in))."""
+    """Autograd function of :func:`quantized_linear` (x: (..., in), weight: (out, in)) in eager code; compiled
+    graphs call the same :func:`fprop` and :func:`bprop` through a custom operator (``linear_op.py``)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, quant: LinearQuantization) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
-        fp8_bytes = scaled_mm_enabled(quant.recipe, x2)
-        q_x, q_w = quant.quantizer("fprop", "x"), quant.quantizer("fprop", "w")
-        # A backward GEMM that reuses fprop's bytes of X (wgrad) or W (dgrad) reads them transposed:
-        # the cast writes that copy too (only per-tensor bytes are reused: see below).
-        x_reused = quant.quantizer("wgrad", "x") == q_x and weight.requires_grad
-        w_reused = quant.quantizer("dgrad", "w") == q_w and x.requires_grad
-        x_q = _quantize(x2, q_x, "x", quant, fp8_bytes, "fprop", transpose=x_reused)
-        w_q = _quantize(weight, q_w, "w", quant, fp8_bytes, "fprop", transpose=w_reused)
-        y = _matmul(x_q, w_q.t(), x.dtype)
-        _record_output(quant, "fprop.y", y, x_q, w_q)
-        # Where the backward GEMM quantizes an operand exactly as fprop did, it may keep the
-        # fprop copy. It does so for FP8 bytes (1 byte/element, less than the operand itself)
-        # and for delayed scaling (whose scale has moved on since fprop, and which must record
-        # one amax per step). A dequantized fp32 copy is not kept: it is larger than X or W
-        # themselves, and every micro-batch in flight would hold one (of the whole weights, for
-        # W). The backward quantizes the saved X / W again instead: same tensor, stateless
-        # quantizer, the same values.
-        ctx.x_ready = quant.quantizer("wgrad", "x") == q_x and _keep(x_q, q_x)
-        ctx.w_ready = quant.quantizer("dgrad", "w") == q_w and _keep(w_q, q_w)
-        _save(ctx, x_q if ctx.x_ready else x2, w_q if ctx.w_ready else weight)
-        ctx.quant, ctx.fp8_bytes = quant, fp8_bytes
-        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
-        return y.reshape(*x.shape[:-1], weight.shape[0])
+        y, x_saved, w_saved, ctx.info = fprop(x, weight, quant, x.requires_grad, weight.requires_grad)
+        _save(ctx, x_saved, w_saved)
+        ctx.quant = quant
+        return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        quant: LinearQuantization = ctx.quant
         x_saved, w_saved = _saved(ctx)
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        fp8_bytes = ctx.fp8_bytes
-        q_dy_d, q_dy_w = quant.quantizer("dgrad", "dy"), quant.quantizer("wgrad", "dy")
-        dx = dw = dy_q = None
-        reuse_dy = q_dy_w == q_dy_d and not q_dy_w.hadamard and ctx.needs_input_grad[1]
-        if ctx.needs_input_grad[0]:
-            dy_q = _quantize(dy2, q_dy_d, "dy", quant, fp8_bytes, "dgrad", transpose=reuse_dy)
-            w_q = w_saved if ctx.w_ready else _quantize(w_saved, quant.quantizer("dgrad", "w"), "w", quant,
-                                                        fp8_bytes, "dgrad", transpose=True)
-            dx = _matmul(dy_q, w_q, ctx.x_dtype)
-            _record_output(quant, "dgrad.dx", dx, dy_q, w_q)
-            dx = dx.reshape(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
-            q_x = quant.quantizer("wgrad", "x")
-            if q_dy_w.hadamard:
-                dy_w, x_w = hadamard_wgrad_operands(dy2, x_saved, quant.state.hadamard_signs(dy2.device))
-                dy_wq = quantize_operand(dy_w, q_dy_w, "dy", quant, "wgrad")
-                x_wq = quantize_operand(x_w, q_x, "x", quant, "wgrad")
-            else:
-                dy_wq = dy_q if reuse_dy and dy_q is not None else _quantize(dy2, q_dy_w, "dy", quant, fp8_bytes,
-                                                                             "wgrad", transpose=True)
-                x_wq = x_saved if ctx.x_ready else _quantize(x_saved, q_x, "x", quant, fp8_bytes, "wgrad",
-                                                             transpose=True)
-            dw = _matmul(dy_wq.t(), x_wq, ctx.w_dtype)
+        dx, dw = bprop(dy, x_saved, w_saved, ctx.info, ctx.quant, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         return dx, dw, None
 
 
@@ -481,9 +516,9 @@ def quantized_linear(
     Returns:
         (..., out) in x's dtype. Gradients: dX in x's dtype, dW in weight's dtype.
 
-    Under ``torch.compile`` it runs eagerly (``torch.compiler.disable``): its casts are fused kernels
-    of their own, its GEMMs library calls, and its state (delayed-scaling histories, RNGs, health)
-    changes per call; the regions between the linears compile around it.
+    Called directly inside a region ``torch.compile`` traces, it runs eagerly (``torch.compiler.disable``,
+    a graph break there). The precision-aware linear modules call it through the custom operator of
+    ``linear_op.py`` instead, which stays inside the graph and runs the same :func:`fprop` / :func:`bprop`.
     """
     quant = LinearQuantization(precision, recipe, state, amax_reduce, frozenset(sharded), quantizers, token_amax_reduce)
     return _QuantizedLinearFn.apply(x, weight, quant)

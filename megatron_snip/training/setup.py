@@ -16,7 +16,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_snip.compat.device import check_device_setup
 from megatron_snip.model.config import ModelConfig, ParallelConfig
+from megatron_snip.training import multi_tensor
 from megatron_snip.training.config import TrainingConfig
+
+FUSED_ADAM_DEVICES = ("cuda", "cpu")  # where torch's Adam/AdamW has a fused kernel
 
 
 def initialize_distributed(parallel: ParallelConfig, seed: int) -> None:
@@ -100,9 +103,10 @@ def build_optimizer(training: TrainingConfig, model: ModelConfig, parallel: Para
     ``count_zeros``: its step also counts the gradients' zero entries (--log-num-zeros-in-grad).
 
     Without Transformer Engine or apex, megatron-core falls back to ``torch.optim.AdamW`` (foreach on a
-    GPU, a loop over parameters on a CPU) and to a gradient norm that copies every parameter's norm to
-    the host: :func:`use_fused_adam` and :func:`grad_norm_on_device` put the fused pieces back."""
-    grad_norm_on_device()
+    GPU, a loop over parameters on a CPU) and to per-tensor loops for the gradient norm, the clipping and
+    the optimizer's copies: :func:`use_fused_adam` and ``training/multi_tensor.py`` put the fused and
+    multi-tensor kernels back."""
+    multi_tensor.install()
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             optimizer=training.optimizer,
@@ -125,15 +129,15 @@ def build_optimizer(training: TrainingConfig, model: ModelConfig, parallel: Para
         chunks,
     )
     use_fused_adam(optimizer)
+    multi_tensor.use_foreach_copies(optimizer)
     return optimizer
 
 
 def use_fused_adam(optimizer) -> int:
-    """Switch the torch Adam/AdamW inside megatron-core's optimizer to its fused CUDA kernel (one launch
-    per group of tensors instead of foreach's several passes), as Megatron-LM's apex/TE FusedAdam; called
-    again after a checkpoint's parameter groups are loaded (they carry the saving run's choice). On a CPU
-    the optimizer stays as megatron-core builds it (bit-identical to earlier runs). Returns the number of
-    parameter groups switched."""
+    """Switch the torch Adam/AdamW inside megatron-core's optimizer to its fused kernel (one call over all
+    tensors of a group instead of a loop over them, or foreach's several passes), on a GPU as Megatron-LM's
+    apex/TE FusedAdam, and on a CPU (torch's fused CPU kernel); called again after a checkpoint's parameter
+    groups are loaded (they carry the saving run's choice). Returns the number of parameter groups switched."""
     switched = 0
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         torch_optimizer = getattr(inner, "optimizer", None)
@@ -141,7 +145,7 @@ def use_fused_adam(optimizer) -> int:
             continue
         for group in torch_optimizer.param_groups:
             params = group["params"]
-            if params and all(p.is_cuda and p.is_floating_point() for p in params):
+            if params and all(p.device.type in FUSED_ADAM_DEVICES and p.is_floating_point() for p in params):
                 group.update(fused=True, foreach=False)
                 switched += 1
                 for p in params:  # a loaded unfused state counts its steps on the host; fused counts on the device
@@ -149,23 +153,6 @@ def use_fused_adam(optimizer) -> int:
                     if torch.is_tensor(step) and step.device != p.device:
                         torch_optimizer.state[p]["step"] = step.to(p.device, torch.float32)
     return switched
-
-
-def _l2_norm_on_device(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
-    """megatron-core's ``local_multi_tensor_l2_norm`` (the same values: the norm of the per-tensor norms)
-    without copying each tensor's norm to the host (one sync per parameter on a GPU)."""
-    norms = torch._foreach_norm(tensor_lists[0])
-    return torch.linalg.vector_norm(torch.stack(norms)).reshape(1).float(), None
-
-
-def grad_norm_on_device() -> None:
-    """Where megatron-core's gradient clipping uses its local fallback of apex's multi-tensor L2 norm,
-    use :func:`_l2_norm_on_device` instead (idempotent)."""
-    from megatron.core import utils
-    from megatron.core.optimizer import clip_grads
-
-    if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
-        clip_grads.l2_norm_impl = _l2_norm_on_device
 
 
 def build_scheduler(training: TrainingConfig, optimizer, *, override: bool = False) -> OptimizerParamScheduler:

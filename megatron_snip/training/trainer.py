@@ -4,18 +4,19 @@ Read :func:`pretrain` top to bottom. Everything parallel is megatron-core's:
 the pipeline schedule from ``get_forward_backward_func``, DDP, the optimizer,
 ``dist_checkpointing``. This file only sequences them; helpers own the rest: the logs
 (``training/progress.py``), the plan in force and its history (``training/plan_state.py``),
-numerical safety (``training/safety.py``), SNIP (``snip/replanner.py``).
+numerical safety (``training/safety.py``), SNIP (``snip/replanner.py``), the run's checkpoints
+(``training/run_checkpoint.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import logging
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ from megatron_snip.compat.device import has_cuda
 from megatron_snip.data.datasets import megatron_num_samples
 from megatron_snip.data.loader import micro_batches
 from megatron_snip.data.tokenizer import build_tokenizer
+from megatron_snip.model.compile import CompileLog, eager_layers
 from megatron_snip.model.llama import (
     build_model,
     flops_per_token,
@@ -38,11 +40,9 @@ from megatron_snip.model.quantized.te_layers import prepare_te_environment
 from megatron_snip.model.step import forward_step, mean_loss
 from megatron_snip.precision.flops import LlamaLinearDims
 from megatron_snip.precision.plan import PrecisionPlan
-from megatron_snip.precision.te_precision_config import megatron_config_files
 from megatron_snip.snip.planner import PlannerConfig
 from megatron_snip.snip.replanner import CycleReport, SnipReplanner, StepShape
-from megatron_snip.training import checkpointing, requeue
-from megatron_snip.training.checkpoint_record import CheckpointRecord
+from megatron_snip.training import checkpointing, requeue, run_checkpoint
 from megatron_snip.training.config import RunConfig
 from megatron_snip.training.cycle_log import log_cycle
 from megatron_snip.training.data import build_datasets
@@ -51,34 +51,17 @@ from megatron_snip.training.plan_state import PlanState
 from megatron_snip.training.precision_setup import speed_model
 from megatron_snip.training.profiling import StepProfiler
 from megatron_snip.training.progress import StepResult, TrainingLogger, model_params_norm
+from megatron_snip.training.run_checkpoint import TrainState
 from megatron_snip.training.safety import NumericalGuard
 from megatron_snip.training.setup import (
     build_optimizer,
     build_scheduler,
     initialize_distributed,
-    use_fused_adam,
     wrap_ddp,
 )
 from megatron_snip.training.signals import RUN_FILES_FAILED, ExitSignalHandler
 from megatron_snip.training.time_check import TimeTargetCheck
 from megatron_snip.training.timers import Timers
-
-RUN_CONFIG_FILE = "run_config.yaml"  # in every checkpoint's directory
-# The plan in force, as megatron-core's per-module precision config (Megatron-LM's --te-precision-config-file),
-# in every checkpoint's directory: TE_PRECISION_CONFIG_FILE, and under PP > 1 also one file per model chunk
-# (te_precision_config.pp<stage>[.vp<chunk>].yaml).
-TE_PRECISION_CONFIG_FILE = "te_precision_config.yaml"
-
-
-@dataclass
-class TrainState:
-    """Where training is: saved in every checkpoint (Megatron-LM's counters), restored on resume."""
-
-    iteration: int = 0
-    consumed_samples: int = 0
-    floating_point_operations: float = 0.0  # model FLOPs so far (Megatron-LM's num_floating_point_operations_so_far)
-    consumed_valid_samples: int = 0  # carried from a Megatron-LM checkpoint (evaluation here reads its first batches)
-    skipped_train_samples: int = 0  # carried likewise (no batch is ever decreased here)
 
 
 class Trainer:
@@ -125,11 +108,12 @@ class Trainer:
         self.forward_backward = get_forward_backward_func()
         self.timers = Timers(c.logging.timing_log_level)
         self.guard = NumericalGuard(c.safety)
+        self.compile_log = CompileLog() if c.model.torch_compile else None
         if c.safety.quant_health:
             self.precision.enable_health()
         # The resolved flags, beside every checkpoint and on TensorBoard's text panel.
         self.config_yaml = c.to_yaml(f"pretrain_llama.py's flags, resolved at start-up. Rerun with --yaml-cfg "
-                                     f"{RUN_CONFIG_FILE} (flags given on the command line override it).")
+                                     f"{run_checkpoint.RUN_CONFIG_FILE} (flags given on the command line override it).")
         # The output layer's rows (the vocabulary padded as megatron-core pads it, or the checkpoint's).
         self.vocab_rows = c.model.padded_vocab_size or padded_vocab_size(
             self.tokenizer.vocab_size, c.model.make_vocab_size_divisible_by, c.parallel.tensor_model_parallel_size)
@@ -146,93 +130,12 @@ class Trainer:
         all ranks call this at the same iteration."""
         self.plans.set_plan(plan, self.state.iteration + 1)
 
-    # -- checkpoints -------------------------------------------------------
+    # -- checkpoints (training/run_checkpoint.py) ---------------------------
     def resume(self) -> None:
-        ckpt = self.config.checkpoint
-        expected = self.scheduler.state_dict()  # the flags' schedule, before a checkpoint's replaces it
-        loaded = checkpointing.load_checkpoint(
-            ckpt.load_dir, [chunk.module for chunk in self.model], self.optimizer, self.scheduler,
-            load_optim=not (ckpt.no_load_optim or ckpt.weights_only),
-            load_rng=not (ckpt.no_load_rng or ckpt.weights_only),
-            fully_parallel=ckpt.ckpt_fully_parallel_load, iteration=ckpt.load_iteration,
-            run_args=self.config.to_flags())
-        if loaded is None:
-            self.logger.text(f"no checkpoint in {ckpt.load_dir}: starting from scratch")
-            return
-        record = loaded.record
-        if not ckpt.weights_only:  # Megatron-LM's --finetune: iteration 0, no counters
-            self.state = TrainState(record.iteration, record.consumed_samples, record.floating_point_operations,
-                                    record.consumed_valid_samples, record.skipped_train_samples)
-            if record.numerical_safety is not None:  # absent in older checkpoints
-                self.guard.load_state_dict(record.numerical_safety)
-            self.plans.apply(self.state.iteration + 1)  # the plan itself was chosen at start-up (initial_plan)
-        self.precision.load_quant_states(loaded.quantization)
-        use_fused_adam(self.optimizer)  # the loaded parameter groups carry the saving run's choice
-        for line in (*record.dropped, *self._schedule_notice(expected, loaded)):
-            self.logger.text(f"notice: {line}")
-        saved_by = "" if record.saved_by == "megatron-snip" else f" (saved by {record.saved_by})"
-        if ckpt.from_pretrained:
-            why = "no --load" if ckpt.load is None else f"--load {ckpt.load} holds no checkpoint"
-            self.logger.text(f"{why}: starting from the weights of --pretrained-checkpoint {ckpt.load_dir}{saved_by} "
-                             f"(its iteration {record.iteration}) at iteration 0")
-            return
-        self.logger.text(f"resumed from {ckpt.load_dir}{saved_by} at iteration {record.iteration} "
-                         f"(consumed samples {record.consumed_samples}); continuing at {self.state.iteration}")
-
-    def _schedule_notice(self, expected: dict, loaded: checkpointing.Loaded) -> list[str]:
-        """Where the loaded checkpoint's LR / weight-decay schedule differs from the flags': it continues (as
-        Megatron-LM's --use-checkpoint-opt_param-scheduler; Megatron-LM without that flag refuses to resume)."""
-        saved = loaded.record.scheduler
-        ckpt = self.config.checkpoint
-        if (not loaded.optimizer or saved is None or ckpt.override_opt_param_scheduler
-                or ckpt.use_checkpoint_opt_param_scheduler):
-            return []
-        differ = [f"{key} {saved[key]} (flags: {value})" for key, value in expected.items()
-                  if key != "num_steps" and key in saved and saved[key] != value]
-        if not differ:
-            return []
-        return [f"the LR schedule continues the checkpoint's, whose {', '.join(differ)} differ from this run's "
-                f"flags (steps in samples); Megatron-LM would refuse this resume without "
-                f"--use-checkpoint-opt_param-scheduler; pass --override-opt_param-scheduler for the flags' schedule"]
+        run_checkpoint.resume(self)
 
     def save(self) -> None:
-        ckpt = self.config.checkpoint
-        if self.config.parallel.overlap_param_gather:
-            # As Megatron-LM: a step's updated parameter shards reach the other DP ranks in the next forward's
-            # all-gather; gathered now, or the checkpoint would hold the previous step's weights there.
-            for chunk in self.model:
-                chunk.start_param_sync(force_sync=True)
-        state = self.state
-        path = checkpointing.save_checkpoint(
-            ckpt.save, CheckpointRecord(
-                state.iteration, {**self.config.to_flags(), "padded_vocab_size": self.vocab_rows},
-                state.consumed_samples, state.consumed_valid_samples, state.skipped_train_samples,
-                state.floating_point_operations, precision_plan=self.plans.plan.to_dict(),
-                precision_schedule=self.plans.schedule.to_list(), numerical_safety=self.guard.state_dict(),
-                precision_history=tuple(self.plans.history)),
-            [chunk.module for chunk in self.model], self.optimizer, self.scheduler,
-            quantization=self.precision.quant_states(), save_optim=not ckpt.no_save_optim,
-            save_rng=not ckpt.no_save_rng, files={RUN_CONFIG_FILE: self.config_yaml, **self._plan_files()},
-            fully_parallel=ckpt.ckpt_fully_parallel_save, retain_interval=ckpt.save_retain_interval,
-            fully_reshardable=ckpt.dist_ckpt_optim_fully_reshardable)
-        self.logger.text(f"saved checkpoint {path}")
-
-    def _plan_files(self) -> dict[str, str]:
-        """The plan in force as megatron-core per-module precision configs (TE_PRECISION_CONFIG_FILE, and one
-        per model chunk under PP > 1), for Megatron-LM's --te-precision-config-file; none where the plan holds
-        what such a config cannot state (mxfp4, delayed scaling, ...: said once)."""
-        c = self.config
-        try:
-            files = megatron_config_files(self.plans.plan, c.precision.recipe(),
-                                          c.parallel.pipeline_layout(c.model.num_layers),
-                                          source=f"the plan of iteration {self.state.iteration}")
-        except ValueError as e:
-            if not self._plan_file_notice:
-                self.logger.text(f"notice: no {TE_PRECISION_CONFIG_FILE} beside the checkpoints: {e}")
-                self._plan_file_notice = True
-            return {}
-        stem = TE_PRECISION_CONFIG_FILE.removesuffix(".yaml")
-        return {f"{stem}{suffix}.yaml": text for suffix, text in files.items()}
+        run_checkpoint.save(self)
 
     # -- steps -------------------------------------------------------------
     def batches(self, split: str, consumed: int) -> Iterator[dict]:
@@ -362,6 +265,8 @@ class Trainer:
             if logged:
                 window = self.logger.progress(it, step, self.state.consumed_samples, params_norm, self.timers)
                 self.logger.precision(it, self.plans.health(it) if c.safety.quant_health else None)
+                if self.compile_log is not None:
+                    self.logger.text(self.compile_log.line())
                 if self.time_check is not None:
                     self.logger.text(self.time_check.window(it, window, self.plans.since, self.plans.all_bf16))
             if it % c.logging.eval_interval == 0 or it == c.training.train_iters:
@@ -411,7 +316,10 @@ class Trainer:
         fixed = self.plans.schedule.fixed(iteration + 1)
         if fixed["fwd"] and fixed["bwd"]:
             return None
-        report = self.snip.cycle(iteration, self.batches("train", self.state.consumed_samples), self.plans.plan, fixed)
+        # The probe passes hook the linears, which compiled layers would not call: they run the layers eagerly.
+        with eager_layers() if self.config.model.torch_compile else contextlib.nullcontext():
+            report = self.snip.cycle(iteration, self.batches("train", self.state.consumed_samples), self.plans.plan,
+                                     fixed)
         self.plans.replanned(iteration, report.plan)
         return report
 

@@ -5,8 +5,12 @@ are drop-in subclasses of megatron-core's local ``ColumnParallelLinear`` /
 ``RowParallelLinear`` (same constructor, parameters, checkpoint layout and
 ``(output, bias)`` return). Each holds a ``precision`` that can be set at any
 time without rebuilding anything. In bf16 they *are* the parent (its forward
-runs); otherwise they do the parent's tensor-parallel communication around
-:func:`megatron_snip.numerics.linear.quantized_linear`:
+runs), except on one rank without megatron-core's weight-gradient fusion, where
+the parent's linear is torch's ``F.linear`` with a Python backward around it and
+``F.linear`` itself runs (the same products); otherwise they do the parent's
+tensor-parallel communication around
+:func:`megatron_snip.numerics.linear.quantized_linear` (in a layer that
+``--torch-compile`` traces, ``model/compile.py`` says what runs instead):
 
 - column-parallel (W split along out): ``copy_to_tensor_model_parallel_region``
   (identity forward, all-reduce of dX backward), or with sequence parallelism
@@ -36,6 +40,7 @@ from collections.abc import Collection
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import (
@@ -49,7 +54,10 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.utils import get_pg_size
 
-from megatron_snip.numerics.linear import LinearQuantizers, QuantState, quantized_linear
+from megatron_snip.model import graph_collectives
+from megatron_snip.model.compile import collective
+from megatron_snip.numerics.linear import LinearQuantization, LinearQuantizers, QuantState, quantized_linear
+from megatron_snip.numerics.linear_op import compiled_quantized_linear, register
 from megatron_snip.numerics.recipes import BF16, Precision, RecipeConfig, misaligned_split
 
 
@@ -180,6 +188,21 @@ class QuantizedLinearMixin(PlanLinear):
         self._use(self._precision, self.recipe)
         self.quant_state = QuantState()
         self.module_name = type(self).__name__
+        self._tp_split = get_pg_size(self.tp_group) > 1
+        # Where megatron-core's path adds nothing to torch's GEMM (one rank, no weight-gradient fusion into
+        # main_grad), BF16 runs F.linear eagerly too: autograd's own backward instead of megatron-core's Python
+        # one, the same products.
+        self._plain_bf16 = not self._tp_split and not self.gradient_accumulation_fusion
+        self._register()
+
+    def _register(self) -> None:
+        # What a compiled graph passes its quantized GEMM (numerics/linear_op.py): a plain attribute, not a
+        # buffer (no state-dict entry, never moved to the GPU: the operator reads it on the host).
+        self._compile_key = register(self.linear_quantization)
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        self._register()  # a copy (deepcopy, pickle) is a module of its own, with a key of its own
 
     @property
     def forward_module(self) -> torch.nn.Module:
@@ -188,6 +211,9 @@ class QuantizedLinearMixin(PlanLinear):
     def _use(self, precision: Precision, recipe: RecipeConfig) -> None:
         """Resolve the GEMMs' operand quantizers once, for every forward and backward until the next change."""
         self._quantizers = LinearQuantizers.resolve(precision, recipe)
+        # The one fact about the precision a compiled layer is specialised on (a plain bool: its guard is
+        # one comparison): BF16 GEMMs are torch's, traced into the graph; others the quantized operator's.
+        self._bf16 = precision.is_bf16
 
     def quantize_only(self, operands: Collection[tuple[str, str]]) -> None:
         """Keep the precision's quantizers on ``operands`` ((gemm, operand) pairs such as
@@ -201,7 +227,20 @@ class QuantizedLinearMixin(PlanLinear):
         """Raise ValueError if this module cannot run ``precision`` under ``recipe``."""
         self.check_tensor_parallel_blocks(precision, recipe)
 
-    def _quantized_gemm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def linear_quantization(self) -> LinearQuantization:
+        """Everything this module's quantized GEMMs need now besides the tensors."""
+        return LinearQuantization(self._precision, self.recipe, self.quant_state, quantizers=self._quantizers,
+                                  **self.split_reductions())
+
+    def _gemm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """This rank's GEMM ``x @ weight^T`` in the module's precision. A BF16 GEMM is torch's own (in a graph
+        ``torch.compile`` traces, fused with its neighbours; the weight gradient reaches ``main_grad`` through
+        megatron-core's DDP hook); a quantized one the custom operator (numerics/linear_op.py) in a traced
+        graph, the quantized autograd function in eager code."""
+        if self._bf16:
+            return F.linear(x, weight)
+        if torch.compiler.is_compiling():
+            return compiled_quantized_linear(x, weight, self._compile_key)
         return quantized_linear(x, weight, self._precision, self.recipe, self.quant_state,
                                 quantizers=self._quantizers, **self.split_reductions())
 
@@ -223,16 +262,18 @@ class QuantizedColumnParallelLinear(QuantizedLinearMixin, ColumnParallelLinear):
     def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None,
                 runtime_gather_output: bool | None = None):
         """input_: [s, b, h]; returns ([s, b, out / tp] (or gathered), bias or None)."""
-        if self._precision.is_bf16:
+        if self._bf16 and not self._plain_bf16 and not torch.compiler.is_compiling():  # megatron-core's own path
             return super().forward(input_, weight, runtime_gather_output)
+        split = self._tp_split
         if self.sequence_parallel:  # the parent's flag (off at TP=1): [s / tp, b, h] -> [s, b, h]
-            x = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, group=self.tp_group)
+            x = _mapping(gather_from_sequence_parallel_region, split)(input_, tensor_parallel_output_grad=True,
+                                                                       group=self.tp_group)
         else:
-            x = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
-        output, bias = self._output_and_bias(self._quantized_gemm(x, self.weight if weight is None else weight))
+            x = _mapping(copy_to_tensor_model_parallel_region, split)(input_, group=self.tp_group)
+        output, bias = self._output_and_bias(self._gemm(x, self.weight if weight is None else weight))
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather:
-            output = gather_from_tensor_model_parallel_region(output, group=self.tp_group)
+            output = _mapping(gather_from_tensor_model_parallel_region, split)(output, group=self.tp_group)
         return output, bias
 
 
@@ -244,15 +285,40 @@ class QuantizedRowParallelLinear(QuantizedLinearMixin, RowParallelLinear):
     def forward(self, input_: torch.Tensor):
         """input_: [s, b, in / tp] (or [s, b, in] if not input_is_parallel); returns ([s, b, out]
         ([s / tp, b, out] with sequence parallelism), bias or None)."""
-        if self._precision.is_bf16:
+        if self._bf16 and not self._plain_bf16 and not torch.compiler.is_compiling():  # megatron-core's own path
             return super().forward(input_)
-        x = input_ if self.input_is_parallel else scatter_to_tensor_model_parallel_region(input_, group=self.tp_group)
-        partial = self._quantized_gemm(x, self.weight)
+        split = self._tp_split
+        x = input_ if self.input_is_parallel else _mapping(scatter_to_tensor_model_parallel_region, split)(
+            input_, group=self.tp_group)
+        partial = self._gemm(x, self.weight)
         if self.sequence_parallel:
-            output = reduce_scatter_to_sequence_parallel_region(partial, group=self.tp_group)
+            output = _mapping(reduce_scatter_to_sequence_parallel_region, split)(partial, group=self.tp_group)
         else:
-            output = reduce_from_tensor_model_parallel_region(partial, group=self.tp_group)
+            output = _mapping(reduce_from_tensor_model_parallel_region, split)(partial, group=self.tp_group)
         return self._output_and_bias(output)
+
+
+# What a layer being traced by torch.compile calls instead of megatron-core's mappings, where the group is split:
+# the same collectives as functional ones the graph holds (model/graph_collectives.py); the two the layers never
+# reach in a Llama (a gathered output, an unsplit input) are called eagerly from the graph.
+_TRACED = {copy_to_tensor_model_parallel_region: graph_collectives.copy_to_tensor_model_parallel_region,
+           reduce_from_tensor_model_parallel_region: graph_collectives.reduce_from_tensor_model_parallel_region,
+           gather_from_sequence_parallel_region: graph_collectives.gather_from_sequence_parallel_region,
+           reduce_scatter_to_sequence_parallel_region: graph_collectives.reduce_scatter_to_sequence_parallel_region,
+           gather_from_tensor_model_parallel_region: collective(gather_from_tensor_model_parallel_region),
+           scatter_to_tensor_model_parallel_region: collective(scatter_to_tensor_model_parallel_region)}
+
+
+def _mapping(fn, split: bool):
+    """``fn`` where its group is split (in a graph being traced, what the graph calls instead), else the
+    identity that ``fn`` is on one rank, without its autograd function."""
+    if not split:
+        return _identity
+    return _TRACED[fn] if torch.compiler.is_compiling() else fn
+
+
+def _identity(input_: torch.Tensor, **_) -> torch.Tensor:
+    return input_
 
 
 _QUANTIZED = {ColumnParallelLinear: QuantizedColumnParallelLinear, RowParallelLinear: QuantizedRowParallelLinear}
