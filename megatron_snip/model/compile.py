@@ -12,7 +12,8 @@ reads its counters). What changes while a run trains stays out of what the graph
   quantized linears in a layer (16 at most, each once per grad mode; :data:`RECOMPILE_LIMIT` leaves
   room for them all) and none when only the formats change;
 - hooks: dynamo does not see forward hooks added after it traced a module, so SNIP's probe passes,
-  which hook the linears, run the layers eagerly (:func:`eager_layers`, around the trainer's re-plan);
+  which hook the linears, run the layers eagerly (:func:`eager_layers`, around every probe pass:
+  ``snip.passes.PassRunner.run``);
 - collectives: under TP > 1 or CP > 1 the linears' and the attention's all-gathers, reduce-scatters and
   all-reduces are traced as torch.distributed's functional collectives (``model/graph_collectives.py``):
   megatron-core's in-place ones cannot be traced, and it calls the linears inside a context manager of

@@ -17,6 +17,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
 from megatron_snip.compat.device import has_cuda
+from megatron_snip.model.compile import eager_layers
 from megatron_snip.model.quantized.layers import PlanLinear
 from megatron_snip.model.step import LOSS_KEY, forward_step, reduced_losses
 
@@ -178,8 +179,9 @@ class PassRunner:
         if not forward_only:
             for chunk in self.chunks:
                 chunk.zero_grad_buffer()
+        # The passes hook the linears, which compiled layers would not call (--torch-compile): layers run eagerly.
         with (torch.no_grad() if forward_only else contextlib.nullcontext()), \
-                (contextlib.nullcontext() if forward_only or sync_grads else self._unsynced()):
+                (contextlib.nullcontext() if forward_only or sync_grads else self._unsynced()), eager_layers():
             out = self._schedule(forward_step_func=self.forward_step_func, data_iterator=self._data(microbatches),
                                  model=self.chunks, num_microbatches=len(microbatches),
                                  seq_length=self.seq_length, micro_batch_size=self.micro_batch_size,

@@ -10,7 +10,6 @@ numerical safety (``training/safety.py``), SNIP (``snip/replanner.py``), the run
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import itertools
 import logging
@@ -27,7 +26,7 @@ from megatron_snip.compat.device import has_cuda
 from megatron_snip.data.datasets import megatron_num_samples
 from megatron_snip.data.loader import micro_batches
 from megatron_snip.data.tokenizer import build_tokenizer
-from megatron_snip.model.compile import CompileLog, eager_layers
+from megatron_snip.model.compile import CompileLog
 from megatron_snip.model.llama import (
     build_model,
     flops_per_token,
@@ -316,10 +315,7 @@ class Trainer:
         fixed = self.plans.schedule.fixed(iteration + 1)
         if fixed["fwd"] and fixed["bwd"]:
             return None
-        # The probe passes hook the linears, which compiled layers would not call: they run the layers eagerly.
-        with eager_layers() if self.config.model.torch_compile else contextlib.nullcontext():
-            report = self.snip.cycle(iteration, self.batches("train", self.state.consumed_samples), self.plans.plan,
-                                     fixed)
+        report = self.snip.cycle(iteration, self.batches("train", self.state.consumed_samples), self.plans.plan, fixed)
         self.plans.replanned(iteration, report.plan)
         return report
 
