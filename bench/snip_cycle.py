@@ -11,11 +11,19 @@ bf16) and after it (the new plan), and its share of the wall time at one cycle p
 Goals: a cycle costs <= ~10 iterations; on a GPU, <= 1% of 1000 iterations. Each process runs
 ``--threads`` torch threads (default: the cores shared evenly by ``--nproc``, bench/conditions.py).
 Options this script does not know pass through to pretrain_llama.py.
+
+``--process-time`` (one process, a CPU): the same ratio in process CPU time, which other jobs on the
+machine do not inflate: the training's CPU time over ``--interval`` and over 3 x ``--interval`` iterations
+(their difference: one iteration), then two probe cycles on the next batch in the same process (the
+smaller), and the peak RSS after training and after the cycles::
+
+    python bench/snip_cycle.py --process-time --nproc 1 --tp 1 --pp 1 --micro-batch-size 8   # the quickstart's
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import subprocess
 import sys
@@ -23,9 +31,12 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+WORKER = "--process-time-worker"
 
 
 def main() -> None:
+    if sys.argv[1:2] == [WORKER]:  # one of --process-time's runs, under torchrun: pretrain_llama.py's flags follow
+        return process_time_worker(int(sys.argv[2]), sys.argv[3:])
     import conditions
     from step_time import add_layout_args, build_data, shape_args
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -41,23 +52,28 @@ def main() -> None:
     p.add_argument("--curvature", choices=CURVATURES, default=SnipConfig.snip_curvature,
                    help="--snip-curvature (default: the program's, %(default)s; hutchinson adds K forward+backward "
                         "passes)")
+    p.add_argument("--process-time", action="store_true",
+                   help="one process: the cycle and an iteration in process CPU time (robust to a loaded machine)")
     opts, rest = p.parse_known_args()  # the rest passes through to pretrain_llama.py
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         prefix, tok = build_data(work, opts.data_dir)
+        run_args = ["--model-preset", opts.preset, *shape_args(opts),
+                    "--tensor-model-parallel-size", str(opts.tp), "--pipeline-model-parallel-size", str(opts.pp),
+                    "--micro-batch-size", str(opts.micro_batch_size), "--global-batch-size",
+                    str(opts.global_batch_size), "--lr", "1e-3", "--lr-decay-style", "constant",
+                    "--data-path", prefix, "--tokenizer-model", tok, "--split", "99,1,0", "--eval-iters", "0",
+                    "--snip-probe-passes", str(opts.probe_passes), "--snip-curvature", opts.curvature,
+                    *(["--bf16"] if opts.bf16 else []), *rest]
+        env = conditions.worker_env(opts.nproc, opts.threads)
+        if opts.process_time:
+            return report_process_time(opts, run_args, env)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(opts.nproc),
-               str(ROOT / "pretrain_llama.py"), "--model-preset", opts.preset, *shape_args(opts),
-               "--tensor-model-parallel-size", str(opts.tp), "--pipeline-model-parallel-size", str(opts.pp),
-               "--micro-batch-size", str(opts.micro_batch_size), "--global-batch-size", str(opts.global_batch_size),
-               "--train-iters", str(2 * opts.interval), "--lr", "1e-3", "--lr-decay-style", "constant",
-               "--data-path", prefix, "--tokenizer-model", tok, "--split", "99,1,0", "--eval-iters", "0",
+               str(ROOT / "pretrain_llama.py"), *run_args, "--train-iters", str(2 * opts.interval),
                "--log-interval", "1", "--log-timers-to-tensorboard", "--snip", "--snip-interval", str(opts.interval),
-               "--snip-probe-passes", str(opts.probe_passes), "--snip-curvature", opts.curvature,
-               "--tensorboard-dir", str(work / "tb"),
-               *(["--bf16"] if opts.bf16 else []), *rest]
-        subprocess.run(cmd, check=True, cwd=ROOT, env=conditions.worker_env(opts.nproc, opts.threads),
-                       stdout=subprocess.DEVNULL)
+               "--tensorboard-dir", str(work / "tb")]
+        subprocess.run(cmd, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
         acc = EventAccumulator(str(next((work / "tb").glob("**/events.out.tfevents.*"))), size_guidance={"scalars": 0})
         acc.Reload()
         per_iter = {e.step: e.value for e in acc.Scalars(tags.ITERATION_TIME)}
@@ -75,6 +91,59 @@ def main() -> None:
     print(f"iteration after (new plan)     : {after:8.3f} s   cycle / iteration = {cycle / after:6.1f}")
     # The issue's yardstick: one cycle per 1000 iterations of the new plan should cost <= 1%.
     print(f"one cycle per 1000 iterations  : {100 * cycle / (cycle + 1000 * after):6.2f} % of the wall time")
+
+
+def report_process_time(opts, run_args: list[str], env: dict) -> None:
+    """``--process-time``: two one-process runs (``--interval`` and 3 x ``--interval`` iterations, each then two
+    cycles), their CPU times, the ratio."""
+    if opts.nproc != 1:
+        raise SystemExit("snip_cycle.py: --process-time measures one process: give --nproc 1 --tp 1 --pp 1")
+    results = {}
+    for iters in (opts.interval, 3 * opts.interval):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", __file__, WORKER,
+               str(iters), *run_args, "--snip", "--snip-interval", str(10 * iters), "--train-iters", str(iters),
+               "--log-interval", str(iters)]
+        out = subprocess.run(cmd, check=True, cwd=ROOT, env=env, capture_output=True, text=True).stdout
+        results[iters] = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+    short, long = results[opts.interval], results[3 * opts.interval]
+    iteration = (long["train_cpu"] - short["train_cpu"]) / (2 * opts.interval)
+    cycle = min(short["cycle_cpu"], long["cycle_cpu"])
+    print(f"one process, preset {opts.preset}, global batch {opts.global_batch_size}, {opts.curvature} curvature, "
+          f"{opts.probe_passes} perturbation draws (process CPU time)")
+    print(f"training iteration : {iteration:8.3f} s")
+    print(f"SNIP cycle         : {cycle:8.2f} s   cycle / iteration = {cycle / iteration:6.1f}")
+    print(f"peak RSS           : {long['rss_train_mib']:.0f} MiB after training, {long['rss_cycle_mib']:.0f} MiB "
+          "after the cycles")
+
+
+def process_time_worker(iters: int, args: list[str]) -> None:
+    """One ``--process-time`` run (under torchrun): train, then two probe cycles on the next batch; one JSON line."""
+    import resource
+    import time
+    from itertools import islice
+
+    from megatron_snip.cli.pretrain import trainer_from_command_line
+    from megatron_snip.compat.cpu import silence_expected_warnings
+    from megatron_snip.snip.probes import ProbeConfig, run_probe_cycle
+
+    silence_expected_warnings()
+    trainer = trainer_from_command_line(args)
+    c = trainer.config
+    start = time.process_time()
+    trainer.train()
+    train_cpu = time.process_time() - start
+    rss_train = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    n = c.training.num_microbatches
+    batch = list(islice(trainer.batches("train", trainer.state.consumed_samples), n))
+    cycles = []
+    for _ in range(2):
+        start = time.process_time()
+        run_probe_cycle(trainer.model, trainer.optimizer, trainer.precision, iter(batch), num_microbatches=n,
+                        seq_length=c.model.seq_length, micro_batch_size=c.training.micro_batch_size,
+                        config=ProbeConfig.from_snip(c.snip, c.training.seed))
+        cycles.append(time.process_time() - start)
+    print(json.dumps({"iters": iters, "train_cpu": train_cpu, "cycle_cpu": min(cycles), "rss_train_mib": rss_train,
+                      "rss_cycle_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}), flush=True)
 
 
 if __name__ == "__main__":
