@@ -6,6 +6,7 @@ what they promise, each ratio from phases measured under the same conditions."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -127,3 +128,17 @@ def test_optimizer_step_bench_sets_our_step_against_torchs():
     lines = [line.strip() for line in proc.stdout.splitlines() if "ours / torch" in line]
     assert [line.split()[0] for line in lines] == ["fp32", "distributed"]
     assert all("megatron-core's loops" in line for line in lines) and "parameter all-gather" in lines[1]
+
+
+@pytest.mark.integration
+def test_snip_cycle_in_process_time_sets_the_cycle_against_an_iteration(bench_data):
+    """bench/snip_cycle.py --process-time (issue 56's cycle cost): two one-process runs, the cycle and one training
+    iteration in process CPU time, their ratio, the peak RSS."""
+    proc = bench("snip_cycle.py", "--process-time", "--nproc", "1", "--tp", "1", "--pp", "1", "--num-layers", "1",
+                 "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4", "--interval", "2",
+                 "--threads", "1", "--data-dir", str(bench_data))
+    iteration = float(re.search(r"training iteration :\s+([\d.]+) s", proc.stdout)[1])
+    cycle, ratio = (float(x) for x in re.search(r"SNIP cycle\s+:\s+([\d.]+) s\s+cycle / iteration =\s+([\d.]+)",
+                                                  proc.stdout).groups())
+    assert iteration > 0 and cycle > 0 and ratio == pytest.approx(cycle / iteration, rel=0.2)
+    assert re.search(r"peak RSS\s+: \d+ MiB after training, \d+ MiB after the cycles", proc.stdout)
