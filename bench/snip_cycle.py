@@ -13,9 +13,9 @@ Goals: a cycle costs <= ~10 iterations; on a GPU, <= 1% of 1000 iterations. Each
 Options this script does not know pass through to pretrain_llama.py.
 
 ``--process-time`` (one process, a CPU): the same ratio in process CPU time, which other jobs on the
-machine do not inflate: the training's CPU time over ``--interval`` and over 3 x ``--interval`` iterations
-(their difference: one iteration), then two probe cycles on the next batch in the same process (the
-smaller), and the peak RSS after training and after the cycles::
+machine do not inflate: after ``--interval`` warm-up iterations, the median of 2 x ``--interval`` training
+steps and of three probe cycles on the next batch, in the same process, and the peak RSS after training and
+after the cycles::
 
     python bench/snip_cycle.py --process-time --nproc 1 --tp 1 --pp 1 --micro-batch-size 8   # the quickstart's
 """
@@ -94,30 +94,29 @@ def main() -> None:
 
 
 def report_process_time(opts, run_args: list[str], env: dict) -> None:
-    """``--process-time``: two one-process runs (``--interval`` and 3 x ``--interval`` iterations, each then two
-    cycles), their CPU times, the ratio."""
+    """``--process-time``: one one-process run (``--interval`` warm-up iterations, 2 x ``--interval`` timed ones,
+    then three cycles), the median of each in process CPU time, their ratio."""
     if opts.nproc != 1:
         raise SystemExit("snip_cycle.py: --process-time measures one process: give --nproc 1 --tp 1 --pp 1")
-    results = {}
-    for iters in (opts.interval, 3 * opts.interval):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", __file__, WORKER,
-               str(iters), *run_args, "--snip", "--snip-interval", str(10 * iters), "--train-iters", str(iters),
-               "--log-interval", str(iters)]
-        out = subprocess.run(cmd, check=True, cwd=ROOT, env=env, capture_output=True, text=True).stdout
-        results[iters] = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
-    short, long = results[opts.interval], results[3 * opts.interval]
-    iteration = (long["train_cpu"] - short["train_cpu"]) / (2 * opts.interval)
-    cycle = min(short["cycle_cpu"], long["cycle_cpu"])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", __file__, WORKER,
+           str(2 * opts.interval), *run_args, "--snip", "--snip-interval", str(10 * opts.interval),
+           "--train-iters", str(opts.interval), "--log-interval", str(opts.interval)]
+    out = subprocess.run(cmd, check=True, cwd=ROOT, env=env, capture_output=True, text=True).stdout
+    result = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+    iteration, cycle = statistics.median(result["steps_cpu"]), statistics.median(result["cycles_cpu"])
     print(f"one process, preset {opts.preset}, global batch {opts.global_batch_size}, {opts.curvature} curvature, "
-          f"{opts.probe_passes} perturbation draws (process CPU time)")
-    print(f"training iteration : {iteration:8.3f} s")
-    print(f"SNIP cycle         : {cycle:8.2f} s   cycle / iteration = {cycle / iteration:6.1f}")
-    print(f"peak RSS           : {long['rss_train_mib']:.0f} MiB after training, {long['rss_cycle_mib']:.0f} MiB "
+          f"{opts.probe_passes} perturbation draws (process CPU time, medians)")
+    print(f"training iteration : {iteration:8.3f} s   (of {len(result['steps_cpu'])} after {opts.interval} "
+          "warm-up iterations)")
+    print(f"SNIP cycle         : {cycle:8.2f} s   cycle / iteration = {cycle / iteration:6.1f}   (of "
+          f"{len(result['cycles_cpu'])}: {', '.join(f'{c:.2f}' for c in result['cycles_cpu'])} s)")
+    print(f"peak RSS           : {result['rss_train_mib']:.0f} MiB after training, {result['rss_cycle_mib']:.0f} MiB "
           "after the cycles")
 
 
-def process_time_worker(iters: int, args: list[str]) -> None:
-    """One ``--process-time`` run (under torchrun): train, then two probe cycles on the next batch; one JSON line."""
+def process_time_worker(timed: int, args: list[str]) -> None:
+    """The ``--process-time`` run (under torchrun): train ``--train-iters`` (warm-up), then ``timed`` training steps
+    and three probe cycles on the batch after them, each in process CPU time; one JSON line."""
     import resource
     import time
     from itertools import islice
@@ -129,20 +128,24 @@ def process_time_worker(iters: int, args: list[str]) -> None:
     silence_expected_warnings()
     trainer = trainer_from_command_line(args)
     c = trainer.config
-    start = time.process_time()
     trainer.train()
-    train_cpu = time.process_time() - start
+    data = trainer.batches("train", trainer.state.consumed_samples)
+    steps = []
+    for _ in range(timed):
+        start = time.process_time()
+        trainer.train_step(data)
+        steps.append(time.process_time() - start)
     rss_train = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     n = c.training.num_microbatches
-    batch = list(islice(trainer.batches("train", trainer.state.consumed_samples), n))
+    batch = list(islice(data, n))
     cycles = []
-    for _ in range(2):
+    for _ in range(3):
         start = time.process_time()
         run_probe_cycle(trainer.model, trainer.optimizer, trainer.precision, iter(batch), num_microbatches=n,
                         seq_length=c.model.seq_length, micro_batch_size=c.training.micro_batch_size,
                         config=ProbeConfig.from_snip(c.snip, c.training.seed))
         cycles.append(time.process_time() - start)
-    print(json.dumps({"iters": iters, "train_cpu": train_cpu, "cycle_cpu": min(cycles), "rss_train_mib": rss_train,
+    print(json.dumps({"steps_cpu": steps, "cycles_cpu": cycles, "rss_train_mib": rss_train,
                       "rss_cycle_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}), flush=True)
 
 

@@ -41,11 +41,17 @@ from megatron_snip.model.step import LOSS_KEY, forward_step
 from megatron_snip.numerics.linear import QuantState
 from megatron_snip.numerics.recipes import BF16, Precision
 from megatron_snip.snip.adam_view import AdamSlice, AdamView
-from megatron_snip.snip.module_probe import MicrobatchCounter, ModuleLayout, needs_grad, squared_norm
+from megatron_snip.snip.module_probe import MicrobatchCounter, ModuleLayout, needs_grad
 from megatron_snip.snip.noise import noise_key
 from megatron_snip.snip.passes import ForwardStep, PassRunner, preserved_training_state
 
 Table = dict[str, dict[str, float]]  # module -> format -> value
+
+
+def _squared_norm64(t: torch.Tensor) -> torch.Tensor:
+    """``||t||^2`` accumulated in fp64 (0-d): the ground truth's cosines compare drifts to 1e-9, which the probes'
+    faster fp32 dot products (``module_probe.squared_norm``) would not resolve."""
+    return torch.linalg.vector_norm(t.detach().float(), dtype=torch.float64).square()
 
 
 def _module_formats(controller: PrecisionController, formats: Sequence[str], side: str) -> list[tuple[str, list[str]]]:
@@ -271,13 +277,13 @@ def backward_ground_truth(
             module.precision = BF16
         for runner in runners:
             ref, clean = _update(runner, adam, rng, metric)
-            update_sq = adam.model_sum(lambda s: squared_norm(ref[s]))
+            update_sq = adam.model_sum(lambda s: _squared_norm64(ref[s]))
             for name, fmts in plan:
                 for fmt in fmts:
                     for seed in seeds:
                         with _only(local, [name], Precision("bf16", fmt), seed):
                             u, _ = _update(runner, adam, rng, metric, clean)
-                        sums[name][fmt] += adam.model_sum(lambda s: squared_norm(u[s] - ref[s])) / update_sq
+                        sums[name][fmt] += adam.model_sum(lambda s: _squared_norm64(u[s] - ref[s])) / update_sq
     return {name: {f: v / (len(runners) * len(seeds)) for f, v in row.items()} for name, row in sums.items()}
 
 
@@ -367,7 +373,7 @@ def group_drift(
         for module in local.values():
             module.precision = BF16
         refs, cleans = zip(*(_update(runner, adam, rng, metric) for runner in runners))
-        norms = [adam.model_sum(lambda s, r=r: squared_norm(r[s])) for r in refs]
+        norms = [adam.model_sum(lambda s, r=r: _squared_norm64(r[s])) for r in refs]
         for group, names in groups.items():
             weights = {f"{n}.weight" for n in names}
             mine = {"own": lambda s: s.name in weights, "other": lambda s: s.name not in weights}
@@ -377,7 +383,7 @@ def group_drift(
                     u, _ = _update(runner, adam, rng, metric, clean)
                 d = {s: u[s] - ref[s] for s in ref}
                 drifts.append(d)
-                sq.append({p: adam.model_sum(lambda s, keep=keep: squared_norm(d[s]) * keep(s))
+                sq.append({p: adam.model_sum(lambda s, keep=keep: _squared_norm64(d[s]) * keep(s))
                            for p, keep in mine.items()})
             # inner products between batches, per part; the whole model's are their sums
             dots = {(i, j): {p: adam.model_sum(lambda s, keep=keep: (drifts[i][s].double()

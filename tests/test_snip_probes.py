@@ -503,7 +503,7 @@ def test_statistics_are_finite_and_complete(single):
             fp8, fp4 = (m.errors[f].operand_sq[operand] / norm for f in ("fp8", "nvfp4"))
             assert 1e-5 < fp8 < fp4 < 0.1, (m.name, operand, fp8, fp4)
     assert stats.modules["decoder.layers.1.mlp.linear_fc1"].errors["nvfp4"].operand_sq["w"] == pytest.approx(
-        single["fc1_w_nvfp4_error_sq"], rel=1e-8)  # fp64 sums in another order
+        single["fc1_w_nvfp4_error_sq"], rel=1e-6)  # the probe's fp32 dot product against an fp64 sum
 
 
 @pytest.mark.integration
@@ -514,7 +514,7 @@ def test_each_fp8_recipe_is_measured_with_its_own_quantizers(single):
     for subnormals, and at this width a 1x128 block is a whole row.)"""
     probe, reference = single["fc1_w_fp8_recipes"], single["fc1_w_fp8_reference"]
     for recipe, value in probe.items():
-        assert value == pytest.approx(reference[recipe], rel=1e-8), recipe
+        assert value == pytest.approx(reference[recipe], rel=1e-6), recipe  # fp32 dot product vs fp64 sum
     for stats in (probe, single["fc1_output_fp8_recipes"]):
         assert stats["tensorwise"] != pytest.approx(stats["rowwise"], rel=1e-6), stats
 

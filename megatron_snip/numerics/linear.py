@@ -80,7 +80,8 @@ class QuantState:
         delayed: FP8 delayed-scaling quantizers by operand ("x", "w", "dy"), created
             at first use; a recipe with other settings replaces them (fresh history).
         health: per-operand quantization health accumulated by the GEMMs (``health.py``),
-            or None: not computed (``--quant-health`` off). Not part of the saved state.
+            or None: not computed (``--quant-health`` off); the SNIP probes' private states hold
+            an object with the same two methods (``snip.module_probe.OperandErrors``). Not part of the saved state.
     """
 
     def __init__(self, seed: int = 0, stream: int = 0):
@@ -411,11 +412,13 @@ class Fprop:
     w_dtype: torch.dtype
 
 
-def fprop(x: torch.Tensor, weight: torch.Tensor, quant: LinearQuantization, x_grad: bool, w_grad: bool
-          ) -> tuple[torch.Tensor, Operand, Operand, Fprop]:
+def fprop(x: torch.Tensor, weight: torch.Tensor, quant: LinearQuantization, x_grad: bool, w_grad: bool,
+          keep_dequantized: bool = False) -> tuple[torch.Tensor, Operand, Operand, Fprop]:
     """The forward GEMM of :func:`quantized_linear`: (Y, the X and the W the backward reads, what it needs to
     know). ``x_grad`` / ``w_grad``: whether dX / dW will be computed (the casts then also write the transposed
-    bytes a backward GEMM reads)."""
+    bytes a backward GEMM reads). ``keep_dequantized``: the backward reads fprop's dequantized X / W wherever it
+    quantizes them alike, rather than quantizing them again (for a caller that holds one micro-batch at a time:
+    the SNIP probes; below, why training does not)."""
     x2 = x.reshape(-1, x.shape[-1])
     fp8_bytes = scaled_mm_enabled(quant.recipe, x2)
     q_x, q_w = quant.quantizer("fprop", "x"), quant.quantizer("fprop", "w")
@@ -434,8 +437,8 @@ def fprop(x: torch.Tensor, weight: torch.Tensor, quant: LinearQuantization, x_gr
     # themselves, and every micro-batch in flight would hold one (of the whole weights, for
     # W). The backward quantizes the saved X / W again instead: same tensor, stateless
     # quantizer, the same values.
-    x_ready = quant.quantizer("wgrad", "x") == q_x and _keep(x_q, q_x)
-    w_ready = quant.quantizer("dgrad", "w") == q_w and _keep(w_q, q_w)
+    x_ready = quant.quantizer("wgrad", "x") == q_x and (keep_dequantized or _keep(x_q, q_x))
+    w_ready = quant.quantizer("dgrad", "w") == q_w and (keep_dequantized or _keep(w_q, q_w))
     info = Fprop(fp8_bytes, x_ready, w_ready, x.shape, x.dtype, weight.dtype)
     return (y.reshape(*x.shape[:-1], weight.shape[0]), x_q if x_ready else x2, w_q if w_ready else weight, info)
 

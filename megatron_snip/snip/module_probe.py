@@ -23,7 +23,7 @@ from megatron.core import parallel_state
 from megatron.core.utils import get_pg_size
 
 from megatron_snip.model.quantized.layers import PlanLinear
-from megatron_snip.numerics.linear import LinearQuantization, QuantState, quantize_operand, quantized_linear
+from megatron_snip.numerics.linear import LinearQuantization, QuantState, bprop, fprop, quantize_operand
 from megatron_snip.numerics.recipes import Precision
 
 from .adam_view import AdamSlice, AdamView
@@ -50,8 +50,13 @@ FORMAT_QUANTITIES = ("output_sq", "first_order", "input_grad_sq", "update_sq", *
 def squared_norm(t: torch.Tensor) -> torch.Tensor:
     """``||t||^2`` as an fp64 0-d tensor (no host sync), detached: a measurement kept with its
     autograd graph would hold the graph's saved tensors (an fp32 copy of every module output,
-    for every micro-batch) for the whole cycle and, through the backward hooks, beyond it."""
-    return torch.linalg.vector_norm(t.detach().float(), dtype=torch.float64).square()
+    for every micro-batch) for the whole cycle and, through the backward hooks, beyond it.
+
+    An fp32 dot product (within ~1e-6 of the fp64 sum: the squares are all positive, so nothing
+    cancels), then fp64 for the sums over micro-batches and ranks: ~15x faster on a CPU than a norm
+    accumulated in fp64, which casts the whole tensor first."""
+    flat = t.detach().float().reshape(-1)
+    return torch.dot(flat, flat).double()
 
 
 @dataclass(frozen=True)
@@ -115,6 +120,24 @@ def gather_sequence(t: torch.Tensor, group) -> torch.Tensor:
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, t.contiguous(), group=group)
     return torch.cat(parts, dim=0)
+
+
+class OperandErrors:
+    """Where the probe's GEMMs keep their quantization health (``QuantState.health``), their operands' own
+    errors ``||Q(T) - T||^2`` (fp64 0-d) as the GEMMs quantize them, for the named operands (``"fprop.x"``,
+    ``"dgrad.dy"``): the SNIP paper's quantization-error baselines read them at no second quantization."""
+
+    def __init__(self, keys: Sequence[str]):
+        self.keys = frozenset(keys)
+        self.errors: dict[str, torch.Tensor] = {}
+
+    def record(self, key: str, x: torch.Tensor, q, quantizer=None, amax=None) -> None:
+        """``HealthStats.record``'s call: ``x`` quantized to ``q`` (or a function giving the dequantized values)."""
+        if key in self.keys:
+            self.errors[key] = squared_norm((q() if callable(q) else q) - x)
+
+    def record_output(self, key: str, y: torch.Tensor, bound=None) -> None:
+        """A GEMM output: nothing to keep."""
 
 
 class MicrobatchCounter:
@@ -189,6 +212,7 @@ class ModuleProbe:
                 state = QuantState(module.quant_state.seed, module.quant_state.stream)
                 state.delayed = copy.deepcopy(module.quant_state.delayed)
                 states[fmt] = state
+            probe.states[fmt].health = OperandErrors(("fprop.x", "dgrad.dy"))
         return probe
 
     def add(self, key: Sum, value: torch.Tensor) -> None:
@@ -205,15 +229,14 @@ class ModuleProbe:
                                  cp_size=self.layout.cp, device=y.device).view(y.shape)
 
     def quantized_gemms(self, fmt: str, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor):
-        """(Y, dX, dW) of the module's GEMMs in ``fmt`` on fp32 (tokens, in) x, (out, in) w,
-        (tokens, out) dy: the layer's own autograd function, quantizers and amax reductions (TP, CP)."""
-        with torch.enable_grad():
-            x = x.detach().requires_grad_()
-            w = w.detach().requires_grad_()
-            y = quantized_linear(x, w, Precision.uniform(fmt), self.module.recipe, self.states[fmt],
-                                 **self.module.split_reductions())
-            dx, dw = torch.autograd.grad(y, (x, w), dy)
-        return y.detach(), dx, dw
+        """(Y, dX, dW, Q(W)) of the module's GEMMs in ``fmt`` on fp32 (tokens, in) x, (out, in) w,
+        (tokens, out) dy: the forward and backward GEMMs of the layer's autograd function (:func:`fprop`,
+        :func:`bprop`, called without the autograd engine), its quantizers and amax reductions (TP, CP);
+        Q(W) is the dequantized W dgrad read where fprop's served it (else None)."""
+        quant = self.quantization(fmt, self.states[fmt])
+        y, x_saved, w_saved, info = fprop(x, w, quant, x_grad=True, w_grad=True, keep_dequantized=True)
+        dx, dw = bprop(dy, x_saved, w_saved, info, quant, needs_dx=True, needs_dw=True)
+        return y, dx, dw, w_saved if info.w_ready and isinstance(w_saved, torch.Tensor) else None
 
     def operand_error_sq(self, fmt: str, gemm: str, operand: str, t: torch.Tensor) -> torch.Tensor:
         """``||Q(t) - t||^2`` of a 2-D fp32 operand quantized as ``gemm`` quantizes ``operand`` in
@@ -222,23 +245,28 @@ class ModuleProbe:
         quant = self.quantization(fmt)
         return squared_norm(quantize_operand(t, quant.quantizer(gemm, operand), operand, quant) - t)
 
-    def quantization(self, fmt: str) -> LinearQuantization:
-        """The layer's quantization of ``fmt`` with the probe's private state for the operands' own errors."""
-        return LinearQuantization(Precision.uniform(fmt), self.module.recipe, self.operand_states[fmt],
+    def quantization(self, fmt: str, state: QuantState | None = None) -> LinearQuantization:
+        """The layer's quantization of ``fmt`` with a private ``state`` (default: the one for the operands' own
+        errors)."""
+        return LinearQuantization(Precision.uniform(fmt), self.module.recipe,
+                                  self.operand_states[fmt] if state is None else state,
                                   **self.module.split_reductions())
 
-    def repeated_input_grad_error(self, fmt: str, dy: torch.Tensor, w: torch.Tensor, dx_ref: torch.Tensor
-                                  ) -> torch.Tensor | None:
+    def repeated_input_grad_error(self, fmt: str, dy: torch.Tensor, w: torch.Tensor, dx_ref: torch.Tensor,
+                                  w_quantized: torch.Tensor | None = None) -> torch.Tensor | None:
         """Where dgrad rounds dY stochastically, the part of the dgrad error ``eX_f`` the rounding does not draw
         afresh at every step, its mean over the rounding: ``dY (Q(W) - W)``, the weight's quantization error
         carried by the exact dY (stochastic rounding is unbiased); as the layer's dgrad, a partial sum under TP
         for a column-parallel module (not yet reduced). The rest is independent noise from element to element.
         None where dgrad rounds dY to nearest: all of eX then repeats for the same dY, and the rounding of dY
-        adds up over the tokens like the weight's error does (a systematic part of the error, measured)."""
+        adds up over the tokens like the weight's error does (a systematic part of the error, measured).
+        ``w_quantized``: dgrad's Q(W), if the caller has it."""
         quant = self.quantization(fmt)
         if not quant.quantizer("dgrad", "dy").stochastic:
             return None
-        return dy @ quantize_operand(w, quant.quantizer("dgrad", "w"), "w", quant) - dx_ref
+        if w_quantized is None:
+            w_quantized = quantize_operand(w, quant.quantizer("dgrad", "w"), "w", quant)
+        return dy @ w_quantized - dx_ref
 
     def measure_errors(self, x: torch.Tensor, dy: torch.Tensor, grad_scale: float, microbatch: int) -> None:
         """Clean-pass backward of one micro-batch: ``||dY||^2`` and every format's exact GEMM errors,
@@ -258,9 +286,9 @@ class ModuleProbe:
         with _tf32_matmuls(exact):
             y_ref, dx_ref, dw_ref = x @ w.t(), dy @ w, dy.t() @ x
         for fmt in self.formats:
-            y, dx, dw = self.quantized_gemms(fmt, x, w, dy)
+            y, dx, dw, w_dgrad = self.quantized_gemms(fmt, x, w, dy)
             e_out, e_in = y - y_ref, dx - dx_ref
-            e_repeated = self.repeated_input_grad_error(fmt, dy, w, dx_ref)
+            e_repeated = self.repeated_input_grad_error(fmt, dy, w, dx_ref, w_dgrad)
             # Partial sums over a split reduction dim: the error of the sum is the sum of errors.
             if self.layout.tp > 1 and self.layout.row:
                 dist.all_reduce(e_out, group=self.module.tp_group)
@@ -275,8 +303,9 @@ class ModuleProbe:
             self.add(Sum("output_sq", fmt), self.layout.gemm_y_weight * squared_norm(e_out))
             self.add(Sum("first_order", fmt), self.layout.gemm_y_weight * (e_out * dy).sum(dtype=torch.float64))
             self.add(Sum("input_grad_sq", fmt), self.layout.gemm_x_weight * squared_norm(e_in))
-            self.add(Sum("x_quant_sq", fmt), self.layout.gemm_x_weight * self.operand_error_sq(fmt, "fprop", "x", x))
-            self.add(Sum("dy_quant_sq", fmt), self.layout.gemm_y_weight * self.operand_error_sq(fmt, "dgrad", "dy", dy))
+            operands = self.states[fmt].health.errors
+            self.add(Sum("x_quant_sq", fmt), self.layout.gemm_x_weight * operands["fprop.x"])
+            self.add(Sum("dy_quant_sq", fmt), self.layout.gemm_y_weight * operands["dgrad.dy"])
             # Kept as this rank's forward holds the input: its slice of the sequence under sequence parallelism.
             mine = e_repeated[self.layout.tp_rank * local_rows:(self.layout.tp_rank + 1) * local_rows] \
                 if self.layout.sequence_input else e_repeated
@@ -292,11 +321,11 @@ class ModuleProbe:
         """A perturbation pass of draw k: ``dX = (X(+) - X(0)) / sigma``, ``||dX||^2`` into ``gain.k`` and, per
         format, ``<dX, e>`` (e the repeated dgrad error of the clean pass) into ``propagated.k``: summed over
         the batch and squared, the propagated update drift (``estimators.propagated_drift``)."""
-        change = (x.detach().float() - self.clean_inputs[microbatch].float()).reshape(-1).div_(sigma)
-        self.add(Sum("gain", probe=k), self.layout.x_weight * squared_norm(change))
+        change = (x.detach().float() - self.clean_inputs[microbatch].float()).reshape(-1)  # sigma dX
+        self.add(Sum("gain", probe=k), (self.layout.x_weight / sigma ** 2) * squared_norm(change))
         for fmt, error in self.repeated_errors.get(microbatch, {}).items():
             self.add(Sum("propagated", fmt, probe=k),
-                     self.layout.x_weight * torch.dot(change, error).double())
+                     (self.layout.x_weight / sigma) * torch.dot(change, error).double())
 
     def forget_group(self) -> None:
         """Drop what a group of micro-batches kept for its perturbation passes."""

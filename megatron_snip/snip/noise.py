@@ -44,12 +44,23 @@ def noise_key(*parts) -> int:
     return int.from_bytes(hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest(), "little")
 
 
+def _hash_index(index: torch.Tensor, key: int) -> torch.Tensor:
+    """32 hashed bits (int32) of (key, global element index), for int64 indices."""
+    h = _hash32((index & _M32).to(torch.int32).bitwise_xor_(_int32(key & _M32)))
+    return _hash32(h.bitwise_xor_((index >> 32).to(torch.int32)).bitwise_xor_(_int32((key >> 32) & _M32)))
+
+
 def rademacher(index: torch.Tensor, key: int) -> torch.Tensor:
     """+-1 (fp32) for each global element index (int64), a hash of (key, index): the same value
     for an element whichever rank holds it and in whatever order it is drawn."""
-    h = _hash32((index & _M32).to(torch.int32).bitwise_xor_(_int32(key & _M32)))
-    h = _hash32(h.bitwise_xor_((index >> 32).to(torch.int32)).bitwise_xor_(_int32((key >> 32) & _M32)))
-    return (h < 0).float().mul_(-2.0).add_(1.0)  # the top bit: -1 where set
+    return (_hash_index(index, key) < 0).float().mul_(-2.0).add_(1.0)  # the top bit: -1 where set
+
+
+def rademacher_bits(index: torch.Tensor, key: int) -> torch.Tensor:
+    """Eight independent +-1 draws per global element index (int64) from one hash of (key, index): uint8, bit j
+    set where draw j is -1 (the hash's top byte; bit 7 is :func:`rademacher`'s sign). One hash for eight draws
+    rather than eight: the perturbation's signs were ~7% of a probe cycle on a CPU."""
+    return (_hash_index(index, key) >> 24).bitwise_and_(0xFF).to(torch.uint8)
 
 
 def context_parallel_positions(n_local: int, rank: int, size: int,
@@ -179,15 +190,10 @@ def layout_rademacher(shape: Sequence[int], key: int, *, partition_dim: int | No
     return rademacher(index.flat(start, end), key)
 
 
-def param_noise(param: torch.nn.Parameter, key: int, start: int = 0, end: int | None = None) -> torch.Tensor:
-    """:func:`layout_rademacher` of elements ``start:end`` of this rank's (flattened) shard of a megatron
-    parameter, from its tensor-parallel attributes: the same values for a parameter element on every layout."""
-    split = getattr(param, "tensor_model_parallel", False)
-    return layout_rademacher(param.shape, key, partition_dim=param.partition_dim if split else None,
-                             stride=getattr(param, "partition_stride", 1),
-                             rank=parallel_state.get_tensor_model_parallel_rank(),
-                             size=parallel_state.get_tensor_model_parallel_world_size(),
-                             start=start, end=end, device=param.device)
+def param_sign_bits(param: torch.nn.Parameter, key: int, start: int = 0, end: int | None = None) -> torch.Tensor:
+    """:func:`rademacher_bits` of elements ``start:end`` of this rank's (flattened) shard of a megatron parameter,
+    from its tensor-parallel attributes: eight draws' signs, the same for a parameter element on every layout."""
+    return rademacher_bits(param_global_index(param, start, end), key)
 
 
 def param_global_index(param: torch.nn.Parameter, start: int = 0, end: int | None = None) -> torch.Tensor:

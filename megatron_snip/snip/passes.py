@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.utils import get_model_config
+from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 from megatron_snip.compat.device import has_cuda
 from megatron_snip.model.compile import eager_layers
@@ -175,18 +175,28 @@ class PassRunner:
         schedule divides by the micro-batches it runs), not by the batch's. ``sync_grads`` False: the
         weight gradients stay this rank's, not reduced over the data-parallel ranks (a pass that reads
         only activation gradients need not pay for that)."""
+        return self._run(forward_only, microbatches, sync_grads, self.forward_step_func, contextlib.nullcontext())
+
+    def run_decoder(self, microbatches: range | None = None) -> None:
+        """A forward-only pass through the transformer layers alone: the last stage stops after the final
+        layer norm (no output layer, no loss), for passes that read only the linears' inputs."""
+        models = [get_attr_wrapped_model(chunk, "post_process", return_model_obj=True) for chunk in self.chunks]
+        self._run(True, microbatches, True, _hidden_states_only(self.forward_step_func), _no_postprocess(models))
+
+    def _run(self, forward_only: bool, microbatches: range | None, sync_grads: bool, step: ForwardStep,
+             context) -> float | None:
         microbatches = range(self.num_microbatches) if microbatches is None else microbatches
         if not forward_only:
             for chunk in self.chunks:
                 chunk.zero_grad_buffer()
         # The passes hook the linears, which compiled layers would not call (--torch-compile): layers run eagerly.
         with (torch.no_grad() if forward_only else contextlib.nullcontext()), \
-                (contextlib.nullcontext() if forward_only or sync_grads else self._unsynced()), eager_layers():
-            out = self._schedule(forward_step_func=self.forward_step_func, data_iterator=self._data(microbatches),
+                (contextlib.nullcontext() if forward_only or sync_grads else self._unsynced()), eager_layers(), context:
+            out = self._schedule(forward_step_func=step, data_iterator=self._data(microbatches),
                                  model=self.chunks, num_microbatches=len(microbatches),
                                  seq_length=self.seq_length, micro_batch_size=self.micro_batch_size,
                                  forward_only=forward_only)
-        if not out:
+        if not out or step is not self.forward_step_func:
             return None
         return sum(reduced_losses(out, self.loss_key).tolist()) / len(out)
 
@@ -205,3 +215,24 @@ class PassRunner:
                 yield
         finally:
             config.no_sync_func, config.grad_sync_func, config.finalize_model_grads_func = saved
+
+
+def _hidden_states_only(step: ForwardStep) -> ForwardStep:
+    """``step`` without its loss function: the schedule keeps the last stage's output as it is."""
+    def run(data_iterator, model):
+        output, _ = step(data_iterator, model)
+        return output, None
+    return run
+
+
+@contextlib.contextmanager
+def _no_postprocess(models: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """megatron-core's GPT models return the decoder's hidden states (``post_process`` off) inside."""
+    saved = [m.post_process for m in models]
+    try:
+        for m in models:
+            m.post_process = False
+        yield
+    finally:
+        for m, value in zip(models, saved):
+            m.post_process = value

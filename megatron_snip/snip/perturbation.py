@@ -2,7 +2,7 @@
 
 ``R`` is the update metric's response of Adam's next step to the gradient (``AdamSlice.in_metric``
 of ``P~ = du/dg``, at the clean gradient) and ``w_k`` layout-invariant Rademacher noise of draw k
-(``noise.param_noise``). A forward at the perturbed parameters moves every module's input X_l by
+(``noise.param_sign_bits``). A forward at the perturbed parameters moves every module's input X_l by
 ``sigma J_l R w_k`` (J_l = dX_l / d(parameters below)), to first order, so that for an error e at X_l
 
     E_w <J_l R w, e>^2 = ||R * J_l^T e||^2,
@@ -27,7 +27,7 @@ from megatron_snip.compat.device import current_device
 
 from .adam_view import AdamSlice, AdamView
 from .module_probe import squared_norm
-from .noise import noise_key, param_noise
+from .noise import noise_key, param_sign_bits
 
 
 def unmatched_gain_excludes(names: Collection[str], excludes: Sequence[str]) -> str | None:
@@ -45,6 +45,11 @@ def unmatched_gain_excludes(names: Collection[str], excludes: Sequence[str]) -> 
             f"name, e.g. 'embedding' (the model has {some}, ...)")
 
 
+# Parameters (global names) after the last transformer layer: the perturbation passes read only the inputs of the
+# layers' linears, so moving these would change nothing they measure.
+DOWNSTREAM = ("output_layer.", "decoder.final_layernorm.")
+
+
 class ParameterPerturbation:
     """``theta -> theta + sigma R w_k`` for draw k, on every parameter slice this rank's forward uses.
 
@@ -53,8 +58,8 @@ class ParameterPerturbation:
         responses: R of every slice this rank's optimizer updates (flat fp32).
         relative_size: sigma is set so that ``||sigma R w|| = relative_size * ||theta||`` over the whole
             model (Rademacher w: ``||R w|| = ||R||`` exactly).
-        seed: the noise seed; draw k's noise is keyed by (seed, k, parameter name).
-        draws: K, the number of draws (their signs are kept: a byte per element up to 8 draws).
+        seed: the noise seed; draw k's noise is keyed by (seed, k // 8, parameter name).
+        draws: K, the number of draws (their signs are kept: a byte per element and eight draws).
         excludes: name substrings of parameters left unperturbed (``--snip-gain-exclude``); sigma is the
             unrestricted one, so the others move exactly as without exclusions.
 
@@ -71,20 +76,16 @@ class ParameterPerturbation:
             error = unmatched_gain_excludes([s.name for s in adam.slices.values()], excludes)
             if error:
                 raise ValueError(error)
-            responses = {s: torch.zeros_like(r) if any(e in s.name for e in excludes) else r
-                         for s, r in responses.items()}
-        self.responses = {**responses, **adam.sharding_peers(responses)}
-        self._original = {s: _Original(s) for s in self.responses}
-        # Every draw's signs, hashed once (a bit per draw and element) rather than once per micro-batch group.
-        keys = [noise_key(seed, "param", k) for k in range(draws)]
-        dtype = torch.uint8 if draws <= 8 else torch.int32 if draws <= 31 else torch.int64
-        self._signs = {}
-        for s in self.responses:
-            bits = torch.zeros(s.end - s.start, dtype=dtype, device=s.param.device)
-            for k, key in enumerate(keys):
-                negative = param_noise(s.param, noise_key(key, s.name), s.start, s.end) < 0
-                bits.bitwise_or_(negative.to(dtype).bitwise_left_shift_(k))
-            self._signs[s] = bits
+        # Left where they are: the excluded parameters, and those downstream of every linear's input, whose
+        # perturbation no measurement would see.
+        self._steps = {s: self.sigma * r for s, r in {**responses, **adam.sharding_peers(responses)}.items()
+                       if not any(e in s.name for e in excludes) and not s.name.startswith(DOWNSTREAM)}
+        self._original = {s: _Original(s) for s in self._steps}
+        # Every draw's signs, hashed once rather than once per micro-batch group: a byte per element and eight
+        # draws (bit k % 8 of byte k // 8 set where draw k is -1).
+        keys = [noise_key(seed, "param", j) for j in range(math.ceil(draws / 8))]
+        self._signs = {s: [param_sign_bits(s.param, noise_key(key, s.name), s.start, s.end) for key in keys]
+                       for s in self._steps}
 
     @contextlib.contextmanager
     def applied(self, k: int) -> Iterator[None]:
@@ -93,9 +94,8 @@ class ParameterPerturbation:
         try:
             with torch.no_grad():
                 for s, original in self._original.items():
-                    w = ((self._signs[s] >> k) & 1).float().mul_(-2.0).add_(1.0)
-                    perturbed = torch.addcmul(original.values().float(), self.responses[s], w, value=self.sigma)
-                    s.flat(s.param.data).copy_(perturbed)
+                    w = ((self._signs[s][k // 8] >> (k % 8)) & 1).float().mul_(-2.0).add_(1.0)
+                    s.flat(s.param.data).copy_(torch.addcmul(original.values().float(), self._steps[s], w))
             yield
         finally:
             with torch.no_grad():

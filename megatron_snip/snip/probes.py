@@ -18,10 +18,10 @@ masks:
 
    a. a **clean forward + backward**: per module ``||X||^2, ||W||^2, ||Y||^2, ||dY||^2`` and,
       per candidate format f, the exact errors ``||E_f||^2, ||eX_f||^2, ||R * eW_f||^2`` (the
-      quantized GEMMs re-run on the captured X, W, dY through
+      quantized GEMMs re-run on the captured X, W, dY through the GEMMs of
       :func:`megatron_snip.numerics.linear.quantized_linear`, the layers' own code), each
       operand's own quantization error ``||Q(T) - T||^2`` for T = X, W (fprop's quantizers) and
-      dY (dgrad's), what the SNIP paper's quantization-error baselines sum; it keeps every module's
+      dY (dgrad's; of X and dY as those GEMMs quantized them), what the SNIP paper's quantization-error baselines sum; it keeps every module's
       input X(0) and the part e_f of its dgrad error that repeats from step to step;
    b. K **perturbed forwards**, every parameter moved to ``theta + sigma R w_k``
       (``perturbation.py``): ``<dX_k, e_f>`` at every module input, ``dX_k = (X(+) - X(0)) / sigma``,
@@ -316,7 +316,7 @@ def _measurement_passes(runner: PassRunner, probes: list[ModuleProbe], rng: RngS
                 start.restore()
                 with module_hooks(probes, lambda p, x, out, k=k: p.measure_input_change(
                         x, p.next_microbatch(), perturbation.sigma, k)):
-                    runner.run(forward_only=True, microbatches=group)
+                    runner.run_decoder(microbatches=group)
         for p in probes:
             p.forget_group()
         start = after
