@@ -3,11 +3,15 @@
 Layouts add the same numbers in other orders, so two runs' states differ by rounding; SNIP's costs must
 not amplify it (docs/snip.md, "Stable across layouts"). :func:`compare_runs` reads both runs' statistics
 files (``SAVE/snip/snip_iter_N.json``) cycle by cycle: for every (module, format) the ratio of the two
-runs' normalised update costs and loss costs (the larger over the smaller), and whether the plans agree.
+runs' normalised update costs and loss costs (the larger over the smaller), and whether the plans agree; and
+where the update costs part: the ratios of their local parts (exact on the batch: the states' own difference)
+and of their propagated parts (the K-draw sketch), and how alike the two runs' draws still are.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,12 +31,20 @@ class CycleComparison:
         update_ratio: the largest ratio (>= 1) of the two runs' update costs over every (module, format),
             with the pair it belongs to; loss_ratio: the same for the loss costs.
         same_plan: whether both cycles chose the same precision for every module.
+        local_ratio, propagated_ratio: the largest ratios of the update drift's local part
+            (``FormatErrors.update_sq``) and of its propagated part (``FormatErrors.propagated``).
+        draw_correlation: the median over (module, format) of the correlation between the two runs' squared
+            projections, draw by draw (``FormatErrors.propagated_probes``: the same noise in both runs): 1 while
+            their states agree, ~0 where the sketches have become independent samples.
     """
 
     iteration: int
     update_ratio: tuple[float, str]
     loss_ratio: tuple[float, str]
     same_plan: bool
+    local_ratio: tuple[float, str]
+    propagated_ratio: tuple[float, str]
+    draw_correlation: float
 
 
 def _largest_ratio(a: dict[str, dict[str, float]], b: dict[str, dict[str, float]]) -> tuple[float, str]:
@@ -66,6 +78,19 @@ def compare_runs(dir_a: str | Path, dir_b: str | Path) -> list[CycleComparison]:
             raise ValueError(f"{name}: the cycle did not finish in both runs")
         costs = {k: [{n: {f: getattr(d, k) for f, d in per.items()} for n, per in run.divergences.items()}
                      for run in (a, b)] for k in ("backward", "forward")}
+        parts = {k: [{n: {f: getattr(e, k) for f, e in m.errors.items()} for n, m in run.stats.modules.items()}
+                     for run in (a, b)] for k in ("update_sq", "propagated")}
+        draws = [_correlation(e.propagated_probes, b.stats.modules[n].errors[f].propagated_probes)
+                 for n, m in a.stats.modules.items() for f, e in m.errors.items()]
         out.append(CycleComparison(a.cycle.iteration, _largest_ratio(*costs["backward"]),
-                                   _largest_ratio(*costs["forward"]), a.cycle.plan == b.cycle.plan))
+                                   _largest_ratio(*costs["forward"]), a.cycle.plan == b.cycle.plan,
+                                   _largest_ratio(*parts["update_sq"]), _largest_ratio(*parts["propagated"]),
+                                   statistics.median(c for c in draws if not math.isnan(c))))
     return out
+
+
+def _correlation(x: list[float], y: list[float]) -> float:
+    """Pearson's correlation of two equally long samples (NaN where either is constant)."""
+    mx, my = statistics.fmean(x), statistics.fmean(y)
+    sx, sy = math.sqrt(sum((v - mx) ** 2 for v in x)), math.sqrt(sum((v - my) ** 2 for v in y))
+    return sum((u - mx) * (v - my) for u, v in zip(x, y)) / (sx * sy) if sx * sy > 0 else math.nan

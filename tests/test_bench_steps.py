@@ -132,7 +132,7 @@ def test_optimizer_step_bench_sets_our_step_against_torchs():
 
 @pytest.mark.integration
 def test_snip_cycle_in_process_time_sets_the_cycle_against_an_iteration(bench_data):
-    """bench/snip_cycle.py --process-time (issue 56's cycle cost): two one-process runs, the cycle and one training
+    """bench/snip_cycle.py --process-time (issue 56's cycle cost): one one-process run, the median cycle and training
     iteration in process CPU time, their ratio, the peak RSS."""
     proc = bench("snip_cycle.py", "--process-time", "--nproc", "1", "--tp", "1", "--pp", "1", "--num-layers", "1",
                  "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4", "--interval", "2",

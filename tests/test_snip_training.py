@@ -244,3 +244,5 @@ def test_layouts_trained_from_scratch_cost_alike_and_plan_alike(tiny_data, tmp_p
               f"({cycle.update_ratio[1]}), loss costs within {cycle.loss_ratio[0]:.4f}x ({cycle.loss_ratio[1]})")
         assert cycle.iteration == 4
         assert cycle.update_ratio[0] <= 1.3 and cycle.loss_ratio[0] <= 1.005 and cycle.same_plan, (name, cycle)
+        # the sketch's draws are the same noise in both layouts, and states this close project it alike
+        assert cycle.draw_correlation > 0.95 and cycle.propagated_ratio[0] <= 1.3, (name, cycle)

@@ -4,7 +4,9 @@
 
 Prints, per cycle both runs wrote (``SAVE/snip/snip_iter_N.json``), the largest ratio between the two
 runs' update costs and loss costs over every (module, format), which pair it is, and whether the plans
-agree (snip_lab/layouts.py). Exit status 1 if ``--max-update-ratio`` is given and exceeded, or the plans
+agree (snip_lab/layouts.py); with ``--parts``, also where the update costs part: the largest ratios of
+their local parts (exact on the batch) and propagated parts (the sketch), and the median correlation of
+the two runs' draws. Exit status 1 if ``--max-update-ratio`` is given and exceeded, or the plans
 differ.
 """
 
@@ -22,6 +24,8 @@ def main(argv=None) -> int:
     p.add_argument("run_b", help="the snip/ folder of the other")
     p.add_argument("--max-update-ratio", type=float, default=None,
                    help="fail (exit 1) where the update costs of a (module, format) differ by more than this factor")
+    p.add_argument("--parts", action="store_true",
+                   help="also the update costs' local and propagated parts and how alike the two runs' draws are")
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cycles = compare_runs(a.run_a, a.run_b)
@@ -34,6 +38,12 @@ def main(argv=None) -> int:
         print(f"{c.iteration:>9}  {c.update_ratio[0]:8.3f} {c.update_ratio[1]:<53} "
               f"{c.loss_ratio[0]:8.3f} {c.loss_ratio[1]:<53} {c.same_plan}")
         failed |= not c.same_plan or (a.max_update_ratio is not None and c.update_ratio[0] > a.max_update_ratio)
+    if a.parts:
+        print(f"\n{'iteration':>9}  {'local part ratio (pair)':<62} {'propagated part ratio (pair)':<62} "
+              "draws' correlation (median)")
+        for c in cycles:
+            print(f"{c.iteration:>9}  {c.local_ratio[0]:8.3f} {c.local_ratio[1]:<53} "
+                  f"{c.propagated_ratio[0]:8.3f} {c.propagated_ratio[1]:<53} {c.draw_correlation:6.2f}")
     return 1 if failed else 0
 
 
