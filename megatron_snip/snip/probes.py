@@ -21,8 +21,9 @@ masks:
       quantized GEMMs re-run on the captured X, W, dY through the GEMMs of
       :func:`megatron_snip.numerics.linear.quantized_linear`, the layers' own code), each
       operand's own quantization error ``||Q(T) - T||^2`` for T = X, W (fprop's quantizers) and
-      dY (dgrad's; of X and dY as those GEMMs quantized them), what the SNIP paper's quantization-error baselines sum; it keeps every module's
-      input X(0) and the part e_f of its dgrad error that repeats from step to step;
+      dY (dgrad's; of X and dY as those GEMMs quantized them), what the SNIP paper's
+      quantization-error baselines sum; it keeps every module's input X(0) and the part e_f of its
+      dgrad error that repeats from step to step;
    b. K **perturbed forwards**, every parameter moved to ``theta + sigma R w_k``
       (``perturbation.py``): ``<dX_k, e_f>`` at every module input, ``dX_k = (X(+) - X(0)) / sigma``,
       summed over the batch (and averaged over the data-parallel replicas) and squared, its mean over
