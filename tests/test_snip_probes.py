@@ -46,7 +46,7 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import free_port, launch, run_config, running_plan, train_args
+from conftest import free_port, in_world_of_one, launch, run_config, running_plan, train_args
 
 VOCAB, SEQ, MBS, MICRO = 128, 32, 4, 2
 STEPS = 30
@@ -792,6 +792,40 @@ def test_noise_is_layout_invariant():
     a, b = rademacher(torch.arange(n), key), rademacher(torch.arange(n), noise_key("another"))
     for value in (a.mean(), (a[1:] * a[:-1]).mean(), (a * b).mean()):
         assert abs(value.item()) < 4 / math.sqrt(n)
+
+
+def test_one_hash_gives_eight_independent_draws():
+    """rademacher_bits: bit 7 is rademacher's sign; the eight bits are independent fair draws (means, pairwise
+    correlations and neighbours within 4 sigma of 1/sqrt(n))."""
+    from megatron_snip.snip.noise import noise_key, rademacher, rademacher_bits
+
+    n, key = 1 << 16, noise_key(0, "param", 0, "decoder.layers.0.mlp.linear_fc1.weight")
+    bits = rademacher_bits(torch.arange(n), key)
+    assert bits.dtype == torch.uint8
+    signs = [((bits >> j) & 1).float().mul(-2.0).add(1.0) for j in range(8)]
+    assert torch.equal(signs[7], rademacher(torch.arange(n), key))
+    for j, a in enumerate(signs):
+        assert abs(a.mean().item()) < 4 / math.sqrt(n) and abs((a[1:] * a[:-1]).mean().item()) < 4 / math.sqrt(n)
+        for b in signs[j + 1:]:
+            assert abs((a * b).mean().item()) < 4 / math.sqrt(n)
+
+
+def _sign_bits_in_chunks(chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    import megatron_snip.snip.noise as noise
+
+    param = torch.nn.Parameter(torch.zeros(300, 70))
+    whole = noise.param_sign_bits(param, 12345, 37, 20011)
+    noise._SIGN_CHUNK = chunk
+    return whole, noise.param_sign_bits(param, 12345, 37, 20011)
+
+
+@pytest.mark.integration
+def test_parameter_signs_hashed_in_chunks_are_the_whole_slice_s(tmp_path):
+    """param_sign_bits hashes a large parameter a chunk at a time: the same bits as in one go."""
+    from megatron_snip.snip.noise import rademacher_bits
+
+    whole, chunked = in_world_of_one(_sign_bits_in_chunks, 1000, tmp_path=tmp_path)
+    assert torch.equal(chunked, whole) and torch.equal(whole, rademacher_bits(torch.arange(21000), 12345)[37:20011])
 
 
 def _context_parallel_part(full: torch.Tensor, rank: int, size: int) -> torch.Tensor:

@@ -190,10 +190,21 @@ def layout_rademacher(shape: Sequence[int], key: int, *, partition_dim: int | No
     return rademacher(index.flat(start, end), key)
 
 
+# Elements hashed at a time by param_sign_bits: its int64 index and int32 hash temporaries stay ~200 MB.
+_SIGN_CHUNK = 1 << 24
+
+
 def param_sign_bits(param: torch.nn.Parameter, key: int, start: int = 0, end: int | None = None) -> torch.Tensor:
     """:func:`rademacher_bits` of elements ``start:end`` of this rank's (flattened) shard of a megatron parameter,
-    from its tensor-parallel attributes: eight draws' signs, the same for a parameter element on every layout."""
-    return rademacher_bits(param_global_index(param, start, end), key)
+    from its tensor-parallel attributes: eight draws' signs, the same for a parameter element on every layout
+    and device. Hashed a chunk at a time, so a large parameter (a 128k-token embedding) never holds an index
+    tensor of its own size."""
+    end = param.numel() if end is None else end
+    bits = torch.empty(end - start, dtype=torch.uint8, device=param.device)
+    for first in range(start, end, _SIGN_CHUNK):
+        last = min(first + _SIGN_CHUNK, end)
+        bits[first - start:last - start] = rademacher_bits(param_global_index(param, first, last), key)
+    return bits
 
 
 def param_global_index(param: torch.nn.Parameter, start: int = 0, end: int | None = None) -> torch.Tensor:
