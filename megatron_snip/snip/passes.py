@@ -175,7 +175,8 @@ class PassRunner:
         schedule divides by the micro-batches it runs), not by the batch's. ``sync_grads`` False: the
         weight gradients stay this rank's, not reduced over the data-parallel ranks (a pass that reads
         only activation gradients need not pay for that)."""
-        return self._run(forward_only, microbatches, sync_grads, self.forward_step_func, contextlib.nullcontext())
+        out = self._run(forward_only, microbatches, sync_grads, self.forward_step_func, contextlib.nullcontext())
+        return sum(reduced_losses(out, self.loss_key).tolist()) / len(out) if out else None
 
     def run_decoder(self, microbatches: range | None = None) -> None:
         """A forward-only pass through the transformer layers alone: the last stage stops after the final
@@ -184,7 +185,8 @@ class PassRunner:
         self._run(True, microbatches, True, _hidden_states_only(self.forward_step_func), _no_postprocess(models))
 
     def _run(self, forward_only: bool, microbatches: range | None, sync_grads: bool, step: ForwardStep,
-             context) -> float | None:
+             context) -> list:
+        """The schedule's pass over ``microbatches`` (what it returns: the last stage's per-micro-batch outputs)."""
         microbatches = range(self.num_microbatches) if microbatches is None else microbatches
         if not forward_only:
             for chunk in self.chunks:
@@ -196,9 +198,7 @@ class PassRunner:
                                  model=self.chunks, num_microbatches=len(microbatches),
                                  seq_length=self.seq_length, micro_batch_size=self.micro_batch_size,
                                  forward_only=forward_only)
-        if not out or step is not self.forward_step_func:
-            return None
-        return sum(reduced_losses(out, self.loss_key).tolist()) / len(out)
+        return out
 
     @contextlib.contextmanager
     def _unsynced(self) -> Iterator[None]:

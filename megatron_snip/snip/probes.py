@@ -24,8 +24,9 @@ masks:
       dY (dgrad's; of X and dY as those GEMMs quantized them), what the SNIP paper's
       quantization-error baselines sum; it keeps every module's input X(0) and the part e_f of its
       dgrad error that repeats from step to step;
-   b. K **perturbed forwards**, every parameter moved to ``theta + sigma R w_k``
-      (``perturbation.py``): ``<dX_k, e_f>`` at every module input, ``dX_k = (X(+) - X(0)) / sigma``,
+   b. K **perturbed forwards** through the transformer layers (no output layer, no loss), every
+      parameter up to the last layer moved to ``theta + sigma R w_k`` (``perturbation.py``):
+      ``<dX_k, e_f>`` at every module input, ``dX_k = (X(+) - X(0)) / sigma``,
       summed over the batch (and averaged over the data-parallel replicas) and squared, its mean over
       the draws is ``||R * J^T e_f||^2``, the propagated update drift of the realised error;
       ``||dX_k||^2``, the isotropic gain ``||J R||_F^2`` (a diagnostic, and the drift of the rest of
