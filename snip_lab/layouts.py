@@ -6,10 +6,13 @@ files (``SAVE/snip/snip_iter_N.json``) cycle by cycle: for every (module, format
 runs' normalised update costs and loss costs (the larger over the smaller), and whether the plans agree; and
 where the update costs part: the ratios of their local parts (exact on the batch: the states' own difference)
 and of their propagated parts (the K-draw sketch), and how alike the two runs' draws still are.
+:func:`compare_validations` reads instead two ``tools/lab/snip_validate.py --output`` files (each run's
+checkpoint, the same batch): how far apart the runs' exact update drifts are, next to their estimates'.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from dataclasses import dataclass
@@ -94,3 +97,55 @@ def _correlation(x: list[float], y: list[float]) -> float:
     mx, my = statistics.fmean(x), statistics.fmean(y)
     sx, sy = math.sqrt(sum((v - mx) ** 2 for v in x)), math.sqrt(sum((v - my) ** 2 for v in y))
     return sum((u - mx) * (v - my) for u, v in zip(x, y)) / (sx * sy) if sx * sy > 0 else math.nan
+
+
+
+@dataclass(frozen=True)
+class Spread:
+    """How far apart two runs' values of every (module, format) are: the largest ratio (>= 1) with its pair,
+    the median ratio, and how many of the ``pairs`` part by more than ``threshold``."""
+
+    largest: tuple[float, str]
+    median: float
+    over: int
+    pairs: int
+    threshold: float
+
+
+def spread(a: dict[str, dict[str, float]], b: dict[str, dict[str, float]], threshold: float = 1.3) -> Spread:
+    """The :class:`Spread` of two module -> format -> value tables (the same keys, values > 0).
+
+    Raises:
+        ValueError: the tables hold no pair, or a value <= 0 (no ratio).
+    """
+    ratios = {}
+    for module, row in a.items():
+        for fmt, x in row.items():
+            y = b[module][fmt]
+            if min(x, y) <= 0:
+                raise ValueError(f"{module} {fmt}: values {x:.3g} and {y:.3g} have no ratio")
+            ratios[f"{module} {fmt}"] = max(x, y) / min(x, y)
+    if not ratios:
+        raise ValueError("no (module, format) to compare")
+    worst = max(ratios, key=ratios.get)
+    return Spread((ratios[worst], worst), statistics.median(ratios.values()),
+                  sum(r > threshold for r in ratios.values()), len(ratios), threshold)
+
+
+def compare_validations(path_a: str | Path, path_b: str | Path, threshold: float = 1.3) -> dict[str, Spread]:
+    """Two runs' ``snip_validate.py --output`` files (per-module mode; each run's checkpoint, the same
+    batches): the :class:`Spread` of their exact update drifts (``truth``) and of SNIP's update costs on
+    those batches (``estimate``). Where the truth itself parts, no faithful cost can agree.
+
+    Raises:
+        ValueError: a file from ``--validate-by-type`` (no per-module values), or the two hold other pairs.
+    """
+    runs = [json.loads(Path(p).read_text()) for p in (path_a, path_b)]
+    for path, run in zip((path_a, path_b), runs):
+        if "truth_backward" not in run:
+            raise ValueError(f"{path} holds no per-module update drifts (written by --validate-by-type?)")
+    keys = [{(m, f) for m, row in run["truth_backward"].items() for f in row} for run in runs]
+    if keys[0] != keys[1]:
+        raise ValueError(f"{path_a} and {path_b} hold different (module, format) pairs")
+    return {name: spread(runs[0][key], runs[1][key], threshold)
+            for name, key in (("truth", "truth_backward"), ("estimate", "estimate_backward"))}
