@@ -32,7 +32,7 @@ from megatron_snip.snip.policies import Variant, measured_curvature, variant_pla
 from megatron_snip.snip.statistics import ProbeStatistics
 from megatron_snip.snip.statistics_file import Budget, StatisticsFile
 
-from .oracle import OracleCosts, oracle_plan, predicted_gap
+from .oracle import OracleCosts, load_costs, oracle_plan, predicted_gap
 from .ranks import spearman
 
 VARIANTS = (
@@ -208,13 +208,16 @@ def screen(stats: StatisticsFile, costs: OracleCosts, budget: Budget, seed: int,
                   {name: to_precision_plan(plan, split=problem.split) for name, plan in plans.items()}, fp4)
 
 
-def load_run(out: Path) -> tuple[dict, OracleCosts, dict[int, StatisticsFile]]:
-    """A comparison run's settings, its oracle costs and each seed's branch-point statistics."""
-    costs_path = out / "oracle" / "costs.json"
+def load_run(out: Path, costs_path: Path | None = None) -> tuple[dict, OracleCosts, dict[int, StatisticsFile]]:
+    """A comparison run's settings, its oracle costs (``costs_path``, default the run's own
+    ``oracle/costs.json``) and each seed's branch-point statistics."""
     settings, stats = branch_points(out)
+    if costs_path is not None:
+        return settings, load_costs(costs_path), stats
+    costs_path = out / "oracle" / "costs.json"
     if not costs_path.exists():
         raise ValueError(f"{costs_path} does not exist: {out} is not the --out of a finished comparison with "
-                         "the oracle arm (--policies oracle with --ablations)")
+                         "the oracle arm (--policies oracle with --ablations); give --oracle-costs")
     return settings, OracleCosts(**json.loads(costs_path.read_text())), stats
 
 

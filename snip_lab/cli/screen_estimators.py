@@ -5,7 +5,8 @@
     python tools/lab/screen_estimators.py runs/qs8 --by-type 'by_type_s{seed}.json'   # + the measured update drift
 
 Reads a finished comparison with the oracle arm (``tools/lab/compare_precision.py --policies oracle
-... --ablations layers types``): each seed's branch-point SNIP statistics and ``oracle/costs.json``.
+... --ablations layers types``): each seed's branch-point SNIP statistics and ``oracle/costs.json``
+(or ``--oracle-costs FILE``: then the comparison's trunks are enough).
 For every budget and seed it plans with each estimator variant (SNIP's cost with other weights on
 its loss and update terms, or the loss term's curvature from the empirical Fisher instead of the
 Hutchinson probes; snip_lab/variants.py) and with the oracle, and prints each plan's
@@ -64,6 +65,9 @@ from snip_lab.variants import (
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run", help="the --out directory of a tools/lab/compare_precision.py run with the oracle arm")
+    p.add_argument("--oracle-costs", metavar="FILE", default=None,
+                   help="the oracle's costs (another comparison's OUT/oracle/costs.json), for a run whose oracle arm "
+                        "has not written its own (its trunks are enough)")
     p.add_argument("--targets", type=float, nargs="+", default=None,
                    help="FP4 targets (default: the run's FP4 targets)")
     p.add_argument("--solver", choices=["auto", "gurobi", "highs"], default="auto")
@@ -93,7 +97,7 @@ def main(argv=None) -> int:
         p.error(f"--targets {' '.join(map(str, bad))}: an FP4 target is a share of the linear FLOPs, in (0, 1] "
                 "(e.g. --targets 0.75 0.9)")
     try:
-        settings, costs, stats = load_run(Path(a.run))
+        settings, costs, stats = load_run(Path(a.run), a.oracle_costs and Path(a.oracle_costs))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -303,7 +303,25 @@ def test_a_run_without_the_oracle_arm_is_refused(tmp_path, capsys):
     (out / "oracle" / "costs.json").unlink()
     assert main([str(out)]) == 2
     err = capsys.readouterr().err
-    assert "costs.json does not exist" in err and "--policies oracle" in err
+    assert "costs.json does not exist" in err and "--policies oracle" in err and "give --oracle-costs" in err
+
+
+def test_oracle_costs_from_another_file_screen_a_run_without_its_own(tmp_path, capsys):
+    """--oracle-costs: the trunks of a comparison whose oracle arm has not run, screened against given costs,
+    print what the run's own costs.json would give."""
+    out = _run_dir(tmp_path)
+    assert main([str(out), "--solver", "highs", "--json", str(tmp_path / "own.json")]) == 0
+    own = capsys.readouterr().out
+    costs = tmp_path / "costs.json"
+    (out / "oracle" / "costs.json").rename(costs)
+    given = ["--oracle-costs", str(costs), "--json", str(tmp_path / "given.json")]
+    assert main([str(out), "--solver", "highs", *given]) == 0
+    assert capsys.readouterr().out == own
+    assert json.loads((tmp_path / "given.json").read_text())["group_rank_correlations"] == \
+        json.loads((tmp_path / "own.json").read_text())["group_rank_correlations"]
+    (tmp_path / "bad.json").write_text("{}")
+    assert main([str(out), "--oracle-costs", str(tmp_path / "bad.json")]) == 2
+    assert "bad.json: not the oracle's costs.json of a comparison" in capsys.readouterr().err
 
 
 def test_the_cross_fit_holds_out_each_ablation_seed_and_the_oracle_wins_in_sample(tmp_path, capsys):
