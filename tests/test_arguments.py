@@ -249,15 +249,16 @@ def test_fp4_format_turns_fp4_on_as_megatron_does(tiny_data):
 
 
 def test_fp8_delayed_scaling_defaults_are_megatrons_and_a_checkpoint_keeps_its_own():
-    from megatron_snip.arguments import parse_args, validation
+    from megatron_snip.arguments import parse_args
     from megatron_snip.arguments.architecture import resolve_architecture
+    from megatron_snip.arguments.precision import validate_precision
     from megatron_snip.training.checkpoint_record import CheckpointRecord
 
     def recipe(argv, resumed):
         args = parse_args(["--model-preset", "tiny", "--train-iters", "1", *argv])
         resolve_architecture(args)
         args.notices = []
-        validation._validate_precision(args, cuda=False, resumed=resumed)
+        validate_precision(args, cuda=False, resumed=resumed)
         return args.fp8_amax_history_len, args.fp8_amax_compute_algo, args.precision_notes
 
     assert recipe([], None) == (1, "most_recent", [])

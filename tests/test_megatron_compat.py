@@ -317,11 +317,11 @@ def test_a_checkpoint_decides_whether_its_norms_are_zero_centred():
     """Norm weights mean the scale, or the scale - 1 with --apply-layernorm-1p: a checkpoint keeps its meaning, and
     one that does not say (older, or imported from Hugging Face) stores the scale."""
     from megatron_snip.arguments import parse_args
-    from megatron_snip.arguments.validation import _fill_from_checkpoint
+    from megatron_snip.arguments.checkpoint import fill_from_checkpoint
 
     def filled(argv, saved):
         args = parse_args(["--train-iters", "1", *argv])
-        _fill_from_checkpoint(args, saved, "CKPT")
+        fill_from_checkpoint(args, saved, "CKPT")
         return args.apply_layernorm_1p
 
     assert filled([], {"apply_layernorm_1p": True}) is True

@@ -14,26 +14,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
-import math
 import os
 from typing import TYPE_CHECKING
 
-from megatron_snip.data.config import NULL_TOKENIZER
 from megatron_snip.fileio import check_writable
 from megatron_snip.model import checkpoint_shape
-from megatron_snip.model.presets import PRESETS
-from megatron_snip.numerics.registry import FP4_NAMES
-from megatron_snip.precision.config import RECIPE_DEFAULTS
-from megatron_snip.snip.config import DEFAULT_FP4_TARGET
 
 from .architecture import checkpoint_flag, resolve_architecture
+from .checkpoint import fill_from_checkpoint, read_checkpoint
 from .context_parallel import check_token_blocks, validate_context_parallel
 from .data import check_data_and_tokenizer, validate_data_source, validate_split
 from .errors import ArgumentError, HostProblem, Problems, require
 from .megatron_lm import refuse_megatron_lm, validate_megatron_lm
 from .parser import parse_args
 from .pipeline import validate_pipeline
+from .precision import validate_precision
+from .snip import validate_snip, validate_solver
 
 if TYPE_CHECKING:  # imported where used: --help and flag errors need no megatron-core (seconds of imports)
     from megatron_snip.training.checkpoint_record import CheckpointRecord
@@ -71,93 +67,11 @@ def _validate_safety(args: argparse.Namespace) -> None:
             "--promote-on-fault needs --quant-health (with --transformer-impl local) to know which module to promote")
 
 
-def _read_checkpoint(args: argparse.Namespace) -> CheckpointRecord | None:
-    """The record of the checkpoint in ``--load`` (None: no --load, or a resume-or-start
-    directory without a checkpoint yet), read once: this program's, or Megatron-LM's translated (a model it
-    describes that cannot be built here is refused, one problem per field); its model shape fills the shape
-    flags, and flags or a ``--model-preset`` that disagree are refused. Where --load holds none (or is not
-    given), that of ``--pretrained-checkpoint``, whose weights the run starts from (``args.from_pretrained``), as
-    Megatron-LM's load_checkpoint does."""
-    if args.load is None and args.pretrained_checkpoint is None:
-        return None
-    from megatron_snip.training.checkpointing import (
-        CheckpointError,
-        choose_checkpoint,
-        newer_non_persistent,
-        read_record,
-    )
-    from megatron_snip.training.megatron_lm_checkpoint import CannotLoad
-
-    option, source = "--load", args.load
-    try:
-        if args.load is not None:
-            args.load_iteration, notice = choose_checkpoint(args.load, args.ckpt_fallback)
-        if args.pretrained_checkpoint is not None and args.load_iteration is None:
-            option, source, args.from_pretrained = "--pretrained-checkpoint", args.pretrained_checkpoint, True
-            args.load_iteration, notice = choose_checkpoint(source, args.ckpt_fallback)
-            if args.load_iteration is None:
-                _refuse_hf_directory(source, option)
-            require(args.load_iteration is not None,
-                    f"--pretrained-checkpoint {source!r} holds no checkpoint (no latest_checkpointed_iteration.txt)"
-                    f"{'' if args.load is None else f', nor does --load {args.load!r}'}; fix the path")
-        if notice:
-            same = os.path.abspath(source) == os.path.abspath(args.save or "")
-            args.notices.append(notice + ("; the damaged one is set aside as iter_N.damaged and the tracker names "
-                                          "the one loaded" if same else ""))
-        newer = newer_non_persistent(source, args.load_iteration) if args.load_iteration is not None else None
-        if newer:
-            args.notices.append(newer)
-        record = read_record(source, args.load_iteration) if args.load_iteration is not None else None
-        if record is not None:
-            _fill_from_checkpoint(args, record.args, source, counted_eod=record.legacy)
-        else:
-            _refuse_hf_directory(source, option)
-    except CannotLoad as e:
-        raise ArgumentError(*[f"{option} {source}: {line}" for line in e.problems]) from e
-    except (CheckpointError, ValueError) as e:
-        raise ArgumentError(str(e)) from e
-    return record
-
-
-def _fill_from_checkpoint(args: argparse.Namespace, saved: dict, where: str, *, counted_eod: bool = False) -> None:
-    """Fill the shape flags from ``saved`` (a checkpoint's arguments, :mod:`checkpoint_shape`);
-    ValueError on a disagreement, naming both values. ``counted_eod``: saved by a megatron-snip whose
-    NullTokenizer --vocab-size counted the end-of-document id (``saved`` holds it converted)."""
-    preset = PRESETS[args.model_preset].as_args() if args.model_preset else {}
-    saved = {**checkpoint_shape.ABSENT, **{k: v for k, v in saved.items() if v is not None}}
-    for key in checkpoint_shape.FIXED:
-        if saved.get(key) is None:
-            continue
-        flag = "--" + key.replace("_", "-")
-        given = getattr(args, key)
-        if (key == "vocab_size" and counted_eod and given == saved[key] + 1
-                and saved.get("tokenizer_type") == NULL_TOKENIZER):
-            raise ValueError(f"--vocab-size {given}: the checkpoint in {where} was saved by an earlier megatron-snip, "
-                             f"whose --vocab-size counted NullTokenizer's end-of-document id ({given} ids); "
-                             f"Megatron-LM's --vocab-size, which this program follows, does not: pass --vocab-size "
-                             f"{saved[key]} for the same {given} ids, or drop it (the checkpoint gives it)")
-        if given is not None and given != saved[key]:
-            raise ValueError(f"{flag} {given} disagrees with the checkpoint in {where}, which has {saved[key]}; "
-                             f"drop {flag} (the checkpoint defines the model's shape)")
-        if given is None and key in preset and preset[key] != saved[key]:
-            raise ValueError(f"--model-preset {args.model_preset} sets {flag} {preset[key]} but the checkpoint in "
-                             f"{where} has {saved[key]}; drop --model-preset (the checkpoint defines the shape)")
-        setattr(args, key, saved[key])
-    for key in checkpoint_shape.DEFAULTS:
-        if getattr(args, key) is None and saved.get(key) is not None:
-            setattr(args, key, saved[key])
-    for key in checkpoint_shape.CARRIED:
-        if saved.get(key) is not None:
-            setattr(args, key, saved[key])
-    if args.model_preset is None:
-        args.model_preset = saved.get("model_preset") or "checkpoint"
-
-
 def checkpoint_config(saved: dict, *, bf16: bool, tokenizer: tuple[str | None, str | None] = (None, None)) -> RunConfig:
     """A one-process configuration of the model a checkpoint's saved arguments describe (no data, no
     training: for the Hugging Face converters). ``tokenizer``: (type, model) to record, if known."""
     args = parse_args(["--train-iters", "0"])
-    _fill_from_checkpoint(args, saved, "the conversion")
+    fill_from_checkpoint(args, saved, "the conversion")
     args.bf16 = bf16
     args.tokenizer_type = tokenizer[0] or args.tokenizer_type
     args.tokenizer_model = tokenizer[1]
@@ -194,7 +108,7 @@ def resolve(parsed: argparse.Namespace, world_size: int | None = None, cuda: boo
     problems = Problems()  # every step runs; all their problems are reported together
     checkpoint = None
     with problems.step() as unreadable:
-        checkpoint = _read_checkpoint(args) if check_files else None
+        checkpoint = read_checkpoint(args) if check_files else None
     if args.load is not None and args.model_preset is None and not check_files:
         args.model_preset = "tiny"  # a stand-in for the shape of the checkpoint, which is not read here
     with problems.step():
@@ -216,9 +130,9 @@ def resolve(parsed: argparse.Namespace, world_size: int | None = None, cuda: boo
         _validate_checkpointing(args)
     resumed = None if args.finetune or args.from_pretrained else checkpoint  # the weights only
     with problems.step():
-        _validate_precision(args, cuda, resumed)
+        validate_precision(args, cuda, resumed)
     with problems.step():
-        _validate_snip(args, cuda)
+        validate_snip(args, cuda)
     with problems.step():
         _validate_safety(args)
     with problems.step() as data_source:
@@ -226,7 +140,7 @@ def resolve(parsed: argparse.Namespace, world_size: int | None = None, cuda: boo
         validate_split(args)
     if check_files:
         with problems.step():
-            _validate_solver(args)
+            validate_solver(args)
         if not data_source:  # the files are read with the tokenizer type and data source checked above
             with problems.step():
                 _validate_files(args, checkpoint is not None, read=not unreadable)
@@ -447,181 +361,6 @@ def _start_point(config: RunConfig, resumed: CheckpointRecord | None, check_file
     return StartPoint(resumed, plan, plan_source, schedule, schedule_source, *pins)
 
 
-def _validate_precision(args: argparse.Namespace, cuda: bool, resumed: CheckpointRecord | None) -> None:
-    """Fill the recipe flags (given > the resumed checkpoint's > defaults), noting for the start-up
-    log where a given flag replaces the checkpoint's value (``args.precision_notes``)."""
-    require(args.fp4_format is None or args.fp8_format is None,
-            "--fp4-format and --fp8-format cannot be used together (as in Megatron-LM): choose one")
-    if args.precision is None and args.fp8_format is not None:
-        args.precision = "fp8"  # as in Megatron: --fp8-format alone turns fp8 on
-    if args.fp4_format is not None:  # Megatron-LM's switch for NVFP4 (with --fp4-recipe)
-        require(args.precision in (None, "fp4", *FP4_NAMES),
-                f"--fp4-format {args.fp4_format} turns FP4 on but --precision is {args.precision}; drop one of them")
-        args.precision = args.precision or "fp4"
-    saved = resumed.args if resumed is not None else {}
-    args.precision_notes = []
-    given = {key: getattr(args, key) for key in RECIPE_DEFAULTS}
-    for key, default in RECIPE_DEFAULTS.items():
-        kept = saved.get(key)
-        if given[key] is None:
-            setattr(args, key, kept if kept is not None else default)
-        elif kept is not None and kept != given[key]:
-            args.precision_notes.append(f"--{key.replace('_', '-')} {given[key]} replaces the checkpoint's {kept}")
-    notice = _fp8_recipe_notice(args, given, saved.get("fp8_recipe"))
-    if notice:
-        args.notices.append(notice)
-    for flag in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
-        require(0 <= getattr(args, flag) <= args.num_layers,
-                f"--{flag.replace('_', '-')} must lie in [0, --num-layers {args.num_layers}]")
-    require(args.fp8_amax_history_len >= 1, "--fp8-amax-history-len must be >= 1")
-    if args.quant_kernels == "triton":
-        require(importlib.util.find_spec("triton") is not None,
-                "--quant-kernels triton needs the triton package (pip install triton); use --quant-kernels torch")
-        require(cuda or os.environ.get("TRITON_INTERPRET") == "1",
-                "--quant-kernels triton needs CUDA (or TRITON_INTERPRET=1 to run the kernels in Triton's "
-                "slow CPU interpreter); use --quant-kernels torch or auto")
-
-
-# What each FP8 recipe scales by (for the notice below).
-_FP8_SCALING = {"tensorwise": "each tensor scaled by its own current amax, no history",
-                "blockwise": "scaled per 1x128 / 128x128 block", "mxfp8": "scaled per 32-element block"}
-_DELAYED_ONLY = ("fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_margin")
-
-
-def _fp8_recipe_notice(args: argparse.Namespace, given: dict, kept_recipe: str | None) -> str | None:
-    """One line where Megatron-LM's FP8 flags would mean delayed scaling there but do not here: delayed-scaling
-    settings given for another recipe, or --fp8-format (Megatron-LM's FP8 switch) without --fp8-recipe, whose
-    default differs (delayed there, tensorwise here). None where nothing differs."""
-    if args.fp8_recipe == "delayed":
-        return None
-    unused = [f"--{key.replace('_', '-')} {given[key]}" for key in _DELAYED_ONLY
-              if given[key] is not None and given[key] != RECIPE_DEFAULTS[key]]
-    defaulted = given["fp8_recipe"] is None and kept_recipe is None
-    default = " (this program's default)" if defaulted else ""
-    runs = f"FP8 runs --fp8-recipe {args.fp8_recipe}{default}: {_FP8_SCALING[args.fp8_recipe]}"
-    if unused:
-        return (f"{' '.join(unused)}: delayed-scaling settings that do nothing here; {runs}; add --fp8-recipe delayed "
-                f"for Megatron-LM's delayed scaling with them (its default recipe)")
-    if defaulted and given["fp8_format"] is not None:  # wherever FP8 runs: --precision fp8, a plan, SNIP
-        return (f"--fp8-format {given['fp8_format']} without --fp8-recipe: {runs} (stateless, so a module a plan "
-                f"switches to FP8 is scaled right from its first step); Megatron-LM's default is delayed scaling: "
-                f"add --fp8-recipe delayed for it")
-    return None
-
-
-def _validate_snip(args: argparse.Namespace, cuda: bool) -> None:
-    if not args.snip:
-        if args.snip_formats is None:
-            args.snip_formats = ["bf16", "fp8", args.fp4_recipe]
-        return
-    fp4_target_given = args.snip_fp4_target is not None
-    if args.snip_fp4_target is None:
-        args.snip_fp4_target = 0.0 if args.snip_time_target is not None else DEFAULT_FP4_TARGET
-    if args.snip_formats is None:
-        args.snip_formats = _default_snip_formats(args, cuda, fp4_target_given)
-    require(0.0 <= args.snip_fp4_target <= 1.0, f"--snip-fp4-target {args.snip_fp4_target} must lie in [0, 1]")
-    require(args.snip_time_target is None or args.snip_time_target > 0,
-            f"--snip-time-target {args.snip_time_target} must be > 0 (a ratio to the all-bf16 GEMM time)")
-    if args.snip_interval is None:
-        require(args.save_interval is not None,
-                "--snip needs --snip-interval N or --save-interval N (SNIP re-plans at checkpoint intervals)")
-        args.snip_interval = args.save_interval
-    require(args.snip_interval >= 1, "--snip-interval must be >= 1")
-    _check_snip_formats(args.snip_formats, args.fp8_recipe)
-    require(any(f in FP4_NAMES for f in args.snip_formats) or args.snip_fp4_target == 0,
-            "--snip-formats has no FP4 format (nvfp4 or mxfp4) but --snip-fp4-target is above 0")
-    require(args.snip_probe_passes >= 1, "--snip-probe-passes must be >= 1")
-    require(not args.calculate_per_token_loss,
-            "--calculate-per-token-loss with --snip: SNIP's probe passes measure each micro-batch's mean loss; "
-            "drop one of the two")
-    for flag in ("snip_loss_weight", "snip_update_weight", "snip_switch_penalty"):
-        value = getattr(args, flag)
-        require(math.isfinite(value) and value >= 0,
-                f"--{flag.replace('_', '-')} {value} must be a finite number >= 0 (a weight of the ILP's objective)")
-    require(args.snip_loss_weight > 0 or args.snip_update_weight > 0,
-            "--snip-loss-weight and --snip-update-weight are both 0: the ILP would have nothing to minimise; "
-            "keep one of them above 0 (defaults 1, 1)")
-    if args.transformer_impl == "transformer_engine":
-        _te_snip_candidates(args)
-
-
-def _check_snip_formats(formats: list[str], fp8_recipe: str) -> None:
-    """Every candidate a registered precision, each quantizing its own way (ArgumentError naming the flag)."""
-    from megatron_snip.numerics.registry import precision_format, precision_scheme
-
-    for f in formats:
-        try:
-            precision_format(f)
-            unknown = None
-        except ValueError as e:
-            unknown = str(e)
-        require(unknown is None, f"--snip-formats {f}: {unknown}")
-    twice = sorted({f for f in formats if formats.count(f) > 1})
-    require(not twice, f"--snip-formats lists {' '.join(twice)} more than once: give each candidate once")
-    seen: dict[str, str] = {}
-    for f in formats:
-        same = seen.setdefault(precision_scheme(f, fp8_recipe).name, f)
-        require(same == f, f"--snip-formats lists {same} and {f}, the same quantizers under --fp8-recipe {fp8_recipe}: "
-                "give one of them (fp8 runs the run's --fp8-recipe, fp8:RECIPE its own)")
-
-
-def _default_snip_formats(args: argparse.Namespace, cuda: bool, fp4_target_given: bool) -> list[str]:
-    """--snip-formats when not given: the research default (bf16, fp8 and --fp4-recipe) for an FP4 share;
-    with --snip-time-target on a GPU, bf16 and the precisions with a real kernel there
-    (``execution.fast_precisions``: on Hopper fp8:tensorwise fp8:rowwise fp8:blockwise), with --fp4-recipe
-    where it has one or --snip-fp4-target is given; the research default where none has."""
-    research = ["bf16", "fp8", args.fp4_recipe]
-    if args.snip_time_target is None or not cuda:
-        return research
-    import torch
-
-    from megatron_snip.numerics.recipes import RecipeConfig
-    from megatron_snip.precision.execution import fast_precisions
-
-    recipe = RecipeConfig(fp8_recipe=args.fp8_recipe, fp8_format=args.fp8_format, fp8_gemm=args.fp8_gemm)
-    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-    fast = fast_precisions(args.fp4_recipe, recipe, args.transformer_impl, capability)
-    if not fast:
-        return research
-    fp4 = [args.fp4_recipe] if fp4_target_given and args.fp4_recipe not in fast else []
-    return ["bf16", *fast, *fp4]
-
-
-def _te_snip_candidates(args: argparse.Namespace) -> None:
-    """SNIP on the te backend: candidates no TE recipe can run are dropped from the ILP, and forward
-    and backward are planned together (one TE recipe covers a module's three GEMMs), each with a
-    notice for the start-up log (``args.precision_notes``)."""
-    import torch
-
-    from megatron_snip.model.quantized.te_layers import te_runnable
-    from megatron_snip.numerics.recipes import RecipeConfig
-
-    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-    kept, dropped = te_runnable(args.snip_formats, RecipeConfig(fp8_recipe=args.fp8_recipe, fp8_format=args.fp8_format),
-                                capability)
-    for fmt, why in dropped.items():
-        args.precision_notes.append(f"SNIP candidate {fmt} dropped on --transformer-impl transformer_engine ({why})")
-    args.snip_formats = kept
-    require(any(f in FP4_NAMES for f in kept) or args.snip_fp4_target == 0,
-            f"--snip-fp4-target {args.snip_fp4_target} needs an FP4 candidate, but Transformer Engine runs none of "
-            f"--snip-formats {' '.join(dropped)}: use --fp4-recipe nvfp4 (or --transformer-impl local for mxfp4)")
-    if args.snip_split_passes:
-        args.snip_split_passes = False
-        args.precision_notes.append("--snip-split-passes ignored on --transformer-impl transformer_engine (one TE "
-                                    "recipe covers a module's forward and backward GEMMs): SNIP plans them together")
-
-
-def _validate_solver(args: argparse.Namespace) -> None:
-    """``--snip-solver gurobi`` needs a Gurobi that starts (a bad license would fail at the first re-plan)."""
-    if not (args.snip and args.snip_solver == "gurobi"):
-        return
-    from megatron_snip.snip.solvers import gurobi_unavailable
-
-    reason = gurobi_unavailable()
-    require(reason is None, f"--snip-solver gurobi: {reason}; use --snip-solver highs, or auto (Gurobi when usable, "
-            f"else HiGHS)")
-
-
 def _validate_files(args: argparse.Namespace, from_checkpoint: bool, read: bool) -> None:
     """The data, the tokenizer and --load's checkpoint (``read``: its record was read, or there is none)."""
     check_data_and_tokenizer(args, from_checkpoint, checkpoint_flag(args))
@@ -645,18 +384,6 @@ def _validate_output_folders(args: argparse.Namespace) -> None:
         if folder is not None:
             failure = check_writable(folder)
             require(failure is None, HostProblem(f"{flag} {folder}: {failure}; give a folder this job can write"))
-
-
-def _refuse_hf_directory(path: str, option: str = "--load") -> None:
-    """A Hugging Face model directory given to --load or --pretrained-checkpoint (``option``; a common mistake) is
-    named as such, with the converter."""
-    import glob
-
-    if os.path.isfile(os.path.join(path, "config.json")) or glob.glob(os.path.join(path, "*.safetensors")):
-        raise ArgumentError(
-            f"{option} {path!r} is a Hugging Face model directory (config.json / *.safetensors), not a checkpoint; "
-            f"convert it once with python tools/convert_hf_llama.py import --load-dir {path} --save-dir CKPT_DIR "
-            f"and pass {option} CKPT_DIR")
 
 
 def parse_config(argv: list[str] | None = None, world_size: int | None = None,
