@@ -167,12 +167,28 @@ def curvature_resolution(stats: ProbeStatistics) -> dict[str, float] | None:
             "negative": sum(m.curvature < 0 for m in stats.modules.values()) / n}
 
 
-def module_rank_correlation(stats: ProbeStatistics, variant: Variant, costs: OracleCosts, fmt: str) -> float:
-    """Spearman correlation, over the modules, of the variant's cost of ``fmt`` with the measured one."""
-    table = cost_tables(with_curvature(stats, variant.curvature), variant.loss_weight, variant.update_weight,
-                        formats=[fmt]).joint
+def variant_costs(stats: ProbeStatistics, variant: Variant, fmt: str) -> dict[str, dict[str, float]]:
+    """Module -> ``{fmt: the variant's cost}`` (its objective's joint cost table)."""
+    return cost_tables(with_curvature(stats, variant.curvature), variant.loss_weight, variant.update_weight,
+                       formats=[fmt]).joint
+
+
+def ablation_rank_correlations(table: Mapping[str, Mapping[str, float]], costs: OracleCosts,
+                               fmt: str) -> dict[str, float]:
+    """Spearman correlation of a module -> format -> cost table's ``fmt`` costs with what training measured:
+    over the modules (their measured costs), and summed per module type (over the 4 types) and per layer
+    against those groups' ablations (the arms ``ablate-linear_<type>`` and ``ablate-layer<i>``): does it rank
+    them as training does. NaN where the costs hold no such ablations."""
     names = [n for n in table if n in costs.modules]
-    return spearman([table[n][fmt] for n in names], [costs.modules[n] for n in names])
+    out = {"modules": spearman([table[n][fmt] for n in names], [costs.modules[n] for n in names])}
+    for kind, key in (("types", module_type), ("layers", lambda n: f"layer{parse_module_name(n)[0]}")):
+        predicted: dict[str, float] = {}
+        for name, per in table.items():
+            predicted[key(name)] = predicted.get(key(name), 0.0) + per[fmt]
+        groups = [g for g in predicted if f"ablate-{g}" in costs.groups]
+        out[kind] = (spearman([predicted[g] for g in groups], [costs.groups[f"ablate-{g}"] for g in groups])
+                     if len(groups) > 1 else math.nan)
+    return out
 
 
 @dataclass(frozen=True)
@@ -236,25 +252,6 @@ def branch_points(out: Path) -> tuple[dict, dict[int, StatisticsFile]]:
     if not stats:
         raise ValueError(f"{out}: no seed's trunk has written its SNIP statistics yet")
     return settings, stats
-
-
-def group_rank_correlations(stats: ProbeStatistics, variant: Variant, costs: OracleCosts,
-                            fmt: str) -> dict[str, float]:
-    """Spearman correlation of the variant's ``fmt`` cost summed per module type (over the 4 types) and per
-    layer (over the layers) with what each group's ablation measured (the arms ``ablate-linear_<type>`` and
-    ``ablate-layer<i>``): does the objective rank the groups as training does. NaN where the costs hold no
-    such ablations."""
-    table = cost_tables(with_curvature(stats, variant.curvature), variant.loss_weight, variant.update_weight,
-                        formats=[fmt]).joint
-    out = {}
-    for kind, key in (("types", module_type), ("layers", lambda n: f"layer{parse_module_name(n)[0]}")):
-        predicted: dict[str, float] = {}
-        for name, per in table.items():
-            predicted[key(name)] = predicted.get(key(name), 0.0) + per[fmt]
-        groups = [g for g in predicted if f"ablate-{g}" in costs.groups]
-        out[kind] = (spearman([predicted[g] for g in groups], [costs.groups[f"ablate-{g}"] for g in groups])
-                     if len(groups) > 1 else math.nan)
-    return out
 
 
 def type_costs(costs: OracleCosts) -> Mapping[str, float]:

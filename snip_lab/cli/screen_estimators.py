@@ -41,7 +41,7 @@ import sys
 from pathlib import Path
 
 from megatron_snip.numerics.registry import is_fp4
-from megatron_snip.snip.estimators import UNRESOLVED_Z
+from megatron_snip.snip.estimators import UNRESOLVED_Z, local_error_baselines, operand_error_baselines
 from megatron_snip.snip.feasibility import InfeasibleBudgetError
 from megatron_snip.snip.statistics_file import Budget
 from snip_lab.ablation import NONE_ARM
@@ -50,16 +50,31 @@ from snip_lab.crossfit import Fold, cross_fit
 from snip_lab.oracle import ORACLE, oracle_groups
 from snip_lab.variants import (
     VARIANTS,
+    ablation_rank_correlations,
     branch_points,
     curvature_resolution,
-    group_rank_correlations,
     load_run,
     measured_update_stats,
-    module_rank_correlation,
     screen,
     type_costs,
     type_terms,
+    variant_costs,
 )
+
+# The error baselines' tables (their policies' costs, megatron_snip/snip/policies.py) ranked beside the variants.
+BASELINE_TABLES = {
+    "operand error (min-operand-error)": lambda stats: operand_error_baselines(stats)[0],
+    "relative operand error": lambda stats: operand_error_baselines(stats)[1],
+    "output error (min-quant-error)": lambda stats: local_error_baselines(stats)[0],
+    "relative output error (min-relative-error, threshold)": lambda stats: local_error_baselines(stats)[1],
+}
+
+
+def ranked_table(stats, name: str, fmt: str) -> dict[str, dict[str, float]]:
+    """The cost table of the variant or error baseline ``name``."""
+    if name in BASELINE_TABLES:
+        return BASELINE_TABLES[name](stats)
+    return variant_costs(stats, next(v for v in VARIANTS if v.name == name), fmt)
 
 
 def main(argv=None) -> int:
@@ -144,15 +159,21 @@ def main(argv=None) -> int:
                 for name, plan in s.plans.items():
                     plan.save(folder / f"{name.replace(' ', '-')}_fp4-{target:.2f}.json")
     measured = type_costs(costs)
-    print(f"\nSpearman correlation of each variant's {fmt} cost with the measured cost, over the modules, and "
-          "summed per module type and per layer against those groups' ablations (mean over seeds):\n")
+    print(f"\nSpearman correlation of each variant's {fmt} cost, and of the error baselines' tables, with the "
+          "measured cost, over the modules, and summed per module type and per layer against those groups' "
+          "ablations (mean over seeds):\n")
     print("| variant | modules | module types | layers |\n|---|---:|---:|---:|")
     groups = {}
-    for v in VARIANTS:
-        rho = statistics.fmean(module_rank_correlation(sf.stats, v, costs, fmt) for sf in stats.values())
-        per_seed = [group_rank_correlations(sf.stats, v, costs, fmt) for sf in stats.values()]
-        groups[v.name] = {kind: statistics.fmean(g[kind] for g in per_seed) for kind in ("types", "layers")}
-        print(f"| {v.name} | {rho:+.2f} | {groups[v.name]['types']:+.2f} | {groups[v.name]['layers']:+.2f} |")
+    for name in [v.name for v in VARIANTS] + list(BASELINE_TABLES):
+        try:
+            per_seed = [ablation_rank_correlations(ranked_table(sf.stats, name, fmt), costs, fmt)
+                        for sf in stats.values()]
+        except ValueError as e:  # statistics too old to hold the operands' errors
+            print(f"| {name} | {e} | | |")
+            continue
+        groups[name] = {kind: statistics.fmean(r[kind] for r in per_seed) for kind in ("modules", "types", "layers")}
+        print(f"| {name} | {groups[name]['modules']:+.2f} | {groups[name]['types']:+.2f} | "
+              f"{groups[name]['layers']:+.2f} |")
     print(f"\nSNIP's terms in {fmt} summed per module type (statistics of seed {min(stats)}) and the type's measured "
           "cost (its ablation)\n")
     terms = type_terms(stats[min(stats)].stats, fmt)
@@ -173,7 +194,7 @@ def main(argv=None) -> int:
                       f"| {r['negative']:.0%} |")
     if a.json:
         Path(a.json).write_text(json.dumps({"run": a.run, "screens": record, "cross_fit": fits, "type_terms": terms,
-                                            "group_rank_correlations": groups,
+                                            "rank_correlations": groups,
                                             "type_costs": dict(measured), "curvature_resolution": resolution},
                                            indent=1))
     return 0

@@ -14,12 +14,13 @@ import torch
 from conftest import ROOT
 
 from megatron_snip.precision.plan import PrecisionPlan
-from megatron_snip.snip.estimators import cost_tables, divergences
+from megatron_snip.snip.estimators import cost_tables, divergences, operand_error_baselines
 from megatron_snip.snip.planner import to_precision_plan
 from megatron_snip.snip.policies import Variant, fisher_curvature, variant_plan, with_curvature
 from megatron_snip.snip.statistics import ModuleStatistics
 from megatron_snip.snip.statistics_file import Budget, StatisticsFile
 from snip_lab.cli.screen_estimators import main
+from snip_lab.ranks import spearman
 from snip_lab.variants import (
     VARIANTS,
     curvature_resolution,
@@ -29,6 +30,7 @@ from snip_lab.variants import (
     type_terms,
 )
 
+TYPES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 STATS = ROOT / "tests" / "data" / "snip_iter_schema1.json"  # the quickstart's first cycle: 4 layers, fp8 nvfp4
 
 
@@ -189,8 +191,7 @@ def _run_dir(tmp_path, targets=("fp4-0.5", "fp4-0.75")):
         {"seeds": [1], "trunk_iters": 100, "formats": ["bf16", "fp8", "nvfp4"], "budgets": list(targets)}))
     rng = random.Random(3)
     modules = {n: rng.uniform(0.0, 0.01) for n in StatisticsFile.load(STATS).stats.modules}
-    groups = {f"ablate-{t}": sum(c for n, c in modules.items() if n.endswith(t))
-              for t in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")}
+    groups = {f"ablate-{t}": sum(c for n, c in modules.items() if n.endswith(t)) for t in TYPES}
     (out / "oracle").mkdir()
     (out / "oracle" / "costs.json").write_text(json.dumps(
         {"modules": modules, "groups": groups, "base_gap": 0.001, "source": "modules", "seeds": [1]}))
@@ -216,6 +217,22 @@ def test_no_variant_beats_the_oracle_on_the_costs_it_planned_with(tmp_path, caps
             assert gap >= oracle_gap - 1e-12, f"{name} beat the oracle on its own costs"
         # the screen is worth something only if the variants plan differently from the oracle
         assert any(gap > oracle_gap + 1e-6 for gap in (r[1] for r in rows.values()))
+
+
+def test_the_error_baselines_are_ranked_beside_the_variants(tmp_path, capsys):
+    """The screen's rank correlations hold the paper's operand-error table, as spearman ranks it by hand."""
+    out = _run_dir(tmp_path)
+    assert main([str(out), "--solver", "highs", "--json", str(tmp_path / "screen.json")]) == 0
+    assert "| operand error (min-operand-error) |" in capsys.readouterr().out
+    rho = json.loads((tmp_path / "screen.json").read_text())["rank_correlations"]["operand error (min-operand-error)"]
+    costs = json.loads((out / "oracle" / "costs.json").read_text())
+    operand = operand_error_baselines(StatisticsFile.load(STATS).stats)[0]
+    names = sorted(operand)
+    assert rho["modules"] == pytest.approx(spearman([operand[n]["nvfp4"] for n in names],
+                                                    [costs["modules"][n] for n in names]))
+    per_type = {t: sum(operand[n]["nvfp4"] for n in names if n.endswith(t)) for t in TYPES}
+    assert rho["types"] == pytest.approx(spearman([per_type[t] for t in TYPES],
+                                                  [costs["groups"][f"ablate-{t}"] for t in TYPES]))
 
 
 def test_the_by_type_rows_come_from_each_seeds_record(tmp_path, capsys):
@@ -317,8 +334,8 @@ def test_oracle_costs_from_another_file_screen_a_run_without_its_own(tmp_path, c
     given = ["--oracle-costs", str(costs), "--json", str(tmp_path / "given.json")]
     assert main([str(out), "--solver", "highs", *given]) == 0
     assert capsys.readouterr().out == own
-    assert json.loads((tmp_path / "given.json").read_text())["group_rank_correlations"] == \
-        json.loads((tmp_path / "own.json").read_text())["group_rank_correlations"]
+    assert json.loads((tmp_path / "given.json").read_text())["rank_correlations"] == \
+        json.loads((tmp_path / "own.json").read_text())["rank_correlations"]
     (tmp_path / "bad.json").write_text("{}")
     assert main([str(out), "--oracle-costs", str(tmp_path / "bad.json")]) == 2
     assert "bad.json: not the oracle's costs.json of a comparison" in capsys.readouterr().err
