@@ -114,6 +114,17 @@ def test_triton_kernels_need_cuda(tiny_data, monkeypatch):
     assert parse(tiny_data, "--quant-kernels", "torch", "--fp8-gemm", "scaled_mm").precision.fp8_gemm == "scaled_mm"
 
 
+def test_a_missing_tokenizer_model_is_one_problem():
+    """Without --tokenizer-model nothing is checked against it, so it is named once, not again by the loader."""
+    with pytest.raises(ArgumentError) as e:
+        parse_config(["--model-preset", "tiny", "--train-iters", "1", "--mock-data", "--fp8-amax-history-len", "0"],
+                     world_size=1, cuda=False)
+    assert e.value.problems == [
+        "--fp8-amax-history-len must be >= 1",
+        "--tokenizer-model is required: a sentencepiece .model file (tools/train_tokenizer.py) or, with "
+        "--tokenizer-type HuggingFaceTokenizer, a tokenizer.json or the model directory holding it"]
+
+
 def test_plan_blocks_must_fit_the_tensor_parallel_split(tiny_data):
     """TINY_MODEL at TP=2: linear_qkv's output is 128, 64 per rank, less than a 128 fp8 block."""
     with pytest.raises(ArgumentError, match=r"--precision fp8: decoder.layers.0.self_attention.linear_qkv cannot "

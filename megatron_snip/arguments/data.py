@@ -102,6 +102,8 @@ def check_data_and_tokenizer(args: argparse.Namespace, from_checkpoint: bool, lo
     require(args.tokenizer_model is not None or args.tokenizer_type == NULL_TOKENIZER,
             "--tokenizer-model is required: a sentencepiece .model file (tools/train_tokenizer.py) or, with "
             "--tokenizer-type HuggingFaceTokenizer, a tokenizer.json or the model directory holding it")
+    if args.tokenizer_model is None and args.tokenizer_type != NULL_TOKENIZER:
+        return  # nothing to check the data against (and the tokenizer's loader would say the same again)
     try:
         tokens = _data_files_tokens(args)
     except (FileNotFoundError, ValueError) as e:
