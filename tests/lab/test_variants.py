@@ -235,6 +235,21 @@ def test_the_error_baselines_are_ranked_beside_the_variants(tmp_path, capsys):
                                                   [costs["groups"][f"ablate-{t}"] for t in TYPES]))
 
 
+def test_statistics_without_operand_errors_leave_only_those_rows_out(tmp_path, capsys):
+    """Statistics older than the operands' errors: the screen says so in the operand rows and ranks the rest."""
+    out = _run_dir(tmp_path)
+    path = out / "seed1" / "trunk" / "ckpt" / "snip" / "snip_iter_0000100.json"
+    record = json.loads(path.read_text())
+    for module in record["statistics"]["modules"].values():
+        for errors in module["errors"].values():
+            errors["operand_sq"] = None
+    path.write_text(json.dumps(record))
+    assert main([str(out), "--solver", "highs", "--json", str(tmp_path / "screen.json")]) == 0
+    assert "| operand error (min-operand-error) | statistics of iteration" in capsys.readouterr().out
+    ranked = json.loads((tmp_path / "screen.json").read_text())["rank_correlations"]
+    assert "operand error (min-operand-error)" not in ranked and "output error (min-quant-error)" in ranked
+
+
 def test_the_by_type_rows_come_from_each_seeds_record(tmp_path, capsys):
     from snip_lab.cli.screen_estimators import MEASURED, MEASURED_MOMENTUM
 
