@@ -50,18 +50,25 @@ class CycleComparison:
     draw_correlation: float
 
 
-def _largest_ratio(a: dict[str, dict[str, float]], b: dict[str, dict[str, float]]) -> tuple[float, str]:
+def _ratios(a: dict[str, dict[str, float]], b: dict[str, dict[str, float]],
+            negligible: float = 0.0) -> dict[str, float]:
+    """"module format" -> the larger of the two tables' values over the smaller (inf where the smaller is <= 0),
+    leaving out the pairs whose values both lie within ``negligible`` times the largest value of either table."""
     scale = max((abs(v) for row in (*a.values(), *b.values()) for v in row.values()), default=0.0)
-    worst = (1.0, "")
+    ratios = {}
     for name, row in a.items():
         for fmt, x in row.items():
             y = b[name][fmt]
-            if max(abs(x), abs(y)) <= NEGLIGIBLE * scale:
+            if negligible and max(abs(x), abs(y)) <= negligible * scale:
                 continue
-            ratio = max(x, y) / min(x, y) if min(x, y) > 0 else float("inf")
-            if ratio > worst[0]:
-                worst = (ratio, f"{name} {fmt}")
-    return worst
+            ratios[f"{name} {fmt}"] = max(x, y) / min(x, y) if min(x, y) > 0 else float("inf")
+    return ratios
+
+
+def _largest_ratio(a: dict[str, dict[str, float]], b: dict[str, dict[str, float]]) -> tuple[float, str]:
+    ratios = _ratios(a, b, NEGLIGIBLE)
+    worst = max(ratios, key=ratios.get, default=None)
+    return (ratios[worst], worst) if worst is not None and ratios[worst] > 1.0 else (1.0, "")
 
 
 def compare_runs(dir_a: str | Path, dir_b: str | Path) -> list[CycleComparison]:
@@ -99,7 +106,6 @@ def _correlation(x: list[float], y: list[float]) -> float:
     return sum((u - mx) * (v - my) for u, v in zip(x, y)) / (sx * sy) if sx * sy > 0 else math.nan
 
 
-
 @dataclass(frozen=True)
 class Spread:
     """How far apart two runs' values of every (module, format) are: the largest ratio (>= 1) with its pair,
@@ -118,15 +124,12 @@ def spread(a: dict[str, dict[str, float]], b: dict[str, dict[str, float]], thres
     Raises:
         ValueError: the tables hold no pair, or a value <= 0 (no ratio).
     """
-    ratios = {}
-    for module, row in a.items():
-        for fmt, x in row.items():
-            y = b[module][fmt]
-            if min(x, y) <= 0:
-                raise ValueError(f"{module} {fmt}: values {x:.3g} and {y:.3g} have no ratio")
-            ratios[f"{module} {fmt}"] = max(x, y) / min(x, y)
+    ratios = _ratios(a, b)
     if not ratios:
         raise ValueError("no (module, format) to compare")
+    infinite = [k for k, r in ratios.items() if math.isinf(r)]
+    if infinite:
+        raise ValueError(f"{infinite[0]}: a value <= 0 has no ratio")
     worst = max(ratios, key=ratios.get)
     return Spread((ratios[worst], worst), statistics.median(ratios.values()),
                   sum(r > threshold for r in ratios.values()), len(ratios), threshold)

@@ -99,10 +99,11 @@ def check_data_and_tokenizer(args: argparse.Namespace, from_checkpoint: bool, lo
             "--data-path is required: the prefix of a preprocessed dataset (tools/preprocess_data.py), or "
             "--train-data-path (with --valid-data-path, --test-data-path), or --mock-data for megatron-core's "
             "synthetic data")
-    require(args.tokenizer_model is not None or args.tokenizer_type == NULL_TOKENIZER,
+    no_tokenizer = args.tokenizer_model is None and args.tokenizer_type != NULL_TOKENIZER
+    require(not no_tokenizer,
             "--tokenizer-model is required: a sentencepiece .model file (tools/train_tokenizer.py) or, with "
             "--tokenizer-type HuggingFaceTokenizer, a tokenizer.json or the model directory holding it")
-    if args.tokenizer_model is None and args.tokenizer_type != NULL_TOKENIZER:
+    if no_tokenizer:
         return  # nothing to check the data against (and the tokenizer's loader would say the same again)
     try:
         tokens = _data_files_tokens(args)
