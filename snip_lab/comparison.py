@@ -373,8 +373,8 @@ class Comparison:
     def report(self) -> dict:
         every = branches(self.config, self.ablation_arms)
         results = branch_results(self.out, every)
-        predicted = {s: json.loads((self.out / f"seed{s}" / "plans" / "predictions.json").read_text())
-                     for s in self.config.seeds if self.ablation_arms}
+        paths = {s: self.out / f"seed{s}" / "plans" / "predictions.json" for s in self.config.seeds}
+        predicted = {s: json.loads(p.read_text()) for s, p in paths.items() if self.ablation_arms and p.exists()}
         summary = summarize(self.config, results, every, predicted, self._additive_predictions(every))
         summary["settings"] = settings(self.config)  # what a merge of reports checks (merge.py)
         write_report(self.config, summary, results, self.out)

@@ -27,6 +27,10 @@ from .ranks import spearman
 
 # The arm every other arm at a budget is set against: SNIP's, re-planned or its first plan kept.
 FOCUS = ("snip", "snip-fixed", "snip-loss-term")
+# The oracle's test of the focus arm's plans (docs/evidence.md): its gap to BF16 within ORACLE_RATIO x the
+# oracle's, and every arm the oracle leads by LEAD_SD paired standard deviations (validation loss) led by as much.
+ORACLE_RATIO = 1.25
+LEAD_SD = 2.0
 # Student's t, 97.5% quantile, by degrees of freedom (1-30): the 95% interval of a mean over few seeds.
 T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
@@ -99,15 +103,20 @@ def summarize(config: ComparisonConfig, results: dict[tuple[str, int], BranchRes
     return {"rows": rows, "bf16_seed_std": noise, "train_iters": config.train_iters,
             "trunk_iters": config.trunk_iters, "window": config.branch_window,
             "noise_floor": paired_difference(results, NOISE, REFERENCE, config.seeds) if config.noise_floor else None,
-            "versus_snip": _versus_focus(config, results),
+            "versus_snip": _versus_focus(config, results), "oracle_test": _oracle_test(config, results, rows),
             "ablation": _ablation(rows, predicted or {}), "oracle": (oracle or {}).get("costs"),
             "complete": len(results) == len(every)}
+
+
+def _focus(config: ComparisonConfig) -> str | None:
+    """The arm every other is set against: ``--versus``, else the first of :data:`FOCUS` trained."""
+    return config.versus or next((f for f in FOCUS if f in config.policies), None)
 
 
 def _versus_focus(config: ComparisonConfig, results: dict[tuple[str, int], BranchResult]) -> list[dict]:
     """At each budget, every other arm minus ``config.versus`` (default SNIP's, :data:`FOCUS`), paired per
     seed (:func:`paired_difference`)."""
-    focus = config.versus or next((f for f in FOCUS if f in config.policies), None)
+    focus = _focus(config)
     if focus is None:
         return []
     rows = []
@@ -119,6 +128,49 @@ def _versus_focus(config: ComparisonConfig, results: dict[tuple[str, int], Branc
                 if diff["seeds"]:
                     rows.append({"budget": budget.label, "arm": arm, "focus": focus, **diff})
     return rows
+
+
+def _oracle_test(config: ComparisonConfig, results: dict[tuple[str, int], BranchResult],
+                 rows: list[dict]) -> list[dict]:
+    """At each budget with both the oracle's and the focus arm's branches: the focus arm's gap to BF16 over the
+    oracle's (its row's ``ratio_to_oracle``) and, for every other arm, the oracle's and the focus arm's leads over
+    it: the arm's loss minus theirs per seed (the seeds all three share), mean / sample std (validation loss and
+    training window; +inf for a lead without spread, nan under 2 seeds). ``holds``: the oracle leads by less
+    than :data:`LEAD_SD`, or the focus arm leads by as much."""
+    focus = _focus(config)
+    if focus in (None, ORACLE) or ORACLE not in config.policies:
+        return []
+    out = []
+    for budget in config.budgets:
+        mine, oracle = f"{focus}_{budget.tag}", f"{ORACLE}_{budget.tag}"
+        row = next((r for r in rows if r["arm"] == focus and r["budget"] == budget.label), None)
+        if row is None or not any((oracle, s) in results for s in config.seeds):
+            continue
+        leads = []
+        for arm in config.policies:
+            name = f"{arm}_{budget.tag}"
+            seeds = [s for s in config.seeds if all((n, s) in results for n in (name, mine, oracle))]
+            if arm in (focus, ORACLE) or not seeds:
+                continue
+            by_oracle = paired_difference(results, name, oracle, seeds)
+            by_focus = paired_difference(results, name, mine, seeds)
+            lead = {f"{who}_lead{part}": _in_sd(d[key], d[f"{key}_std"])
+                    for who, d in (("oracle", by_oracle), ("focus", by_focus))
+                    for key, part in (("val", ""), ("train", "_train"))}
+            lead["holds"] = not lead["oracle_lead"] >= LEAD_SD or lead["focus_lead"] >= LEAD_SD
+            leads.append({"arm": arm, "seeds": seeds, **lead})
+        ratio = row.get("ratio_to_oracle", math.nan)
+        out.append({"budget": budget.label, "focus": focus, "ratio_to_oracle": ratio,
+                    "train_ratio_to_oracle": row.get("train_ratio_to_oracle", math.nan),
+                    "within": ratio <= ORACLE_RATIO, "leads": leads})
+    return out
+
+
+def _in_sd(mean: float, std: float) -> float:
+    """A paired mean in paired standard deviations (+-inf without spread, nan when either is nan)."""
+    if math.isnan(mean) or math.isnan(std):
+        return math.nan
+    return mean / std if std > 0 else math.copysign(math.inf, mean) if mean else 0.0
 
 
 def _regret(results: dict[tuple[str, int], BranchResult], per_seed: dict[int, BranchResult],
@@ -179,7 +231,7 @@ def _ratio(x: float | None) -> str:
 
 def _sigmas(mean: float, std: float) -> str:
     """A paired difference in paired standard deviations."""
-    return "-" if math.isnan(mean) or math.isnan(std) or std == 0 else f"{mean / std:+.1f}"
+    return _sd(_in_sd(mean, std))
 
 
 def markdown(summary: dict) -> str:
@@ -237,11 +289,39 @@ def markdown(summary: dict) -> str:
                          f"{_pm(r['gap'], r['gap_std'])} | {_ci(r['regret'], r['regret_ci'])} | "
                          f"{_ci(r['train_regret'], r['train_regret_ci'])} | "
                          f"{_ratio(r.get('ratio_to_oracle'))} / {_ratio(r.get('train_ratio_to_oracle'))} |")
+    lines += _oracle_test_lines(summary.get("oracle_test") or [])
     if not summary["complete"]:
         lines += ["", "**Incomplete**: some arms lack some of the seeds (the seeds column); each paired number uses "
                   "the seeds both of its arms have." if summary.get("sources") else
                   "**Incomplete**: some branches have not finished; rerun the same command to finish them."]
     return "\n".join(lines) + "\n"
+
+
+def _oracle_test_lines(tests: list[dict]) -> list[str]:
+    """The oracle's test as a table: per budget, the focus arm's gap over the oracle's, then each arm's leads."""
+    if not tests:
+        return []
+    focus = tests[0]["focus"]
+    lines = ["", f"The oracle's test of {focus}: its gap to BF16 within {ORACLE_RATIO}x the oracle's, and every arm "
+             f"the oracle leads by {LEAD_SD:g} paired standard deviations or more (validation loss) led by {focus} by "
+             f"{LEAD_SD:g} too. A lead: the arm's loss minus the leader's, same seed (the seeds all three have), mean "
+             "over sample std; validation (training window).", "",
+             f"| budget | {focus}'s gap / oracle's, val (train) | arm | seeds | oracle's lead, sd | {focus}'s lead, sd "
+             "| met |", "|---|---:|---|---:|---:|---:|---|"]
+    for t in tests:
+        ratio = (f"{_ratio(t['ratio_to_oracle'])} ({_ratio(t['train_ratio_to_oracle'])}): "
+                 + ("met" if t["within"] else "**not met**"))
+        for lead in t["leads"] or [{}]:
+            cells = ([lead["arm"], str(len(lead["seeds"])),
+                      *(f"{_sd(lead[f'{who}_lead'])} ({_sd(lead[f'{who}_lead_train'])})"
+                        for who in ("oracle", "focus")),
+                      "yes" if lead["holds"] else "**no**"] if lead else ["-"] * 5)
+            lines.append(f"| {t['budget']} | {ratio} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _sd(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x:+.1f}"
 
 
 def _noise_line(summary: dict) -> list[str]:

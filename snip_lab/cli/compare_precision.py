@@ -26,7 +26,9 @@ arm per module.
 with the costs the ablation arms measured, trained after them at every budget, and each policy's
 regret to it (snip_lab/oracle.py; it adds the all-high arm ablate-none). The costs
 are kept in OUT/oracle/costs.json; --oracle-costs FILE plans the oracle with such a file of an
-earlier comparison of the same model instead of ablations (more seeds in another folder).
+earlier comparison of the same model instead of ablations (more seeds in another folder). With the
+oracle the report ends with its test of SNIP's plans: SNIP's gap to BF16 within 1.25x the oracle's,
+and every arm the oracle leads by 2 paired standard deviations led by SNIP by 2 too.
 
 --noise-floor adds the noise floor: BF16 again from each trunk on another order of the training
 documents (the validation documents and samples unchanged; snip_lab/reorder.py),
@@ -38,7 +40,8 @@ node, each run gets its own --nproc-per-node GPUs); the results do not depend on
 seed that start from the same fixed plan (uniform at every budget) train once and share the result.
 
 Writes OUT/results.md, OUT/results.json, OUT/gap_to_bf16.png and TensorBoard runs side by
-side under OUT/tensorboard. Rerunning the same command finishes what an interrupted one left.
+side under OUT/tensorboard. Rerunning the same command finishes what an interrupted one left;
+with --report-only it writes the report of what has finished so far and trains nothing.
 SIGTERM or SIGUSR1 (kill, SLURM's --signal) stops it cleanly: the runs in flight save a checkpoint,
 no new one starts, and the tool exits with 128 + the signal's number. Seeds or arms run as separate
 jobs in separate --out folders make one table with tools/lab/merge_comparisons.py.
@@ -100,6 +103,9 @@ def main(argv=None) -> int:
     p.add_argument("--versus", default=None, metavar="POLICY",
                    help="set every arm against this one of --policies in the report's paired table (default: "
                         "snip, else snip-fixed, else snip-loss-term)")
+    p.add_argument("--report-only", action="store_true",
+                   help="train nothing: write the report of the branches finished so far (a comparison still "
+                        "running, or cut short; the same settings; rerun without it to finish the rest)")
     a = p.parse_args(argv)
     fp4_targets = a.fp4_targets if a.fp4_targets is not None else ([] if a.time_targets or a.ablations else [0.75])
     try:
@@ -113,7 +119,11 @@ def main(argv=None) -> int:
         comparison = Comparison(config, log=lambda m: print(m, flush=True))
         for sig in (signal.SIGTERM, signal.SIGUSR1):  # kill, SLURM's --signal: the runs save and stop
             signal.signal(sig, comparison.stop)
-        comparison.run()
+        if a.report_only:
+            comparison.check_settings()
+            comparison.report()
+        else:
+            comparison.run()
     except Stopped as e:
         print(f"compare_precision.py: {e}", file=sys.stderr)
         return 128 + e.signum

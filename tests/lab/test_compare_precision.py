@@ -282,6 +282,11 @@ def test_compare_precision_branches_resume_and_report(tiny_data, tmp_path):
     (branch / "result.json").unlink()
     shutil.rmtree(branch / "ckpt" / "iter_0000008")
     (branch / "ckpt" / "latest_checkpointed_iteration.txt").write_text("6")
+    # --report-only trains nothing: the report of the branches finished, marked incomplete.
+    proc = run_tool(out, "--train-iters", "8", "--report-only", train_args=train_args)
+    assert proc.returncode == 0 and not (branch / "result.json").exists(), proc.stderr[-3000:]
+    assert "| FP4 target 0.75 | threshold |" not in proc.stdout and "| FP4 target 0.75 | uniform |" in proc.stdout
+    assert "**Incomplete**" in (out / "results.md").read_text()
     proc = run_tool(out, "--train-iters", "8", train_args=train_args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "seed 1: threshold_fp4-0.75 (resuming)" in proc.stdout
@@ -487,6 +492,38 @@ def test_regret_to_the_oracle_and_the_additive_prediction_by_hand():
     # 95% intervals over 2 seeds: 12.706 x std / sqrt(2).
     assert ("| FP4 target 0.75 | uniform | +0.0250 | +0.0350 ± 0.0071 | +0.0250 [-0.0385, +0.0885] | "
             "+0.0200 [-0.1071, +0.1471] | 3.50x / 2.33x |" in table)
+
+
+def test_the_oracle_test_by_hand():
+    """SNIP's gap within 1.25x the oracle's; every arm the oracle leads by 2 paired sd led by SNIP by 2 too."""
+    c = config(policies=("snip", "oracle", "uniform", "keep-ends-high"), seeds=(1, 2, 3), ablations=("layers", "types"))
+    bf16 = {1: (5.0, 4.0), 2: (5.2, 4.1), 3: (5.1, 4.3)}
+    # Gaps to bf16 per seed (val and train alike): oracle .010, snip .012 (1.2x); uniform .020, .022, .024 (the
+    # oracle leads by .012 ± .002 = 6 sd, snip by .010 ± .002 = 5 sd); keep-ends-high .0125, .0135, .0145 (the
+    # oracle leads by .0035 ± .001 = 3.5 sd, snip by .0015 ± .001 = 1.5 sd: the condition fails).
+    offsets = {"oracle": (0.010,) * 3, "snip": (0.012,) * 3, "uniform": (0.020, 0.022, 0.024),
+               "keep-ends-high": (0.0125, 0.0135, 0.0145)}
+    results = {("bf16", s): BranchResult(final_valid_loss=v, mean_train_loss=t, fp4_fraction=0.0, time_ratio=1.0)
+               for s, (v, t) in bf16.items()}
+    for arm, off in offsets.items():
+        results.update({(f"{arm}_fp4-0.75", s): BranchResult(final_valid_loss=bf16[s][0] + d, fp4_fraction=0.75,
+                                                              mean_train_loss=bf16[s][1] + d, time_ratio=0.3)
+                        for s, d in zip(bf16, off)})
+    [test] = summarize(c, results)["oracle_test"]
+    assert test["focus"] == "snip" and test["ratio_to_oracle"] == pytest.approx(1.2) and test["within"]
+    leads = {lead["arm"]: lead for lead in test["leads"]}
+    assert set(leads) == {"uniform", "keep-ends-high"} and leads["uniform"]["seeds"] == [1, 2, 3]
+    assert leads["uniform"]["oracle_lead"] == pytest.approx(6.0)
+    assert leads["uniform"]["focus_lead"] == pytest.approx(5.0)
+    assert leads["uniform"]["holds"] and leads["uniform"]["focus_lead_train"] == pytest.approx(5.0)
+    assert leads["keep-ends-high"]["oracle_lead"] == pytest.approx(3.5)
+    assert leads["keep-ends-high"]["focus_lead"] == pytest.approx(1.5) and not leads["keep-ends-high"]["holds"]
+    table = markdown(summarize(c, results))
+    assert "| FP4 target 0.75 | 1.20x (1.20x): met | keep-ends-high | 3 | +3.5 (+3.5) | +1.5 (+1.5) | **no** |" in table
+    # Without spread a lead is infinite: an oracle .002 ahead on every seed leads by +inf.
+    results.update({("uniform_fp4-0.75", s): results[("snip_fp4-0.75", s)] for s in bf16})
+    uniform = next(lead for lead in summarize(c, results)["oracle_test"][0]["leads"] if lead["arm"] == "uniform")
+    assert uniform["oracle_lead"] == math.inf and uniform["focus_lead"] == 0.0 and not uniform["holds"]
 
 
 def test_the_oracle_arm_trains_its_plan_and_needs_the_ablations(tmp_path, capsys, monkeypatch):
