@@ -26,8 +26,12 @@ def test_forked_ranks_train_bit_for_bit_as_torchrun_workers(tiny_data, tmp_path)
 
 
 @pytest.mark.integration
-def test_a_refused_launch_exits_78_with_one_error_line_from_forked_ranks(tiny_data):
-    proc = launch(2, train_args(tiny_data, "--tensor-model-parallel-size", "3", iters=1), check=False)
+@pytest.mark.parametrize("late", [0, 3])
+def test_a_refused_launch_exits_78_with_one_error_line_from_forked_ranks(tiny_data, late):
+    """Also when rank 0 starts late (a loaded node): rank 1 finds the problem first and waits for rank 0 to
+    say it; the launcher, which stops the job at the first failed rank, then stops rank 1."""
+    proc = launch(2, train_args(tiny_data, "--tensor-model-parallel-size", "3", iters=1), check=False,
+                  script="tests/drivers/late_rank0.py", env={"LATE_S": str(late)})
     assert proc.returncode == 78
     assert len(re.findall(r"pretrain_llama\.py: error: ", proc.stderr)) == 1, proc.stderr
     assert "--tensor-model-parallel-size 3" in proc.stderr, proc.stderr

@@ -3,7 +3,9 @@
 ``--help`` and flag errors (an unknown flag, a bad or missing value: one line each) are answered before
 megatron-core is imported (its imports take seconds); everything heavy is imported after the flags parse.
 Every problem of the flags, files and launch is printed at once, by rank 0 alone (each rank finds the
-same), and every rank exits with :data:`~megatron_snip.training.requeue.CONFIG_ERROR_STATUS`.
+same), and every rank exits with :data:`~megatron_snip.training.requeue.CONFIG_ERROR_STATUS`; the other
+ranks exit after rank 0 (:data:`PEER_EXIT_DELAY_S`), so that a launcher stopping the job at its first
+failed rank does not stop rank 0 before it has said why.
 """
 
 from __future__ import annotations
@@ -26,6 +28,13 @@ if TYPE_CHECKING:
     from megatron_snip.training.trainer import Trainer
 
 
+# How long the ranks other than 0 wait before exiting on refused flags. torchrun (and srun
+# --kill-on-bad-exit) stops every worker once one has failed: a rank exiting first would take rank 0 down
+# before it prints the problems (seen on a loaded machine: exit 78 and nothing on stderr). Rank 0's own exit
+# ends the job sooner; the wait only bounds a rank 0 that found nothing wrong.
+PEER_EXIT_DELAY_S = 10.0
+
+
 def _error(e: Exception) -> None:
     # One write call: with unbuffered stderr, print() issues the message and its newline as two writes, and
     # ranks sharing torchrun's stderr interleave their lines (seen in CI).
@@ -43,6 +52,7 @@ def _refused(e: ArgumentError, save: str | None) -> int:
             for problem in e.problems:
                 if isinstance(problem, HostProblem):
                     _error(f"rank {rank} on {socket.gethostname()}: {problem}")
+        time.sleep(PEER_EXIT_DELAY_S)
         return requeue.CONFIG_ERROR_STATUS
     problems = e.problems or [str(e)]
     if len(problems) == 1:
