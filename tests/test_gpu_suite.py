@@ -147,20 +147,21 @@ def running(pid: int) -> bool:
 def test_steps_that_fail_hang_or_find_no_time_are_recorded_and_the_report_still_written(tmp_path):
     py = sys.executable
     child, result = tmp_path / "child.pid", tmp_path / "hangs.json"
-    # A benchmark that has measured something, then hangs, with a child in a session of its own (as torchrun
-    # starts its workers): at its cap SIGINT lets it write what it has, then everything of it is killed.
-    hang = ("import json, subprocess, sys, time; "
-            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True); "
-            f"open({str(child)!r}, 'w').write(str(p.pid)); open({str(result)!r}, 'w').write('{{}}')\n"
-            "try:\n    time.sleep(120)\n"
-            f"except KeyboardInterrupt:\n    open({str(result)!r}, 'w').write(json.dumps({{'stopped': True}}))\n"
-            "    time.sleep(120)\n")
+    # A benchmark that hangs with a child in a session of its own (as torchrun starts its workers): at its cap
+    # SIGINT lets it write what it has (its handler, set first: a SIGINT before it would end the benchmark with
+    # nothing written), then everything of it is killed (the sleep resumes after the handler, PEP 475).
+    hang = ("import signal\n"
+            f"signal.signal(signal.SIGINT, lambda *_: open({str(result)!r}, 'w').write('{{\"stopped\": true}}'))\n"
+            "import subprocess, sys, time\n"
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True)\n"
+            f"open({str(child)!r}, 'w').write(str(p.pid))\n"
+            "time.sleep(120)\n")
     steps = [gpu_suite.Step("ok", "prints", [py, "-c", "print('fine')"], 30),
              gpu_suite.Step("broken", "fails", [py, "-c", "import sys; print('boom'); sys.exit(3)"], 30),
              gpu_suite.Step("raises", "raises", [py, "-c", "print('before')\ndef f():\n"
                                                   "    raise ValueError('bad shape')\nf()\n"], 30),
-             # Its cap leaves 12 s before the SIGINT (cap - STOP_GRACE_S) for Python to start on a loaded machine.
-             gpu_suite.Step("hangs", "sleeps with a child", [py, "-c", hang], 20, result="hangs.json")]
+             # Its cap leaves 16 s before the SIGINT (cap - STOP_GRACE_S) for Python to start on a loaded machine.
+             gpu_suite.Step("hangs", "sleeps with a child", [py, "-c", hang], 24, result="hangs.json")]
     deadline = time.monotonic() + 60
     start = time.monotonic()
     records = [gpu_suite.run_step(s, tmp_path, deadline, dict(os.environ)) for s in steps]
@@ -170,7 +171,7 @@ def test_steps_that_fail_hang_or_find_no_time_are_recorded_and_the_report_still_
     assert (broken.status, broken.returncode, broken.output_tail) == ("failed", 3, ["boom"])
     assert raised.status == "failed" and raised.error[0] == suite_run.TRACEBACK
     assert raised.error[-1] == "ValueError: bad shape" and "before" not in raised.error
-    assert hung.status == "timeout" and hung.returncode is None and "cap, 20 s" in hung.note
+    assert hung.status == "timeout" and hung.returncode is None and "cap, 24 s" in hung.note
     assert hung.result == {"stopped": True}, "SIGINT first: what a stopped benchmark measured is kept"
     assert not running(int(child.read_text())), "the step's whole process tree is killed"
     late = gpu_suite.run_step(steps[0], tmp_path, time.monotonic() + 8, dict(os.environ))
