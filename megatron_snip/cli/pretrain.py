@@ -4,7 +4,7 @@
 megatron-core is imported (its imports take seconds); everything heavy is imported after the flags parse.
 Every problem of the flags, files and launch is printed at once, by rank 0 alone (each rank finds the
 same), and every rank exits with :data:`~megatron_snip.training.requeue.CONFIG_ERROR_STATUS`; the other
-ranks exit after rank 0 (:data:`PEER_EXIT_DELAY_S`), so that a launcher stopping the job at its first
+ranks first wait :data:`PEER_EXIT_DELAY_S` for rank 0 to exit, so that a launcher stopping the job at its first
 failed rank does not stop rank 0 before it has said why.
 """
 
