@@ -114,6 +114,15 @@ def test_triton_kernels_need_cuda(tiny_data, monkeypatch):
     assert parse(tiny_data, "--quant-kernels", "torch", "--fp8-gemm", "scaled_mm").precision.fp8_gemm == "scaled_mm"
 
 
+def test_missing_data_and_a_missing_tokenizer_are_both_named(tmp_path):
+    """The data files and the tokenizer file are checked apart: a run missing both hears of both at once."""
+    with pytest.raises(ArgumentError) as e:
+        parse_config(["--model-preset", "tiny", "--train-iters", "1", "--data-path", str(tmp_path / "x_text_document"),
+                      "--tokenizer-model", str(tmp_path / "tok.model")], world_size=1, cuda=False)
+    assert [p.split(":")[0] for p in e.value.problems] == [
+        f"--data-path {tmp_path / 'x_text_document'}", f"--tokenizer-model {tmp_path / 'tok.model'}"]
+
+
 def test_a_missing_tokenizer_model_is_one_problem():
     """Without --tokenizer-model nothing is checked against it, so it is named once, not again by the loader."""
     with pytest.raises(ArgumentError) as e:

@@ -134,10 +134,16 @@ def _data_files_tokens(args: argparse.Namespace) -> int:
 
     paths = [args.data_path] if args.data_path is not None else [getattr(args, key) for key in _PER_SPLIT]
     prefixes = [prefix for path in paths if path is not None for prefix in parse_data_path(path)[0]]
-    check_data_prefixes(prefixes)
-    if args.data_path is not None:  # mock data ignores --split; per-split data has none
-        check_splits_have_documents(prefixes, args.split)
+    try:
+        check_data_prefixes(prefixes)
+        if args.data_path is not None:  # mock data ignores --split; per-split data has none
+            check_splits_have_documents(prefixes, args.split)
+    except (FileNotFoundError, ValueError) as e:
+        require(False, str(e))  # a problem of its own: the tokenizer is still checked, and named with it
+        prefixes = []
     tokens = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size).vocab_size
+    if not prefixes:
+        return tokens
     if args.tokenizer_type == NULL_TOKENIZER:
         check_vocab_covers_data(prefixes, tokens, f"--tokenizer-type {NULL_TOKENIZER} --vocab-size {args.vocab_size}",
                                 "give --vocab-size the size of the tokenizer the data was preprocessed with, less its "
