@@ -16,6 +16,9 @@
   rest (what the estimator's local and propagated parts estimate), and how much
   of it repeats from batch to batch, which Adam's momentum keeps and a one-step
   drift does not show (results/notebook.md, "Why SNIP ranks qkv and fc1 above fc2").
+* :func:`equilibrium_costs`: a group's backward in a format, its exact gradient error split into the
+  part that repeats over rounding draws and the part that does not, each priced by
+  :func:`equilibrium_cost`, the loss it costs once training has run with it for a re-plan interval.
 
 Every rank of the job calls these together (they drive megatron's schedule, so
 they work under any TP/PP/DP layout) and every rank gets the full result.
@@ -41,6 +44,7 @@ from megatron_snip.model.step import LOSS_KEY, forward_step
 from megatron_snip.numerics.linear import QuantState
 from megatron_snip.numerics.recipes import BF16, Precision
 from megatron_snip.snip.adam_view import AdamSlice, AdamView
+from megatron_snip.snip.estimators import second_moment as adam_second_moment
 from megatron_snip.snip.module_probe import MicrobatchCounter, ModuleLayout, needs_grad
 from megatron_snip.snip.noise import noise_key
 from megatron_snip.snip.passes import ForwardStep, PassRunner, preserved_training_state
@@ -404,3 +408,85 @@ def group_drift(
             out[group] = GroupDrift(own, other, persistence(("own", "other")), persistence(("own",)),
                                     persistence(("other",)))
     return out
+
+
+def equilibrium_cost(bias_sq: torch.Tensor, noise_var: torch.Tensor, second_moment: torch.Tensor, *, tokens: int,
+                     lr: float, eps: float, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss (nats) that a gradient error costs after ``steps`` steps of Adam with it, element by element, on a
+    loss that is locally quadratic with the empirical Fisher's curvature ``h = tokens * second_moment`` (the
+    second moment is the batch-mean gradient's, ``F / tokens``) and Adam's per-element rate
+    ``eta = lr / (sqrt(second_moment) + eps)``:
+
+    * a repeated error ``b`` (``bias_sq = b^2``) moves the minimum by ``b / h``; the parameter gets there or,
+      where ``eta h steps < 1``, drifts ``steps eta b``: cost ``0.5 h d^2`` with ``d = b min(1 / h, steps eta)``;
+    * an independent one of variance ``noise_var`` leaves the stationary variance ``eta noise_var / (2 h)``,
+      or a random walk's ``steps eta^2 noise_var`` before it gets there: cost ``0.5 h`` times the smaller.
+
+    What a one-step drift (SNIP's update term) leaves out is that the error persists over the interval.
+    Args: tensors of one parameter's elements (fp64); ``tokens`` of the global batch.
+    Returns:
+        (the repeated error's cost, the independent error's cost), 0-d: sums over the elements.
+    """
+    h = tokens * second_moment
+    eta = lr / (second_moment.sqrt() + eps)
+    reach = torch.minimum(1.0 / h, steps * eta)  # h = 0: 1 / h = inf, the drift's bound decides
+    bias = 0.5 * h * bias_sq * reach ** 2
+    noise = 0.5 * h * torch.minimum(eta * noise_var / (2.0 * h), steps * eta ** 2 * noise_var)
+    return bias.nan_to_num(0.0).sum(), noise.nan_to_num(0.0).sum()
+
+
+def equilibrium_costs(
+    model: Sequence[torch.nn.Module],
+    optimizer,
+    controller: PrecisionController,
+    batches: Sequence[Sequence[dict]],
+    groups: Mapping[str, Collection[str]],
+    fmt: str,
+    *,
+    seq_length: int,
+    micro_batch_size: int,
+    steps: int,
+    tokens: int,
+    seeds: tuple[int, int] = (0, 1),
+    forward_step_func: ForwardStep = forward_step,
+    loss_key: str = LOSS_KEY,
+) -> dict[str, tuple[float, float]]:
+    """Each group's backward GEMMs in ``fmt`` (the rest, and every forward, in bf16): the exact gradient error of
+    every parameter the optimizer updates under two rounding ``seeds``; their mean's square less its noise is
+    the repeated part ``b^2``, half their squared difference the independent part's variance, each priced by
+    :func:`equilibrium_cost` at Adam's state (its second moment with the clean gradient folded in).
+
+    Args: as :func:`group_drift`, plus the interval's ``steps`` and the global batch's ``tokens``.
+        Costs one forward + backward per batch, plus two per (group, batch).
+    Returns:
+        group name -> (repeated error's cost, independent error's cost) in nats, mean over the batches, on
+        every rank.
+    """
+    chunks = list(model)
+    runners = _runners(chunks, batches, seq_length, micro_batch_size, forward_step_func, loss_key)
+    adam = AdamView(optimizer, chunks)
+    local = controller.modules()
+    sums = {group: [0.0, 0.0] for group in groups}
+    with preserved_training_state(chunks, local) as rng:
+        for module in local.values():
+            module.precision = BF16
+        for runner in runners:
+            ref = _gradients(runner, adam, rng)
+            moments = {s: adam_second_moment(s.state["exp_avg_sq"].view(-1), ref[s], s.hyper).double() for s in ref}
+            for group, names in groups.items():
+                errors = []
+                for seed in seeds:
+                    with _only(local, names, Precision("bf16", fmt), seed):
+                        grads = _gradients(runner, adam, rng)
+                    errors.append({s: (grads[s] - ref[s]).double() for s in ref})
+                costs = {}
+                for s in ref:
+                    mean, noise_var = (errors[0][s] + errors[1][s]) / 2, (errors[0][s] - errors[1][s]) ** 2 / 2
+                    # E[mean^2] = b^2 + var / 2: unbiased element by element, so their weighted sum is too (no
+                    # clamp at 0, which would count every element's noise as a repeated error)
+                    bias_sq = mean ** 2 - noise_var / 2
+                    costs[s] = equilibrium_cost(bias_sq, noise_var, moments[s], tokens=tokens, lr=s.hyper.lr,
+                                                eps=s.hyper.eps, steps=steps)
+                for i in range(2):
+                    sums[group][i] += adam.model_sum(lambda s, i=i: costs[s][i])
+    return {group: (b / len(runners), n / len(runners)) for group, (b, n) in sums.items()}

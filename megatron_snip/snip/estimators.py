@@ -76,11 +76,11 @@ def _adam_moments(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.T
     ``s = sqrt(v' / (1 - beta2^(t+1)))``, ``v' = beta2 v + (1 - beta2) g^2``, ``D = s + eps``."""
     t = h.step + 1
     m_next = h.beta1 * exp_avg + (1.0 - h.beta1) * grad
-    s = _second_moment(exp_avg_sq, grad, h).sqrt()
+    s = second_moment(exp_avg_sq, grad, h).sqrt()
     return h.lr / (1.0 - h.beta1**t), m_next, s, s + h.eps
 
 
-def _second_moment(exp_avg_sq: torch.Tensor, grad: torch.Tensor, h: AdamHyper) -> torch.Tensor:
+def second_moment(exp_avg_sq: torch.Tensor, grad: torch.Tensor, h: AdamHyper) -> torch.Tensor:
     """``v' / (1 - beta2^(t+1))``, ``v' = beta2 v + (1 - beta2) g^2``: the next step's bias-corrected second moment."""
     return (h.beta2 * exp_avg_sq + (1.0 - h.beta2) * grad * grad) / (1.0 - h.beta2 ** (h.step + 1))
 
@@ -145,7 +145,7 @@ def metric_scale(exp_avg_sq: torch.Tensor, grad: torch.Tensor, h: AdamHyper, met
         return None
     if metric != "fisher":
         raise ValueError(f"unknown update metric {metric!r}: fisher or paper")
-    return _second_moment(exp_avg_sq, grad, h).sqrt()
+    return second_moment(exp_avg_sq, grad, h).sqrt()
 
 
 # -- probe read-outs -------------------------------------------------------------------------------
