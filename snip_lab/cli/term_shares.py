@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from itertools import islice
 
@@ -95,6 +96,10 @@ def main(argv=None) -> int:
                    help="also the exact equilibrium terms, priced over this many steps (0: not)")
     p.add_argument("--equilibrium-batches", type=int, default=2, help="global batches the equilibrium terms average")
     a, rest = p.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if a.ablation_costs and not os.path.isfile(a.ablation_costs):
+        print(f"term_shares.py: error: --ablation-costs {a.ablation_costs}: no such file; give a comparison's "
+              "oracle/costs.json", file=sys.stderr)
+        return 2
 
     from megatron_snip.cli.pretrain import trainer_from_command_line
     from megatron_snip.compat.cpu import silence_expected_warnings

@@ -64,3 +64,10 @@ def test_term_shares_needs_the_format_among_the_candidates(tiny_data, tmp_path):
     proc = launch(1, [*run, "--format", "nvfp4"], script="tools/lab/term_shares.py", check=False)
     assert proc.returncode != 0
     assert "--format nvfp4: give --snip and a --snip-formats that holds it (the run's: bf16 fp8 mxfp4)" in proc.stderr
+
+
+def test_a_missing_ablation_costs_file_is_refused_before_anything_runs(tmp_path, capsys):
+    from snip_lab.cli.term_shares import main
+
+    assert main(["--format", "mxfp4", "--ablation-costs", str(tmp_path / "costs.json")]) == 2
+    assert f"--ablation-costs {tmp_path / 'costs.json'}: no such file" in capsys.readouterr().err
