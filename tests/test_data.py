@@ -403,6 +403,20 @@ def test_preprocess_errors(tmp_path, tokenizer_model):
         run(keyless, workers=2)
 
 
+@pytest.mark.parametrize("tool,args", [
+    ("train_tokenizer", ["--model-prefix", "tok"]),
+    ("preprocess_data", ["--output-prefix", "out", "--tokenizer-type", "SentencePieceTokenizer",
+                         "--tokenizer-model", "tok.model"]),
+])
+def test_the_tools_say_an_input_problem_in_one_line(tmp_path, tool, args):
+    """As its launcher (tools/NAME.py) and console script call it: ``main``, no traceback."""
+    missing = tmp_path / "nope.jsonl"
+    with pytest.raises(SystemExit) as e:
+        load_tool(tool).main(["--input", str(missing), *[str(tmp_path / a) if a.startswith(("tok", "out")) else a
+                                                         for a in args]])
+    assert e.value.code == f"{tool}.py: error: --input {missing}: no such file"
+
+
 # --- GPT datasets --------------------------------------------------------------------------
 
 

@@ -51,18 +51,21 @@ def get_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = get_args(argv)
-    s = preprocess(
-        PreprocessConfig(
-            input=args.input,
-            output_prefix=args.output_prefix,
-            tokenizer_type=args.tokenizer_type,
-            tokenizer_model=args.tokenizer_model,
-            json_keys=tuple(args.json_keys),
-            append_eod=args.append_eod,
-            workers=args.workers,
-            log_interval=args.log_interval,
+    try:
+        s = preprocess(
+            PreprocessConfig(
+                input=args.input,
+                output_prefix=args.output_prefix,
+                tokenizer_type=args.tokenizer_type,
+                tokenizer_model=args.tokenizer_model,
+                json_keys=tuple(args.json_keys),
+                append_eod=args.append_eod,
+                workers=args.workers,
+                log_interval=args.log_interval,
+            )
         )
-    )
+    except (FileNotFoundError, ValueError) as e:  # input problems: the message says it all
+        sys.exit(f"preprocess_data.py: error: {e}")
     for key, prefix in s.prefixes.items():
         print(f"Wrote {prefix}.bin/.idx ({key!r}); use --data-path {prefix}")
     print(
@@ -72,7 +75,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (FileNotFoundError, ValueError) as e:  # input problems: the message says it all
-        sys.exit(f"error: {e}")
+    main()

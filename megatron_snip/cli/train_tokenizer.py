@@ -61,19 +61,22 @@ def get_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = get_args(argv)
-    s = train_tokenizer(
-        TokenizerTrainingConfig(
-            input=args.input,
-            model_prefix=args.model_prefix,
-            vocab_size=args.vocab_size,
-            model_type=args.model_type,
-            json_keys=tuple(args.json_keys),
-            character_coverage=args.character_coverage,
-            input_sentence_size=args.input_sentence_size,
-            max_sentence_length=args.max_sentence_length,
-            seed=args.seed,
+    try:
+        s = train_tokenizer(
+            TokenizerTrainingConfig(
+                input=args.input,
+                model_prefix=args.model_prefix,
+                vocab_size=args.vocab_size,
+                model_type=args.model_type,
+                json_keys=tuple(args.json_keys),
+                character_coverage=args.character_coverage,
+                input_sentence_size=args.input_sentence_size,
+                max_sentence_length=args.max_sentence_length,
+                seed=args.seed,
+            )
         )
-    )
+    except (FileNotFoundError, ValueError) as e:  # input problems: the message says it all
+        sys.exit(f"train_tokenizer.py: error: {e}")
     print(
         f"Wrote {s.model_file}: {args.model_type}, vocab {s.vocab_size} "
         f"(pad {PAD_ID}, unk {UNK_ID}, bos {BOS_ID}, eos/eod {EOS_ID}); "
@@ -83,11 +86,8 @@ def main(argv=None) -> None:
         f"{s.seconds:.2f} s"
     )
     if s.roundtrip_failures:
-        sys.exit(f"error: {s.roundtrip_failures} documents do not survive encode -> decode")
+        sys.exit(f"train_tokenizer.py: error: {s.roundtrip_failures} documents do not survive encode -> decode")
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (FileNotFoundError, ValueError) as e:  # input problems: the message says it all
-        sys.exit(f"error: {e}")
+    main()
