@@ -17,6 +17,7 @@ import warnings
 # Importing megatron.core warns about optional GPU kernels that data tools never use.
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 
+from megatron_snip.cli import config_from_args  # noqa: E402 (after the filter)
 from megatron_snip.data.datasets import PreprocessConfig, preprocess  # noqa: E402 (after the filter)
 from megatron_snip.data.tokenizer import TOKENIZER_TYPES  # noqa: E402 (after the filter)
 
@@ -52,18 +53,7 @@ def get_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = get_args(argv)
     try:
-        s = preprocess(
-            PreprocessConfig(
-                input=args.input,
-                output_prefix=args.output_prefix,
-                tokenizer_type=args.tokenizer_type,
-                tokenizer_model=args.tokenizer_model,
-                json_keys=tuple(args.json_keys),
-                append_eod=args.append_eod,
-                workers=args.workers,
-                log_interval=args.log_interval,
-            )
-        )
+        s = preprocess(config_from_args(PreprocessConfig, args))
     except (FileNotFoundError, ValueError) as e:  # input problems: the message says it all
         sys.exit(f"preprocess_data.py: error: {e}")
     for key, prefix in s.prefixes.items():

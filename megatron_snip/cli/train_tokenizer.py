@@ -14,6 +14,7 @@ import warnings
 # Importing megatron.core warns about optional GPU kernels that data tools never use.
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 
+from megatron_snip.cli import config_from_args  # noqa: E402 (after the filter)
 from megatron_snip.data.tokenizer import (  # noqa: E402 (after the filter)
     BOS_ID,
     EOS_ID,
@@ -62,19 +63,7 @@ def get_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = get_args(argv)
     try:
-        s = train_tokenizer(
-            TokenizerTrainingConfig(
-                input=args.input,
-                model_prefix=args.model_prefix,
-                vocab_size=args.vocab_size,
-                model_type=args.model_type,
-                json_keys=tuple(args.json_keys),
-                character_coverage=args.character_coverage,
-                input_sentence_size=args.input_sentence_size,
-                max_sentence_length=args.max_sentence_length,
-                seed=args.seed,
-            )
-        )
+        s = train_tokenizer(config_from_args(TokenizerTrainingConfig, args))
     except (FileNotFoundError, ValueError) as e:  # input problems: the message says it all
         sys.exit(f"train_tokenizer.py: error: {e}")
     print(
