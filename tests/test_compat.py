@@ -5,6 +5,7 @@ Each check runs in a fresh interpreter: the layer changes process-global state.
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import textwrap
@@ -94,3 +95,16 @@ def test_inert_when_cuda_is_available():
         print("ok")
     """)
     assert out.strip() == "ok"
+
+
+def test_free_port_lies_below_the_ephemeral_range_and_is_free():
+    # The OS hands ports in its ephemeral range to any socket bound or connected without one (gloo's
+    # connections too), so a port chosen there can be gone before the store listens: CI lost a job so.
+    from megatron_snip.compat.launch import _ephemeral_start, free_port
+
+    for _ in range(20):
+        port = free_port()
+        assert 1024 <= port < _ephemeral_start()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # free: raises if not
+

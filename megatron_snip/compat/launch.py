@@ -8,12 +8,38 @@ process started by hand is a world of one: give it that environment instead.
 from __future__ import annotations
 
 import os
+import random
 import socket
+
+# Where to look for a port when the OS's ephemeral range cannot be read (Linux's default starts at 32768).
+_LOWEST_PORT, _DEFAULT_EPHEMERAL_START = 10000, 32768
+
+
+def _ephemeral_start() -> int:
+    try:
+        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return _DEFAULT_EPHEMERAL_START
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now (the OS picks it)."""
-    with socket.socket() as s:
+    """A TCP port on 127.0.0.1 that is free now, drawn at random below the OS's ephemeral range.
+
+    A port the OS hands out (a bind to port 0) lies in that range, where it can be taken again
+    before the rendezvous store listens on it: by any socket that binds or connects without naming
+    a port, gloo's connections between ranks among them (CI once lost a job to EADDRINUSE so).
+    Below the range only another explicit choice can collide, and the draw makes that unlikely."""
+    top = _ephemeral_start()
+    tries = 64 if top > _LOWEST_PORT + 1000 else 0
+    for _ in range(tries):
+        port = random.randrange(_LOWEST_PORT, top)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # an unusual range, or every draw taken: let the OS choose
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
