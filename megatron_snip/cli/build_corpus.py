@@ -13,6 +13,7 @@ import argparse
 import sys
 
 # Like Megatron-LM's tools: runnable from a checkout without `pip install -e .`.
+from megatron_snip.cli import config_from_args
 from megatron_snip.data.corpus import (
     C_PACKAGES,
     FORTUNES_DIR,
@@ -62,17 +63,9 @@ def get_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = get_args(argv)
+    args.max_bytes = args.max_bytes or None  # the flag's 0 is the config's "no limit"
     try:
-        summary = build_corpus(
-            CorpusConfig(
-                output=args.output,
-                max_docs=args.max_docs,
-                max_bytes=args.max_bytes or None,
-                seed=args.seed,
-                exclude_tests=args.exclude_tests,
-                source=args.source,
-            )
-        )
+        summary = build_corpus(config_from_args(CorpusConfig, args))
     except FileNotFoundError as e:  # the prose or C corpus's Debian packages are not installed
         sys.exit(f"build_corpus.py: error: {e}")
     origin = {"stdlib": stdlib_root(), "prose": f"{HANDBOOK_DIR} and {FORTUNES_DIR}", "c": INCLUDE_DIR}[args.source]
