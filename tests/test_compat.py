@@ -107,4 +107,3 @@ def test_free_port_lies_below_the_ephemeral_range_and_is_free():
         assert 1024 <= port < _ephemeral_start()
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))  # free: raises if not
-

@@ -10,14 +10,16 @@ from __future__ import annotations
 import os
 import random
 import socket
+from pathlib import Path
 
-# Where to look for a port when the OS's ephemeral range cannot be read (Linux's default starts at 32768).
+# free_port draws from [_LOWEST_PORT, the ephemeral range's start), clear of the well-known and most
+# registered services' ports; Linux's default range starts at 32768 where /proc cannot be read.
 _LOWEST_PORT, _DEFAULT_EPHEMERAL_START = 10000, 32768
 
 
 def _ephemeral_start() -> int:
     try:
-        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return _DEFAULT_EPHEMERAL_START
 
