@@ -382,15 +382,16 @@ class Comparison:
 
 
     def _additive_predictions(self, every: Sequence[Branch]) -> dict | None:
-        """With an oracle: its costs and, per fixed-plan branch at a budget (name -> seed ->), the gap
-        its plan would have under additivity (oracle.predicted_gap), to set beside the measured one."""
+        """With an oracle: its costs and, per branch at a budget (name -> seed ->), the gap its plan would
+        have under additivity (oracle.predicted_gap), to set beside the measured one; a re-planned arm's is
+        its first plan's (the report says so)."""
         path = self.out / ORACLE / "costs.json"
         if not path.exists():
             return None
         costs = load_costs(path)
         predicted: dict[str, dict[int, float]] = {}
         for b in every:
-            plan = self.plan_path(b) if b.budget is not None and b.arm not in REPLANNED else None
+            plan = self.plan_path(b) if b.budget is not None else None
             if plan is not None and plan.exists():
                 units = {name: p.fwd for name, p in PrecisionPlan.load(plan).modules.items()}
                 predicted.setdefault(b.name, {})[b.seed] = predicted_gap(costs, fp4_modules(units))

@@ -468,14 +468,16 @@ def test_oracle_plan_is_the_brute_force_optimum_of_the_measured_costs():
 
 
 def test_regret_to_the_oracle_and_the_additive_prediction_by_hand():
-    c = config(policies=("oracle", "uniform"), ablations=("layers", "types"))
+    c = config(policies=("oracle", "uniform", "snip"), ablations=("layers", "types"))
     def r(v, t):
         return BranchResult(final_valid_loss=v, mean_train_loss=t, fp4_fraction=0.75, time_ratio=0.3)
     results = {("bf16", 1): r(5.0, 4.0), ("bf16", 2): r(5.2, 4.2),
                ("oracle_fp4-0.75", 1): r(5.01, 4.01), ("oracle_fp4-0.75", 2): r(5.21, 4.22),
-               ("uniform_fp4-0.75", 1): r(5.03, 4.04), ("uniform_fp4-0.75", 2): r(5.24, 4.23)}
+               ("uniform_fp4-0.75", 1): r(5.03, 4.04), ("uniform_fp4-0.75", 2): r(5.24, 4.23),
+               ("snip_fp4-0.75", 1): r(5.02, 4.02), ("snip_fp4-0.75", 2): r(5.22, 4.22)}
     oracle = {"costs": {"source": "layers x types", "seeds": [1, 2]},
-              "predicted": {"oracle_fp4-0.75": {1: 0.012, 2: 0.012}, "uniform_fp4-0.75": {1: 0.02, 2: 0.03}}}
+              "predicted": {"oracle_fp4-0.75": {1: 0.012, 2: 0.012}, "uniform_fp4-0.75": {1: 0.02, 2: 0.03},
+                            "snip_fp4-0.75": {1: 0.014, 2: 0.016}}}
     s = summarize(c, results, branches(c), oracle=oracle)
     rows = {row["arm"]: row for row in s["rows"]}
     assert rows["uniform"]["regret"] == pytest.approx(0.025)  # (0.02 + 0.03) / 2
@@ -492,6 +494,8 @@ def test_regret_to_the_oracle_and_the_additive_prediction_by_hand():
     # 95% intervals over 2 seeds: 12.706 x std / sqrt(2).
     assert ("| FP4 target 0.75 | uniform | +0.0250 | +0.0350 ± 0.0071 | +0.0250 [-0.0385, +0.0885] | "
             "+0.0200 [-0.1071, +0.1471] | 3.50x / 2.33x |" in table)
+    # SNIP re-plans: its prediction is its first plan's, and the table says so.
+    assert "| FP4 target 0.75 | snip | +0.0150 (first plan) | +0.0200 ± 0.0000 |" in table
 
 
 def test_the_oracle_test_by_hand():
@@ -568,7 +572,7 @@ def test_the_oracle_plans_with_an_earlier_comparisons_costs(tmp_path):
     stats_file = ROOT / "tests" / "data" / "snip_iter_schema1.json"  # 4 layers, candidates fp8 nvfp4
     rng = random.Random(5)
     modules = {n: rng.uniform(0.0, 0.01) for n in StatisticsFile.load(stats_file).stats.modules}
-    costs = {"modules": modules, "groups": {}, "base_gap": math.nan, "source": "modules", "seeds": [1]}
+    costs = {"modules": modules, "groups": {}, "base_gap": 0.001, "source": "modules", "seeds": [1]}
     earlier = tmp_path / "earlier_costs.json"
     earlier.write_text(json.dumps(costs))
     out = tmp_path / "cmp"
@@ -592,6 +596,15 @@ def test_the_oracle_plans_with_an_earlier_comparisons_costs(tmp_path):
     assert sorted(set(want.values())) == ["fp8", "nvfp4"]  # a real choice: not every module in FP4
     assert json.loads((out / "oracle" / "costs.json").read_text())["modules"] == modules
     Comparison(c, log=logs.append)._oracle_plans()  # a rerun with the same file: accepted
+    # Every arm's plan priced by additivity, SNIP's (re-planned) by its first plan.
+    first = {m: ("nvfp4" if i % 2 else "fp8") for i, m in enumerate(modules)}
+    (out / "seed4" / "plans").mkdir(parents=True)
+    PrecisionPlan.from_dict({"version": 1, "default": "bf16", "modules": first}).save(
+        out / "seed4" / "plans" / "snip_fp4-0.75.json")
+    predicted = Comparison(c, log=logs.append)._additive_predictions(branches(c))["predicted"]
+    assert predicted["snip_fp4-0.75"] == {4: pytest.approx(0.001 + sum(modules[m] for m, f in first.items()
+                                                                       if f == "nvfp4"))}
+    assert set(predicted["oracle_fp4-0.75"]) == {4, 5}
 
     # Other costs than the folder planned with, costs of another model, a file that is not costs: refused.
     other = tmp_path / "other.json"
