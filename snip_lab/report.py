@@ -136,7 +136,7 @@ def _oracle_test(config: ComparisonConfig, results: dict[tuple[str, int], Branch
     oracle's (its row's ``ratio_to_oracle``) and, for every other arm, the oracle's and the focus arm's leads over
     it: the arm's loss minus theirs per seed (the seeds all three share), mean / sample std (validation loss and
     training window; +inf for a lead without spread, nan under 2 seeds). ``holds``: the oracle leads by less
-    than :data:`LEAD_SD`, or the focus arm leads by as much."""
+    than :data:`LEAD_SD`, or the focus arm leads by as much; None under 2 seeds (no spread to judge by)."""
     focus = _focus(config)
     if focus in (None, ORACLE) or ORACLE not in config.policies:
         return []
@@ -157,7 +157,8 @@ def _oracle_test(config: ComparisonConfig, results: dict[tuple[str, int], Branch
             lead = {f"{who}_lead{part}": _in_sd(d[key], d[f"{key}_std"])
                     for who, d in (("oracle", by_oracle), ("focus", by_focus))
                     for key, part in (("val", ""), ("train", "_train"))}
-            lead["holds"] = not lead["oracle_lead"] >= LEAD_SD or lead["focus_lead"] >= LEAD_SD
+            lead["holds"] = (None if math.isnan(lead["oracle_lead"])
+                             else lead["oracle_lead"] < LEAD_SD or lead["focus_lead"] >= LEAD_SD)
             leads.append({"arm": arm, "seeds": seeds, **lead})
         ratio = row.get("ratio_to_oracle", math.nan)
         out.append({"budget": budget.label, "focus": focus, "ratio_to_oracle": ratio,
@@ -316,9 +317,13 @@ def _oracle_test_lines(tests: list[dict]) -> list[str]:
             cells = ([lead["arm"], str(len(lead["seeds"])),
                       *(f"{_sd(lead[f'{who}_lead'])} ({_sd(lead[f'{who}_lead_train'])})"
                         for who in ("oracle", "focus")),
-                      "yes" if lead["holds"] else "**no**"] if lead else ["-"] * 5)
+                      _verdict(lead["holds"])] if lead else ["-"] * 5)
             lines.append(f"| {t['budget']} | {ratio} | " + " | ".join(cells) + " |")
     return lines
+
+
+def _verdict(holds: bool | None) -> str:
+    return "not yet (under 2 seeds)" if holds is None else "yes" if holds else "**no**"
 
 
 def _sd(x: float) -> str:

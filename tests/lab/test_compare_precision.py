@@ -528,6 +528,12 @@ def test_the_oracle_test_by_hand():
     results.update({("uniform_fp4-0.75", s): results[("snip_fp4-0.75", s)] for s in bf16})
     uniform = next(lead for lead in summarize(c, results)["oracle_test"][0]["leads"] if lead["arm"] == "uniform")
     assert uniform["oracle_lead"] == math.inf and uniform["focus_lead"] == 0.0 and not uniform["holds"]
+    # One seed has no spread: the condition is undecided, not met.
+    one = {k: v for k, v in results.items() if k[1] == 1}
+    summary = summarize(replace(c, seeds=(1,)), one)
+    assert {lead["arm"]: lead["holds"] for lead in summary["oracle_test"][0]["leads"]} == {
+        "uniform": None, "keep-ends-high": None}
+    assert "| keep-ends-high | 1 | - (-) | - (-) | not yet (under 2 seeds) |" in markdown(summary)
 
 
 def test_the_oracle_arm_trains_its_plan_and_needs_the_ablations(tmp_path, capsys, monkeypatch):
