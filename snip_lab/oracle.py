@@ -23,7 +23,7 @@ two totals agree, reproduces both kinds' group costs exactly.
 **Additivity**, the assumption both rest on: a plan's loss gap to BF16 is the all-high arm's gap
 plus the sum of its FP4 modules' costs (:func:`predicted_gap`). The oracle's own branch tests it:
 the report sets its measured gap beside that prediction, and beside the same prediction for every
-fixed-plan arm.
+other arm (a re-planned arm's for its first plan).
 
 **Costs from an earlier comparison.** The costs are written once, to ``OUT/oracle/costs.json``;
 ``--oracle-costs`` plans another comparison's oracle with such a file instead of its own ablations
