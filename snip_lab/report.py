@@ -19,6 +19,7 @@ import statistics
 from pathlib import Path
 
 from megatron_snip.fileio import write_text_atomic
+from megatron_snip.precision.config import PrecisionConfig
 
 from .ablation import ESTIMATORS, NONE_ARM
 from .branches import NOISE, REFERENCE, REPLANNED, Branch, BranchResult, ComparisonConfig, branches
@@ -102,10 +103,29 @@ def summarize(config: ComparisonConfig, results: dict[tuple[str, int], BranchRes
     noise = mean_std(ref_valid)[1]
     return {"rows": rows, "bf16_seed_std": noise, "train_iters": config.train_iters,
             "trunk_iters": config.trunk_iters, "window": config.branch_window,
+            "speed_model": _speed_model(config.train_args),
             "noise_floor": paired_difference(results, NOISE, REFERENCE, config.seeds) if config.noise_floor else None,
             "versus_snip": _versus_focus(config, results), "oracle_test": _oracle_test(config, results, rows),
             "ablation": _ablation(rows, predicted or {}), "oracle": (oracle or {}).get("costs"),
             "complete": len(results) == len(every)}
+
+
+def _speed_model(train_args: tuple[str, ...]) -> str:
+    """The runs' ``--gemm-speed-model`` (the last one given, as argparse reads it; else its default)."""
+    given = [train_args[i + 1] for i, a in enumerate(train_args[:-1]) if a == "--gemm-speed-model"]
+    given += [a.split("=", 1)[1] for a in train_args if a.startswith("--gemm-speed-model=")]
+    return given[-1] if given else PrecisionConfig.gemm_speed_model
+
+
+def _speed_model_line(model: str | None) -> str:
+    """What the est. GEMM time column is: which speeds it weighs the plan's GEMMs by."""
+    if model is None:  # a report written before the model was recorded
+        return "Estimated GEMM time: under the run's speed model (an estimate)."
+    if model == "measured":
+        return ("Estimated GEMM time: of all-BF16, under `--gemm-speed-model measured` (each format's speed as "
+                "measured on the machine that trained; a CPU emulates FP8 and FP4, slower than its BF16, so above "
+                "1 there; pass `--gemm-speed-model blackwell` to the runs for a GPU estimate).")
+    return f"Estimated GEMM time: of all-BF16, under `--gemm-speed-model {model}` (published peaks, an estimate)."
 
 
 def _focus(config: ComparisonConfig) -> str | None:
@@ -240,7 +260,7 @@ def markdown(summary: dict) -> str:
              f"of the same seed, mean ± sample std over seeds; train gap over the last {summary['window']} "
              f"iterations. BF16 seed-to-seed std of the validation loss: "
              + ("n/a (one seed)" if math.isnan(summary["bf16_seed_std"]) else f"{summary['bf16_seed_std']:.4f}")
-             + ". Estimated GEMM time: under the run's speed model (an estimate).", *_noise_line(summary),
+             + ". " + _speed_model_line(summary.get("speed_model")), *_noise_line(summary),
              *_sources_line(summary), "",
              "| budget | policy | seeds | FP4 FLOPs | est. GEMM time | val loss | gap to bf16 | train gap |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]

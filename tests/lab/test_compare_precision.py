@@ -56,6 +56,21 @@ def test_paired_gaps_and_noise_by_hand():
     assert "Incomplete" in table
 
 
+@pytest.mark.parametrize("train_args, named", [
+    ((), "`--gemm-speed-model measured` (each format's speed as measured on the machine that trained"),
+    (("--gemm-speed-model", "hopper", "--gemm-speed-model", "blackwell"), "`--gemm-speed-model blackwell` (published"),
+    (("--gemm-speed-model=ada",), "`--gemm-speed-model ada` (published")])
+def test_the_time_column_names_the_runs_speed_model(train_args, named):
+    """On a CPU the measured model reads emulated FP4 as slower than BF16 (a ratio above 1): the table says
+    which speeds its time column weighs, the flag's default when the runs do not give one."""
+    c = config(train_args=train_args)
+    results = {("bf16", 1): BranchResult(5.0, 4.0, 0.0, 1.0), ("snip_fp4-0.75", 1): BranchResult(5.1, 4.1, 0.8, 7.4)}
+    summary = summarize(c, results)
+    assert named in markdown(summary)
+    del summary["speed_model"]  # a report written before the model was recorded
+    assert "under the run's speed model (an estimate)" in markdown(summary)
+
+
 def test_each_arm_starts_from_its_plan_and_the_replanned_ones_run_snip(tmp_path):
     c = config(out=str(tmp_path), policies=("snip", "snip-fixed", "snip-loss-term-replanned",
                                             "snip-fisher-loss-term-replanned", "uniform"), seeds=(1,))
