@@ -371,10 +371,12 @@ class Comparison:
 
     # -- the report ------------------------------------------------------
     def report(self) -> dict:
+        paths = {s: self.out / f"seed{s}" / "plans" / "predictions.json" for s in self.config.seeds}
+        predicted = {s: json.loads(p.read_text()) for s, p in paths.items() if self.config.ablations and p.exists()}
+        if not self.ablation_arms:  # --report-only plans nothing: the arms are those the trunks' plans named
+            self.ablation_arms = list(next(iter(predicted.values()), {}))
         every = branches(self.config, self.ablation_arms)
         results = branch_results(self.out, every)
-        paths = {s: self.out / f"seed{s}" / "plans" / "predictions.json" for s in self.config.seeds}
-        predicted = {s: json.loads(p.read_text()) for s, p in paths.items() if self.ablation_arms and p.exists()}
         summary = summarize(self.config, results, every, predicted, self._additive_predictions(every))
         summary["settings"] = settings(self.config)  # what a merge of reports checks (merge.py)
         write_report(self.config, summary, results, self.out)

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -311,6 +311,24 @@ def test_compare_precision_branches_resume_and_report(tiny_data, tmp_path):
     # Other settings in the same folder are refused, naming what differs.
     proc = run_tool(out, "--train-iters", "10", train_args=train_args)
     assert proc.returncode == 1 and "train_iters differ" in proc.stderr
+
+
+def test_report_only_reports_the_ablations_finished(tmp_path):
+    """--report-only plans nothing, so the ablation arms come from the trunks' plans (predictions.json):
+    their rows and their estimators' table are in the report, and a missing one marks it incomplete."""
+    c = config(out=str(tmp_path), policies=("uniform",), seeds=(1,), ablations=("types",))
+    arms = {"ablate-linear_qkv": 2e-4, "ablate-linear_fc2": 5e-4}
+    (tmp_path / "seed1" / "plans").mkdir(parents=True)
+    (tmp_path / "seed1" / "plans" / "predictions.json").write_text(json.dumps(
+        {a: dict.fromkeys(("snip_divergence", "relative_error"), v) for a, v in arms.items()}))
+    for name, loss in (("bf16", 5.0), ("uniform_fp4-0.75", 5.02), ("ablate-linear_fc2", 5.01)):
+        (tmp_path / "seed1" / name).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "seed1" / name / "result.json").write_text(json.dumps(asdict(BranchResult(loss, loss, 0.5, 1.0))))
+    summary = Comparison(c, log=lambda *_: None).report()
+    assert {r["arm"] for r in summary["rows"]} == {"bf16", "uniform", "ablate-linear_fc2"}
+    assert summary["ablation"]["arms"] == ["ablate-linear_fc2"] and not summary["complete"]  # qkv's is missing
+    table = (tmp_path / "results.md").read_text()
+    assert "| ablate-linear_fc2 | 50.0% | 0.0005 | 0.0005 | +0.0100 |" in table and "**Incomplete**" in table
 
 
 def test_ablation_plans_put_exactly_one_group_in_fp4():
