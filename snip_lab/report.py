@@ -18,8 +18,8 @@ import math
 import statistics
 from pathlib import Path
 
+from megatron_snip.arguments.parser import parse_args
 from megatron_snip.fileio import write_text_atomic
-from megatron_snip.precision.config import PrecisionConfig
 
 from .ablation import ESTIMATORS, NONE_ARM
 from .branches import NOISE, REFERENCE, REPLANNED, Branch, BranchResult, ComparisonConfig, branches
@@ -111,10 +111,8 @@ def summarize(config: ComparisonConfig, results: dict[tuple[str, int], BranchRes
 
 
 def _speed_model(train_args: tuple[str, ...]) -> str:
-    """The runs' ``--gemm-speed-model`` (the last one given, as argparse reads it; else its default)."""
-    given = [train_args[i + 1] for i, a in enumerate(train_args[:-1]) if a == "--gemm-speed-model"]
-    given += [a.split("=", 1)[1] for a in train_args if a.startswith("--gemm-speed-model=")]
-    return given[-1] if given else PrecisionConfig.gemm_speed_model
+    """The runs' ``--gemm-speed-model``, as pretrain_llama.py reads their flags (default, ``--yaml-cfg`` included)."""
+    return parse_args(list(train_args)).gemm_speed_model
 
 
 def _speed_model_line(model: str | None) -> str:
