@@ -362,7 +362,14 @@ def _noise_line(summary: dict) -> list[str]:
 def _sources_line(summary: dict) -> list[str]:
     """A merged report's sources (merge.py); nothing for one comparison's."""
     sources = summary.get("sources")
-    return [f"Merged from {len(sources)} reports: {', '.join(sources)}."] if sources else []
+    if not sources:
+        return []
+    line = f"Merged from {len(sources)} reports: {', '.join(sources)}."
+    if summary.get("speed_model") == "measured":  # a speed table per machine (and load): est. times do not carry over
+        line += (" Each report's est. GEMM times were measured on its own machine: where the reports ran on "
+                 "different machines, a row mixing their seeds, or two rows from different reports, compare the "
+                 "machines as well as the plans (the losses do not depend on it).")
+    return [line]
 
 
 def write_report(config: ComparisonConfig, summary: dict, results: dict[tuple[str, int], BranchResult],

@@ -91,6 +91,8 @@ def test_reports_of_separate_seeds_merge_into_the_report_of_all_seeds(tmp_path):
     assert merge_comparisons.main(["--out", str(tmp_path / "cli"), str(a), str(b), str(c)]) == 0
     table = (tmp_path / "cli" / "results.md").read_text()
     assert f"Merged from 3 reports: {a}, {b}, {c}." in table and "| FP4 target 0.90 | oracle | 5 |" in table
+    # Under the default speed model each report's est. GEMM times come from its own machine: said so.
+    assert "est. GEMM times were measured on its own machine" in table
     assert json.loads((tmp_path / "cli" / "oracle" / "costs.json").read_text()) == COSTS  # for --oracle-costs
     assert [r["gap"] for r in json.loads((tmp_path / "cli" / "results.json").read_text())["rows"]] == pytest.approx(
         [r["gap"] for r in got["rows"]], nan_ok=True)
