@@ -20,6 +20,8 @@ intervals. What it checks, so that the merged table means what one comparison's 
   additive predictions (made with other costs) are left out.
 
 Not merged: the training curves (no plot) and the ablation arms' estimator table (each report has its own).
+Not checked: the est. GEMM times. Under ``--gemm-speed-model measured`` (the default) each report's come
+from the speeds measured on its own machine, which the merged table says under its sources.
 """
 
 from __future__ import annotations
