@@ -12,8 +12,9 @@ FLAGS="--model-preset tiny --num-layers 8 --micro-batch-size 8 --global-batch-si
 S=$OUT/seed$SEED
 python tools/lab/compare_precision.py --out "$OUT" --trunk-iters 100 --train-iters 300 --formats bf16 fp8 mxfp4 \
   --fp4-targets 0.75 --seeds $SEED --jobs 2 --policies --ablations layers -- $FLAGS --eval-interval 50 --eval-iters 24
-# the validation loss at 300 (24 batches, as the branches report it) of a final state under another plan
-val() { OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 1 pretrain_llama.py $FLAGS --eval-iters 24 \
+# the validation loss at 300 of a final state under another plan: the branches' evaluation flags, which also
+# decide the validation samples (how many are built), so that it is their 24 batches
+val() { OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 1 pretrain_llama.py $FLAGS --eval-interval 50 --eval-iters 24 \
           --seed $SEED --train-iters 300 --skip-train "$@" 2>&1 |
           sed -n 's/.*validation loss at iteration 300 | lm loss value: \([0-9.E+-]*\).*/\1/p'; }
 for l in 0 1 2 3 4 5 6 7; do
